@@ -1,0 +1,69 @@
+"""The engine's frozen configuration (one per process) and the run-time info derived from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config_fields import ConfigError, option, validate_fields
+
+ROLES = ("both", "prefill", "decode")
+DTYPES = ("auto", "float16", "bfloat16", "float32", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_model_dir() -> str:
+    """The embedded default model shipped with the package."""
+    from engine.default_model_path import default_model_path
+
+    return str(default_model_path())
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine instance serves and how much it may hold at once.
+
+    Frozen: values derived at run time (number of KV blocks, EOS ids, context limit)
+    live in `RuntimeInfo`, never written back here.
+    """
+
+    model: str = option("", "model directory (Hugging Face layout) or, with --load-format dummy, a config.json; empty = the embedded default model")
+    model_id: str = option("", "id the model is served under; empty = the directory name")
+    dtype: str = option("auto", "weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
+    device: str = option("auto", "where to run; auto = cuda when available", choices=DEVICES)
+    load_format: str = option("auto", "auto reads safetensors; dummy makes random weights", choices=("auto", "dummy"))
+    block_size: int = option(16, "tokens per KV block", min=1, max=256)
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool; unset = sized from memory", min=1, max=10_000_000)
+    kv_cache_memory_fraction: float = option(0.9, "share of free device memory for weights+KV on CUDA", min=0.0, max=0.98, min_exclusive=True)
+    kv_cache_cpu_bytes: int = option(1 << 30, "KV pool size on CPU when --num-kv-blocks is unset", min=1 << 16, max=1 << 40)
+    max_num_seqs: int = option(256, "most requests in the running batch", min=1, max=4096)
+    max_num_batched_tokens: int = option(2048, "token budget of one step (chunks long prompts)", min=1, max=1 << 20)
+    max_model_len: int | None = option(None, "context limit in tokens; unset = the model's", min=1, max=1 << 22)
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes")
+    scheduling_policy: str = option("fcfs", "order of waiting requests", choices=("fcfs", "priority"))
+    role: str = option("both", "prefill (prompt work only), decode (imported KV) or both", choices=ROLES)
+    seed: int = option(0, "seed for dummy weights and for requests without a seed", min=0, max=2**63 - 1)
+    enforce_eager: bool = option(False, "disable CUDA graphs")
+    num_threads: int = option(0, "torch CPU threads; 0 = torch's default", min=0, max=1024)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.max_model_len is not None and self.num_kv_blocks is not None:
+            if self.num_kv_blocks * self.block_size < 1:
+                raise ConfigError("--num-kv-blocks must hold at least one token")
+
+    def resolved_model(self) -> str:
+        return self.model or default_model_dir()
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts the engine derives at start (never written back into EngineConfig)."""
+
+    model_id: str
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,268 @@
+"""The engine core: add requests, step (schedule → run → update), abort, KV hand-off.
+
+    step():  out = scheduler.schedule()          which requests compute which tokens
+             sampled = runner.execute(out)       one forward pass + sampling
+             changed = scheduler.update(...)     append tokens, finish, free blocks
+             → one RequestOutput per request that progressed or ended
+
+Roles (EngineConfig.role): "prefill" parks each request after its first token with its
+blocks held (`held_kv`, `release_kv`); "decode" imports prompt KV into blocks it
+allocated (`begin_import` → the transport copies → `finish_import`); "both" does all.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, RuntimeInfo
+from engine.kv_cache_manager import KvCacheManager, cdiv
+from engine.kv_layout import KvLayout, dtype_from_name
+from engine.prefix_hash import extra_keys_for, hash_full_blocks
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("splitserve.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, over the context or the pool)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error | prefilled
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RequestError("--device cuda was asked for but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return name
+
+
+class EngineCore:
+    """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
+
+    def __init__(self, config: EngineConfig, model=None, model_config=None) -> None:
+        from engine.loader import load_model
+        from engine.model_runner import ModelRunner
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype_name = resolve_dtype(config.dtype, device)
+        if model is None:
+            model, model_config = load_model(config.resolved_model(), dtype=dtype_from_name(dtype_name),
+                                             device=device, load_format=config.load_format,
+                                             seed=config.seed, model_id=config.model_id or None)
+        self.model_config = model_config
+        self.layout: KvLayout = model_config.kv_layout(config.block_size, dtype_name)
+        num_blocks = config.num_kv_blocks or self._size_pool(device)
+        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                            model_config.max_position_embeddings)
+        self.info = RuntimeInfo(model_id=model_config.model_id, device=str(device), dtype=dtype_name,
+                                num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                                eos_token_ids=tuple(model_config.eos_token_ids),
+                                vocab_size=model_config.vocab_size)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len, role=config.role,
+                                   policy=config.scheduling_policy)
+        kv_cache = self.layout.allocate(num_blocks, device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, device)
+        self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
+        self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
+        self._rng = random.Random(config.seed)
+        self.num_steps = 0
+        log.info("engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
+                 self.info.model_id, device, dtype_name, num_blocks, num_blocks * config.block_size,
+                 num_blocks * self.layout.block_nbytes / 2**20, max_model_len, config.role)
+
+    def _size_pool(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.config.kv_cache_memory_fraction)
+        else:
+            budget = self.config.kv_cache_cpu_bytes
+        num_blocks = budget // self.layout.block_nbytes
+        if num_blocks < 1:
+            raise RequestError(f"KV pool budget of {budget} bytes holds no block of {self.layout.block_nbytes} bytes")
+        return num_blocks
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 0, seed: int | None = None) -> Request:
+        """Validate and build a Request (does not queue it)."""
+        if request_id in self.scheduler.requests or request_id in self.held or request_id in self.importing:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        num_prompt = len(prompt_token_ids)
+        max_len = self.info.max_model_len
+        if num_prompt == 0:
+            raise RequestError("prompt must contain at least one token")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if num_prompt >= max_len:
+            raise RequestError(f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
+        if num_prompt + max_tokens > max_len:
+            raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds max_model_len {max_len}")
+        need = cdiv(num_prompt + max_tokens, self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise RequestError(f"prompt + max_tokens needs {need} KV blocks; the pool has {self.pool.num_blocks} in all")
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        eos = () if params.ignore_eos else self.info.eos_token_ids
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                       seed=seed, max_tokens=max_tokens, eos_token_ids=eos, priority=priority)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, seed: int | None = None) -> Request:
+        request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request anywhere (queued, running, held or importing); frees its blocks."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        held = self.held.pop(request_id, None) or self.importing.pop(request_id, None)
+        if held is not None:
+            self.kv.free(request_id)
+            held.status = RequestStatus.FINISHED_ABORTED
+            return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id) for s in out.scheduled}
+        sampled = self.runner.execute(out, tables)
+        changed = self.scheduler.update_from_output(out, sampled)
+        self.num_steps += 1
+        outputs = []
+        for request in changed:
+            status = request.status
+            if status == RequestStatus.PREFILLED:
+                self.held[request.request_id] = request
+            lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
+            outputs.append(RequestOutput(
+                request_id=request.request_id, new_token_ids=[request.token_ids[-1]], new_logprobs=lp,
+                finished=status.is_finished or status == RequestStatus.PREFILLED,
+                finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
+                stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return outputs
+
+    # -- prefill role: held KV -------------------------------------------------------------
+    def held_kv(self, request_id: str) -> tuple[list[int], list[bytes], int]:
+        """(block ids, full-block hashes, prompt tokens) of a parked prefill request."""
+        request = self.held[request_id]
+        hashes = hash_full_blocks(request.prompt_token_ids, self.config.block_size, self.kv.extra_keys)
+        blocks = self.kv.blocks_of(request_id)[:cdiv(request.num_prompt_tokens, self.config.block_size)]
+        return blocks, hashes, request.num_prompt_tokens
+
+    def release_kv(self, request_id: str) -> bool:
+        """Unpin a parked request's blocks (they stay in the prefix cache)."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    # -- decode role: import ---------------------------------------------------------------
+    def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     seed: int, first_token_id: int, first_logprobs=None, priority: int = 0
+                     ) -> tuple[list[int], int] | None:
+        """Allocate blocks for an incoming prompt's KV, reusing locally cached prefix blocks.
+
+        Returns (block ids for the whole prompt, number of leading blocks already cached
+        here and so not to be pulled), or None when the pool cannot hold it now.
+        """
+        request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+        hashes = hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys)
+        cached = self.kv.lookup_hashes(hashes)
+        if not self.kv.allocate_slots(request, len(prompt_token_ids) - len(cached) * self.config.block_size, cached):
+            return None
+        request.num_cached_tokens = len(cached) * self.config.block_size
+        request.append_output(first_token_id, first_logprobs)
+        request.status = RequestStatus.IMPORTING
+        self.importing[request_id] = request
+        return self.kv.blocks_of(request_id), len(cached)
+
+    def finish_import(self, request_id: str) -> RequestOutput | None:
+        """The prompt KV is in place: join the running batch (or finish at once if the
+        first token already ended the request)."""
+        request = self.importing.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_prompt_tokens)
+        status = request.check_stop(self.info.max_model_len)
+        if status is not None:
+            request.status = status
+            self.kv.free(request_id)
+            return RequestOutput(request_id, [], finished=True, finish_reason=status.value,
+                                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens)
+        self.scheduler.add_running(request)
+        return None
+
+    def fail_import(self, request_id: str, recompute: bool) -> None:
+        """The pull failed: recompute the prompt locally, or drop the request."""
+        request = self.importing.pop(request_id)
+        self.kv.free(request_id)
+        if recompute:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.scheduler.add(request)
+        else:
+            request.status = RequestStatus.FINISHED_ERROR
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_held": len(self.held),
+            "num_importing": len(self.importing),
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_total_blocks": self.pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_query_tokens": self.kv.num_prefix_queries_tokens,
+            "prefix_hit_tokens": self.kv.num_prefix_hit_tokens,
+            "num_steps": self.num_steps,
+        }

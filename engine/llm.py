@@ -1,0 +1,114 @@
+"""The offline API, shaped like vLLM's so one benchmark script drives both.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
+    outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24))
+    outs[0].token_ids, outs[0].text, outs[0].finish_reason
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result. `outputs` is `[self]`, for scripts written against vLLM."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def outputs(self) -> list["GenerationOutput"]:
+        return [self]
+
+
+class LLM:
+    """Runs an EngineCore in this process until every prompt is done."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args) -> None:
+        self.config = EngineConfig(model=str(model or ""), **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self._load_tokenizer(tokenizer or self.config.resolved_model())
+        self._counter = 0
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        directory = Path(path)
+        if not directory.is_dir() or not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+            return None
+        from engine.tokenizer import load_tokenizer
+
+        return load_tokenizer(directory)
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("generate needs prompts or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        n = len(prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+        if len(params_list) != n:
+            raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
+        return self._run([list(p) for p in prompt_token_ids], params_list, prompts)
+
+    def _run(self, token_lists: list[list[int]], params_list: list[SamplingParams],
+             prompts: Sequence[str] | None) -> list[GenerationOutput]:
+        from engine.detokenizer import IncrementalDetokenizer
+
+        results: dict[str, GenerationOutput] = {}
+        detoks: dict[str, IncrementalDetokenizer] = {}
+        order = []
+        for i, (ids, params) in enumerate(zip(token_lists, params_list)):
+            request_id = f"offline-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, ids, params)
+            results[request_id] = GenerationOutput(request_id, prompts[i] if prompts else None, ids,
+                                                   logprobs=[] if params.logprobs is not None else None)
+            if self.tokenizer is not None:
+                detoks[request_id] = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids)
+            order.append(request_id)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                result = results[out.request_id]
+                result.token_ids.extend(out.new_token_ids)
+                if result.logprobs is not None:
+                    result.logprobs.extend(out.new_logprobs)
+                result.num_cached_tokens = out.num_cached_tokens
+                detok = detoks.get(out.request_id)
+                if detok is not None:
+                    delta = detok.push(out.new_token_ids)
+                    result.text += delta.text
+                    if delta.stop_str is not None and not out.finished:
+                        self.engine.abort(out.request_id)
+                        result.finish_reason, result.stop_reason = "stop", delta.stop_str
+                        continue
+                    if out.finished:
+                        result.text += detok.flush()
+                if out.finished and result.finish_reason is None:
+                    result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+        return [results[r] for r in order]

@@ -1,0 +1,110 @@
+"""The model runner: the one place that builds device inputs, runs the model and samples.
+
+From a SchedulerOutput it builds, as flat lists on the host and then one tensor each:
+
+    input_ids      (T,)     tokens computed this step, request after request
+    positions      (T,)     their positions in their sequences
+    slot_mapping   (T,)     block_id * block_size + offset of each token's KV slot
+    query_start_loc (B+1,)  where each request's tokens start in the flat batch
+    seq_lens       (B,)     context length after the step
+    block_tables   (B, M)   each request's block ids, padded with 0
+
+The model reads them; nothing else builds device inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
+    sampling_request_ids: list[str]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensor and the device buffers of one worker."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_ids: list[str] = []
+        for s in out.scheduled:
+            request = s.request
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            blocks = block_tables[request.request_id]
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + end - start)
+            seq_lens.append(end)
+            tables.append(blocks)
+            if s.samples:
+                logits_indices.append(qsl[-1] - 1)
+                sampling_ids.append(request.request_id)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_request_ids=sampling_ids,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, tuple[int, object]]:
+        """Run one step; returns request_id -> (sampled token id, logprobs or None)."""
+        inputs = self.prepare_inputs(out, block_tables)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)  # (T, H)
+        if not inputs.sampling_request_ids:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        rows = []
+        for request_id in inputs.sampling_request_ids:
+            request = by_id[request_id]
+            rows.append(SamplingRow(
+                params=request.sampling_params, seed=request.seed,
+                output_position=request.num_output_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids))
+        result = self.sampler(logits, rows)
+        return {rid: (tok, lp) for rid, tok, lp in
+                zip(inputs.sampling_request_ids, result.token_ids, result.logprobs)}

@@ -1,0 +1,98 @@
+"""A request's state inside the engine (owned by the scheduler)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting to recompute)
+    IMPORTING = "importing"  # decode role: blocks allocated, KV being pulled
+    RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill role: first token sampled, blocks held for a pull
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    `token_ids` is prompt followed by output; `num_computed_tokens` of them have KV in
+    the cache. A step schedules `num_tokens - num_computed_tokens` (or a chunk of it);
+    when a step brings it level, the step's last logits are sampled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    max_tokens: int  # resolved: params.max_tokens, or what the context leaves
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set at first schedule)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_output(self, token_id: int, logprobs=None) -> None:
+        self.token_ids.append(token_id)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status this request reached after its last token, or None."""
+        params = self.sampling_params
+        num_out = self.num_output_tokens
+        last = self.token_ids[-1]
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

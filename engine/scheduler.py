@@ -1,0 +1,236 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+There are no prefill and decode phases: each request's `num_computed_tokens` catches up
+to its `num_tokens` under a per-step token budget. One step, in named phases:
+
+    1. _schedule_running   running requests first (decodes take 1 token, unfinished
+                           prompts take a chunk); when blocks run out, preempt the
+                           newest (or lowest priority) running request by recompute
+    2. _schedule_waiting   admit waiting requests while budget, sequence cap and blocks
+                           allow, reusing their cached prefix blocks
+    3. (runner executes)   then update_from_output appends sampled tokens and finishes
+
+Roles: "prefill" admits prompt work and parks each request as PREFILLED after its
+first token, keeping its blocks until release; "decode" takes requests whose KV was
+imported (they arrive with num_computed_tokens = prompt length); "both" does it all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KvCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed, num_computed + num_new)."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step brings the request level, so its last logits are sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS or priority (lower first, then arrival) queue of waiting requests."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._heap: list[tuple] = []
+        self._counter = itertools.count()
+        self._removed: set[str] = set()
+        self._size = 0
+
+    def _key(self, request: Request, front: bool) -> tuple:
+        order = -next(self._counter) if front else next(self._counter)
+        if self.policy == "priority":
+            return (request.priority, request.arrival_time, order)
+        return (0 if front else 1, order)
+
+    def push(self, request: Request, front: bool = False) -> None:
+        heapq.heappush(self._heap, (*self._key(request, front), request))
+        self._size += 1
+
+    def peek(self) -> Request | None:
+        self._drop_removed()
+        return self._heap[0][-1] if self._heap else None
+
+    def pop(self) -> Request:
+        self._drop_removed()
+        self._size -= 1
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        self._removed.add(request.request_id)
+        self._size -= 1
+
+    def _drop_removed(self) -> None:
+        while self._heap and self._heap[0][-1].request_id in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[-1].request_id)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self):
+        return (e[-1] for e in sorted(self._heap) if e[-1].request_id not in self._removed)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, kv: KvCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, role: str = "both", policy: str = "fcfs") -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.role = role
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- intake ----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def add_running(self, request: Request) -> None:
+        """Join a request whose KV is already in place (decode import) to the running batch."""
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """End a request wherever it is; free its blocks unless they stay held (prefill role)."""
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        request.status = status
+        if free_blocks:
+            self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                if victim is None or victim is request:
+                    self._preempt(request, out)
+                    request = None
+                    break
+                self._preempt(victim, out)
+            if request is None:
+                continue  # this request itself was preempted; running[i] is now the next one
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        """The running request to preempt: lowest priority, then latest arrival."""
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request, front=True)
+        out.preempted.append(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None:
+                break
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_computed = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            budget -= num_new
+
+    # -- after the runner ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]
+                           ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests. Returns the
+        requests that produced a token or finished this step."""
+        changed = []
+        for s in out.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if not s.samples:
+                continue
+            token_id, logprobs = sampled[request.request_id]
+            request.append_output(token_id, logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+            elif self.role == "prefill":
+                self.finish(request, RequestStatus.PREFILLED, free_blocks=False)
+            changed.append(request)
+        return changed

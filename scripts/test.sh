@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build a fresh virtual environment and run the whole test suite.
+# pytest's "no tests collected" (exit 5) counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+bash scripts/install.sh .venv-test --fresh || { echo "install failed"; exit 1; }
+echo "install took $(( $(date +%s) - start )) s"
+.venv-test/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+echo "suite finished in $(( $(date +%s) - start )) s (pytest exit code $rc)"
+if [ "$rc" -eq 5 ]; then echo "no tests were collected: failing"; exit 1; fi
+exit "$rc"

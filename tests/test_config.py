@@ -1,0 +1,61 @@
+"""Config: flags, SPLITSERVE_* variables, validation messages."""
+
+import argparse
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.config_fields import ConfigError, add_arguments, describe, from_namespace
+
+
+def parse(argv, env=None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    return from_namespace(EngineConfig, parser.parse_args(argv), env=env or {})
+
+
+def test_defaults():
+    config = parse([])
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 256, 2048)
+    assert config.enable_prefix_caching is True and config.num_kv_blocks is None
+
+
+def test_flags_override_env_which_overrides_defaults():
+    env = {"SPLITSERVE_BLOCK_SIZE": "8", "SPLITSERVE_MAX_NUM_SEQS": "4"}
+    config = parse(["--max-num-seqs", "7", "--no-enable-prefix-caching"], env)
+    assert config.block_size == 8
+    assert config.max_num_seqs == 7
+    assert config.enable_prefix_caching is False
+
+
+def test_config_is_frozen():
+    config = parse([])
+    with pytest.raises(Exception):
+        config.block_size = 32
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--block-size", "0"], {}, "--block-size=0 is out of range; allowed [1, 256]"),
+    (["--max-num-seqs", "5000"], {}, "--max-num-seqs=5000 is out of range; allowed [1, 4096]"),
+    (["--kv-cache-memory-fraction", "0"], {}, "--kv-cache-memory-fraction=0.0 is out of range; allowed (0.0, 0.98]"),
+    (["--dtype", "int8"], {}, "--dtype='int8' is not allowed; choose one of auto, float16, bfloat16, float32, float64"),
+    (["--role", "router"], {}, "--role='router' is not allowed; choose one of both, prefill, decode"),
+    (["--block-size", "big"], {}, "--block-size: expected int, got 'big'"),
+    ([], {"SPLITSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "--enable-prefix-caching: expected true or false, got 'maybe'"),
+    ([], {"SPLITSERVE_NUM_KV_BLOCKS": "-3"}, "--num-kv-blocks=-3 is out of range; allowed [1, 10000000]"),
+])
+def test_validation_errors_name_flag_value_and_range(argv, env, message):
+    with pytest.raises(ConfigError) as info:
+        parse(argv, env)
+    assert str(info.value) == message
+
+
+def test_direct_construction_validates_too():
+    with pytest.raises(ConfigError, match=r"--max-num-batched-tokens=0 is out of range"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_describe_lists_every_field():
+    text = describe(parse(["--block-size", "4"]))
+    assert text.splitlines()[0] == "EngineConfig:"
+    assert "  block_size = 4" in text.splitlines()
