@@ -1,0 +1,107 @@
+"""Small tensor ops the decoder uses, one function each (plain torch).
+
+Each op may later be routed to a Triton kernel on CUDA without changing its signature.
+Precision follows transformers: reductions and rotary angles are computed in float32 for
+16/32-bit models and cast back; a float64 model computes in float64 throughout, so the
+float64 exactness tests compare true float64 math (see tests/model_factory.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim: weight * x / sqrt(mean(x^2) + eps).
+
+    With `residual`, first adds it (x + residual, in x's dtype) and returns
+    (normed, new_residual) where new_residual = x + residual; otherwise returns normed.
+    """
+    if residual is not None:
+        x = x + residual  # (..., H)
+    xc = x.to(compute_dtype(x.dtype))
+    variance = xc.pow(2).mean(-1, keepdim=True)  # (..., 1)
+    out = weight * (xc * torch.rsqrt(variance + eps)).to(x.dtype)  # (..., H)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) = [gate | up] -> silu(gate) * up, (T, F)."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Apply neox-style RoPE in place: q (T, Hq, D), k (T, Hkv, D), positions (T,) int64.
+
+    cos_sin_cache (max_pos, D) is cat(cos (max_pos, D/2), sin (max_pos, D/2)); the first
+    and second halves of each head rotate together: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+    """
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions]  # (T, D)
+    cos = cos_sin[:, :half].unsqueeze(1)  # (T, 1, D/2)
+    sin = cos_sin[:, half:].unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) each
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, H, D)
+        x.copy_(rotated)
+
+
+def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (base ** exponents)  # (D/2,) float32
+
+
+def _linear_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Position interpolation: every frequency divided by `factor`."""
+    return inv_freq / scaling["factor"]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth blend between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    long_wavelen, short_wavelen = original_len / low, original_len / high
+    scaled = torch.where(wavelen > long_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_between = ~(wavelen < short_wavelen) * ~(wavelen > long_wavelen)
+    return torch.where(in_between, blended, scaled)
+
+
+_INV_FREQ_SCALERS = {
+    "linear": _linear_inv_freq,
+    "llama3": _llama3_inv_freq,
+}
+
+
+def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: dict | None,
+                        dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """(max_pos, head_dim) = cat(cos, sin) of position * inv_freq, stored in `dtype`.
+
+    Frequencies are float32 (as transformers computes them); angles and cos/sin are in
+    compute_dtype(dtype). rope_scaling: None / {"rope_type": "default"}, "linear" or "llama3".
+    """
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    inv_freq = _default_inv_freq(head_dim, base)
+    if rope_type != "default":
+        if rope_type not in _INV_FREQ_SCALERS:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; "
+                             f"supported: default, {', '.join(_INV_FREQ_SCALERS)}")
+        inv_freq = _INV_FREQ_SCALERS[rope_type](inv_freq, rope_scaling)
+    work = compute_dtype(dtype)
+    inv_freq = inv_freq.to(device=device, dtype=work)
+    angles = torch.arange(max_pos, dtype=work, device=device)[:, None] * inv_freq[None, :]  # (P, D/2)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)  # (P, D)
