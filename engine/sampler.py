@@ -105,15 +105,15 @@ def random_uniform(keys: Sequence[int], vocab_size: int, device: torch.device) -
 
     Entry (i, v) is a function of (keys[i], v) only: the vocab id is hashed once per call
     (V work), mixed with the key's low half and hashed again (B * V work, the only full-size
-    hash), then whitened with the key's high half. Values are (m + 0.5) / 2**24 for a
-    24-bit integer m, exactly representable in float32, so never 0 or 1.
+    hash), then whitened with the key's high half. Values are (2m + 1) / 2**24 for the top
+    23 bits m of the hash: 2m + 1 < 2**24 is exact in float32, so u is never 0 or 1.
     """
     key_halves = [[k & _M32, (k >> 32) & _M32] for k in keys]
     k = torch.tensor(key_halves, dtype=torch.int64).to(device)  # (B, 2)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)  # (V,)
     vocab_hash = _fmix32(_mul32(vocab, 0x9E3779B1))  # (V,)
     h = _fmix32(vocab_hash[None, :] ^ k[:, 0:1]) ^ k[:, 1:2]  # (B, V)
-    return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)  # (B, V)
+    return (((h >> 9) << 1) + 1).to(torch.float32) * (2.0**-24)  # (B, V)
 
 
 # ---------------------------------------------------------------- masks and penalties
