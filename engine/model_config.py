@@ -173,8 +173,8 @@ def _rope_of(hf: Any) -> tuple[float, dict | None]:
     else:
         scaling = dict(getattr(hf, "rope_scaling", None) or {})
         theta = float(getattr(hf, "rope_theta", 10000.0))
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
+    legacy_type = scaling.pop("type", None)  # transformers 4.x name of rope_type
+    scaling.setdefault("rope_type", legacy_type or "default")
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
