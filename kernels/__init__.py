@@ -1,0 +1,23 @@
+"""Triton kernels for the GPU data path, one op per file, each with a plain-torch reference.
+
+Every op takes `impl="auto"` (Triton on CUDA tensors, the reference elsewhere), "triton" (forced;
+on CPU it needs TRITON_INTERPRET=1 set before this package is imported) or "ref".
+Nothing here imports from `engine`.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.kv_write import write_kv
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import build_cos_sin_cache, rotary_embedding
+
+__all__ = [
+    "build_cos_sin_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv",
+]

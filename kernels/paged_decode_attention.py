@@ -1,0 +1,252 @@
+"""Paged decode attention: one query token per sequence against its cached keys/values.
+
+    q:            (B, Hq, D)        the current token of each sequence
+    k/v_cache:    (num_blocks, block_size, Hkv, D), strided views of the block-major KV tensor
+    block_tables: (B, max_blocks) int32; token n of sequence b lives in block
+                  block_tables[b, n // block_size] at offset n % block_size
+    seq_lens:     (B,) int32, context length including the current token (already written)
+
+One program handles one (sequence, KV head, split): the Hq / Hkv query heads that share the KV
+head are packed into the rows of one tile, so each K/V element is read from memory once
+(GQA/MQA). With split-K (flash decoding) each sequence's context is cut into `num_splits`
+contiguous ranges processed in parallel; a second kernel merges the partial softmax results:
+
+    split s -> (acc_s = sum_n exp2(x_n - m_s) v_n,  l_s = sum_n exp2(x_n - m_s),  m_s)
+    out     = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
+
+Scores are kept in log2 units (x = q.k * scale * log2(e)) so the kernel uses exp2.
+A sequence with seq_len 0 (batch padding) gets a zero output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import dot_precision, interpreting, next_pow2, num_sms, use_triton
+
+LOG2E = 1.4426950408889634
+# Split-K heuristic constants (see choose_num_splits and docs/perf.md "Kernels").
+_TARGET_PROGRAMS_PER_SM = 2
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_btb,
+    stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kvh * GROUP + g  # (BLOCK_G,) query heads of this KV head
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
+        n_mask = n < end
+        block_id = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        k_row = block_id * stride_kb + (n % PAGE) * stride_kt + kvh * stride_kh  # (BLOCK_N,)
+        v_row = block_id * stride_vb + (n % PAGE) * stride_vt + kvh * stride_vh
+        if HEAD_DIM == BLOCK_D:  # no column mask: keeps the loads vectorized
+            k_mask = n_mask[None, :]
+            v_mask = n_mask[:, None]
+        else:
+            k_mask = n_mask[None, :] & d_mask[:, None]
+            v_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + k_row[None, :] + d[:, None] * stride_kd, mask=k_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
+        v = tl.load(v_ptr + v_row[:, None] + d[None, :] * stride_vd, mask=v_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PREC) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if IS_SPLIT:
+        # partials: acc (B, Hq, S, BLOCK_D) fp32, (m, l) (B, Hq, S, 2) fp32
+        row = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # (BLOCK_G,)
+        tl.store(part_acc_ptr + row[:, None].to(tl.int64) * BLOCK_D + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row.to(tl.int64) * 2, m, mask=g_mask)
+        tl.store(part_ml_ptr + row.to(tl.int64) * 2 + 1, l, mask=g_mask)
+    else:
+        l = tl.where(l == 0.0, 1.0, l)
+        o = acc / l[:, None]
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
+    stride_ob, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    row = (b * NUM_HEADS + h).to(tl.int64) * num_splits + s  # (BLOCK_S,)
+    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :],
+                  mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_S, BLOCK_D)
+    w = tl.exp2(m - tl.max(m, axis=0))  # (BLOCK_S,)
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    o = tl.sum(acc * w[:, None], axis=0) / denom  # (BLOCK_D,)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Splits per sequence so that batch * num_kv_heads * splits programs fill the GPU.
+
+    No split while the (sequence, KV head) programs alone give `_TARGET_PROGRAMS_PER_SM` per SM;
+    otherwise enough splits to reach that, each covering at least `_MIN_TOKENS_PER_SPLIT` tokens
+    of `max_context` (an upper bound: block_tables width * block_size, so no device sync).
+    """
+    programs = batch * num_kv_heads
+    target = _TARGET_PROGRAMS_PER_SM * sm_count
+    if programs >= target:
+        return 1
+    wanted = math.ceil(target / programs)
+    by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool) -> dict:
+    """Tile sizes and launch parameters for the decode kernel."""
+    if on_cpu:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or head_dim > 128:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("paged_decode_attention: caches must both be (num_blocks, block_size, Hkv, D), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"paged_decode_attention: query heads {num_q_heads} must be a multiple of "
+                         f"KV heads {num_kv_heads}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"paged_decode_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"paged_decode_attention: block_tables must be ({batch}, max_blocks) and seq_lens "
+                         f"({batch},), got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+    """Plain-torch reference (fp32 math), one sequence at a time."""
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            out[b] = 0
+            continue
+        num_blocks = -(-seq_len // block_size)
+        ids = block_tables[b, :num_blocks].long()
+        k = k_cache[ids].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()  # (L, Hkv, D)
+        v = v_cache[ids].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        qb = q[b].float().view(num_kv_heads, group, -1)  # (Hkv, G, D)
+        scores = torch.einsum("hgd,lhd->hgl", qb, k) * scale  # (Hkv, G, L)
+        probs = scores.softmax(dim=-1)
+        out[b] = torch.einsum("hgl,lhd->hgd", probs, v).reshape(num_q_heads, -1).to(out.dtype)
+    return out
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
+                                  num_splits=None, config=None):
+    """Triton kernels; `config` overrides decode_config (benchmarks and tests only)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    on_cpu = interpreting(q)
+    cfg = dict(decode_config(head_dim, q.dtype, on_cpu), **(config or {}))
+    if num_splits is None:
+        sms = 4 if on_cpu else num_sms(q.device.index or 0)
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+    group = num_q_heads // num_kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    is_split = num_splits > 1
+    if is_split:
+        part_acc = torch.empty(batch * num_q_heads * num_splits * block_d, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(batch * num_q_heads * num_splits * 2, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        scale * LOG2E, num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=block_size, BLOCK_N=cfg["BLOCK_N"], IS_SPLIT=is_split, DOT_F32=on_cpu,
+        PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if is_split:
+        _merge_splits_kernel[(batch, num_q_heads)](
+            part_acc, part_ml, out, num_splits, *out.stride(),
+            NUM_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           impl: str = "auto") -> torch.Tensor:
+    """Attention of q (B, Hq, D) over each sequence's first seq_lens[b] cached tokens -> (B, Hq, D).
+
+    num_splits: split-K factor (None: choose_num_splits); ignored by the reference.
+    Math in fp32, output in q's dtype (or written into `out`).
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    if use_triton(impl, q, "paged_decode_attention"):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                             out=out, num_splits=num_splits)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)

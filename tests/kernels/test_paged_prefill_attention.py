@@ -1,0 +1,95 @@
+"""Paged prefill attention (Triton and reference) against fp64 dense causal attention."""
+
+import pytest
+import torch
+
+from kernels import paged_prefill_attention
+from kernels.paged_prefill_attention import paged_prefill_attention_triton
+
+ON_GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (seq_len after the step, new tokens): a full prefill, a chunk after a cached prefix, a
+# decode-like row, a block multiple, a ragged chunk
+SEQS = [(37, 37), (23, 6), (9, 1), (16, 16), (40, 17)]
+
+
+def run_and_compare(make_paged_kv, dense_attn, device, *, seqs, num_q_heads, num_kv_heads, head_dim,
+                    block_size, dtype, impl="triton", config=None, pad_rows=0, seed=0):
+    seq_lens = [n for n, _ in seqs]
+    q_lens = [m for _, m in seqs]
+    paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)  # (B+1,)
+    num_tokens = int(qsl[-1]) + pad_rows
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (T, Hq, D)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl.to(device), paged.seq_lens,
+            max(q_lens), scale)
+    if config is None:
+        result = paged_prefill_attention(*args, out=out, impl=impl)
+    else:
+        result = paged_prefill_attention_triton(*args, out=out, config=config)
+    assert result is out
+    real = int(qsl[-1])
+    assert not torch.isnan(out[:real]).any(), "an output element was not written"
+    assert torch.isnan(out[real:]).all(), "padding rows must stay untouched"
+    for b, (n, m) in enumerate(seqs):
+        start = int(qsl[b])
+        want = dense_attn(q[start:start + m], paged.keys[b], paged.values[b], scale, first_pos=n - m)
+        torch.testing.assert_close(out[start:start + m].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads, block_size):
+    run_and_compare(make_paged_kv, dense_attn, device, seqs=SEQS, num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
+    run_and_compare(make_paged_kv, dense_attn, device, seqs=SEQS, num_q_heads=4, num_kv_heads=2,
+                    head_dim=32, block_size=4, dtype=dtype, impl="ref", pad_rows=3)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+def test_tile_shapes_and_padding_rows(make_paged_kv, dense_attn, device, block_m, block_n):
+    """Tiles wider or taller than the block size move the masked/unmasked boundary; trailing
+    padding rows of q (beyond query_start_loc[-1]) are not written."""
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+    run_and_compare(make_paged_kv, dense_attn, device, seqs=[(50, 45), (70, 3)], num_q_heads=2,
+                    num_kv_heads=1, head_dim=24, block_size=8, dtype=torch.float32, config=config, pad_rows=2)
+
+
+def test_cache_length_mismatch_error(device):
+    q = torch.zeros(3, 2, 16, device=device)
+    cache = torch.zeros(2, 4, 2, 16, device=device)
+    bt = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    sl = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^paged_prefill_attention: for 2 sequences query_start_loc must be "
+                                         r"\(3,\) and block_tables \(2, max_blocks\), got \(2,\) and \(2, 1\)$"):
+        paged_prefill_attention(q, cache, cache, bt, qsl, sl, 3, 1.0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 64)])
+def test_gpu_large(make_paged_kv, dense_attn, dtype, block_size, num_q_heads, num_kv_heads, head_dim):
+    seqs = [(1000, 1000), (812, 300), (2077, 77), (31, 1), (513, 513)]
+    run_and_compare(make_paged_kv, dense_attn, "cuda", seqs=seqs, num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_short_queries_use_small_tiles(make_paged_kv, dense_attn):
+    """max_query_len 5 picks BLOCK_M 16 (a mixed chunked-prefill/decode batch)."""
+    seqs = [(300, 5), (17, 2), (64, 1)]
+    run_and_compare(make_paged_kv, dense_attn, "cuda", seqs=seqs, num_q_heads=32, num_kv_heads=8,
+                    head_dim=128, block_size=16, dtype=torch.bfloat16)
