@@ -43,7 +43,8 @@ class IncrementalDetokenizer:
 
     Invariants: the concatenation of every returned text plus `flush()` equals
     `tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
-    when no stop string matches, or that text cut at the first stop string (with the stop
+    when no stop string matches (without prompt context; with it, a SentencePiece leading
+    space of the first output token is kept, as in decode(prompt + output)), or that text cut at the first stop string (with the stop
     string kept when include_stop_str_in_output) when one does. No returned text ends in
     the middle of a character.
     """

@@ -154,10 +154,6 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    @property
-    def has_top_k(self) -> bool:
-        return self.top_k > 0
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists); `from_dict` inverts it."""
         d = asdict(self)
