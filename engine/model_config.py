@@ -121,7 +121,7 @@ class ModelConfig:
         if traits.sliding_window_flag is not None and not getattr(hf, traits.sliding_window_flag, False):
             window = None
         return cls(
-            model_id=model_id or getattr(hf, "_name_or_path", "") or architecture,
+            model_id=model_id or Path(getattr(hf, "_name_or_path", "") or architecture).name,
             architecture=architecture,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,

@@ -129,6 +129,7 @@ def test_config_fields_from_hf_config():
         max_position_embeddings=128, tie_word_embeddings=True, attention_bias=True, qk_norm=False,
         eos_token_ids=(2, 9), bos_token_id=1, o_proj_bias=True, mlp_bias=False, sliding_window=None,
         checkpoint_dtype=None)
+    assert hash(config) == hash(ModelConfig.from_hf_config(hf, model_id="tiny"))  # usable as a dict key
     layout = config.kv_layout(16, "bfloat16")
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
             layout.dtype, layout.model_id) == (2, 1, 16, 16, "bfloat16", "tiny")
