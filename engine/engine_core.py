@@ -66,7 +66,8 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 class EngineCore:
     """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
 
-    def __init__(self, config: EngineConfig, model=None, model_config=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None) -> None:
+        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory)."""
         from engine.loader import load_model
         from engine.model_runner import ModelRunner
 
@@ -94,7 +95,8 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len, role=config.role,
                                    policy=config.scheduling_policy)
-        kv_cache = self.layout.allocate(num_blocks, device)
+        factory = kv_cache_factory or (lambda layout, n, dev: layout.allocate(n, dev))
+        kv_cache = factory(self.layout, num_blocks, device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
