@@ -37,7 +37,7 @@ def interpreting(tensor: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
