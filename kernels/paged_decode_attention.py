@@ -44,7 +44,7 @@ def _decode_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btb,
     stride_ob, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -58,8 +58,8 @@ def _decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    head = kvh * GROUP + g  # (BLOCK_G,) query heads of this KV head
-    g_mask = g < GROUP
+    head = kvh * group + g  # (BLOCK_G,) query heads of this KV head
+    g_mask = g < group
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
@@ -99,7 +99,7 @@ def _decode_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     if IS_SPLIT:
         # partials: acc (B, Hq, S, BLOCK_D) fp32, (m, l) (B, Hq, S, 2) fp32
-        row = (b * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # (BLOCK_G,)
+        row = (b * (tl.num_programs(1) * group) + head) * num_splits + split  # (BLOCK_G,)
         tl.store(part_acc_ptr + row[:, None].to(tl.int64) * BLOCK_D + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + row.to(tl.int64) * 2, m, mask=g_mask)
         tl.store(part_ml_ptr + row.to(tl.int64) * 2 + 1, l, mask=g_mask)
@@ -222,8 +222,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
         scale * LOG2E, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(), group,
+        BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=block_size, BLOCK_N=cfg["BLOCK_N"], IS_SPLIT=is_split, DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -82,7 +82,7 @@ def _prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btb,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -103,7 +103,7 @@ def _prefill_kernel(
         if DOT_F32:
             q = q.to(tl.float32)
         offs_pos = ctx + offs_m  # absolute position of each row
-        kv_head = head // GROUP
+        kv_head = head // group
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -195,7 +195,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, num_m_tiles,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+        num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
