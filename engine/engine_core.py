@@ -267,4 +267,6 @@ class EngineCore:
             "prefix_query_tokens": self.kv.num_prefix_queries_tokens,
             "prefix_hit_tokens": self.kv.num_prefix_hit_tokens,
             "num_steps": self.num_steps,
+            "num_queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.scheduler.running),
         }

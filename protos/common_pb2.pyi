@@ -107,7 +107,14 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expires_unix_ns: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("prefill_instance", "prefill_address", "block_ids", "block_hashes", "num_tokens", "lease", "transport", "layout")
+    __slots__ = ("prefill_instance", "prefill_address", "block_ids", "block_hashes", "num_tokens", "lease", "transport", "layout", "endpoint")
+    class EndpointEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +123,7 @@ class KvHandle(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     prefill_instance: str
     prefill_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -124,7 +132,8 @@ class KvHandle(_message.Message):
     lease: Lease
     transport: str
     layout: KvLayout
-    def __init__(self, prefill_instance: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., transport: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    endpoint: _containers.ScalarMap[str, str]
+    def __init__(self, prefill_instance: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., transport: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., endpoint: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "prefill_ns", "transfer_ns", "decode_ns", "total_ns")

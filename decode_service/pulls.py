@@ -1,0 +1,166 @@
+"""The decode side's control of KV pulls: one PendingPull per importing request.
+
+    start(req) ─▶ core: ImportKv ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶ ImportDone
+               ─▶ Prefill.ReleaseKv ─▶ released: CommitImport(ok)
+                                      else / pull failed: policy recompute → local prefill,
+                                                          policy fail → error to the client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from engine import core_messages as m
+from engine.kv_transfer.io import pair_name
+from engine.wire import layout_from_proto, logprobs_from_proto
+from protos import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("splitserve.decode.pulls")
+
+
+@dataclass
+class PendingPull:
+    request_id: str
+    handle: object  # common_pb2.KvHandle
+    cancelled: bool = False
+
+
+class PullCoordinator:
+    def __init__(self, service) -> None:
+        self.service = service
+        self.pending: dict[str, PendingPull] = {}
+        self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._pairs: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def recompute(self) -> bool:
+        return self.service.config.kv_load_failure_policy == "recompute"
+
+    def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        if address not in self._stubs:
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(address))
+        return self._stubs[address]
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, req, params) -> None:
+        handle = req.kv
+        self.pending[req.request_id] = PendingPull(req.request_id, handle)
+        self._spawn(self._start(req, params))
+
+    async def _start(self, req, params) -> None:
+        handle = req.kv
+        if handle.transport == "nccl":
+            try:
+                await self.ensure_pair(handle.prefill_instance, handle.prefill_address)
+            except Exception as exc:  # the core's pull then fails and the policy applies
+                log.warning("request_id=%s pairing with %s failed: %s", req.request_id, handle.prefill_instance, exc)
+        spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
+                          endpoint=dict(handle.endpoint), block_ids=list(handle.block_ids),
+                          block_hashes=list(handle.block_hashes), num_tokens=handle.num_tokens,
+                          layout=layout_from_proto(handle.layout), request_id=req.request_id)
+        first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
+        self.service.client.send(m.ImportKv(req.request_id, list(req.prompt_token_ids), params, req.seed,
+                                            req.first_token_id, first_lp, req.priority, spec))
+
+    def cancel(self, request_id: str) -> None:
+        pull = self.pending.pop(request_id, None)
+        if pull is not None:
+            pull.cancelled = True
+            self._spawn(self._release(pull.handle))
+
+    def on_core_message(self, msg) -> None:
+        if isinstance(msg, m.ImportDone):
+            self._spawn(self._finish(msg))
+        elif isinstance(msg, m.NeedSend):
+            self._spawn(self._ask_send(msg))
+
+    async def _ask_send(self, msg: m.NeedSend) -> None:
+        pull = self.pending.get(msg.request_id)
+        if pull is None:
+            return
+        h = pull.handle
+        try:
+            await self.stub(h.prefill_address).SendKv(prefill_pb2.SendKvRequest(
+                decode_instance=self.service.name, lease_id=h.lease.lease_id, epoch=h.lease.epoch,
+                block_indices=msg.block_indices), timeout=self.service.config.kv_transfer_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("request_id=%s SendKv failed: %s", msg.request_id, exc.details())
+
+    async def _release(self, handle) -> bool:
+        try:
+            response = await self.stub(handle.prefill_address).ReleaseKv(
+                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch), timeout=5.0)
+            return response.released
+        except grpc.aio.AioRpcError as exc:
+            log.warning("ReleaseKv to %s failed: %s", handle.prefill_address, exc.details())
+            return False
+
+    async def _finish(self, done: m.ImportDone) -> None:
+        pull = self.pending.pop(done.request_id, None)
+        if pull is None:
+            return  # cancelled; its lease was released by cancel()
+        service = self.service
+        released = await self._release(pull.handle)
+        if done.ok and released:
+            stream = service.owner.get(done.request_id)
+            if stream is not None:
+                stream.first_info[done.request_id] = (done.num_cached_tokens, done.num_blocks_pulled)
+            service.count("kv_blocks_pulled", done.num_blocks_pulled)
+            service.count("kv_bytes_pulled", done.num_bytes)
+            service.count("kv_transfer_ns", done.transfer_ns)
+            service.client.send(m.CommitImport(done.request_id, ok=True))
+            return
+        reason = done.error or f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
+        if done.error is None:
+            # the copy happened but the lease may have lapsed meanwhile: discard it
+            service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+            if not self.recompute:
+                service.fail_request(done.request_id, reason)
+            else:
+                service.count("kv_pull_recomputes")
+            return
+        # the pull itself failed: recompute locally or fail, by policy
+        service.count("kv_pull_failures")
+        log.warning("request_id=%s %s (policy %s)", done.request_id, reason, service.config.kv_load_failure_policy)
+        service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+        if self.recompute:
+            service.count("kv_pull_recomputes")
+        else:
+            service.fail_request(done.request_id, reason)
+
+    # -- nccl pairs ------------------------------------------------------------------------
+    async def ensure_pair(self, prefill_instance: str, prefill_address: str) -> None:
+        task = self._pairs.get(prefill_instance)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.create_task(self._pair(prefill_instance, prefill_address))
+            self._pairs[prefill_instance] = task
+        await task
+
+    async def _pair(self, prefill_instance: str, prefill_address: str) -> None:
+        service = self.service
+        host = service.config.host
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() and service.client.info.device.startswith("cuda") else "gloo"
+        pair = pair_name(prefill_instance, service.name)
+        mine = asyncio.create_task(service.client.call(
+            lambda cid: m.Pair(cid, pair, 0, host, port, backend), timeout_s=60.0))
+        await asyncio.sleep(0.05)  # let the store come up before the peer connects
+        await self.stub(prefill_address).PairKv(prefill_pb2.PairKvRequest(
+            decode_instance=service.name, store_host=host, store_port=port, backend=backend), timeout=60.0)
+        await mine
+        service.count("pairs_created")
+        log.info("paired with %s over %s", prefill_instance, backend)

@@ -1,0 +1,191 @@
+"""The decode gRPC service (role decode) and the colocated worker (role both).
+
+One bidirectional `Generate` stream per gateway:
+
+    in:  DecodeRequest ─▶ with kv: ImportKv ─▶ core pulls blocks ─▶ ImportDone
+                                   ─▶ Prefill.ReleaseKv(lease) ─▶ released? CommitImport(ok)
+                                                                 : recompute | fail (policy)
+                          without kv: AddRequest (local prefill)
+         AbortRequest  ─▶ core: Abort
+    out: one DecodeOut per engine step per stream, carrying every request's new tokens
+
+A broken stream aborts every request it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import replace
+
+import grpc
+
+from decode_service.pulls import PullCoordinator
+from engine import core_messages as m
+from engine.service_base import ServiceBase, setup_logging
+from engine.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("splitserve.decode")
+
+
+class GatewayStream:
+    """Requests owned by one gateway stream and the per-step messages waiting to go out."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.first_info: dict[str, tuple[int, int]] = {}  # request_id -> (cached tokens, blocks pulled)
+
+
+class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
+    role = "decode"
+    service_names = ["splitserve.v1.Decode"]
+
+    def __init__(self, engine_config, service_config) -> None:
+        super().__init__(engine_config, service_config)
+        self.role = engine_config.role
+        self.owner: dict[str, GatewayStream] = {}
+        self.pulls = PullCoordinator(self)
+
+    # -- core → streams --------------------------------------------------------------------
+    def on_core_message(self, msg) -> None:
+        if isinstance(msg, m.StepBatch):
+            self._route_outputs(msg)
+        else:
+            self.pulls.on_core_message(msg)
+
+    def _route_outputs(self, batch: m.StepBatch) -> None:
+        per_stream: dict[int, tuple[GatewayStream, list]] = {}
+        for out in batch.outputs:
+            stream = self.owner.get(out.request_id)
+            if stream is None:
+                continue
+            delta = common_pb2_delta(out, stream)
+            per_stream.setdefault(id(stream), (stream, []))[1].append(delta)
+            self.count("generation_tokens", len(out.new_token_ids))
+            if out.finished:
+                self.finish_request(out.request_id)
+        for stream, deltas in per_stream.values():
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
+
+    def finish_request(self, request_id: str) -> None:
+        self.pulls.cancel(request_id)  # releases the prefill's lease if a pull was still pending
+        stream = self.owner.pop(request_id, None)
+        if stream is not None:
+            stream.request_ids.discard(request_id)
+            stream.first_info.pop(request_id, None)
+            self.inflight -= 1
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End a request with an error delta (the core holds nothing for it any more)."""
+        stream = self.owner.get(request_id)
+        if stream is None:
+            return
+        self.count("requests_failed")
+        stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[decode_pb2.TokenDelta(
+            request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)]))
+        self.finish_request(request_id)
+
+    # -- gateway → core --------------------------------------------------------------------
+    async def Generate(self, request_iterator, context):
+        stream = GatewayStream()
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        inbound_closed = False
+        try:
+            while True:
+                msg = await stream.out.get()
+                if msg is None:  # the gateway closed its side: finish what it owns, then end
+                    inbound_closed = True
+                elif msg is not None:
+                    yield msg
+                if inbound_closed and not stream.request_ids:
+                    break
+        finally:
+            reader.cancel()
+            self._abort_stream(stream)
+
+    def _abort_stream(self, stream: GatewayStream) -> None:
+        ids = list(stream.request_ids)
+        if ids:
+            log.warning("gateway stream closed with %d requests in flight: aborting them", len(ids))
+            self.client.send(m.Abort(ids))
+            for request_id in ids:
+                self.finish_request(request_id)
+
+    async def _read(self, request_iterator, stream: GatewayStream) -> None:
+        try:
+            await self._read_items(request_iterator, stream)
+        finally:
+            stream.out.put_nowait(None)
+
+    async def _read_items(self, request_iterator, stream: GatewayStream) -> None:
+        async for item in request_iterator:
+            kind = item.WhichOneof("kind")
+            if kind == "request":
+                self._admit(item.request, stream)
+            elif kind == "abort":
+                request_id = item.abort.request_id
+                if self.owner.get(request_id) is stream:
+                    self.pulls.cancel(request_id)
+                    self.client.send(m.Abort([request_id]))
+
+    def _admit(self, req, stream: GatewayStream) -> None:
+        rid = req.request_id
+        try:
+            if self.draining:
+                raise ValueError(f"{self.name} is draining")
+            if rid in self.owner:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            params = sampling_from_proto(req.sampling)
+        except ValueError as exc:
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[decode_pb2.TokenDelta(
+                request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc))]))
+            return
+        self.owner[rid] = stream
+        stream.request_ids.add(rid)
+        self.inflight += 1
+        self.count("requests_received")
+        if req.HasField("kv") and req.HasField("first_token_id"):
+            self.pulls.start(req, params)
+        else:
+            self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed))
+
+
+def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
+    delta = decode_pb2.TokenDelta(request_id=out.request_id, token_ids=out.new_token_ids)
+    for lp in out.new_logprobs:
+        if lp is not None:
+            delta.logprobs.append(logprobs_to_proto(lp))
+    info = stream.first_info.pop(out.request_id, None)
+    if info is not None:
+        delta.cached_prompt_tokens, delta.num_blocks_pulled = info
+    elif out.num_cached_tokens:
+        delta.cached_prompt_tokens = out.num_cached_tokens
+    if out.finished:
+        delta.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
+        if out.error:
+            delta.error = out.error
+    return delta
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serve(engine_config, service_config) -> int:
+    service = DecodeService(engine_config, service_config)
+    return asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
+
+
+def run(ns, configs) -> int:
+    setup_logging()
+    return _serve(replace(configs["EngineConfig"], role="decode"), configs["ServiceConfig"])
+
+
+def run_worker(ns, configs) -> int:
+    setup_logging()
+    return _serve(replace(configs["EngineConfig"], role="both"), configs["ServiceConfig"])

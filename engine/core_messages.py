@@ -1,0 +1,161 @@
+"""Typed messages between a service process and its engine core process.
+
+They travel pickled over one multiprocessing pipe, batched: each send carries a list
+of messages (every command the server collected in one event-loop turn; every output
+of one engine step), so per-token work never costs one pipe round trip per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine_core import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+# -- server → core -------------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class ReleaseHeld:
+    """Prefill role: unpin a parked request's blocks."""
+
+    request_id: str
+
+
+@dataclass
+class PullSpec:
+    """Where the prompt's KV lives on the prefill (from the KV handle)."""
+
+    transport: str
+    prefill_instance: str
+    endpoint: dict[str, str]
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    num_tokens: int
+    layout: Any  # KvLayout of the prefill
+    request_id: str = ""
+
+
+@dataclass
+class ImportKv:
+    """Decode role: allocate blocks for a prompt and pull its KV."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    first_token_id: int
+    first_logprobs: Any
+    priority: int
+    spec: PullSpec
+
+
+@dataclass
+class CommitImport:
+    """Decode role: the lease was still valid after the copy (ok) or not (recompute/fail)."""
+
+    request_id: str
+    ok: bool
+    recompute: bool = True
+
+
+@dataclass
+class SendBlocks:
+    """Prefill role: send blocks to a paired decode over its communicator."""
+
+    call_id: int
+    pair: str
+    block_ids: list[int]
+
+
+@dataclass
+class Pair:
+    """Join a 2-rank communicator named `pair` (rank 0 = decode hosts the store)."""
+
+    call_id: int
+    pair: str
+    rank: int
+    store_host: str
+    store_port: int
+    backend: str
+
+
+@dataclass
+class Query:
+    call_id: int
+    what: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- core → server -------------------------------------------------------------------------
+@dataclass
+class HeldKv:
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    num_tokens: int
+
+
+@dataclass
+class StepBatch:
+    outputs: list[RequestOutput]
+    held: list[HeldKv] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+    step_ns: int = 0
+
+
+@dataclass
+class ImportDone:
+    request_id: str
+    ok: bool
+    num_blocks_pulled: int = 0
+    num_cached_tokens: int = 0
+    num_bytes: int = 0
+    transfer_ns: int = 0
+    error: str | None = None
+
+
+@dataclass
+class NeedSend:
+    """Decode core waits in a receive: the server must ask the prefill to send these blocks."""
+
+    request_id: str
+    pair: str
+    block_indices: list[int]
+
+
+@dataclass
+class Reply:
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass
+class Ready:
+    info: Any  # RuntimeInfo
+    layout: Any  # KvLayout
+    endpoint: dict[str, str]
+
+
+@dataclass
+class Fatal:
+    message: str

@@ -1,0 +1,339 @@
+"""The engine core in a process of its own, and the client a service uses to drive it.
+
+    service process (gRPC, asyncio)            core process (model step loop)
+    ───────────────────────────────            ──────────────────────────────
+    EngineClient.send(msg) ─ batched ─pipe──▶  drain commands → step() → StepBatch
+    per-request queues  ◀──── StepBatch ─────  (one message per step, all requests)
+
+The loop never waits on gRPC: it blocks on the pipe only when it has no work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from engine import core_messages as m
+
+log = logging.getLogger("splitserve.core")
+
+
+class CoreLoop:
+    """Runs inside the core process: applies commands, steps the engine, reports."""
+
+    def __init__(self, engine, conn, kv_io) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pulls and sends blocks
+        self.pending_imports: list[m.ImportKv] = []
+        self.outbox: list = []
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished() or self.pending_imports
+            if self.conn.poll(0 if busy else 0.5):
+                try:
+                    batch = self.conn.recv()
+                except (EOFError, OSError):
+                    return  # the service process is gone
+                for msg in batch:
+                    self.handle(msg)
+            elif os.getppid() == 1:
+                return  # orphaned
+            self._retry_imports()
+            if self.engine.has_unfinished():
+                self._step()
+            self.flush()
+
+    def flush(self) -> None:
+        if self.outbox:
+            self.conn.send(self.outbox)
+            self.outbox = []
+
+    def _step(self) -> None:
+        start = time.perf_counter_ns()
+        outputs = self.engine.step()
+        held = []
+        for out in outputs:
+            if out.finish_reason == "prefilled":
+                blocks, hashes, num_tokens = self.engine.held_kv(out.request_id)
+                held.append(m.HeldKv(out.request_id, blocks, hashes, num_tokens))
+        self.outbox.append(m.StepBatch(outputs, held, self.engine.stats(), time.perf_counter_ns() - start))
+
+    def handle(self, msg) -> None:
+        handler = HANDLERS.get(type(msg))
+        if handler is None:
+            raise TypeError(f"core received unknown message {type(msg).__name__}")
+        handler(self, msg)
+
+    # -- handlers --------------------------------------------------------------------------
+    def on_add(self, msg: m.AddRequest) -> None:
+        from engine.engine_core import RequestOutput
+
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.seed)
+        except ValueError as exc:
+            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+
+    def on_abort(self, msg: m.Abort) -> None:
+        from engine.engine_core import RequestOutput
+
+        ids = set(msg.request_ids)
+        self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
+        outs = [RequestOutput(rid, [], finished=True, finish_reason="abort")
+                for rid in msg.request_ids if self.engine.abort(rid)]
+        self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
+
+    def on_release(self, msg: m.ReleaseHeld) -> None:
+        self.engine.release_kv(msg.request_id)
+        self.outbox.append(m.StepBatch([], stats=self.engine.stats()))
+
+    def on_import(self, msg: m.ImportKv) -> None:
+        try:
+            started = self.engine.begin_import(msg.request_id, msg.prompt_token_ids, msg.params, msg.seed,
+                                               msg.first_token_id, msg.first_logprobs, msg.priority)
+        except ValueError as exc:  # a bad request, not a failed pull: it ends here
+            from engine.engine_core import RequestOutput
+
+            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+            return
+        if started is None:
+            self.pending_imports.append(msg)  # no room now; retried every loop turn
+            return
+        self._pull(msg, *started)
+
+    def _retry_imports(self) -> None:
+        pending, self.pending_imports = self.pending_imports, []
+        for msg in pending:
+            self.on_import(msg)
+
+    def _pull(self, msg: m.ImportKv, dst_blocks: list[int], num_local: int) -> None:
+        spec = msg.spec
+        start = time.perf_counter_ns()
+        try:
+            if spec.layout != self.engine.layout:
+                raise ValueError(self.engine.layout.mismatch(spec.layout))
+            indices = list(range(num_local, len(spec.block_ids)))
+            num_bytes = self.kv_io.pull(spec, indices, dst_blocks[num_local:], self)
+        except Exception as exc:  # a failed pull fails this request only
+            log.warning("request_id=%s KV pull failed: %s", msg.request_id, exc)
+            self.outbox.append(m.ImportDone(msg.request_id, ok=False, num_cached_tokens=num_local * self.engine.config.block_size,
+                                            error=f"KV pull from {spec.prefill_instance} failed: {exc}"))
+            return
+        self.outbox.append(m.ImportDone(msg.request_id, ok=True, num_blocks_pulled=len(indices),
+                                        num_cached_tokens=num_local * self.engine.config.block_size,
+                                        num_bytes=num_bytes, transfer_ns=time.perf_counter_ns() - start))
+
+    def on_commit(self, msg: m.CommitImport) -> None:
+        from engine.engine_core import RequestOutput
+
+        if msg.request_id not in self.engine.importing:
+            return  # aborted meanwhile
+        if msg.ok:
+            done = self.engine.finish_import(msg.request_id)
+            if done is not None:
+                self.outbox.append(m.StepBatch([done], stats=self.engine.stats()))
+            return
+        self.engine.fail_import(msg.request_id, recompute=msg.recompute)
+        if not msg.recompute:
+            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                error="KV lease was no longer valid after the copy")
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+
+    def on_send(self, msg: m.SendBlocks) -> None:
+        try:
+            value = self.kv_io.send(msg.pair, msg.block_ids, self.engine.runner.kv_cache)
+            self.outbox.append(m.Reply(msg.call_id, value))
+        except Exception as exc:
+            self.outbox.append(m.Reply(msg.call_id, error=f"send to {msg.pair} failed: {exc}"))
+
+    def on_pair(self, msg: m.Pair) -> None:
+        try:
+            self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, self.engine.runner.kv_cache.device)
+            self.outbox.append(m.Reply(msg.call_id, True))
+        except Exception as exc:
+            self.outbox.append(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))
+
+    def on_query(self, msg: m.Query) -> None:
+        if msg.what == "stats":
+            self.outbox.append(m.Reply(msg.call_id, self.engine.stats()))
+        elif msg.what == "reset_prefix_cache":
+            self.outbox.append(m.Reply(msg.call_id, self.engine.pool.reset_prefix_cache()))
+        else:
+            self.outbox.append(m.Reply(msg.call_id, error=f"unknown query {msg.what!r}"))
+
+    def on_shutdown(self, msg: m.Shutdown) -> None:
+        self.running = False
+
+
+HANDLERS: dict[type, Callable] = {
+    m.AddRequest: CoreLoop.on_add, m.Abort: CoreLoop.on_abort, m.ReleaseHeld: CoreLoop.on_release,
+    m.ImportKv: CoreLoop.on_import, m.CommitImport: CoreLoop.on_commit, m.SendBlocks: CoreLoop.on_send,
+    m.Pair: CoreLoop.on_pair, m.Query: CoreLoop.on_query, m.Shutdown: CoreLoop.on_shutdown,
+}
+
+
+def core_main(config, conn, kv_options: dict) -> None:
+    """Entry point of the core process."""
+    logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kv_io = None
+    try:
+        from engine.engine_core import EngineCore
+        from engine.kv_transfer.io import KvIo
+
+        kv_io = KvIo(kv_options)
+        engine = EngineCore(config, kv_cache_factory=kv_io.kv_cache_factory)
+        conn.send([m.Ready(engine.info, engine.layout, kv_io.endpoint)])
+        CoreLoop(engine, conn, kv_io).run()
+    except Exception:
+        try:
+            conn.send([m.Fatal(traceback.format_exc())])
+        except Exception:
+            pass
+        raise
+    finally:
+        if kv_io is not None:
+            kv_io.close()
+
+
+class EngineClient:
+    """The service side: starts the core process, batches commands, routes outputs.
+
+    Outputs arrive on a reader thread and are handed to the asyncio loop; each request's
+    outputs go to its queue (`open_stream`), replies to their futures.
+    """
+
+    def __init__(self, config, kv_options: dict, on_batch: Callable[[Any], None] | None = None) -> None:
+        self.config = config
+        self.kv_options = kv_options
+        self.on_batch = on_batch
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.futures: dict[Any, asyncio.Future] = {}
+        self.stats: dict[str, int] = {}
+        self.info = self.layout = None
+        self.endpoint: dict[str, str] = {}
+        self._ids = itertools.count(1)
+        self._outbox: list = []
+        self._send_lock = threading.Lock()
+        self._flush_scheduled = False
+        self.dead = False
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self.loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=core_main, args=(self.config, child, self.kv_options),
+                                   name="splitserve-core", daemon=True)
+        self.process.start()
+        child.close()
+        ready = await asyncio.wait_for(self.loop.run_in_executor(None, self._conn.recv), timeout_s)
+        first = ready[0]
+        if isinstance(first, m.Fatal):
+            raise RuntimeError(f"engine core failed to start:\n{first.message}")
+        self.info, self.layout, self.endpoint = first.info, first.layout, first.endpoint
+        threading.Thread(target=self._reader, name="core-reader", daemon=True).start()
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                batch = self._conn.recv()
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self._core_died)
+                return
+            self.loop.call_soon_threadsafe(self._dispatch, batch)
+
+    def _core_died(self) -> None:
+        from engine.engine_core import RequestOutput
+
+        self.dead = True
+        for request_id, queue in list(self.streams.items()):
+            queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error",
+                                           error="engine core process exited"))
+        for future in self.futures.values():
+            if not future.done():
+                future.set_exception(RuntimeError("engine core process exited"))
+
+    def _dispatch(self, batch: list) -> None:
+        for msg in batch:
+            if isinstance(msg, m.StepBatch):
+                self.stats = msg.stats or self.stats
+                for out in msg.outputs:
+                    queue = self.streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if self.on_batch is not None:
+                    self.on_batch(msg)
+            elif isinstance(msg, m.Reply):
+                future = self.futures.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    if msg.error:
+                        future.set_exception(RuntimeError(msg.error))
+                    else:
+                        future.set_result(msg.value)
+            elif isinstance(msg, (m.ImportDone, m.NeedSend)):
+                if self.on_batch is not None:
+                    self.on_batch(msg)
+            elif isinstance(msg, m.Fatal):
+                log.error("engine core failed:\n%s", msg.message)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        """Queue a command; everything queued in one loop turn goes in one pipe message."""
+        self._outbox.append(msg)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._outbox = self._outbox, []
+        if batch and not self.dead:
+            with self._send_lock:
+                self._conn.send(batch)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    async def call(self, make_msg: Callable[[int], Any], timeout_s: float = 30.0) -> Any:
+        """Send a message that carries a call id and wait for its Reply."""
+        call_id = next(self._ids)
+        future = self.loop.create_future()
+        self.futures[call_id] = future
+        self.send(make_msg(call_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.futures.pop(call_id, None)
+
+    async def query(self, what: str) -> Any:
+        return await self.call(lambda call_id: m.Query(call_id, what))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        if getattr(self, "process", None) is None:
+            return
+        try:
+            with self._send_lock:
+                self._conn.send([m.Shutdown()])
+        except Exception:
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2)

@@ -1,0 +1,178 @@
+"""The data side of KV transfer, inside a core process: the pool's placement (shared
+memory for `shm`), pulls into freshly allocated blocks, and sends over paired groups.
+
+Transports:
+    shm       prefill pool in a named shared-memory segment; decode maps it, gathers, scatters
+    cuda_ipc  prefill exports its pool with a CUDA IPC handle; decode maps it and copies on device
+    nccl      2-rank group per prefill/decode pair (gloo on CPU); decode receives one staged
+              tensor holding all requested blocks, prefill gathers and sends it
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+import os
+import pickle
+import time
+
+import torch
+
+from engine.kv_layout import KvLayout
+from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
+
+log = logging.getLogger("splitserve.kv")
+
+TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+
+
+class KvIo:
+    """One per core process. `options`: transport, instance, start_epoch, role, timeout_s."""
+
+    def __init__(self, options: dict) -> None:
+        self.transport = options.get("transport", "shm")
+        self.instance = options.get("instance", "local")
+        self.start_epoch = int(options.get("start_epoch", time.time_ns()))
+        self.role = options.get("role", "both")
+        self.timeout_s = float(options.get("timeout_s", 10.0))
+        self.endpoint: dict[str, str] = {}
+        self._own_pool: SharedKvPool | None = None
+        self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}
+        self.groups: dict[str, object] = {}  # pair name -> process group
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
+
+    # -- pool placement --------------------------------------------------------------------
+    def kv_cache_factory(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+        exports = self.role in ("prefill", "both")
+        if self.transport == "shm" and exports and device.type == "cpu":
+            for name in unlink_stale(self.instance):
+                log.info("unlinked stale KV segment %s", name)
+            name = segment_name(self.instance, self.start_epoch)
+            self._own_pool = SharedKvPool.create(name, layout, num_blocks)
+            self.endpoint = {"shm_name": name, "num_blocks": str(num_blocks)}
+            return self._own_pool.tensor
+        kv_cache = layout.allocate(num_blocks, device)
+        if self.transport == "cuda_ipc" and exports and device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            handle = pickle.dumps(reduce_tensor(kv_cache))
+            self.endpoint = {"cuda_ipc": base64.b64encode(handle).decode(), "num_blocks": str(num_blocks),
+                             "device": str(device.index)}
+        return kv_cache
+
+    # -- decode side -----------------------------------------------------------------------
+    def _source_pool(self, spec) -> torch.Tensor:
+        key = spec.endpoint.get("shm_name") or spec.prefill_instance
+        pool = self._mapped.get(key)
+        if pool is None:
+            num_blocks = int(spec.endpoint["num_blocks"])
+            if spec.transport == "shm":
+                pool = SharedKvPool.open(spec.endpoint["shm_name"], spec.layout, num_blocks)
+            else:
+                func, args = pickle.loads(base64.b64decode(spec.endpoint["cuda_ipc"]))
+                pool = func(*args)
+            self._mapped[key] = pool
+        return pool.tensor if isinstance(pool, SharedKvPool) else pool
+
+    def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
+        """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
+        if not indices:
+            return 0
+        kv_cache = core.engine.runner.kv_cache
+        if spec.transport in ("shm", "cuda_ipc"):
+            src_ids = [spec.block_ids[i] for i in indices]
+            num_bytes = copy_blocks(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
+            if kv_cache.is_cuda:
+                torch.cuda.current_stream(kv_cache.device).synchronize()
+            return num_bytes
+        if spec.transport == "nccl":
+            return self._recv(spec, indices, dst_blocks, kv_cache, core)
+        raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
+
+    def _recv(self, spec, indices, dst_blocks, kv_cache, core) -> int:
+        from engine.core_messages import NeedSend
+
+        pair = pair_name(spec.prefill_instance, self.instance)
+        group = self.groups.get(pair)
+        if group is None:
+            raise RuntimeError(f"no communicator with {spec.prefill_instance} (pair {pair} not registered)")
+        staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+        core.outbox.append(NeedSend(spec.request_id, pair, indices))
+        core.flush()  # the server must ask the prefill to send while this side receives
+        try:
+            group.recv([staging], 1, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception:
+            self.drop_pair(pair)
+            raise
+        dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
+        kv_cache.index_copy_(0, dst, staging)
+        return staging.numel() * staging.element_size()
+
+    # -- prefill side ----------------------------------------------------------------------
+    def send(self, pair: str, block_ids: list[int], kv_cache: torch.Tensor) -> dict:
+        group = self.groups.get(pair)
+        if group is None:
+            raise RuntimeError(f"pair {pair} is not registered")
+        start = time.perf_counter_ns()
+        index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+        staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
+        try:
+            group.send([staging], 0, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception:
+            self.drop_pair(pair)
+            raise
+        return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start}
+
+    # -- pairs -----------------------------------------------------------------------------
+    def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device) -> None:
+        """Join the 2-rank group `pair` (rank 0 = decode, hosting the store). Blocks until both joined."""
+        import torch.distributed as dist
+
+        self.drop_pair(pair)
+        timeout = datetime.timedelta(seconds=max(self.timeout_s, 30.0))
+        store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore(pair, store)
+        if backend == "gloo":
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+            group = ProcessGroupGloo(prefixed, rank, 2, opts)
+        elif backend == "nccl":
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            torch.cuda.set_device(device)
+            group = ProcessGroupNCCL(prefixed, rank, 2, ProcessGroupNCCL.Options())
+        else:
+            raise ValueError(f"backend {backend!r} is not one of gloo, nccl")
+        self.groups[pair] = (group, store)[0]
+        self._stores = getattr(self, "_stores", {})
+        self._stores[pair] = store
+        log.info("paired %s as rank %d over %s", pair, rank, backend)
+
+    def drop_pair(self, pair: str) -> None:
+        group = self.groups.pop(pair, None)
+        if group is not None:
+            try:
+                group.abort() if hasattr(group, "abort") else None
+            except Exception:
+                pass
+            log.warning("dropped communicator %s; it is rebuilt on the next pairing", pair)
+        getattr(self, "_stores", {}).pop(pair, None)
+
+    def close(self) -> None:
+        for pair in list(self.groups):
+            self.groups.pop(pair, None)
+        for pool in self._mapped.values():
+            if isinstance(pool, SharedKvPool):
+                pool.close()
+        self._mapped.clear()
+        if self._own_pool is not None:
+            self._own_pool.close()
+
+
+def pair_name(prefill_instance: str, decode_instance: str) -> str:
+    return f"{prefill_instance}->{decode_instance}"
+

@@ -1,0 +1,96 @@
+"""Shared-memory transport (same host, CPU): the prefill's whole KV pool lives in a named
+POSIX shared-memory segment; a decode maps it read-only by name and copies blocks out.
+
+Segment name: `splitserve-kv-<instance>-<start_epoch>`; a restarted instance gets a new
+name, and `unlink_stale` removes segments that earlier runs of the same instance left.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from multiprocessing import shared_memory
+
+import torch
+
+from engine.kv_layout import KvLayout
+
+PREFIX = "splitserve-kv-"
+
+
+def segment_name(instance: str, start_epoch: int) -> str:
+    return f"{PREFIX}{instance}-{start_epoch}"
+
+
+def unlink_stale(instance: str) -> list[str]:
+    """Remove /dev/shm segments of earlier runs of this instance; returns their names."""
+    removed = []
+    for path in glob.glob(f"/dev/shm/{PREFIX}{instance}-*"):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    # Python's resource tracker would unlink segments it did not create when this
+    # process exits; ownership stays with the creating process.
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    except Exception:
+        pass
+
+
+class SharedKvPool:
+    """Creates (owner) or maps (reader) a KV pool in shared memory."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: KvLayout, num_blocks: int, owner: bool) -> None:
+        self.shm = shm
+        self.owner = owner
+        flat = torch.frombuffer(shm.buf, dtype=layout.torch_dtype, count=num_blocks * layout.block_numel)
+        self.tensor = flat.view(layout.cache_shape(num_blocks))  # (N, L, 2, bs, Hkv, D)
+
+    @classmethod
+    def create(cls, name: str, layout: KvLayout, num_blocks: int) -> "SharedKvPool":
+        nbytes = num_blocks * layout.block_nbytes
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        return cls(shm, layout, num_blocks, owner=True)
+
+    @classmethod
+    def open(cls, name: str, layout: KvLayout, num_blocks: int) -> "SharedKvPool":
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        _untrack(shm)
+        need = num_blocks * layout.block_nbytes
+        if shm.size < need:
+            shm.close()
+            raise ValueError(f"shared KV segment {name} has {shm.size} bytes, layout needs {need}")
+        return cls(shm, layout, num_blocks, owner=False)
+
+    def close(self) -> None:
+        del self.tensor
+        try:
+            self.shm.close()
+        except BufferError:
+            return  # a view is still alive; the mapping goes away with the process
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> int:
+    """Gather src blocks and scatter them into dst blocks (one pass each); returns bytes moved."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_blocks: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
+    if not src_ids:
+        return 0
+    src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
+    dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
+    staged = src.index_select(0, src_index).to(dst.device, non_blocking=True)  # (n, L, 2, bs, Hkv, D)
+    dst.index_copy_(0, dst_index, staged)
+    return staged.numel() * staged.element_size()

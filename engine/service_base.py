@@ -1,0 +1,115 @@
+"""What the prefill and decode services share: engine core process, identity, Describe,
+draining. The services themselves never import each other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import grpc
+
+from engine.core_process import EngineClient
+from engine.grpc_server import build_server, install_drain, set_serving
+from engine.wire import layout_to_proto
+from protos import common_pb2
+
+log = logging.getLogger("splitserve.service")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class ServiceBase:
+    """Owns the EngineClient and the bookkeeping both roles share."""
+
+    role = "both"
+    service_names: list[str] = []
+
+    def __init__(self, engine_config, service_config) -> None:
+        self.engine_config = engine_config
+        self.config = service_config
+        self.name = service_config.instance_name or f"{self.role}-{service_config.port}"
+        self.start_unix_ns = time.time_ns()
+        self.instance_id = f"{self.name}@{self.start_unix_ns}"
+        self.counters: dict[str, int] = {}
+        self.inflight = 0
+        self.draining = False
+        kv_options = {"transport": service_config.kv_transport, "instance": self.name,
+                      "start_epoch": self.start_unix_ns, "role": engine_config.role,
+                      "timeout_s": service_config.kv_transfer_timeout_s}
+        self.client = EngineClient(engine_config, kv_options, on_batch=self.on_core_message)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def on_core_message(self, msg) -> None:  # overridden by roles that need core messages
+        pass
+
+    def check_accepting(self, context) -> None:
+        """Refuse new work while draining or over the queue bound (raises via context.abort)."""
+        if self.draining:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
+        if self.inflight >= self.config.max_queued_requests:
+            raise _Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.name} has {self.inflight} requests in flight (max_queued_requests={self.config.max_queued_requests})")
+
+    def load(self) -> common_pb2.Load:
+        s = self.client.stats
+        return common_pb2.Load(num_free_blocks=s.get("num_free_blocks", 0), num_total_blocks=s.get("num_total_blocks", 0),
+                               num_running=s.get("num_running", 0), num_waiting=s.get("num_waiting", 0),
+                               num_queued_tokens=s.get("num_queued_tokens", 0), num_leases=s.get("num_held", 0))
+
+    async def Describe(self, request, context) -> common_pb2.DescribeResponse:
+        stats = await self.client.query("stats") if not self.client.dead else {}
+        self.client.stats = stats or self.client.stats
+        counters = {k: int(v) for k, v in {**stats, **self.counters}.items()}
+        return common_pb2.DescribeResponse(
+            instance_id=self.instance_id, role=self.engine_config.role if self.role != "prefill" else "prefill",
+            model_id=self.client.info.model_id, layout=layout_to_proto(self.client.layout), load=self.load(),
+            transports=[self.config.kv_transport], kv_endpoint=self.client.endpoint,
+            start_unix_ns=self.start_unix_ns, max_model_len=self.client.info.max_model_len, counters=counters)
+
+    async def serve(self, add_servicers) -> int:
+        """Start the core and the gRPC server; run until SIGTERM, then drain."""
+        await self.client.start()
+        server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names)
+        await server.start()
+        set_serving(health, self.service_names, True)
+        await self.on_started()
+        log.info("%s serving on %s:%d (model=%s, blocks=%d, transport=%s)", self.instance_id, self.config.host, port,
+                 self.client.info.model_id, self.client.info.num_kv_blocks, self.config.kv_transport)
+        print(f"READY {self.role} {self.config.host}:{port}", flush=True)
+
+        def begin_drain():
+            self.draining = True
+            set_serving(health, self.service_names, False)
+
+        stopping = install_drain(asyncio.get_running_loop(), begin_drain)
+        await stopping.wait()
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.on_stopping()
+        await server.stop(1.0)
+        self.client.shutdown()
+        log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
+        return 0
+
+    async def on_started(self) -> None:
+        pass
+
+    async def on_stopping(self) -> None:
+        pass
+
+
+class _Refuse(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+Refuse = _Refuse

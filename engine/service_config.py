@@ -1,0 +1,25 @@
+"""Config of a prefill, decode or colocated-worker service process (besides EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config_fields import option
+from engine.kv_transfer.io import TRANSPORTS
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Where a service listens and how it moves KV."""
+
+    host: str = option("127.0.0.1", "address to bind (internal services: loopback or the private network)")
+    port: int = option(50061, "gRPC port", min=1, max=65535)
+    metrics_port: int = option(0, "HTTP port for /metrics; 0 = off", min=0, max=65535)
+    instance_name: str = option("", "instance name; empty = <role>-<port>")
+    kv_transport: str = option("shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS)
+    kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
+    lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
+    kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
+    prefill_peers: str = option("", "decode with nccl: comma-separated prefill addresses to pair with at start")
+    max_queued_requests: int = option(1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20)
+    drain_grace_s: float = option(30.0, "on SIGTERM: how long to let in-flight requests finish", min=0.0, max=3600.0)

@@ -1,0 +1,65 @@
+"""Conversions between engine types and the v1 protos (shared by every service)."""
+
+from __future__ import annotations
+
+from protos import common_pb2
+
+from engine.kv_layout import KvLayout
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+
+def sampling_from_proto(pb: common_pb2.SamplingParams, **extra) -> SamplingParams:
+    """SamplingParams from the proto; unset optional fields keep the engine defaults.
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+    values = {name: getattr(pb, name) for name in _OPTIONAL_FIELDS if pb.HasField(name)}
+    if "temperature" in values:
+        values["temperature"] = float(values["temperature"])
+    values["stop_token_ids"] = tuple(pb.stop_token_ids)
+    values["ignore_eos"] = pb.ignore_eos
+    values.update(extra)
+    return SamplingParams(**values)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(pb, name, value)
+    return pb
+
+
+def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs | None:
+    if lp is None:
+        return None
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                    top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_from_proto(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(token_id=pb.token_id, logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
+
+
+def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
+                               model_id=layout.model_id, layout=layout.layout)
+
+
+def layout_from_proto(pb: common_pb2.KvLayout) -> KvLayout:
+    return KvLayout(num_layers=pb.num_layers, num_kv_heads=pb.num_kv_heads, head_dim=pb.head_dim,
+                    block_size=pb.block_size, dtype=pb.dtype, model_id=pb.model_id, layout=pb.layout)

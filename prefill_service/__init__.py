@@ -1,0 +1,1 @@
+"""The prefill role: computes prompt KV, holds it under leases, serves pulls."""

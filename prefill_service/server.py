@@ -1,0 +1,156 @@
+"""The prefill gRPC service.
+
+    Prefill(request) ─▶ core: AddRequest ─▶ step(s) ─▶ first token + HeldKv
+                     ◀─ PrefillResponse{first token, KvHandle(blocks, hashes, lease)}
+    ReleaseKv(lease) ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
+    PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side)
+    every 50 ms: expired leases ─▶ ReleaseHeld, counted
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine import core_messages as m
+from engine.kv_transfer.io import pair_name
+from engine.service_base import Refuse, ServiceBase, setup_logging
+from engine.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
+from prefill_service.leases import LeaseTable
+from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("splitserve.prefill")
+
+
+class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
+    role = "prefill"
+    service_names = ["splitserve.v1.Prefill"]
+
+    def __init__(self, engine_config, service_config) -> None:
+        super().__init__(engine_config, service_config)
+        self.leases = LeaseTable(service_config.lease_s)
+        self.held: dict[str, m.HeldKv] = {}
+
+    def on_core_message(self, msg) -> None:
+        if isinstance(msg, m.StepBatch):
+            for held in msg.held:
+                self.held[held.request_id] = held
+
+    async def on_started(self) -> None:
+        self._expiry_task = asyncio.create_task(self._expire_leases())
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for lease in self.leases.pop_expired():
+                log.info("request_id=%s lease %s expired; freeing %d blocks", lease.request_id, lease.lease_id,
+                         len(lease.block_ids))
+                self.client.send(m.ReleaseHeld(lease.request_id))
+                self.count("leases_expired")
+
+    async def Prefill(self, request, context):
+        try:
+            self.check_accepting(context)
+            params = sampling_from_proto(request.sampling)
+        except Refuse as exc:
+            await context.abort(exc.code, exc.message)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id
+        arrival = time.monotonic_ns()
+        queue = self.client.open_stream(rid)
+        self.inflight += 1
+        try:
+            self.client.send(m.AddRequest(rid, list(request.prompt_token_ids), params, request.priority,
+                                          request.seed))
+            out = await queue.get()
+        except asyncio.CancelledError:
+            self.client.send(m.Abort([rid]))
+            self.client.send(m.ReleaseHeld(rid))
+            raise
+        finally:
+            self.inflight -= 1
+            self.client.close_stream(rid)
+        if out.finish_reason == "error":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error or "request refused")
+        total_ns = time.monotonic_ns() - arrival
+        response = prefill_pb2.PrefillResponse(
+            request_id=rid, first_token_id=out.new_token_ids[0], cached_prompt_tokens=out.num_cached_tokens,
+            timings=common_pb2.Timings(prefill_ns=total_ns, total_ns=total_ns))
+        if out.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
+        self.count("prompt_tokens", len(request.prompt_token_ids))
+        if out.finish_reason != "prefilled":
+            response.finish_reason = FINISH_REASONS[out.finish_reason]
+            return response
+        held = self.held.pop(rid)
+        lease = self.leases.grant(rid, held.block_ids, held.block_hashes, held.num_tokens, request.lease_ms)
+        response.kv.CopyFrom(common_pb2.KvHandle(
+            prefill_instance=self.name, prefill_address=f"{self.config.host}:{self.config.port}",
+            block_ids=held.block_ids, block_hashes=held.block_hashes, num_tokens=held.num_tokens,
+            lease=common_pb2.Lease(lease_id=lease.lease_id, epoch=lease.epoch, expires_unix_ns=lease.expires_unix_ns),
+            transport=self.config.kv_transport, layout=layout_to_proto(self.client.layout),
+            endpoint=self.client.endpoint))
+        return response
+
+    def _release(self, lease_id: str, epoch: int) -> bool:
+        lease = self.leases.release(lease_id, epoch)
+        if lease is None:
+            return False
+        self.client.send(m.ReleaseHeld(lease.request_id))
+        self.count("leases_released")
+        return True
+
+    async def ReleaseKv(self, request, context):
+        return prefill_pb2.ReleaseKvResponse(released=self._release(request.lease_id, request.epoch))
+
+    async def PairKv(self, request, context):
+        if request.backend not in ("gloo", "nccl"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"backend must be gloo or nccl, got {request.backend!r}")
+        pair = pair_name(self.name, request.decode_instance)
+        try:
+            await self.client.call(lambda cid: m.Pair(cid, pair, 1, request.store_host, request.store_port,
+                                                      request.backend), timeout_s=60.0)
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.count("pairs_created")
+        return prefill_pb2.PairKvResponse(paired=True)
+
+    async def SendKv(self, request, context):
+        lease = self.leases.get(request.lease_id, request.epoch)
+        if lease is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"lease {request.lease_id} epoch {request.epoch} is not active (released or expired)")
+        bad = [i for i in request.block_indices if i >= len(lease.block_ids)]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block index {bad[0]} is out of range; the lease holds {len(lease.block_ids)} blocks")
+        block_ids = [lease.block_ids[i] for i in request.block_indices]
+        pair = pair_name(self.name, request.decode_instance)
+        try:
+            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids),
+                                            timeout_s=self.config.kv_transfer_timeout_s + 5)
+        except Exception as exc:
+            self.count("kv_send_failures")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.count("kv_bytes_sent", result["num_bytes"])
+        return prefill_pb2.SendKvResponse(num_bytes=result["num_bytes"], transfer_ns=result["transfer_ns"])
+
+    async def Describe(self, request, context):
+        response = await ServiceBase.Describe(self, request, context)
+        response.load.num_leases = len(self.leases.active)
+        response.counters["leases_active"] = len(self.leases.active)
+        response.counters["leases_granted"] = self.leases.num_granted
+        return response
+
+
+def run(ns, configs) -> int:
+    setup_logging()
+    from dataclasses import replace
+
+    engine_config = replace(configs["EngineConfig"], role="prefill")
+    service = PrefillService(engine_config, configs["ServiceConfig"])
+    return asyncio.run(service.serve(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)))
