@@ -132,6 +132,8 @@ class PullCoordinator:
                 service.count("kv_pull_recomputes")
             return
         # the pull itself failed: recompute locally or fail, by policy
+        if pull.handle.transport == "nccl":
+            self._pairs.pop(pull.handle.prefill_instance, None)  # rebuilt on the next pull
         service.count("kv_pull_failures")
         log.warning("request_id=%s %s (policy %s)", done.request_id, reason, service.config.kv_load_failure_policy)
         service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
@@ -141,6 +143,22 @@ class PullCoordinator:
             service.fail_request(done.request_id, reason)
 
     # -- nccl pairs ------------------------------------------------------------------------
+    async def pair_with_peers(self, addresses: list[str]) -> None:
+        """Pair with each configured prefill at start (retrying until it answers)."""
+        from protos import common_pb2
+
+        for address in addresses:
+            for attempt in range(600):
+                try:
+                    info = await self.stub(address).Describe(common_pb2.DescribeRequest(), timeout=2.0)
+                    name = info.instance_id.split("@")[0]
+                    await self.ensure_pair(name, address)
+                    break
+                except Exception as exc:
+                    if attempt % 20 == 0:
+                        log.info("waiting to pair with %s: %s", address, exc)
+                    await asyncio.sleep(0.5)
+
     async def ensure_pair(self, prefill_instance: str, prefill_address: str) -> None:
         task = self._pairs.get(prefill_instance)
         if task is None or (task.done() and task.exception() is not None):

@@ -49,6 +49,11 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.owner: dict[str, GatewayStream] = {}
         self.pulls = PullCoordinator(self)
 
+    async def on_started(self) -> None:
+        peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
+        if peers and self.config.kv_transport == "nccl":
+            self._pairing = asyncio.create_task(self.pulls.pair_with_peers(peers))
+
     # -- core → streams --------------------------------------------------------------------
     def on_core_message(self, msg) -> None:
         if isinstance(msg, m.StepBatch):
