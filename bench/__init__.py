@@ -1,0 +1,1 @@
+"""Benchmarks (never part of the test suite): each prints a table and writes JSON."""
