@@ -1,6 +1,6 @@
 """Turn the GPU run's outputs into engine/default_model/ and measure it (CPU, here).
 
-  python -m bench.default_model_export export --run <dir with model.safetensors, train_log.json>
+  python -m bench.default_model_export export --run <dir the GPU run's $OUT was fetched to>
   python -m bench.default_model_export check   # plain-torch TinyLlama == LlamaForCausalLM
   python -m bench.default_model_export report --run <dir>  # held-out numbers, sample, PNG
 
@@ -57,13 +57,17 @@ def load_into_hf(cfg: TinyLlamaConfig, state_dict: dict):
     return model.eval()
 
 
-def export(run_dir: Path, dest: Path = DEST) -> None:
-    """Write config.json, model.safetensors (bf16), generation_config.json and tokenizer files."""
+def export(run_dir: Path, weights: str, dest: Path = DEST) -> None:
+    """Write config.json, model.safetensors (bf16), generation_config.json and tokenizer files.
+
+    weights names the checkpoint in run_dir: model_best.safetensors (lowest held-out loss
+    among the run's evaluations, what ships) or model.safetensors (the last one).
+    """
     from safetensors.torch import load_file
     from transformers import GenerationConfig
 
     cfg = TinyLlamaConfig(**json.loads((PREPARED / "model_config.json").read_text()))
-    model = load_into_hf(cfg, load_file(str(run_dir / "model.safetensors")))
+    model = load_into_hf(cfg, load_file(str(run_dir / weights)))
     model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     if dest.exists():
@@ -71,6 +75,8 @@ def export(run_dir: Path, dest: Path = DEST) -> None:
     model.save_pretrained(dest)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(PREPARED / "tokenizer" / name, dest / name)
+    for path in dest.iterdir():
+        path.chmod(0o644)  # save_pretrained writes the weights 0600 via a temp file
     total = sum(p.stat().st_size for p in dest.iterdir())
     print(f"wrote {dest}: {sorted(p.name for p in dest.iterdir())}, {total:,} bytes")
 
@@ -150,11 +156,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["export", "check", "report"])
     ap.add_argument("--run", type=Path, help="directory the GPU run's $OUT was fetched to")
+    ap.add_argument("--weights", default="model_best.safetensors", help="checkpoint file in --run")
     args = ap.parse_args()
     if args.cmd == "check":
         check_equivalence()
     elif args.cmd == "export":
-        export(args.run)
+        export(args.run, args.weights)
     else:
         report(args.run)
 
