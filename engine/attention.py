@@ -154,5 +154,18 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D)."""
+    if q.is_cuda:
+        return _attention_cuda(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return attention_torch(q, k_cache, v_cache, meta, scale, k, v)
+
+
+def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton kernels: KV write, then paged decode (all one-token) or paged prefill attention."""
+    import kernels
+
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only:
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    return kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                           meta.seq_lens, meta.max_query_len, scale)

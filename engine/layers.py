@@ -26,6 +26,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With `residual`, first adds it (x + residual, in x's dtype) and returns
     (normed, new_residual) where new_residual = x + residual; otherwise returns normed.
     """
+    if x.is_cuda:
+        import kernels
+
+        return kernels.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual  # (..., H)
     xc = x.to(compute_dtype(x.dtype))
@@ -36,6 +40,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2F) = [gate | up] -> silu(gate) * up, (T, F)."""
+    if x.is_cuda:
+        import kernels
+
+        return kernels.silu_and_mul(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 
@@ -47,6 +55,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos_sin_cache (max_pos, D) is cat(cos (max_pos, D/2), sin (max_pos, D/2)); the first
     and second halves of each head rotate together: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
     """
+    if q.is_cuda:
+        import kernels
+
+        kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        return
     half = cos_sin_cache.shape[-1] // 2
     cos_sin = cos_sin_cache[positions]  # (T, D)
     cos = cos_sin[:, :half].unsqueeze(1)  # (T, 1, D/2)
