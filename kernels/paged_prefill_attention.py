@@ -61,13 +61,13 @@ def _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, k, input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    s = tl.dot(q, k, input_precision=PREC)  # (BLOCK_M, BLOCK_N) raw scores; * qk_scale -> log2 units
     if MASKED:
         visible = (n[None, :] <= offs_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, l, m_new
@@ -84,6 +84,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    SINGLE_LOOP: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = num_m_tiles - 1 - tl.program_id(1)  # longest tiles first
@@ -110,6 +111,8 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         # keys 0..ctx+m0 are visible to every row of the tile: whole tiles of them need no mask
         full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
+        if SINGLE_LOOP:  # every tile through the masked loop: one pipeline prologue (short sequences)
+            full_end = 0
         causal_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for n0 in range(0, full_end, BLOCK_N):
             acc, l, m = _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_len,
@@ -130,10 +133,12 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int, on_cpu
     """Tile sizes and launch parameters for the prefill kernel."""
     if on_cpu:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    block_m = min(128, max(16, next_pow2(max_query_len)))
+    # Measured on the H200 (docs/perf.md, Kernels): 128-row tiles for long prompts, 64 up to 1024
+    # query tokens (more programs for short sequences); 4 warps beat 8 at both sizes.
+    block_m = 128 if max_query_len > 1024 else min(64, max(16, next_pow2(max_query_len)))
     if dtype == torch.float32 or head_dim > 128:
         return dict(BLOCK_M=min(block_m, 64), BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
@@ -197,7 +202,8 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=on_cpu,
-        PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREC=dot_precision(q.dtype), SINGLE_LOOP=cfg.get("SINGLE_LOOP", False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

@@ -10,7 +10,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
 def check_write(device, *, num_tokens, num_kv_heads, head_dim, block_size, dtype, src_dtype, impl, pad_every):
-    num_blocks, num_layers = 7, 3
+    num_layers = 3
+    num_blocks = num_tokens // block_size + 2  # enough slots for every token
     kv = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"),
                     dtype=dtype, device=device)
     k_cache, v_cache = kv[:, 2, 0], kv[:, 2, 1]  # strided views: block stride is 3*2*bs*H*D

@@ -64,10 +64,13 @@ def test_empty_sequence_gives_zeros(make_paged_kv, device, impl, num_splits):
 
 
 def test_choose_num_splits_values():
-    assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs already fill 132 SMs twice
+    assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs: about 4 per SM already
     assert choose_num_splits(256, 8, 512, 132) == 1
-    assert choose_num_splits(4, 8, 32768, 132) == 9  # ceil(264 / 32)
-    assert choose_num_splits(1, 8, 512, 132) == 2  # capped by 256 tokens per split
+    assert choose_num_splits(4, 8, 32768, 132) == 16  # 528 // 32 = 16
+    assert choose_num_splits(16, 8, 8192, 132) == 4  # 528 // 128 = 4
+    assert choose_num_splits(1, 8, 8192, 132) == 32  # 66 wanted, 32 by 256 tokens per split
+    assert choose_num_splits(1, 8, 700, 132) == 2  # 700 // 256 = 2
+    assert choose_num_splits(3, 8, 1 << 20, 132) == 16  # 528 // 24 = 22 -> power of two below
     assert choose_num_splits(1, 1, 1 << 20, 132) == 64  # capped by the maximum
 
 

@@ -55,11 +55,12 @@ def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
                     head_dim=32, block_size=4, dtype=dtype, impl="ref", pad_rows=3)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
-def test_tile_shapes_and_padding_rows(make_paged_kv, dense_attn, device, block_m, block_n):
-    """Tiles wider or taller than the block size move the masked/unmasked boundary; trailing
-    padding rows of q (beyond query_start_loc[-1]) are not written."""
-    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+@pytest.mark.parametrize("block_m,block_n,single_loop", [(32, 16, False), (16, 32, False), (16, 16, True)])
+def test_tile_shapes_and_padding_rows(make_paged_kv, dense_attn, device, block_m, block_n, single_loop):
+    """Tiles wider or taller than the block size move the masked/unmasked boundary (or every tile
+    goes through the masked loop); trailing padding rows of q (beyond query_start_loc[-1]) are not
+    written."""
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, SINGLE_LOOP=single_loop)
     run_and_compare(make_paged_kv, dense_attn, device, seqs=[(50, 45), (70, 3)], num_q_heads=2,
                     num_kv_heads=1, head_dim=24, block_size=8, dtype=torch.float32, config=config, pad_rows=2)
 
