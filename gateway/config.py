@@ -1,0 +1,63 @@
+"""Frozen configs of the gateway (`splitserve gateway`) and of `splitserve up`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config_fields import option
+from engine.sampling_params import MAX_STOP_STRINGS
+
+# engine.kv_transfer.io.TRANSPORTS, repeated here so the gateway never imports torch
+# (tests/test_gateway_up.py checks that the two agree).
+KV_TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+
+
+def split_addresses(value: str) -> tuple[str, ...]:
+    """'a:1, b:2' -> ('a:1', 'b:2'); empty entries and repeats dropped, order kept."""
+    out: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part and part not in out:
+            out.append(part)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the gateway listens, which instances it routes to, and its admission limits."""
+
+    host: str = option("127.0.0.1", "address to bind the gRPC and REST servers")
+    grpc_port: int = option(50051, "gRPC port of the Generation API; 0 = any free port", min=0, max=65535)
+    http_port: int = option(8000, "REST (OpenAI-compatible) port; 0 = no REST", min=0, max=65535)
+    model: str = option("", "model directory whose tokenizer the gateway uses; empty = the embedded default model")
+    model_id: str = option("", "model id served; empty = the instances' Describe model_id")
+    prefill: str = option("", "comma-separated host:port of prefill instances")
+    decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
+    health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
+    request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
+    max_body_bytes: int = option(1 << 20, "largest REST request body; larger gets HTTP 413", min=1024, max=1 << 30)
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
+    max_concurrent_requests: int = option(1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20)
+    drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
+
+    @property
+    def prefill_addresses(self) -> tuple[str, ...]:
+        return split_addresses(self.prefill)
+
+    @property
+    def decode_addresses(self) -> tuple[str, ...]:
+        return split_addresses(self.decode)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Ports and shape of the loopback stack that `splitserve up` starts."""
+
+    prefill_port: int = option(50061, "gRPC port of the prefill instance", min=1, max=65535)
+    decode_port: int = option(50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535)
+    grpc_port: int = option(50051, "gateway gRPC port", min=1, max=65535)
+    http_port: int = option(8000, "gateway REST port", min=1, max=65535)
+    kv_transport: str = option("shm", "KV transport between prefill and decode", choices=KV_TRANSPORTS)
+    num_decode: int = option(1, "decode instances", min=1, max=64)
+    ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
+    stop_grace_s: float = option(10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0)

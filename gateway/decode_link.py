@@ -1,0 +1,152 @@
+"""The gateway's one long-lived `Decode.Generate` stream to one decode instance.
+
+All of the gateway's requests on that instance share the stream: requests and aborts go
+out through one writer task (grpc.aio allows one write at a time), and one reader task
+routes every `DecodeOut.deltas[i]` to its request's asyncio.Queue by request_id.
+
+    submit(req) ──▶ outbox ──writer──▶ Decode.Generate ──reader──▶ queues[request_id]
+
+When the stream breaks (the instance died, closed the stream, or the registry gave up on
+it), every request still on it receives one `LinkFailure` naming the instance, and the
+link is dead for good: the registry opens a new one when Describe answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from protos import decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("splitserve.gateway")
+
+
+@dataclass(frozen=True)
+class LinkFailure:
+    """Put on a request's queue when its decode stream broke; `message` is client-facing."""
+
+    message: str
+
+
+class LinkDown(RuntimeError):
+    """submit() on a link that is not (or no longer) open."""
+
+
+class DecodeLink:
+    """One bidirectional stream to one decode instance, multiplexing many requests.
+
+    Invariants: a request id is in `_queues` from submit() until its final delta was
+    routed (`finish`), it was aborted (`abort`), or the link failed; each queue receives
+    TokenDeltas in stream order and at most one LinkFailure, after which nothing else.
+    """
+
+    def __init__(self, name: str, channel: grpc.aio.Channel,
+                 on_broken: Callable[["DecodeLink", str], None] | None = None) -> None:
+        self.name = name  # the instance id, used in client-facing error messages
+        self._stub = decode_pb2_grpc.DecodeStub(channel)
+        self._on_broken = on_broken
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._outbox: asyncio.Queue[decode_pb2.DecodeIn | None] = asyncio.Queue()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.alive = False
+        self.error = ""
+
+    def open(self) -> None:
+        """Start the stream and its reader and writer tasks (no round trip is awaited)."""
+        self._call = self._stub.Generate()
+        self.alive = True
+        self._tasks = [asyncio.create_task(self._write(), name=f"decode-link-writer-{self.name}"),
+                       asyncio.create_task(self._read(), name=f"decode-link-reader-{self.name}")]
+
+    @property
+    def num_requests(self) -> int:
+        """Requests of this gateway currently on the stream."""
+        return len(self._queues)
+
+    def submit(self, request: decode_pb2.DecodeRequest) -> asyncio.Queue:
+        """Send a request; return the queue its TokenDeltas (then maybe a LinkFailure) arrive on."""
+        if not self.alive:
+            raise LinkDown(f"decode instance {self.name} is not connected: {self.error or 'stream not open'}")
+        if request.request_id in self._queues:
+            raise ValueError(f"request_id {request.request_id!r} is already running on decode {self.name}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._outbox.put_nowait(decode_pb2.DecodeIn(request=request))
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop routing the request's deltas and ask the decode to abort it (non-blocking)."""
+        if self._queues.pop(request_id, None) is not None and self.alive:
+            self._outbox.put_nowait(decode_pb2.DecodeIn(abort=decode_pb2.AbortRequest(request_id=request_id)))
+
+    def finish(self, request_id: str) -> None:
+        """The request's final delta arrived: forget it (nothing is sent)."""
+        self._queues.pop(request_id, None)
+
+    def fail(self, reason: str) -> None:
+        """Break the link: every request on it gets a LinkFailure; idempotent."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.error = reason
+        message = f"decode instance {self.name} failed: {reason}"
+        log.log(logging.WARNING if self._queues else logging.INFO, "%s (%d requests on the stream)",
+                message, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(LinkFailure(message))
+        self._queues.clear()
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._on_broken is not None:
+            self._on_broken(self, reason)
+
+    async def close(self) -> None:
+        """Fail the link (if alive) and wait for its tasks to end."""
+        self.fail("gateway closed the stream")
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not current), return_exceptions=True)
+
+    async def _write(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                message = await self._outbox.get()
+                if message is None or not self.alive:
+                    return
+                await self._call.write(message)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self.fail(_rpc_reason(exc))
+        except Exception as exc:  # InvalidStateError etc. once the call is over
+            self.fail(f"cannot write to the stream: {exc!r}")
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            async for out in self._call:
+                for delta in out.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:  # else aborted or unknown: dropped
+                        queue.put_nowait(delta)
+            reason = "the decode instance closed the stream"
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            reason = _rpc_reason(exc)
+        except Exception as exc:
+            reason = f"stream read failed: {exc!r}"
+        self.fail(reason)
+
+
+def _rpc_reason(exc: grpc.aio.AioRpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"

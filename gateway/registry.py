@@ -1,0 +1,274 @@
+"""Instances the gateway routes to: registration by Describe, health, layout compatibility.
+
+Every configured address is asked `Describe` at start and every `health_interval_s`. An
+instance is up while Describe answers (a decode also needs its Decode.Generate stream
+open: the link is opened when it first answers and reopened after it broke). The last
+DescribeResponse is kept (layout, load, role, instance_id, max_model_len).
+
+A prefill and a decode may be paired only when their KvLayouts are equal (and they share
+a KV transport); a mismatched pair is refused and logged once with both layouts. The
+gateway is ready when a full path exists: a compatible up prefill/decode pair, or an up
+colocated worker (role "both").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import grpc
+
+from gateway.decode_link import DecodeLink
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger("splitserve.gateway")
+
+# Channel options: reconnect quickly after an instance restarts (gRPC's default backoff
+# grows to 120 s), and allow large prompts / logprob batches.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+# Consecutive failed Describes after which a decode's open stream is declared broken
+# (covers a peer that vanished without resetting the connection).
+MAX_DESCRIBE_FAILURES = 3
+_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout")
+_POOL_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
+
+
+def describe_layout(layout: common_pb2.KvLayout) -> str:
+    """One line naming every KvLayout field, in engine.kv_layout.KvLayout.describe()'s format."""
+    return ", ".join(f"{name}={getattr(layout, name)}" for name in _LAYOUT_FIELDS)
+
+
+def layout_mismatch(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> str | None:
+    """None when the layouts are equal, else "KV layouts differ: [a] vs [b]"."""
+    if a == b:
+        return None
+    return f"KV layouts differ: [{describe_layout(a)}] vs [{describe_layout(b)}]"
+
+
+@dataclass(eq=False)
+class Instance:
+    """One configured address and what its last Describe said.
+
+    `pool` is the flag that listed it ("prefill" or "decode"). `in_flight` counts this
+    gateway's requests on it; `pending_*` count work assigned since its last Describe
+    (which that Describe could not reflect yet) so a burst spreads before the next one.
+    """
+
+    address: str
+    pool: str
+    channel: grpc.aio.Channel
+    describe: common_pb2.DescribeResponse | None = None
+    reachable: bool = False
+    error: str = "not contacted yet"
+    num_describe_failures: int = 0
+    link: DecodeLink | None = None
+    in_flight: int = 0
+    pending_requests: int = 0
+    pending_tokens: int = 0
+    pending_blocks: int = 0
+    prefill_stub: prefill_pb2_grpc.PrefillStub | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.describe.instance_id if self.describe and self.describe.instance_id else self.address
+
+    @property
+    def role(self) -> str:
+        return self.describe.role if self.describe else ""
+
+    @property
+    def up(self) -> bool:
+        """Describe answers, the role fits the pool, and (decode) the stream is open."""
+        if not self.reachable or self.describe is None or self.role not in _POOL_ROLES[self.pool]:
+            return False
+        return self.pool == "prefill" or (self.link is not None and self.link.alive)
+
+    @property
+    def affinity_key(self) -> tuple[str, int]:
+        """Identity of this process's cache: a restart (new start time) starts cold."""
+        return (self.address, self.describe.start_unix_ns if self.describe else 0)
+
+
+class Registry:
+    """Owns the instances, their channels and decode links, and the health loop."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
+                 health_interval_s: float = 0.5, model_id: str = "",
+                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+        factory = channel_factory or (lambda addr: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS))
+        self.instances = [Instance(a, "prefill", factory(a)) for a in prefill]
+        self.instances += [Instance(a, "decode", factory(a)) for a in decode]
+        for inst in self.instances:
+            if inst.pool == "prefill":
+                inst.prefill_stub = prefill_pb2_grpc.PrefillStub(inst.channel)
+        self._health_interval_s = health_interval_s
+        self._describe_timeout_s = max(1.0, 2 * health_interval_s)
+        self._configured_model_id = model_id
+        self._mismatches: dict[tuple[str, str], str] = {}
+        self._task: asyncio.Task | None = None
+        self.listeners: list[Callable[[bool], None]] = []  # called with ready() after each refresh
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Describe every instance once, then keep doing it in the background."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._health_loop(), name="gateway-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for inst in self.instances:
+            if inst.link is not None:
+                await inst.link.close()
+        await asyncio.gather(*(inst.channel.close() for inst in self.instances), return_exceptions=True)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # never let one bad round stop health checking
+                log.exception("health round failed")
+
+    async def refresh(self) -> None:
+        """One health round: Describe all instances concurrently, update links and pairs."""
+        await asyncio.gather(*(self._describe(inst) for inst in self.instances))
+        self._update_mismatches()
+        ready = self.ready()
+        for listener in self.listeners:
+            listener(ready)
+
+    async def _describe(self, inst: Instance) -> None:
+        stub = inst.prefill_stub or decode_pb2_grpc.DecodeStub(inst.channel)
+        try:
+            resp = await stub.Describe(common_pb2.DescribeRequest(), timeout=self._describe_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._describe_failed(inst, f"Describe failed: {exc.code().name}: {exc.details()}")
+            return
+        if not inst.reachable:
+            log.info("%s instance %s at %s is up (role %s)", inst.pool, resp.instance_id, inst.address, resp.role)
+        inst.describe, inst.reachable, inst.error = resp, True, ""
+        inst.num_describe_failures = 0
+        inst.pending_requests = inst.pending_tokens = inst.pending_blocks = 0
+        if resp.role not in _POOL_ROLES[inst.pool]:
+            inst.error = (f"listed under --{inst.pool} but its role is {resp.role!r} "
+                          f"(expected one of {', '.join(_POOL_ROLES[inst.pool])})")
+        elif inst.pool == "decode" and (inst.link is None or not inst.link.alive):
+            inst.link = DecodeLink(inst.name, inst.channel, on_broken=lambda link, why, i=inst: self._link_broken(i, link, why))
+            inst.link.open()
+
+    def _describe_failed(self, inst: Instance, reason: str) -> None:
+        inst.num_describe_failures += 1
+        if inst.reachable:
+            log.warning("%s instance %s at %s is down: %s", inst.pool, inst.name, inst.address, reason)
+        inst.reachable, inst.error = False, reason
+        if inst.link is not None and inst.link.alive and inst.num_describe_failures >= MAX_DESCRIBE_FAILURES:
+            inst.link.fail(f"{inst.num_describe_failures} Describe calls in a row failed ({reason})")
+
+    def _link_broken(self, inst: Instance, link: DecodeLink, reason: str) -> None:
+        if inst.link is link:
+            inst.reachable, inst.error = False, f"decode stream broke: {reason}"
+
+    def mark_down(self, inst: Instance, reason: str) -> None:
+        """Stop routing to `inst` until its next successful Describe."""
+        if inst.reachable:
+            log.warning("%s instance %s at %s marked down: %s", inst.pool, inst.name, inst.address, reason)
+        inst.reachable, inst.error = False, reason
+
+    # -- pairing and readiness ------------------------------------------------------------
+
+    def pair_problem(self, prefill: Instance, decode: Instance) -> str | None:
+        """Why `prefill` and `decode` may not be paired, or None when they may."""
+        if prefill.describe is None or decode.describe is None:
+            return "not described yet"
+        problem = layout_mismatch(prefill.describe.layout, decode.describe.layout)
+        if problem is None:
+            served, pulled = list(prefill.describe.transports), list(decode.describe.transports)
+            if served and pulled and not set(served) & set(pulled):
+                problem = f"no common KV transport: prefill serves {served}, decode pulls with {pulled}"
+        return problem
+
+    def compatible(self, prefill: Instance, decode: Instance) -> bool:
+        return self.pair_problem(prefill, decode) is None
+
+    def _update_mismatches(self) -> None:
+        current: dict[tuple[str, str], str] = {}
+        for p in self.prefills():
+            for d in self.decodes():
+                if p.describe is None or d.describe is None:
+                    continue
+                problem = self.pair_problem(p, d)
+                if problem is not None:
+                    current[(p.address, d.address)] = (
+                        f"refusing to pair prefill {p.name} ({p.address}) with decode "
+                        f"{d.name} ({d.address}): {problem}")
+        for key, message in current.items():
+            if self._mismatches.get(key) != message:
+                log.error("%s", message)
+        self._mismatches = current
+
+    def describe_mismatches(self) -> list[str]:
+        """One message per refused prefill/decode pair, naming both layouts."""
+        return [self._mismatches[k] for k in sorted(self._mismatches)]
+
+    def prefills(self) -> list[Instance]:
+        return [i for i in self.instances if i.pool == "prefill"]
+
+    def decodes(self) -> list[Instance]:
+        return [i for i in self.instances if i.pool == "decode"]
+
+    def ready(self) -> bool:
+        """True when a full path exists: a compatible up pair, or an up colocated worker."""
+        decodes = [d for d in self.decodes() if d.up]
+        if any(d.role == "both" for d in decodes):
+            return True
+        return any(self.compatible(p, d) for p in self.prefills() if p.up for d in decodes)
+
+    def status(self) -> dict:
+        """JSON-able summary for /ready and logs: readiness, instances, refused pairs."""
+        return {
+            "ready": self.ready(),
+            "instances": [
+                {"address": i.address, "pool": i.pool, "instance_id": i.describe.instance_id if i.describe else "",
+                 "role": i.role, "up": i.up, "error": "" if i.up else i.error}
+                for i in self.instances
+            ],
+            "refused_pairs": self.describe_mismatches(),
+        }
+
+    def not_ready_reason(self) -> str:
+        """Why no full path exists (names each instance that is not up)."""
+        down = [f"{i.pool} {i.name} ({i.address}): {i.error}" for i in self.instances if not i.up]
+        parts = ["no prefill/decode pair with equal KV layouts and no colocated worker is up"]
+        if not self.instances:
+            parts.append("no instances are configured (use --prefill and --decode)")
+        parts += down + self.describe_mismatches()
+        return "; ".join(parts)
+
+    # -- served model ---------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        """The configured model id, else the first described instance's."""
+        if self._configured_model_id:
+            return self._configured_model_id
+        for inst in sorted(self.instances, key=lambda i: not i.up):
+            if inst.describe is not None and inst.describe.model_id:
+                return inst.describe.model_id
+        return ""
+
+    @property
+    def max_model_len(self) -> int:
+        """Smallest context limit among up instances (0 when none is known)."""
+        limits = [i.describe.max_model_len for i in self.instances if i.up and i.describe.max_model_len]
+        return min(limits) if limits else 0

@@ -1,0 +1,308 @@
+"""One request's run through prefill and decode, as a stream of GenerateResponse messages.
+
+    disaggregated:  Prefill.Prefill ──first token──▶ client
+                    DecodeRequest(kv, first token) ──▶ decode link ──TokenDeltas──▶ client
+    local prefill:  DecodeRequest(no kv, no first token) ──▶ decode (colocated worker, or
+                    any decode when no prefill is up or the prefill call failed)
+
+The run owns the request's detokenizer and counters. Stop strings are matched here: on a
+match the decode gets an AbortRequest and the output ends with STOP at the token that
+completed the match. Whatever way the run ends (finished, client gone, deadline, error),
+`_cleanup` aborts the decode request if still running and releases a KV lease that was
+never handed to a decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from gateway.decode_link import DecodeLink, LinkDown, LinkFailure
+from gateway.errors import GatewayError, invalid
+from gateway.registry import Instance
+from protos import common_pb2, decode_pb2, generation_pb2, prefill_pb2
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayService
+
+log = logging.getLogger("splitserve.gateway")
+FR = common_pb2.FinishReason
+# Prefill failures that mean "this instance is broken": stop routing to it.
+_MARK_DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DATA_LOSS}
+# Prefill answers that are about the request itself: the client gets them, no fallback.
+_REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.FAILED_PRECONDITION}
+_RELEASE_TIMEOUT_S = 5.0
+
+
+class RequestRun:
+    """State of one request from routing to its single terminal message."""
+
+    def __init__(self, service: "GatewayService", *, request_id: str, params: SamplingParams,
+                 prompt_token_ids: list[int], seed: int, priority: int, arrival_ns: int,
+                 deadline: float, budget_s: float) -> None:
+        from gateway.service import sampling_to_proto
+
+        self._service = service
+        self.request_id = request_id
+        self._params = params
+        self._prompt = prompt_token_ids
+        self._seed = seed
+        self._priority = priority
+        self._arrival_ns = arrival_ns
+        self._deadline = deadline  # time.monotonic() seconds
+        self._budget_s = budget_s
+        self._sampling = sampling_to_proto(params, seed)
+        self._detok = IncrementalDetokenizer(
+            service.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=prompt_token_ids)
+        self.num_output_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.finished = False
+        self._last_token: int | None = None
+        self._prefill_timings: common_pb2.Timings | None = None
+        self._held: tuple[Instance, common_pb2.KvHandle] | None = None  # lease not handed to a decode
+        self._decode: Instance | None = None
+        self._link: DecodeLink | None = None  # the stream the request was sent on
+        self._queue: asyncio.Queue | None = None
+        self._local_prefill = False
+
+    async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Yield the run's messages; always cleans up, also when closed early."""
+        try:
+            async with aclosing(self._run()) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self._cleanup()
+
+    # -- routing -------------------------------------------------------------------------
+
+    async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        router = self._service.router
+        if not router.decode_candidates(None):
+            raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
+        prefill = router.pick_prefill()
+        first = await self._prefill(prefill) if prefill is not None else None
+        if first is not None:
+            message = self._first_message(first)
+            yield message
+            if message.finish_reason:
+                return
+            decode = router.pick_decode(router.decode_candidates(prefill), self._prompt)
+            if decode is None:
+                yield self._final(FR.FINISH_REASON_ERROR, error=f"no decode instance compatible with prefill "
+                                                                 f"{prefill.name} is up; retry later")
+                return
+            request = self._decode_request(first)
+        else:
+            candidates = router.decode_candidates(None, colocated_only=True) or router.decode_candidates(None)
+            decode = router.pick_decode(candidates, self._prompt)
+            if decode is None:
+                raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
+            request, self._local_prefill = self._decode_request(None), True
+        try:
+            self._submit(decode, request)
+        except LinkDown as exc:
+            if first is None:
+                raise GatewayError("resource_exhausted", f"{exc}; retry later", retry_after_s=1) from None
+            yield self._final(FR.FINISH_REASON_ERROR, error=str(exc))
+            return
+        async with aclosing(self._follow()) as messages:
+            async for message in messages:
+                yield message
+
+    async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
+        """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
+        router = self._service.router
+        request = prefill_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
+                                             sampling=self._sampling, seed=self._seed, priority=self._priority)
+        router.assign(prefill, self._prompt)
+        call = prefill.prefill_stub.Prefill(request, timeout=max(0.001, self._remaining_s()))
+        try:
+            response = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except grpc.aio.AioRpcError as exc:
+            return self._prefill_failed(prefill, exc)
+        finally:
+            router.release(prefill)
+        if response.HasField("kv") and not response.finish_reason:
+            self._held = (prefill, response.kv)
+        self.cached_prompt_tokens = response.cached_prompt_tokens
+        self._prefill_timings = response.timings
+        return response
+
+    def _prefill_failed(self, prefill: Instance, exc: grpc.aio.AioRpcError) -> None:
+        """Raise when the client must see the failure; else mark the prefill down if broken."""
+        code = exc.code()
+        if code in _REFUSAL_CODES:
+            raise invalid(f"prefill instance {prefill.name} refused the request: {exc.details()}", "prompt")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._remaining_s() <= 0:
+            raise GatewayError("deadline_exceeded", self._timeout_message())
+        reason = f"prefill instance {prefill.name} failed: {code.name}: {exc.details()}"
+        if code in _MARK_DOWN_CODES:
+            self._service.registry.mark_down(prefill, reason)
+        log.warning("request %s: %s; falling back to a local prefill on a decode", self.request_id, reason)
+        return None
+
+    def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
+        request = decode_pb2.DecodeRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
+                                           sampling=self._sampling, seed=self._seed, priority=self._priority)
+        if first is not None:
+            request.first_token_id = first.first_token_id
+            if first.HasField("first_logprobs"):
+                request.first_logprobs.CopyFrom(first.first_logprobs)
+            request.kv.CopyFrom(first.kv)
+        return request
+
+    def _submit(self, decode: Instance, request: decode_pb2.DecodeRequest) -> None:
+        assert decode.link is not None
+        self._queue = decode.link.submit(request)  # raises LinkDown
+        self._decode, self._link = decode, decode.link
+        self._held = None  # the decode owns the lease now
+        self._service.router.assign(decode, self._prompt)
+
+    # -- streaming -----------------------------------------------------------------------
+
+    async def _follow(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        assert self._queue is not None and self._decode is not None
+        while True:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout=self._remaining_s())
+            except (TimeoutError, asyncio.TimeoutError):
+                yield self._final(FR.FINISH_REASON_ERROR, error=self._timeout_message())
+                return
+            if isinstance(item, LinkFailure):
+                yield self._final(FR.FINISH_REASON_ERROR, error=item.message)
+                return
+            message = self._delta_message(item)
+            yield message
+            if message.finish_reason:
+                return
+
+    def _first_message(self, first: prefill_pb2.PrefillResponse) -> generation_pb2.GenerateResponse:
+        logprobs = [first.first_logprobs] if first.HasField("first_logprobs") else []
+        ids, lps, text = self._accept([first.first_token_id], logprobs)
+        if self._detok.stop_str is not None:
+            return self._final(FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str)
+        if first.finish_reason:
+            return self._final(first.finish_reason, ids, lps, text + self._detok.flush())
+        message = self._message(ids, lps, text)
+        message.timings.CopyFrom(self._timings(None))
+        return message
+
+    def _delta_message(self, delta: decode_pb2.TokenDelta) -> generation_pb2.GenerateResponse:
+        assert self._decode is not None and self._link is not None
+        first_output = self.num_output_tokens == 0
+        if self._local_prefill and first_output and delta.cached_prompt_tokens:
+            self.cached_prompt_tokens = delta.cached_prompt_tokens
+        ids, lps, text = self._accept(delta.token_ids, delta.logprobs)
+        if self._detok.stop_str is not None:
+            self._link.abort(self.request_id)
+            return self._final(FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str,
+                               decode_timings=delta.timings)
+        if delta.finish_reason:
+            self._link.finish(self.request_id)
+            text += self._detok.flush()
+            if self._detok.stop_str is not None:
+                return self._final(FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str,
+                                   decode_timings=delta.timings)
+            error = f"decode instance {self._decode.name}: {delta.error}" if delta.error else ""
+            return self._final(delta.finish_reason, ids, lps, text, error=error, decode_timings=delta.timings)
+        message = self._message(ids, lps, text)
+        if first_output and ids:
+            message.timings.CopyFrom(self._timings(None))
+        return message
+
+    def _accept(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs]
+                ) -> tuple[list[int], list[common_pb2.TokenLogprobs], str]:
+        """Detokenize token by token; keep tokens up to the one that completes a stop string."""
+        ids: list[int] = []
+        pieces: list[str] = []
+        for token_id in token_ids:
+            if self._detok.finished:
+                break
+            ids.append(token_id)
+            pieces.append(self._detok.push([token_id]).text)
+        self.num_output_tokens += len(ids)
+        if ids:
+            self._last_token = ids[-1]
+        kept_logprobs = list(logprobs[: len(ids)]) if len(logprobs) >= len(ids) else list(logprobs)
+        return ids, kept_logprobs, "".join(pieces)
+
+    def _message(self, ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs], text: str
+                 ) -> generation_pb2.GenerateResponse:
+        return generation_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids,
+                                               logprobs=logprobs)
+
+    def _final(self, finish_reason: int, ids: Sequence[int] = (), logprobs: Sequence = (), text: str = "", *,
+               stop_reason: str = "", error: str = "", decode_timings: common_pb2.Timings | None = None
+               ) -> generation_pb2.GenerateResponse:
+        """The terminal message: finish_reason, usage, timings, stop_reason or error."""
+        self.finished = True
+        if (finish_reason == FR.FINISH_REASON_STOP and not stop_reason and self._last_token is not None
+                and self._last_token in self._params.stop_token_ids):
+            stop_reason = str(self._last_token)
+        message = self._message(ids, logprobs, text)
+        message.finish_reason = finish_reason
+        message.stop_reason = stop_reason
+        message.error = error
+        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self._prompt),
+                                                completion_tokens=self.num_output_tokens,
+                                                cached_prompt_tokens=self.cached_prompt_tokens))
+        message.timings.CopyFrom(self._timings(decode_timings))
+        if error:
+            log.warning("request %s failed: %s", self.request_id, error)
+        return message
+
+    def _timings(self, decode: common_pb2.Timings | None) -> common_pb2.Timings:
+        """Prefill's and decode's stage times added up; total_ns measured by the gateway."""
+        timings = common_pb2.Timings()
+        for part in (self._prefill_timings, decode):
+            if part is not None:
+                timings.queue_ns += part.queue_ns
+                timings.prefill_ns += part.prefill_ns
+                timings.transfer_ns += part.transfer_ns
+                timings.decode_ns += part.decode_ns
+        timings.total_ns = time.monotonic_ns() - self._arrival_ns
+        return timings
+
+    # -- ending --------------------------------------------------------------------------
+
+    def _remaining_s(self) -> float:
+        return self._deadline - time.monotonic()
+
+    def _timeout_message(self) -> str:
+        return f"request {self.request_id} timed out after {self._budget_s:g} s (request_timeout_s or the client's deadline)"
+
+    def _cleanup(self) -> None:
+        """Abort the decode request if it still runs; release a lease nobody claimed."""
+        if self._link is not None:
+            self._link.abort(self.request_id)  # no-op once finished or failed
+            self._link = None
+        if self._decode is not None:
+            self._service.router.release(self._decode)
+            self._decode = None
+        if self._held is not None:
+            prefill, kv = self._held
+            self._held = None
+            self._service.spawn(_release_kv(prefill, kv))
+
+
+async def _release_kv(prefill: Instance, kv: common_pb2.KvHandle) -> None:
+    """Unpin a lease the gateway will not hand to any decode (best effort; leases expire)."""
+    request = prefill_pb2.ReleaseKvRequest(lease_id=kv.lease.lease_id, epoch=kv.lease.epoch)
+    try:
+        await prefill.prefill_stub.ReleaseKv(request, timeout=_RELEASE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        log.info("ReleaseKv of lease %s on %s failed (it will expire): %s", kv.lease.lease_id, prefill.name, exc.details())

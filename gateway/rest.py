@@ -1,0 +1,249 @@
+"""OpenAI-compatible REST shim over the GatewayService (FastAPI; imported only when REST is on).
+
+    GET  /health               the process is alive (always 200)
+    GET  /ready                200 when a full prefill+decode path (or a colocated worker) is up, else 503
+    GET  /v1/models            the served model
+    POST /v1/completions       prompt: text or token ids; SSE when stream is true
+    POST /v1/chat/completions  messages rendered with the tokenizer's chat template
+
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}. A request is
+refused (4xx/5xx) only before its first token; a failure after that is a final SSE event
+{"error": ...} (streaming) or HTTP 500 with the error (non-streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.errors import GatewayError, invalid
+from gateway.rest_params import RestRequest, parse_chat, parse_completion
+from gateway.service import GatewayService
+from protos import common_pb2, generation_pb2
+
+FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+_DISCONNECT_POLL_S = 0.25
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=headers)
+
+
+async def read_json(request: Request, max_body_bytes: int) -> Any:
+    """The JSON body; HTTP 413 over max_body_bytes, 400 when not UTF-8 JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise _too_large(int(declared), max_body_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise _too_large(size, max_body_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise invalid(f"request body is not valid UTF-8: {exc}", "body") from None
+    except ValueError as exc:
+        raise invalid(f"request body is not valid JSON: {exc}", "body") from None
+
+
+def _too_large(size: int, limit: int) -> GatewayError:
+    return GatewayError("too_large", f"request body has more than {limit} bytes (got at least {size}); "
+                        f"the limit is max_body_bytes={limit}", param="body", code="request_too_large")
+
+
+class _Shape:
+    """OpenAI response shapes of one endpoint (completions or chat)."""
+
+    def __init__(self, chat: bool, tokenizer: Any, model: str, request_id: str, top: int | None) -> None:
+        self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self._text_offset = 0
+
+    def envelope(self, choices: list, object_suffix: str = "") -> dict:
+        return {"id": self.id, "object": self.object + object_suffix, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def logprobs(self, message: generation_pb2.GenerateResponse) -> dict | None:
+        if self.top is None:
+            return None
+        entries = [(self._token(lp.token_id), lp) for lp in message.logprobs]
+        if self.chat:
+            return {"content": [{"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                                 "top_logprobs": [{"token": self._token(t.token_id), "logprob": t.logprob,
+                                                   "bytes": list(self._token(t.token_id).encode())}
+                                                  for t in lp.top]} for tok, lp in entries]}
+        offsets = []
+        for tok, _ in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(tok)
+        return {"tokens": [tok for tok, _ in entries], "token_logprobs": [lp.logprob for _, lp in entries],
+                "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def usage_dict(usage: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def _server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
+def _merge_logprobs(shape: _Shape, parts: list[dict]) -> dict | None:
+    if shape.top is None:
+        return None
+    if shape.chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    return {key: [x for part in parts for x in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+async def _complete(shape: _Shape, first: generation_pb2.GenerateResponse,
+                    stream: AsyncIterator[generation_pb2.GenerateResponse]) -> JSONResponse:
+    """Non-streaming answer: every message merged into one choice."""
+    texts, logprobs, last = [], [], first
+    message = first
+    while True:
+        texts.append(message.text)
+        if shape.top is not None:
+            logprobs.append(shape.logprobs(message))
+        last = message
+        if message.finish_reason:
+            break
+        message = await stream.__anext__()
+    if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        return JSONResponse(_server_error(last.error), status_code=500)
+    text = "".join(texts)
+    choice: dict[str, Any] = {"index": 0, "logprobs": _merge_logprobs(shape, logprobs),
+                              "finish_reason": FINISH_NAMES[last.finish_reason],
+                              "stop_reason": last.stop_reason or None}
+    if shape.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    body = shape.envelope([choice])
+    body["usage"] = usage_dict(last.usage)
+    return JSONResponse(body)
+
+
+async def _sse(shape: _Shape, req: RestRequest, first: generation_pb2.GenerateResponse,
+               stream: AsyncIterator[generation_pb2.GenerateResponse]) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per message, then usage (if asked) and [DONE]."""
+    try:
+        if shape.chat:
+            yield _event(shape.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], ".chunk"))
+        message = first
+        while True:
+            if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                yield _event(_server_error(message.error))
+                break
+            finish = FINISH_NAMES.get(message.finish_reason)
+            if message.text or finish or (shape.top is not None and message.token_ids):
+                choice: dict[str, Any] = {"index": 0, "logprobs": shape.logprobs(message), "finish_reason": finish}
+                if shape.chat:
+                    choice["delta"] = {"content": message.text} if message.text else {}
+                else:
+                    choice["text"] = message.text
+                if finish:
+                    choice["stop_reason"] = message.stop_reason or None
+                yield _event(shape.envelope([choice], ".chunk" if shape.chat else ""))
+            if finish:
+                if req.include_usage:
+                    body = shape.envelope([], ".chunk" if shape.chat else "")
+                    body["usage"] = usage_dict(message.usage)
+                    yield _event(body)
+                break
+            message = await stream.__anext__()
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # client gone: abort the request on every hop
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request, work: "asyncio.Future") -> None:
+    while not work.done():
+        await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+        if not work.done() and await request.is_disconnected():
+            work.cancel()
+
+
+def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int | None = None) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible endpoints over `service`."""
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    created = started_unix_s or int(time.time())
+
+    async def generate(request: Request, parse: Callable, chat: bool):
+        prefix = "chatcmpl" if chat else "cmpl"
+        try:
+            body = await read_json(request, max_body_bytes)
+            req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
+            stream = service.generate(req.inp)
+            first = await stream.__anext__()
+        except GatewayError as exc:
+            return error_response(exc)
+        shape = _Shape(chat, service.tokenizer, req.inp.model or service.model_id, req.inp.request_id, req.logprobs)
+        if req.stream:
+            return StreamingResponse(_sse(shape, req, first, stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        work = asyncio.ensure_future(_complete(shape, first, stream))
+        try:
+            await _until_disconnect(request, work)
+        finally:
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            await stream.aclose()  # runs the request's cleanup now, not at garbage collection
+        if work.cancelled():
+            return JSONResponse(_server_error("client disconnected"), status_code=499)
+        return work.result()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, parse_completion, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, parse_chat, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        model_id = service.model_id
+        data = [{"id": model_id, "object": "model", "created": created, "owned_by": "splitserve",
+                 "max_model_len": service.registry.max_model_len}] if model_id else []
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        status = service.registry.status()
+        if service.draining:
+            status["ready"] = False
+        if not status["ready"]:
+            status["reason"] = "the gateway is shutting down" if service.draining else service.registry.not_ready_reason()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    return app

@@ -1,0 +1,177 @@
+"""OpenAI request bodies -> GenerationInput, with errors that name the offending field.
+
+Plain dict validation: unknown fields, wrong types and out-of-range values are HTTP 400
+with the field in the message and in the error's "param".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from gateway.errors import GatewayError, invalid
+from gateway.service import GenerationInput, build_sampling_params
+
+# Request fields passed to SamplingParams under the same name.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop", "ignore_eos", "min_tokens", "stop_token_ids",
+                    "include_stop_str_in_output", "skip_special_tokens")
+_COMMON_FIELDS = frozenset(_SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "n", "user"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(frozen=True)
+class RestRequest:
+    """A parsed REST body: what to generate plus how to answer (stream, usage chunk)."""
+
+    inp: GenerationInput
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # completions: top-n; chat: top_logprobs when logprobs is true
+
+
+def _check_fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid(f"request body must be a JSON object, got {type(body).__name__}", "body")
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
+                      f"allowed: {', '.join(sorted(allowed))}", unknown[0])
+    return body
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _optional_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise invalid(f"{name} must be an integer, got {value!r}", name)
+    return value
+
+
+def _common(body: dict) -> tuple[dict[str, Any], bool, bool]:
+    """Sampling values, stream, include_usage; checks model, n and user."""
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise invalid(f"model must be a string, got {body['model']!r}", "model")
+    n = _optional_int(body, "n")
+    if n is not None and n != 1:
+        raise invalid(f"n must be 1 (one choice per request is supported), got {n}", "n")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise invalid(f"user must be a string, got {body['user']!r}", "user")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid(f"stream_options must be an object with include_usage, got {options!r}", "stream_options")
+        if not stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = _bool(options, "include_usage", False)
+    values = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    return values, stream, include_usage
+
+
+def _params(values: dict[str, Any], max_stop_strings: int, renames: dict[str, str]) -> SamplingParams:
+    """build_sampling_params, with messages and param naming the field the client sent."""
+    try:
+        return build_sampling_params(values, max_stop_strings)
+    except GatewayError as exc:
+        theirs = renames.get(exc.param or "")
+        if theirs is not None and exc.message.startswith(exc.param):
+            raise invalid(theirs + exc.message[len(exc.param):], theirs) from None
+        raise
+
+
+def _prompt(body: dict) -> dict[str, Any]:
+    """prompt: a string, a list of token ids, or a one-element list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise invalid(f"prompt must be one prompt (a string or a list of token ids); a batch of "
+                          f"{len(prompt)} prompts is not supported", "prompt")
+        for token_id in prompt:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise invalid(f"prompt token ids must be non-negative integers, got {token_id!r}", "prompt")
+        return {"token_ids": tuple(prompt)}
+    if prompt is None:
+        raise invalid("prompt is required", "prompt")
+    raise invalid(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+
+def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
+    """POST /v1/completions body -> RestRequest."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    values, stream, include_usage = _common(body)
+    if body.get("max_tokens") is not None:
+        values["max_tokens"] = body["max_tokens"]
+    if body.get("logprobs") is not None:
+        values["logprobs"] = body["logprobs"]
+    params = _params(values, max_stop_strings, {})
+    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params, **_prompt(body))
+    return RestRequest(inp, stream, include_usage, params.logprobs)
+
+
+def _messages(body: dict) -> tuple[tuple[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object with role and content", "messages")
+        role, content = message.get("role"), message.get("content")
+        if role not in _CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}", "messages")
+        if isinstance(content, list):  # OpenAI content parts: only text parts are served
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise invalid(f"messages[{i}].content parts must be text parts "
+                              "({\"type\": \"text\", \"text\": ...})", "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
+                          "messages")
+        turns.append((role, content))
+    return tuple(turns)
+
+
+def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
+    """POST /v1/chat/completions body -> RestRequest."""
+    body = _check_fields(body, CHAT_FIELDS)
+    values, stream, include_usage = _common(body)
+    renames = {}
+    if body.get("max_completion_tokens") is not None:
+        values["max_tokens"], renames["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
+    elif body.get("max_tokens") is not None:
+        values["max_tokens"] = body["max_tokens"]
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _optional_int(body, "top_logprobs")
+    if top is not None:
+        if not want_logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise invalid(f"top_logprobs must be >= 0 and <= {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if want_logprobs:
+        values["logprobs"] = top or 0
+    params = _params(values, max_stop_strings, renames)
+    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params,
+                          chat=_messages(body))
+    return RestRequest(inp, stream, include_usage, params.logprobs)

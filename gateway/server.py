@@ -1,0 +1,162 @@
+"""`splitserve gateway`: the gRPC Generation API and the REST shim in one asyncio loop.
+
+SIGTERM / SIGINT drains: readiness and health turn NOT_SERVING, new requests are refused
+(UNAVAILABLE / 503), in-flight requests may finish for up to drain_grace_s, then the
+servers stop and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.grpc_api import HealthReporter, add_services
+from gateway.registry import CHANNEL_OPTIONS, Registry
+from gateway.router import Router
+from gateway.service import GatewayService
+
+log = logging.getLogger("splitserve.gateway")
+
+
+def load_gateway_tokenizer(model: str) -> Any:
+    """The tokenizer of `model` (a directory), or of the embedded default model when empty."""
+    from engine.tokenizer import load_tokenizer
+
+    if not model:
+        try:
+            from engine.default_model_path import default_model_path
+        except ImportError as exc:
+            raise ValueError(f"no --model given and the embedded default model is not available ({exc}); "
+                             "pass --model with a model directory") from None
+        model = str(default_model_path())
+    if os.path.isfile(model):  # a config.json (load_format dummy): its directory holds the tokenizer
+        model = os.path.dirname(model) or "."
+    return load_tokenizer(model)
+
+
+class _EmbeddedUvicorn:
+    """uvicorn.Server that leaves signal handling to the gateway."""
+
+    @staticmethod
+    def make(app: Any, config: GatewayConfig, grace_s: float) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def capture_signals(self):  # the gateway owns SIGINT/SIGTERM
+                return contextlib.nullcontext()
+
+        uv_config = uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning",
+                                   access_log=False, lifespan="off", timeout_graceful_shutdown=max(grace_s, 0.1))
+        return Server(uv_config)
+
+
+class GatewayServer:
+    """Owns the registry, router, service and both servers of one gateway process."""
+
+    def __init__(self, config: GatewayConfig, *, tokenizer: Any = None,
+                 http_socket: socket.socket | None = None) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._http_socket = http_socket
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc_server: grpc.aio.Server | None = None
+        self._uvicorn: Any = None
+        self._rest_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Build everything, listen on both ports, then register instances (first Describe round)."""
+        config = self.config
+        tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
+        self.registry = Registry(config.prefill_addresses, config.decode_addresses,
+                                 health_interval_s=config.health_interval_s, model_id=config.model_id)
+        self.router = Router(self.registry)
+        self.service = GatewayService(self.registry, self.router, tokenizer,
+                                      max_concurrent_requests=config.max_concurrent_requests,
+                                      max_stop_strings=config.max_stop_strings,
+                                      request_timeout_s=config.request_timeout_s)
+        self.health = HealthReporter()
+        await self.health.set_ready(False)
+        self.registry.listeners.append(lambda ready: asyncio.ensure_future(self.health.set_ready(ready)))
+        self._grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        add_services(self._grpc_server, self.service, self.health)
+        self.grpc_port = self._grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await self._grpc_server.start()
+        if config.http_port or self._http_socket is not None:
+            await self._start_rest()
+        await self.registry.start()
+        log.info("gateway up: gRPC %s:%d, REST %s; ready=%s", config.host, self.grpc_port,
+                 f"http://{config.host}:{self.http_port}" if self.http_port else "off", self.registry.ready())
+
+    async def _start_rest(self) -> None:
+        from gateway.rest import create_app
+
+        app = create_app(self.service, self.config.max_body_bytes, int(time.time()))
+        self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
+        sockets = [self._http_socket] if self._http_socket is not None else None
+        self._rest_task = asyncio.create_task(self._uvicorn.serve(sockets=sockets), name="gateway-rest")
+        while not self._uvicorn.started and not self._rest_task.done():
+            await asyncio.sleep(0.01)
+        if self._rest_task.done():
+            raise OSError(f"the REST server could not start on {self.config.host}:{self.config.http_port} "
+                          "(port in use?)")
+        if self._http_socket is not None:
+            self.http_port = self._http_socket.getsockname()[1]
+        else:
+            self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float) -> None:
+        """Drain: refuse new requests, let in-flight ones finish up to grace_s, stop both servers."""
+        self.service.draining = True
+        await self.health.shutdown()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        waits = [self.service.wait_idle(grace_s)]
+        if self._grpc_server is not None:
+            waits.append(self._grpc_server.stop(grace_s))
+        if self._rest_task is not None:
+            waits.append(self._rest_task)
+        await asyncio.gather(*waits, return_exceptions=True)
+        await self.registry.close()
+
+
+async def serve(config: GatewayConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; 0 on a clean exit, 1 when start-up failed."""
+    server = GatewayServer(config)
+    try:
+        await server.start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"splitserve gateway: error: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting without draining", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: draining (up to %g s)", signal.Signals(signum).name, config.drain_grace_s)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
+    await server.stop(config.drain_grace_s)
+    log.info("gateway stopped")
+    return 0
+
+
+def run(ns: Any, configs: dict[str, Any]) -> int:
+    """Entry point of `splitserve gateway` (see engine/cli.py)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(configs["GatewayConfig"]))

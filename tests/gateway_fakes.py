@@ -1,0 +1,312 @@
+"""Deterministic in-process fakes of the Prefill and Decode services, and a test stack.
+
+The fakes implement the wire contract (protos/) with a token rule that tests can predict:
+
+    first token  = next_token(last prompt token)       (prefill, or a decode prefilling locally)
+    each step    = next_token(previous token)          (one token per request per step)
+    next_token(t) = t + 1, wrapping from the vocabulary's end to FIRST_WORD
+
+With the word-level tokenizer built here (token i >= FIRST_WORD is the word "w<i>"), the
+text of any output is predictable: ids [9, 10, 11] after a prompt read " w9 w10 w11".
+Everything runs in one background event loop (`LoopThread`) so tests can use the
+synchronous openai / grpc / httpx clients from the test thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+SPECIAL = ["<s>", "</s>", "<unk>"]
+ROLE_WORDS = ["user", "system", "assistant", "hello", "world"]
+FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)  # 8: ids from here are "w<id>"
+VOCAB_SIZE = 200
+EOS_ID = 1
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+LAYOUT = common_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+                             model_id="tiny-fake", layout="block_major_v1")
+FR = common_pb2.FinishReason
+
+
+def word(token_id: int) -> str:
+    return (SPECIAL + ROLE_WORDS)[token_id] if token_id < FIRST_WORD else f"w{token_id}"
+
+
+def make_tokenizer_dir(path: str) -> str:
+    """Save a word-level tokenizer (whitespace split, words joined by spaces) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word(i): i for i in range(VOCAB_SIZE)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def next_token(token_id: int) -> int:
+    return token_id + 1 if token_id + 1 < VOCAB_SIZE else FIRST_WORD
+
+
+def expected_ids(prompt_ids: list[int], n: int) -> list[int]:
+    """The n tokens every fake generates after `prompt_ids`."""
+    out, last = [], prompt_ids[-1]
+    for _ in range(n):
+        last = next_token(last)
+        out.append(last)
+    return out
+
+
+def fake_logprobs(token_id: int, top: int) -> common_pb2.TokenLogprobs:
+    """Logprob -token_id/100 for the chosen token; alternatives token_id+1.. at lower logprobs."""
+    return common_pb2.TokenLogprobs(
+        token_id=token_id, logprob=-token_id / 100,
+        top=[common_pb2.TopLogprob(token_id=token_id + k, logprob=-(token_id + k) / 100 - k) for k in range(top)])
+
+
+def _describe(name: str, role: str, layout: common_pb2.KvLayout, max_model_len: int, load: common_pb2.Load,
+              start_ns: int) -> common_pb2.DescribeResponse:
+    return common_pb2.DescribeResponse(instance_id=name, role=role, model_id=layout.model_id, layout=layout,
+                                       load=load, transports=["shm"], start_unix_ns=start_ns,
+                                       max_model_len=max_model_len)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    """Answers the first token and a KV handle (one block id per started block of the prompt)."""
+
+    def __init__(self, name: str = "prefill-0", *, layout: common_pb2.KvLayout = LAYOUT, max_model_len: int = 64,
+                 cached_prompt_tokens: int = 0) -> None:
+        self.name, self.layout, self.max_model_len = name, layout, max_model_len
+        self.cached_prompt_tokens = cached_prompt_tokens
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.released: list[tuple[str, int]] = []
+        self.fail_code: grpc.StatusCode | None = None  # set to make Prefill fail
+        self.delay_s = 0.0
+        self.start_ns = time.time_ns()
+        self.address = ""
+
+    async def Prefill(self, request, context):
+        self.requests.append(request)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_code is not None:
+            await context.abort(self.fail_code, "injected prefill failure")
+        first = next_token(request.prompt_token_ids[-1])
+        sampling = request.sampling
+        response = prefill_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=first, cached_prompt_tokens=self.cached_prompt_tokens,
+            timings=common_pb2.Timings(queue_ns=1000, prefill_ns=2000))
+        if sampling.HasField("logprobs"):
+            response.first_logprobs.CopyFrom(fake_logprobs(first, sampling.logprobs))
+        if sampling.HasField("max_tokens") and sampling.max_tokens == 1:
+            response.finish_reason = FR.FINISH_REASON_LENGTH  # no KV held then
+            return response
+        n = len(request.prompt_token_ids)
+        bs = self.layout.block_size
+        response.kv.CopyFrom(common_pb2.KvHandle(
+            prefill_instance=self.name, prefill_address=self.address, block_ids=list(range((n + bs - 1) // bs)),
+            num_tokens=n, lease=common_pb2.Lease(lease_id=f"lease-{request.request_id}", epoch=7),
+            transport="shm", layout=self.layout))
+        return response
+
+    async def ReleaseKv(self, request, context):
+        self.released.append((request.lease_id, request.epoch))
+        return prefill_pb2.ReleaseKvResponse(released=True)
+
+    async def Describe(self, request, context):
+        load = common_pb2.Load(num_free_blocks=1000, num_total_blocks=1000)
+        return _describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
+
+
+@dataclass
+class _Running:
+    request: decode_pb2.DecodeRequest
+    last: int
+    generated: int
+    limit: int
+    first_delta: bool = True
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    """One step every step_s: one token for every running request of a stream, in one DecodeOut."""
+
+    def __init__(self, name: str = "decode-0", *, role: str = "decode", layout: common_pb2.KvLayout = LAYOUT,
+                 max_model_len: int = 64, step_s: float = 0.01, free_blocks: int = 1000,
+                 cached_prompt_tokens: int = 0) -> None:
+        self.name, self.role, self.layout, self.max_model_len = name, role, layout, max_model_len
+        self.step_s, self.free_blocks = step_s, free_blocks
+        self.cached_prompt_tokens = cached_prompt_tokens
+        self.requests: list[decode_pb2.DecodeRequest] = []
+        self.aborts: list[str] = []
+        self.num_streams = 0
+        self.max_deltas_per_message = 0
+        self.running: dict[str, _Running] = {}
+        self.hold = False  # True = produce nothing (requests stay running)
+        self.start_ns = time.time_ns()
+
+    async def Describe(self, request, context):
+        load = common_pb2.Load(num_free_blocks=self.free_blocks, num_total_blocks=self.free_blocks,
+                               num_running=len(self.running))
+        return _describe(self.name, self.role, self.layout, self.max_model_len, load, self.start_ns)
+
+    async def Generate(self, request_iterator, context):
+        self.num_streams += 1
+        mine: dict[str, _Running] = {}
+        outbox: list[decode_pb2.TokenDelta] = []
+        reader = asyncio.ensure_future(self._read(request_iterator, mine, outbox))
+        try:
+            while not (reader.done() and not mine and not outbox):
+                await asyncio.sleep(self.step_s)
+                if self.hold:
+                    continue
+                deltas = outbox[:] + [self._step(rid, run, mine) for rid, run in list(mine.items())]
+                outbox.clear()
+                if deltas:
+                    self.max_deltas_per_message = max(self.max_deltas_per_message, len(deltas))
+                    yield decode_pb2.DecodeOut(deltas=deltas, step_ns=1000)
+        finally:
+            reader.cancel()
+            for rid in mine:
+                self.running.pop(rid, None)
+
+    async def _read(self, request_iterator, mine: dict, outbox: list) -> None:
+        async for message in request_iterator:
+            if message.WhichOneof("kind") == "request":
+                req = message.request
+                self.requests.append(req)
+                local = not req.HasField("first_token_id")
+                limit = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else \
+                    self.max_model_len - len(req.prompt_token_ids)
+                run = _Running(req, req.prompt_token_ids[-1] if local else req.first_token_id,
+                               0 if local else 1, limit)
+                mine[req.request_id] = self.running[req.request_id] = run
+            else:
+                rid = message.abort.request_id
+                self.aborts.append(rid)
+                if mine.pop(rid, None) is not None:
+                    self.running.pop(rid, None)
+                    outbox.append(decode_pb2.TokenDelta(request_id=rid, finish_reason=FR.FINISH_REASON_ABORT))
+
+    def _step(self, rid: str, run: _Running, mine: dict) -> decode_pb2.TokenDelta:
+        token = next_token(run.last)
+        run.last, run.generated = token, run.generated + 1
+        delta = decode_pb2.TokenDelta(request_id=rid, token_ids=[token])
+        sampling = run.request.sampling
+        if sampling.HasField("logprobs"):
+            delta.logprobs.append(fake_logprobs(token, sampling.logprobs))
+        if run.first_delta:
+            delta.cached_prompt_tokens = self.cached_prompt_tokens
+            run.first_delta = False
+        if token in sampling.stop_token_ids:
+            delta.finish_reason = FR.FINISH_REASON_STOP
+        elif run.generated >= run.limit:
+            delta.finish_reason = FR.FINISH_REASON_LENGTH
+        if delta.finish_reason:
+            delta.timings.CopyFrom(common_pb2.Timings(queue_ns=10, transfer_ns=300, decode_ns=5000))
+            del mine[rid]
+            self.running.pop(rid, None)
+        return delta
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; run(coro) executes there and returns the result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout_s: float = 15.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def wrapper():
+            return fn()
+        return self.run(wrapper())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+@dataclass
+class FakeServer:
+    """A fake servicer served on a loopback port (restartable on the same port)."""
+
+    servicer: Any
+    port: int = 0
+    server: Any = None
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        if isinstance(self.servicer, FakePrefill):
+            prefill_pb2_grpc.add_PrefillServicer_to_server(self.servicer, self.server)
+        else:
+            decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self.servicer.address = self.address
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Stack:
+    """Fake prefills and decodes plus a real GatewayServer, all in one LoopThread."""
+
+    tokenizer_dir: str
+    prefills: list = field(default_factory=list)
+    decodes: list = field(default_factory=list)
+    overrides: dict = field(default_factory=dict)
+
+    def start(self) -> "Stack":
+        from gateway.config import GatewayConfig
+        from gateway.server import GatewayServer
+
+        self.loop = LoopThread()
+        self.servers = {s.name: FakeServer(s) for s in self.prefills + self.decodes}
+        for server in self.servers.values():
+            self.loop.run(server.start())
+        http = socket.socket()
+        http.bind(("127.0.0.1", 0))
+        values = dict(grpc_port=0, model=self.tokenizer_dir, health_interval_s=0.1, drain_grace_s=1.0,
+                      prefill=",".join(self.servers[p.name].address for p in self.prefills),
+                      decode=",".join(self.servers[d.name].address for d in self.decodes))
+        values.update(self.overrides)
+        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http)
+        self.loop.run(self.gateway.start())
+        self.grpc_target = f"127.0.0.1:{self.gateway.grpc_port}"
+        self.base_url = f"http://127.0.0.1:{self.gateway.http_port}"
+        return self
+
+    def stop(self) -> None:
+        self.loop.run(self.gateway.stop(0.5))
+        for server in self.servers.values():
+            self.loop.run(server.stop())
+        self.loop.close()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+        """Poll `predicate` on the loop thread until true."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.loop.call(predicate):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

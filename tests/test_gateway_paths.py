@@ -1,0 +1,249 @@
+"""Gateway request paths over gRPC against fake prefill/decode services (tests/gateway_fakes.py).
+
+Prompt "hello world w20" is ids [6, 7, 20]; the fakes then generate 21, 22, 23, ... whose
+text (after the prompt) is " w21 w22 w23 ...".
+"""
+
+import grpc
+import pytest
+
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, fake_logprobs, make_tokenizer_dir
+
+FR = common_pb2.FinishReason
+PROMPT = "hello world w20"
+PROMPT_IDS = [6, 7, 20]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture
+def make_stack(tokenizer_dir):
+    stacks = []
+
+    def make(prefills=(), decodes=(), **overrides):
+        stack = Stack(tokenizer_dir, list(prefills), list(decodes), overrides).start()
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def stub(stack):
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+
+
+def request(text=PROMPT, **sampling):
+    stop = sampling.pop("stop", ())
+    include = sampling.pop("include_stop_str_in_output", False)
+    return generation_pb2.GenerateRequest(text=text, sampling=common_pb2.SamplingParams(**sampling),
+                                          stop=stop, include_stop_str_in_output=include)
+
+
+def generate(stack, req):
+    return list(stub(stack).Generate(req, timeout=10))
+
+
+def summary(messages):
+    """(token ids, text, finish reason, stop_reason, error) of a whole stream."""
+    last = messages[-1]
+    assert all(not m.finish_reason for m in messages[:-1])
+    return ([t for m in messages for t in m.token_ids], "".join(m.text for m in messages),
+            last.finish_reason, last.stop_reason, last.error)
+
+
+def test_disaggregated_path_streams_prefill_token_then_decode_tokens(make_stack):
+    prefill, decode = FakePrefill(cached_prompt_tokens=2), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=5, temperature=0.0))
+    assert [list(m.token_ids) for m in messages] == [[21], [22], [23], [24], [25]]
+    assert [m.text for m in messages] == [" w21", " w22", " w23", " w24", " w25"]
+    assert messages[-1].finish_reason == FR.FINISH_REASON_LENGTH
+    assert messages[-1].usage == common_pb2.Usage(prompt_tokens=3, completion_tokens=5, cached_prompt_tokens=2)
+    first_t, last_t = messages[0].timings, messages[-1].timings
+    assert (first_t.queue_ns, first_t.prefill_ns, first_t.total_ns > 0) == (1000, 2000, True)
+    assert (last_t.queue_ns, last_t.prefill_ns, last_t.transfer_ns, last_t.decode_ns) == (1010, 2000, 300, 5000)
+    # one PrefillRequest, then one DecodeRequest carrying the first token and the handle
+    (pre,), (dec,) = prefill.requests, decode.requests
+    assert list(pre.prompt_token_ids) == list(dec.prompt_token_ids) == PROMPT_IDS
+    assert dec.first_token_id == 21 and dec.kv.lease.lease_id == f"lease-{pre.request_id}"
+    assert list(dec.kv.block_ids) == [0] and dec.request_id == pre.request_id == messages[0].request_id
+    # no seed given: the gateway drew one 63-bit seed for both hops
+    assert pre.seed == dec.seed == pre.sampling.seed == dec.sampling.seed and 0 <= pre.seed < 2**63
+    assert prefill.released == []  # the decode owns the lease
+
+
+def test_given_seed_and_request_id_are_passed_to_both_hops(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    req = request(max_tokens=2, seed=1234)
+    req.request_id = "my-request"
+    messages = generate(stack, req)
+    assert {m.request_id for m in messages} == {"my-request"}
+    assert (prefill.requests[0].seed, decode.requests[0].seed) == (1234, 1234)
+
+
+def test_colocated_worker_takes_requests_without_prefill(make_stack):
+    worker = FakeDecode("worker-0", role="both", cached_prompt_tokens=3)
+    stack = make_stack([], [worker])
+    messages = generate(stack, request(max_tokens=4))
+    assert summary(messages) == ([21, 22, 23, 24], " w21 w22 w23 w24", FR.FINISH_REASON_LENGTH, "", "")
+    (dec,) = worker.requests
+    assert not dec.HasField("first_token_id") and not dec.HasField("kv")
+    assert messages[-1].usage.cached_prompt_tokens == 3
+
+
+def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
+    decode = FakeDecode()
+    stack = make_stack([FakePrefill()], [decode])
+    # " w21 w22 w23": "2 w2" starts in token 22 and is completed by token 23
+    messages = generate(stack, request(max_tokens=10, stop=["2 w2", "nope"]))
+    assert summary(messages) == ([21, 22, 23], " w21 w2", FR.FINISH_REASON_STOP, "2 w2", "")
+    assert messages[-1].usage.completion_tokens == 3
+    stack.wait_for(lambda: decode.aborts == [messages[0].request_id], what="AbortRequest at the decode")
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=10, stop=["2 w2"], include_stop_str_in_output=True))
+    assert summary(messages) == ([21, 22, 23], " w21 w22 w2", FR.FINISH_REASON_STOP, "2 w2", "")
+
+
+def test_stop_string_in_the_first_token_releases_the_lease(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=10, stop=["w21"]))
+    assert summary(messages) == ([21], " ", FR.FINISH_REASON_STOP, "w21", "")
+    rid = messages[0].request_id
+    stack.wait_for(lambda: prefill.released == [(f"lease-{rid}", 7)], what="ReleaseKv")
+    assert decode.requests == []
+
+
+def test_first_token_that_finishes_never_reaches_a_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=1))
+    assert summary(messages) == ([21], " w21", FR.FINISH_REASON_LENGTH, "", "")
+    assert decode.requests == [] and prefill.released == []  # no KV is held when the prefill finishes
+
+
+def test_stop_token_id_names_the_token_in_stop_reason(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=10, stop_token_ids=[23]))
+    assert summary(messages) == ([21, 22, 23], " w21 w22 w23", FR.FINISH_REASON_STOP, "23", "")
+
+
+def test_logprobs_flow_from_prefill_and_decode(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=3, logprobs=2))
+    assert [lp for m in messages for lp in m.logprobs] == [fake_logprobs(t, 2) for t in (21, 22, 23)]
+
+
+def test_client_cancel_sends_abort_to_the_decode(make_stack):
+    decode = FakeDecode()
+    stack = make_stack([FakePrefill()], [decode])
+    call = stub(stack).Generate(request(max_tokens=50), timeout=10)
+    first = next(call)
+    assert list(first.token_ids) == [21]
+    next(call)  # the decode is streaming
+    call.cancel()
+    stack.wait_for(lambda: decode.aborts == [first.request_id], what="AbortRequest after cancel")
+    service, (inst,) = stack.gateway.service, stack.gateway.registry.decodes()
+    stack.wait_for(lambda: service.num_active == 0 and inst.in_flight == 0, what="request bookkeeping at zero")
+
+
+def test_client_cancel_during_prefill_never_reaches_the_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.delay_s = 1.0
+    stack = make_stack([prefill], [decode])
+    call = stub(stack).Generate(request(max_tokens=5), timeout=10)
+    stack.wait_for(lambda: len(prefill.requests) == 1, what="the Prefill call")
+    call.cancel()
+    stack.wait_for(lambda: stack.gateway.service.num_active == 0, what="the request to end")
+    assert decode.requests == [] and decode.aborts == []
+
+
+def test_prefill_failure_falls_back_to_a_local_prefill_on_the_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.fail_code = grpc.StatusCode.UNAVAILABLE
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=4))
+    assert summary(messages) == ([21, 22, 23, 24], " w21 w22 w23 w24", FR.FINISH_REASON_LENGTH, "", "")
+    (dec,) = decode.requests
+    assert not dec.HasField("kv") and not dec.HasField("first_token_id")
+    (inst,) = stack.gateway.registry.prefills()
+    assert inst.error == "prefill instance prefill-0 failed: UNAVAILABLE: injected prefill failure"
+    prefill.fail_code = None  # Describe still answers: the next health round brings it back
+    stack.wait_for(lambda: inst.up, what="the prefill to be up again")
+    generate(stack, request(max_tokens=2))
+    assert len(prefill.requests) == 2 and decode.requests[-1].HasField("kv")
+
+
+def test_prefill_refusing_the_request_is_the_clients_error(make_stack):
+    prefill = FakePrefill()
+    prefill.fail_code = grpc.StatusCode.INVALID_ARGUMENT
+    stack = make_stack([prefill], [FakeDecode()])
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, request(max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "prefill instance prefill-0 refused the request: injected prefill failure"
+
+
+def test_two_decodes_both_take_traffic(make_stack):
+    a, b = FakeDecode("decode-a"), FakeDecode("decode-b")
+    a.hold = b.hold = True
+    stack = make_stack([FakePrefill()], [a, b])
+    calls = [stub(stack).Generate(request(f"w{30 + i}", max_tokens=3), timeout=10) for i in range(8)]
+    stack.wait_for(lambda: len(a.requests) + len(b.requests) == 8, what="8 decode requests")
+    assert (len(a.requests), len(b.requests)) == (4, 4)
+    assert a.max_deltas_per_message == 0
+    a.hold = b.hold = False
+    results = [summary(list(call)) for call in calls]
+    assert [r[0] for r in results] == [[31 + i, 32 + i, 33 + i] for i in range(8)]
+    assert a.max_deltas_per_message == 4  # one DecodeOut per step for all requests on the stream
+
+
+def test_a_broken_decode_stream_fails_only_its_requests(make_stack):
+    a, b = FakeDecode("decode-a"), FakeDecode("decode-b")
+    a.hold = b.hold = True
+    stack = make_stack([FakePrefill()], [a, b])
+    calls = [stub(stack).Generate(request(f"w{30 + i}", max_tokens=3), timeout=10) for i in range(4)]
+    stack.wait_for(lambda: (len(a.requests), len(b.requests)) == (2, 2), what="2 requests on each decode")
+    on_a = {r.request_id for r in a.requests}
+    stack.loop.run(stack.servers["decode-a"].stop())
+    b.hold = False
+    for call in calls:
+        messages = list(call)
+        if messages[0].request_id in on_a:
+            last = messages[-1]
+            assert last.finish_reason == FR.FINISH_REASON_ERROR
+            assert last.error.startswith("decode instance decode-a failed: ")
+        else:
+            assert summary(messages)[2] == FR.FINISH_REASON_LENGTH
+    messages = generate(stack, request(max_tokens=2))  # routed to decode-b
+    assert summary(messages)[:3] == ([21, 22], " w21 w22", FR.FINISH_REASON_LENGTH)
+    assert b.requests[-1].request_id == messages[0].request_id
+    # decode-a comes back on the same port: its stream reopens and it takes traffic again
+    a.hold = False
+    stack.loop.run(stack.servers["decode-a"].start())
+    inst_a = stack.gateway.registry.decodes()[0]
+    stack.wait_for(lambda: inst_a.up, what="decode-a to be up again")
+    assert a.num_streams == 2
+    generate(stack, request(max_tokens=2))
+    assert a.requests[-1].request_id != b.requests[-1].request_id and len(a.requests) == 3
+
+
+def test_deadline_ends_the_request_and_aborts_it(make_stack):
+    decode = FakeDecode()
+    decode.hold = True
+    stack = make_stack([FakePrefill()], [decode], request_timeout_s=0.3)
+    messages = generate(stack, request(max_tokens=5))
+    rid = messages[0].request_id
+    assert summary(messages) == ([21], " w21", FR.FINISH_REASON_ERROR, "",
+                                 f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)")
+    stack.wait_for(lambda: decode.aborts == [rid], what="AbortRequest after the deadline")
