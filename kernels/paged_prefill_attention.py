@@ -134,7 +134,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int, on_cpu
     if on_cpu:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     # Measured on the H200 (docs/perf.md, Kernels): 128-row tiles for long prompts, 64 up to 1024
-    # query tokens (more programs for short sequences); 4 warps beat 8 at both sizes.
+    # query tokens (more programs for short sequences); 4 warps beat 8 with 64-wide K tiles.
     block_m = 128 if max_query_len > 1024 else min(64, max(16, next_pow2(max_query_len)))
     if dtype == torch.float32 or head_dim > 128:
         return dict(BLOCK_M=min(block_m, 64), BLOCK_N=32, num_warps=4, num_stages=2)
