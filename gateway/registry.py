@@ -143,7 +143,7 @@ class Registry:
     async def refresh(self) -> None:
         """One health round: Describe all instances concurrently, update links and pairs."""
         await asyncio.gather(*(self._describe(inst) for inst in self.instances))
-        self._update_mismatches()
+        self.update_pairs()
         ready = self.ready()
         for listener in self.listeners:
             listener(ready)
@@ -201,7 +201,8 @@ class Registry:
     def compatible(self, prefill: Instance, decode: Instance) -> bool:
         return self.pair_problem(prefill, decode) is None
 
-    def _update_mismatches(self) -> None:
+    def update_pairs(self) -> None:
+        """Recompute the refused prefill/decode pairs; log each new refusal once."""
         current: dict[tuple[str, str], str] = {}
         for p in self.prefills():
             for d in self.decodes():

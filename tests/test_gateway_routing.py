@@ -1,0 +1,163 @@
+"""Registry pairing/readiness and Router choices, on hand-built instances (no RPCs), plus
+the layout-mismatch refusal end to end against fake services."""
+
+import logging
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.kv_layout import KvLayout
+from gateway.registry import Instance, Registry, describe_layout, layout_mismatch
+from gateway.router import Router
+from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+
+LAYOUT_TEXT = ("num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, "
+               "model_id=tiny-fake, layout=block_major_v1")
+
+
+def layout(**changes):
+    out = common_pb2.KvLayout()
+    out.CopyFrom(LAYOUT)
+    for name, value in changes.items():
+        setattr(out, name, value)
+    return out
+
+
+class _Link:
+    alive = True
+
+
+def instance(address, pool, role=None, *, lay=LAYOUT, free=1000, running=0, waiting=0, queued=0, start=1):
+    role = role or pool
+    load = common_pb2.Load(num_free_blocks=free, num_total_blocks=free, num_running=running,
+                           num_waiting=waiting, num_queued_tokens=queued)
+    describe = common_pb2.DescribeResponse(instance_id=f"{pool}@{address}", role=role, model_id=lay.model_id,
+                                           layout=lay, load=load, transports=["shm"], start_unix_ns=start,
+                                           max_model_len=64)
+    inst = Instance(address, pool, channel=None, describe=describe, reachable=True, error="")
+    if pool == "decode":
+        inst.link = _Link()
+    return inst
+
+
+def registry_of(*instances):
+    registry = Registry([], [])
+    registry.instances = list(instances)
+    registry.update_pairs()
+    return registry
+
+
+def test_layout_text_matches_engine_kv_layout():
+    a, b = layout(), layout(block_size=8)
+    engine = [KvLayout(l.num_layers, l.num_kv_heads, l.head_dim, l.block_size, l.dtype, l.model_id, l.layout)
+              for l in (a, b)]
+    assert describe_layout(a) == engine[0].describe() == LAYOUT_TEXT.format(4)
+    assert layout_mismatch(a, b) == engine[0].mismatch(engine[1])
+    assert layout_mismatch(a, layout()) is None
+
+
+def test_mismatched_pair_is_refused_and_not_ready():
+    p, d = instance("p:1", "prefill"), instance("d:1", "decode", lay=layout(block_size=8))
+    registry = registry_of(p, d)
+    assert registry.describe_mismatches() == [
+        f"refusing to pair prefill prefill@p:1 (p:1) with decode decode@d:1 (d:1): KV layouts differ: "
+        f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]"]
+    assert not registry.ready() and Router(registry).pick_prefill() is None
+    assert Router(registry).decode_candidates(p) == []
+
+
+def test_a_colocated_worker_is_a_full_path():
+    registry = registry_of(instance("w:1", "decode", "both"))
+    assert registry.ready()
+    assert registry_of(instance("d:1", "decode")).ready() is False
+
+
+def test_role_must_fit_the_flag_that_lists_the_instance():
+    d = instance("d:1", "decode", "prefill")
+    assert not d.up and not registry_of(instance("p:1", "prefill"), d).ready()
+
+
+def test_no_common_transport_is_refused():
+    p, d = instance("p:1", "prefill"), instance("d:1", "decode")
+    d.describe.transports[:] = ["nccl"]
+    registry = registry_of(p, d)
+    assert registry.pair_problem(p, d) == "no common KV transport: prefill serves ['shm'], decode pulls with ['nccl']"
+    assert not registry.ready()
+
+
+def test_prefill_with_fewest_queued_tokens_then_fewest_waiting():
+    d = instance("d:1", "decode")
+    p1, p2, p3 = (instance("p:1", "prefill", queued=50, waiting=1), instance("p:2", "prefill", queued=20, waiting=3),
+                  instance("p:3", "prefill", queued=20, waiting=2))
+    router = Router(registry_of(p1, p2, p3, d))
+    assert router.pick_prefill() is p3
+    router.assign(p3, list(range(40)))  # 40 tokens sent since its last Describe
+    assert router.pick_prefill() is p2
+    p_other = instance("p:0", "prefill", lay=layout(head_dim=16))  # no compatible decode: never chosen
+    assert Router(registry_of(p_other, p1, d)).pick_prefill() is p1
+
+
+def test_decode_with_most_free_blocks_minus_running():
+    a, b = instance("a:1", "decode", free=100, running=10), instance("b:1", "decode", free=95, running=2)
+    router = Router(registry_of(a, b))
+    assert router.pick_decode([a, b], [9] * 3) is b  # 95 - 2 > 100 - 10
+
+
+def test_a_burst_spreads_before_the_next_describe():
+    a, b = instance("a:1", "decode"), instance("b:1", "decode")
+    router = Router(registry_of(a, b))
+    chosen = []
+    for i in range(6):
+        d = router.pick_decode([a, b], [10 + i] * 5)  # distinct 5-token prompts: 2 blocks each
+        router.assign(d, [10 + i] * 5)
+        chosen.append(d.address)
+    assert chosen == ["a:1", "b:1"] * 3
+    assert (a.in_flight, a.pending_blocks, b.in_flight) == (3, 6, 3)
+    router.release(a)
+    assert a.in_flight == 2
+
+
+def test_prefix_affinity_prefers_the_decode_that_served_the_leading_blocks():
+    a, b = instance("a:1", "decode"), instance("b:1", "decode")
+    router = Router(registry_of(a, b))
+    shared = list(range(20, 32))  # 3 full blocks of 4
+    router.assign(b, shared + [90])
+    b.pending_blocks = b.in_flight = 0  # as after the next Describe
+    assert router.pick_decode([a, b], shared + [91, 92]) is b  # 3 cached blocks beat the tie-break
+    b.describe.load.num_free_blocks = 998
+    assert router.pick_decode([a, b], shared + [91, 92]) is b  # 998 + 3 cached > 1000
+    b.describe.load.num_free_blocks = 997
+    assert router.pick_decode([a, b], shared + [91, 92]) is a  # 997 + 3 = 1000: the tie goes to a
+    b.describe.load.num_free_blocks = 1000
+    b.describe.start_unix_ns = 2  # b restarted: its cache is cold
+    assert router.pick_decode([a, b], shared + [91, 92]) is a
+    assert router.pick_decode([a, b], [7, 7, 7, 7]) is a
+
+
+def test_layout_mismatch_end_to_end(tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="splitserve.gateway")
+    prefill, decode = FakePrefill(), FakeDecode(layout=layout(block_size=8))
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [prefill], [decode]).start()
+    try:
+        p, d = stack.servers["prefill-0"].address, stack.servers["decode-0"].address
+        message = (f"refusing to pair prefill prefill-0 ({p}) with decode decode-0 ({d}): KV layouts differ: "
+                   f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]")
+        assert stack.gateway.registry.describe_mismatches() == [message]
+        assert [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()] == [message]
+        ready = httpx.get(stack.base_url + "/ready")
+        assert ready.status_code == 503 and ready.json()["refused_pairs"] == [message]
+        assert message in ready.json()["reason"]
+        channel = grpc.insecure_channel(stack.grpc_target)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # never through the mismatched pair: the decode prefills locally
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        out = list(stub.Generate(generation_pb2.GenerateRequest(
+            text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=5))
+        assert [t for m in out for t in m.token_ids] == [21, 22]
+        assert prefill.requests == [] and not decode.requests[0].HasField("kv")
+    finally:
+        stack.stop()
