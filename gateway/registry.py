@@ -249,7 +249,8 @@ class Registry:
 
     def not_ready_reason(self) -> str:
         """Why no full path exists (names each instance that is not up)."""
-        down = [f"{i.pool} {i.name} ({i.address}): {i.error}" for i in self.instances if not i.up]
+        down = [f"{i.pool} {i.describe.instance_id + ' ' if i.describe else ''}at {i.address}: {i.error}"
+                for i in self.instances if not i.up]
         parts = ["no prefill/decode pair with equal KV layouts and no colocated worker is up"]
         if not self.instances:
             parts.append("no instances are configured (use --prefill and --decode)")

@@ -310,3 +310,22 @@ class Stack:
                 return
             time.sleep(0.02)
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+async def _serve_forever(kind: str, port: int, name: str) -> None:
+    import signal
+
+    servicer = FakePrefill(name) if kind == "prefill" else FakeDecode(name)
+    server = FakeServer(servicer, port)
+    await server.start()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+if __name__ == "__main__":  # python -m tests.gateway_fakes prefill|decode PORT NAME (for `up` tests)
+    import sys
+
+    asyncio.run(_serve_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

@@ -213,7 +213,7 @@ def test_no_decode_up_is_503_with_retry_after(tokenizer_dir):
                                      "type": "service_unavailable_error", "param": None, "code": None}
         ready = httpx.get(stack.base_url + "/ready")
         assert ready.status_code == 503 and ready.json()["reason"].startswith(
-            "no prefill/decode pair with equal KV layouts and no colocated worker is up; decode decode-0 (")
+            "no prefill/decode pair with equal KV layouts and no colocated worker is up; decode decode-0 at 127.0.0.1:")
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(generation_pb2.GenerateRequest(text="hello"), timeout=5))

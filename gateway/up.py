@@ -1,0 +1,205 @@
+"""`splitserve up`: one prefill, N decodes and the gateway on loopback, until Ctrl-C.
+
+Children are `python -m engine.cli <subcommand>` processes in sessions of their own (so a
+terminal's Ctrl-C reaches only this process, which then stops them in order) that also
+die with this process (PR_SET_PDEATHSIG on Linux). On Ctrl-C / SIGTERM every child gets
+SIGTERM, then SIGKILL after stop_grace_s; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Sequence
+
+from engine.config_fields import flag_name
+from gateway.config import UpConfig
+
+HOST = "127.0.0.1"
+# EngineConfig fields not forwarded: each subcommand decides its own role.
+_NOT_FORWARDED = {"role"}
+_PR_SET_PDEATHSIG = 1
+
+
+def engine_flags(engine: Any) -> list[str]:
+    """EngineConfig values that differ from the defaults, as CLI flags for the children."""
+    flags: list[str] = []
+    for field in dataclasses.fields(engine):
+        value = getattr(engine, field.name)
+        if field.name in _NOT_FORWARDED or value == field.default:
+            continue
+        flag = flag_name(field.name)
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, "none" if value is None else str(value)]
+    return flags
+
+
+def check_ports(up: UpConfig) -> str | None:
+    """An error naming two roles that would share a port, or None."""
+    ports = {"gateway --grpc-port": up.grpc_port, "gateway --http-port": up.http_port,
+             "prefill --prefill-port": up.prefill_port}
+    ports.update({f"decode-{i} (--decode-port + {i})": up.decode_port + i for i in range(up.num_decode)})
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port > 65535:
+            return f"{name} would be port {port}, above 65535; lower --decode-port"
+        if port in seen:
+            return f"{seen[port]} and {name} would both use port {port}; choose distinct ports"
+        seen[port] = name
+    return None
+
+
+def stack_commands(engine: Any, up: UpConfig) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, in start order: prefill, decodes, gateway."""
+    cli = [sys.executable, "-m", "engine.cli"]
+    eflags = engine_flags(engine)
+    prefill_address = f"{HOST}:{up.prefill_port}"
+
+    def service(role: str, name: str, port: int) -> list[str]:
+        argv = cli + [role, "--host", HOST, "--port", str(port), "--instance-name", name,
+                      "--kv-transport", up.kv_transport]
+        if role == "decode" and up.kv_transport == "nccl":
+            argv += ["--prefill-peers", prefill_address]
+        return argv + eflags
+
+    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port))]
+    commands += [(f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i)) for i in range(up.num_decode)]
+    gateway = cli + ["gateway", "--host", HOST, "--grpc-port", str(up.grpc_port), "--http-port", str(up.http_port),
+                     "--prefill", prefill_address,
+                     "--decode", ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode))]
+    if engine.model:
+        gateway += ["--model", engine.model]  # a config.json (dummy weights): the gateway uses its directory
+    if engine.model_id:
+        gateway += ["--model-id", engine.model_id]
+    return commands + [("gateway", gateway)]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: children are still stopped by LocalStack.stop
+
+
+class LocalStack:
+    """Child processes started together and always stopped together."""
+
+    def __init__(self, env: dict[str, str] | None = None, die_with_parent: bool = True) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._preexec = _die_with_parent if die_with_parent else None  # unsafe in threaded parents
+        self.env = dict(os.environ if env is None else env)
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def add(self, name: str, argv: Sequence[str]) -> None:
+        self.procs[name] = subprocess.Popen(list(argv), env=self.env, start_new_session=True,
+                                            preexec_fn=self._preexec)
+
+    def first_exit(self) -> tuple[str, int] | None:
+        """(name, exit code) of a child that has exited, if any."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def stop(self, grace_s: float) -> dict[str, int]:
+        """SIGTERM every child, SIGKILL those still running after grace_s; name -> exit code."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {name: proc.returncode for name, proc in self.procs.items()}
+
+
+def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
+               should_stop: Callable[[], bool] = lambda: False) -> str | None:
+    """Poll GET /ready until 200; None when ready, else why not (naming what is not up)."""
+    deadline = time.monotonic() + timeout_s
+    last = "the gateway's REST port did not answer"
+    while time.monotonic() < deadline and not should_stop():
+        exited = stack.first_exit()
+        if exited is not None:
+            return f"{exited[0]} exited with code {exited[1]} before the stack was ready (see its log above)"
+        try:
+            with urllib.request.urlopen(base_url + "/ready", timeout=2):
+                return None
+        except urllib.error.HTTPError as exc:
+            last = json.loads(exc.read() or b"{}").get("reason", f"HTTP {exc.code}")
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    return None if should_stop() else f"not ready after {timeout_s:g} s: {last}"
+
+
+def banner(up: UpConfig, model_id: str) -> str:
+    """URLs and a ready-to-paste request."""
+    base = f"http://{HOST}:{up.http_port}"
+    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 32})
+    return "\n".join([
+        f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {up.kv_transport}",
+        f"  OpenAI REST  {base}/v1",
+        f"  gRPC         {HOST}:{up.grpc_port}  (splitserve.v1.Generation, reflection on)",
+        f"  readiness    {base}/ready",
+        "Try:",
+        f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'",
+        "Press Ctrl-C to stop.",
+    ])
+
+
+def _model_id(base_url: str) -> str:
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:
+            data = json.loads(r.read()).get("data", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
+    return data[0]["id"] if data else ""
+
+
+def run_up(ns: Any, configs: dict[str, Any]) -> int:
+    """Entry point of `splitserve up` (see engine/cli.py): 0 after Ctrl-C, 1 when a child failed."""
+    engine, up = configs["EngineConfig"], configs["UpConfig"]
+    problem = check_ports(up)
+    if problem:
+        print(f"splitserve up: error: {problem}", file=sys.stderr)
+        return 2
+    stopping: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda sig, frame: stopping.append(sig))
+    stack = LocalStack()
+    base_url = f"http://{HOST}:{up.http_port}"
+    try:
+        for name, argv in stack_commands(engine, up):
+            stack.add(name, argv)
+        error = wait_ready(base_url, stack, up.ready_timeout_s, should_stop=lambda: bool(stopping))
+        if error:
+            print(f"splitserve up: {error}", file=sys.stderr)
+            return 1
+        if stopping:
+            return 0
+        print(banner(up, _model_id(base_url)), flush=True)
+        while not stopping:
+            exited = stack.first_exit()
+            if exited is not None:
+                print(f"splitserve up: {exited[0]} exited with code {exited[1]}; stopping the stack", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+        return 0
+    finally:
+        print("splitserve up: stopping", file=sys.stderr, flush=True)
+        stack.stop(up.stop_grace_s)

@@ -1,0 +1,168 @@
+"""`splitserve up`: the commands it runs, port checks, readiness waiting with a message that
+names what is not up, and a full run (fake prefill/decode processes + the real gateway
+process) that prints the banner, serves, and leaves nothing running after Ctrl-C."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.cli import build_parser
+from engine.config import EngineConfig
+from engine.kv_transfer.io import TRANSPORTS
+from gateway.config import KV_TRANSPORTS, UpConfig
+from gateway.up import LocalStack, check_ports, stack_commands, wait_ready
+from tests.gateway_fakes import make_tokenizer_dir, word
+
+CLI = [sys.executable, "-m", "engine.cli"]
+FAKE = [sys.executable, "-m", "tests.gateway_fakes"]
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def port_is_closed(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def test_transports_match_the_engine():
+    assert KV_TRANSPORTS == TRANSPORTS
+
+
+def test_stack_commands_forward_non_default_engine_flags():
+    engine = EngineConfig(block_size=8, num_kv_blocks=64, enforce_eager=True, role="prefill")
+    commands = stack_commands(engine, UpConfig(num_decode=2))
+    eflags = ["--block-size", "8", "--num-kv-blocks", "64", "--enforce-eager"]  # role is never forwarded
+
+    def service(role, name, port):
+        return CLI + [role, "--host", "127.0.0.1", "--port", str(port), "--instance-name", name, "--kv-transport", "shm"]
+
+    assert commands == [
+        ("prefill-0", service("prefill", "prefill-0", 50061) + eflags),
+        ("decode-0", service("decode", "decode-0", 50071) + eflags),
+        ("decode-1", service("decode", "decode-1", 50072) + eflags),
+        ("gateway", CLI + ["gateway", "--host", "127.0.0.1", "--grpc-port", "50051", "--http-port", "8000",
+                           "--prefill", "127.0.0.1:50061", "--decode", "127.0.0.1:50071,127.0.0.1:50072"]),
+    ]
+    for _, argv in commands:  # every flag is one the CLI accepts
+        build_parser().parse_args(argv[3:])
+
+
+def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
+    commands = dict(stack_commands(EngineConfig(model="/models/x", model_id="x"), UpConfig(kv_transport="nccl")))
+    assert commands["decode-0"] == CLI + ["decode", "--host", "127.0.0.1", "--port", "50071", "--instance-name",
+                                          "decode-0", "--kv-transport", "nccl", "--prefill-peers", "127.0.0.1:50061",
+                                          "--model", "/models/x", "--model-id", "x"]
+    assert commands["gateway"][-4:] == ["--model", "/models/x", "--model-id", "x"]
+
+
+def test_port_collisions_are_named():
+    assert check_ports(UpConfig()) is None
+    assert check_ports(UpConfig(decode_port=50050, num_decode=2)) == (
+        "gateway --grpc-port and decode-1 (--decode-port + 1) would both use port 50051; choose distinct ports")
+
+
+def test_a_child_that_exits_early_is_reported():
+    stack = LocalStack(die_with_parent=False)
+    stack.add("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    try:
+        assert wait_ready("http://127.0.0.1:9", stack, timeout_s=10) == (
+            "decode-0 exited with code 3 before the stack was ready (see its log above)")
+    finally:
+        stack.stop(1.0)
+
+
+def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokenizer_dir):
+    prefill, decode, grpc_port, http_port = free_ports(4)
+    base = f"http://127.0.0.1:{http_port}"
+    stack = LocalStack(die_with_parent=False)
+    stack.add("decode-0", FAKE + ["decode", str(decode), "decode-0"])
+    stack.add("gateway", CLI + ["gateway", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                                "--prefill", f"127.0.0.1:{prefill}", "--decode", f"127.0.0.1:{decode}",
+                                "--model", tokenizer_dir, "--health-interval-s", "0.1"])
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and stack.first_exit() is None:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        message = wait_ready(base, stack, timeout_s=0.5)
+        assert message.startswith("not ready after 0.5 s: no prefill/decode pair with equal KV layouts and no "
+                                  f"colocated worker is up; prefill at 127.0.0.1:{prefill}: Describe failed: UNAVAILABLE")
+        stack.add("prefill-0", FAKE + ["prefill", str(prefill), "prefill-0"])
+        assert wait_ready(base, stack, timeout_s=20) is None
+        r = httpx.post(base + "/v1/completions", json={"prompt": "w20", "max_tokens": 2}, timeout=10)
+        assert r.json()["choices"][0]["text"] == " w21 w22"
+    finally:
+        codes = stack.stop(5.0)
+    assert codes == {"decode-0": 0, "gateway": 0, "prefill-0": 0}
+    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
+
+
+UP_SCRIPT = """
+import sys
+import gateway.up as up
+real = up.stack_commands
+fake = [sys.executable, "-m", "tests.gateway_fakes"]
+up.stack_commands = lambda engine, cfg: [
+    ("prefill-0", fake + ["prefill", str(cfg.prefill_port), "prefill-0"]),
+    ("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"]),
+    ("gateway", real(engine, cfg)[-1][1] + ["--health-interval-s", "0.1"]),
+]
+from engine.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_dir):
+    prefill, decode, grpc_port, http_port = free_ports(4)
+    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir, "--prefill-port", str(prefill),
+            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("Press Ctrl-C"):
+                break
+        body = json.dumps({"model": "tiny-fake", "prompt": "Once upon a time", "max_tokens": 32})
+        base = f"http://127.0.0.1:{http_port}"
+        assert lines == [
+            "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm",
+            f"  OpenAI REST  {base}/v1",
+            f"  gRPC         127.0.0.1:{grpc_port}  (splitserve.v1.Generation, reflection on)",
+            f"  readiness    {base}/ready",
+            "Try:",
+            f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'",
+            "Press Ctrl-C to stop.",
+        ]
+        r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=10)
+        # the prompt's words are unknown (<unk> = 2, skipped in text): the fakes continue 3, 4, ..., 34
+        assert r.json()["choices"][0]["text"] == " ".join(word(i) for i in range(3, 35))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
