@@ -17,7 +17,8 @@ import grpc
 import torch
 
 from engine import core_messages as m
-from engine.kv_transfer.io import pair_name
+from engine.grpc_server import insecure_channel
+from engine.kv_transfer.io import pair_name, transfer_tag
 from engine.wire import layout_from_proto, logprobs_from_proto
 from protos import prefill_pb2, prefill_pb2_grpc
 
@@ -45,7 +46,7 @@ class PullCoordinator:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            self._stubs[address] = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(address))
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(insecure_channel(address))
         return self._stubs[address]
 
     def _spawn(self, coro) -> None:
@@ -69,7 +70,8 @@ class PullCoordinator:
         spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
                           endpoint=dict(handle.endpoint), block_ids=list(handle.block_ids),
                           block_hashes=list(handle.block_hashes), num_tokens=handle.num_tokens,
-                          layout=layout_from_proto(handle.layout), request_id=req.request_id)
+                          layout=layout_from_proto(handle.layout), request_id=req.request_id,
+                          tag=transfer_tag(handle.lease.epoch))
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
         self.service.client.send(m.ImportKv(req.request_id, list(req.prompt_token_ids), params, req.seed,
                                             req.first_token_id, first_lp, req.priority, spec))
@@ -120,6 +122,10 @@ class PullCoordinator:
             service.count("kv_blocks_pulled", done.num_blocks_pulled)
             service.count("kv_bytes_pulled", done.num_bytes)
             service.count("kv_transfer_ns", done.transfer_ns)
+            mt = service.metrics
+            mt.lab(mt.kv_transfer_bytes).inc(done.num_bytes)
+            mt.lab(mt.kv_transfer_blocks).inc(done.num_blocks_pulled)
+            mt.lab(mt.kv_transfer_time).observe(done.transfer_ns / 1e9)
             service.client.send(m.CommitImport(done.request_id, ok=True))
             return
         reason = done.error or f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
@@ -135,6 +141,7 @@ class PullCoordinator:
         if pull.handle.transport == "nccl":
             self._pairs.pop(pull.handle.prefill_instance, None)  # rebuilt on the next pull
         service.count("kv_pull_failures")
+        service.metrics.lab(service.metrics.kv_transfer_failures).inc()
         log.warning("request_id=%s %s (policy %s)", done.request_id, reason, service.config.kv_load_failure_policy)
         service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
         if self.recompute:

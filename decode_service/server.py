@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import replace
 
 import grpc
@@ -48,6 +49,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.role = engine_config.role
         self.owner: dict[str, GatewayStream] = {}
         self.pulls = PullCoordinator(self)
+        self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
 
     async def on_started(self) -> None:
         peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
@@ -70,12 +72,36 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             delta = common_pb2_delta(out, stream)
             per_stream.setdefault(id(stream), (stream, []))[1].append(delta)
             self.count("generation_tokens", len(out.new_token_ids))
+            self._observe(out)
             if out.finished:
                 self.finish_request(out.request_id)
         for stream, deltas in per_stream.values():
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
 
+    def _observe(self, out) -> None:
+        """Per-request latency metrics of the tokens this decode produced."""
+        mt, now = self.metrics, time.monotonic()
+        t = self.timing.get(out.request_id)
+        if t is None:
+            return
+        if out.new_token_ids:
+            mt.lab(mt.generation_tokens).inc(len(out.new_token_ids))
+            if t[1] == 0.0:
+                t[1] = now
+            else:
+                mt.lab(mt.itl).observe(now - t[2])
+            t[2] = now
+            t[3] += len(out.new_token_ids)
+        if out.finished:
+            mt.lab(mt.request_success, finished_reason=out.finish_reason).inc()
+            mt.lab(mt.e2e).observe(now - t[0])
+            if t[1]:
+                mt.lab(mt.decode_time).observe(now - t[1])
+            if t[3] > 1:
+                mt.lab(mt.tpot).observe((t[2] - t[1]) / (t[3] - 1))
+
     def finish_request(self, request_id: str) -> None:
+        self.timing.pop(request_id, None)
         self.pulls.cancel(request_id)  # releases the prefill's lease if a pull was still pending
         stream = self.owner.pop(request_id, None)
         if stream is not None:
@@ -149,12 +175,14 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc))]))
             return
         self.owner[rid] = stream
+        self.timing[rid] = [time.monotonic(), 0.0, 0.0, 0]
         stream.request_ids.add(rid)
         self.inflight += 1
         self.count("requests_received")
         if req.HasField("kv") and req.HasField("first_token_id"):
             self.pulls.start(req, params)
         else:
+            self.metrics.lab(self.metrics.prompt_tokens).inc(len(req.prompt_token_ids))
             self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed))
 
 

@@ -48,6 +48,7 @@ class PullSpec:
     num_tokens: int
     layout: Any  # KvLayout of the prefill
     request_id: str = ""
+    tag: int = 0  # message tag of an nccl/gloo transfer (the lease epoch), so transfers never cross
 
 
 @dataclass
@@ -80,6 +81,7 @@ class SendBlocks:
     call_id: int
     pair: str
     block_ids: list[int]
+    tag: int = 0
 
 
 @dataclass

@@ -15,6 +15,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 import traceback
@@ -34,12 +35,14 @@ class CoreLoop:
         self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pulls and sends blocks
         self.pending_imports: list[m.ImportKv] = []
         self.outbox: list = []
+        self.background_replies: queue.SimpleQueue = queue.SimpleQueue()  # from pairing threads
+        self.num_background = 0
         self.running = True
 
     def run(self) -> None:
         while self.running:
             busy = self.engine.has_unfinished() or self.pending_imports
-            if self.conn.poll(0 if busy else 0.5):
+            if self.conn.poll(0 if busy else (0.01 if self.num_background else 0.5)):
                 try:
                     batch = self.conn.recv()
                 except (EOFError, OSError):
@@ -48,6 +51,9 @@ class CoreLoop:
                     self.handle(msg)
             elif os.getppid() == 1:
                 return  # orphaned
+            while not self.background_replies.empty():
+                self.outbox.append(self.background_replies.get())
+                self.num_background -= 1
             self._retry_imports()
             if self.engine.has_unfinished():
                 self._step()
@@ -152,17 +158,24 @@ class CoreLoop:
 
     def on_send(self, msg: m.SendBlocks) -> None:
         try:
-            value = self.kv_io.send(msg.pair, msg.block_ids, self.engine.runner.kv_cache)
+            value = self.kv_io.send(msg.pair, msg.block_ids, self.engine.runner.kv_cache, msg.tag)
             self.outbox.append(m.Reply(msg.call_id, value))
         except Exception as exc:
             self.outbox.append(m.Reply(msg.call_id, error=f"send to {msg.pair} failed: {exc}"))
 
     def on_pair(self, msg: m.Pair) -> None:
-        try:
-            self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, self.engine.runner.kv_cache.device)
-            self.outbox.append(m.Reply(msg.call_id, True))
-        except Exception as exc:
-            self.outbox.append(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))
+        """Join a communicator on a thread: the rendezvous waits for the peer, the step loop must not."""
+        device = self.engine.runner.kv_cache.device
+
+        def join() -> None:
+            try:
+                self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, device)
+                self.background_replies.put(m.Reply(msg.call_id, True))
+            except Exception as exc:
+                self.background_replies.put(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))
+
+        self.num_background += 1
+        threading.Thread(target=join, name=f"pair-{msg.pair}", daemon=True).start()
 
     def on_query(self, msg: m.Query) -> None:
         if msg.what == "stats":

@@ -47,6 +47,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_ns: int = 0  # arrival to first scheduled compute, on a request's first output
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +62,12 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if name == "auto":
         return "bfloat16" if device.type == "cuda" else "float32"
     return name
+
+
+def _queue_ns(request: Request) -> int:
+    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        return 0
+    return int((request.first_scheduled_time - request.arrival_time) * 1e9)
 
 
 class EngineCore:
@@ -186,7 +193,8 @@ class EngineCore:
                 request_id=request.request_id, new_token_ids=[request.token_ids[-1]], new_logprobs=lp,
                 finished=status.is_finished or status == RequestStatus.PREFILLED,
                 finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
-                stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0)))
+                stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
+                queue_ns=_queue_ns(request)))
         return outputs
 
     # -- prefill role: held KV -------------------------------------------------------------

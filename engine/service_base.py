@@ -41,7 +41,15 @@ class ServiceBase:
         kv_options = {"transport": service_config.kv_transport, "instance": self.name,
                       "start_epoch": self.start_unix_ns, "role": engine_config.role,
                       "timeout_s": service_config.kv_transfer_timeout_s}
-        self.client = EngineClient(engine_config, kv_options, on_batch=self.on_core_message)
+        self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message)
+        self.metrics = None  # built once the core reports the model id
+
+    def _core_message(self, msg) -> None:
+        from engine.core_messages import StepBatch
+
+        if isinstance(msg, StepBatch) and self.metrics is not None:
+            self.metrics.observe_engine_stats(msg.stats)
+        self.on_core_message(msg)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -76,6 +84,12 @@ class ServiceBase:
     async def serve(self, add_servicers) -> int:
         """Start the core and the gRPC server; run until SIGTERM, then drain."""
         await self.client.start()
+        from engine.metrics import Metrics, serve_http
+
+        self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
+        if self.config.metrics_port:
+            bound = serve_http(self.metrics, self.config.host, self.config.metrics_port)
+            log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
         server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names)
         await server.start()
         set_serving(health, self.service_names, True)

@@ -16,7 +16,7 @@ import time
 import grpc
 
 from engine import core_messages as m
-from engine.kv_transfer.io import pair_name
+from engine.kv_transfer.io import pair_name, transfer_tag
 from engine.service_base import Refuse, ServiceBase, setup_logging
 from engine.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
 from prefill_service.leases import LeaseTable
@@ -50,6 +50,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                          len(lease.block_ids))
                 self.client.send(m.ReleaseHeld(lease.request_id))
                 self.count("leases_expired")
+                self.metrics.lab(self.metrics.kv_leases_expired).inc()
 
     async def Prefill(self, request, context):
         try:
@@ -83,6 +84,11 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         self.count("prompt_tokens", len(request.prompt_token_ids))
+        mt = self.metrics
+        mt.lab(mt.prompt_tokens).inc(len(request.prompt_token_ids))
+        mt.lab(mt.queue).observe(out.queue_ns / 1e9)
+        mt.lab(mt.prefill_time).observe(max(total_ns - out.queue_ns, 0) / 1e9)
+        response.timings.queue_ns = out.queue_ns
         if out.finish_reason != "prefilled":
             response.finish_reason = FINISH_REASONS[out.finish_reason]
             return response
@@ -131,12 +137,15 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         block_ids = [lease.block_ids[i] for i in request.block_indices]
         pair = pair_name(self.name, request.decode_instance)
         try:
-            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids),
+            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids, transfer_tag(lease.epoch)),
                                             timeout_s=self.config.kv_transfer_timeout_s + 5)
         except Exception as exc:
             self.count("kv_send_failures")
+            self.metrics.lab(self.metrics.kv_transfer_failures).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.count("kv_bytes_sent", result["num_bytes"])
+        self.metrics.lab(self.metrics.kv_transfer_bytes).inc(result["num_bytes"])
+        self.metrics.lab(self.metrics.kv_transfer_blocks).inc(len(block_ids))
         return prefill_pb2.SendKvResponse(num_bytes=result["num_bytes"], transfer_ns=result["transfer_ns"])
 
     async def Describe(self, request, context):

@@ -40,6 +40,7 @@ class KvIo:
         self._own_pool: SharedKvPool | None = None
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}
         self.groups: dict[str, object] = {}  # pair name -> process group
+        self._stores: dict[str, object] = {}
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
 
     # -- pool placement --------------------------------------------------------------------
@@ -101,7 +102,7 @@ class KvIo:
         core.outbox.append(NeedSend(spec.request_id, pair, indices))
         core.flush()  # the server must ask the prefill to send while this side receives
         try:
-            group.recv([staging], 1, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+            group.recv([staging], 1, spec.tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
             self.drop_pair(pair)
             raise
@@ -110,7 +111,7 @@ class KvIo:
         return staging.numel() * staging.element_size()
 
     # -- prefill side ----------------------------------------------------------------------
-    def send(self, pair: str, block_ids: list[int], kv_cache: torch.Tensor) -> dict:
+    def send(self, pair: str, block_ids: list[int], kv_cache: torch.Tensor, tag: int = 0) -> dict:
         group = self.groups.get(pair)
         if group is None:
             raise RuntimeError(f"pair {pair} is not registered")
@@ -118,7 +119,7 @@ class KvIo:
         index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
         staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
         try:
-            group.send([staging], 0, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+            group.send([staging], 0, tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
             self.drop_pair(pair)
             raise
@@ -130,7 +131,7 @@ class KvIo:
         import torch.distributed as dist
 
         self.drop_pair(pair)
-        timeout = datetime.timedelta(seconds=max(self.timeout_s, 30.0))
+        timeout = datetime.timedelta(seconds=max(self.timeout_s, 10.0))
         store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(pair, store)
         if backend == "gloo":
@@ -147,9 +148,8 @@ class KvIo:
             group = ProcessGroupNCCL(prefixed, rank, 2, ProcessGroupNCCL.Options())
         else:
             raise ValueError(f"backend {backend!r} is not one of gloo, nccl")
-        self.groups[pair] = (group, store)[0]
-        self._stores = getattr(self, "_stores", {})
-        self._stores[pair] = store
+        self._stores[pair] = store  # the group needs its store alive
+        self.groups[pair] = group
         log.info("paired %s as rank %d over %s", pair, rank, backend)
 
     def drop_pair(self, pair: str) -> None:
@@ -160,7 +160,7 @@ class KvIo:
             except Exception:
                 pass
             log.warning("dropped communicator %s; it is rebuilt on the next pairing", pair)
-        getattr(self, "_stores", {}).pop(pair, None)
+        self._stores.pop(pair, None)
 
     def close(self) -> None:
         for pair in list(self.groups):
@@ -171,6 +171,11 @@ class KvIo:
         self._mapped.clear()
         if self._own_pool is not None:
             self._own_pool.close()
+
+
+def transfer_tag(epoch: int) -> int:
+    """The send/recv tag of one lease's transfer (fits gloo's and NCCL's int tags)."""
+    return epoch % (2**31 - 1)
 
 
 def pair_name(prefill_instance: str, decode_instance: str) -> str:

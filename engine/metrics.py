@@ -1,0 +1,86 @@
+"""Prometheus metrics of every splitserve process (names follow vLLM's, prefixed `splitserve:`).
+
+Each process builds one `Metrics` on its own registry with constant labels model_name and
+instance, and serves it on `/metrics` (gRPC-only processes on a separate HTTP port via
+`serve_http`). Latency histograms are observed where the latency is known: TTFT, ITL, TPOT
+and e2e at the gateway (what clients see) and at decode (per request it owns).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                           0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Metrics:
+    """All metrics one process exports; unused ones simply stay at zero."""
+
+    def __init__(self, model_name: str, instance: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "instance"]
+        self.labels = {"model_name": model_name, "instance": instance}
+        r, p = self.registry, "splitserve:"
+
+        def hist(name, doc, buckets):
+            return Histogram(p + name, doc, labels, registry=r, buckets=buckets)
+
+        def counter(name, doc, extra=()):
+            return Counter(p + name, doc, labels + list(extra), registry=r)
+
+        def gauge(name, doc):
+            return Gauge(p + name, doc, labels, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS_S)
+        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS_S)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled compute.", LATENCY_BUCKETS_S)
+        self.prefill_time = hist("request_prefill_time_seconds", "Prompt compute time.", LATENCY_BUCKETS_S)
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS_S)
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.request_success = counter("request_success_total", "Finished requests by reason.", ["finished_reason"])
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks in use (0..1).")
+        self.prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions_total", "Requests preempted (recomputed later).")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved between instances.")
+        self.kv_transfer_blocks = counter("kv_transfer_blocks_total", "KV blocks moved between instances.")
+        self.kv_transfer_time = hist("kv_transfer_duration_seconds", "Duration of one request's KV pull or send.", TRANSFER_BUCKETS_S)
+        self.kv_transfer_failures = counter("kv_transfer_failures_total", "Failed KV pulls or sends.")
+        self.kv_leases_expired = counter("kv_leases_expired_total", "Prefill leases that expired unclaimed.")
+        self.requests = counter("requests_total", "Requests by route and status code.", ["route", "status"])
+        self._last_engine: dict[str, int] = {}
+
+    def lab(self, metric, **extra):
+        return metric.labels(**self.labels, **extra)
+
+    def observe_engine_stats(self, stats: dict[str, int]) -> None:
+        """Update gauges and engine counters from a core StepBatch's stats snapshot."""
+        if not stats:
+            return
+        self.lab(self.running).set(stats.get("num_running", 0))
+        self.lab(self.waiting).set(stats.get("num_waiting", 0))
+        total = stats.get("num_total_blocks", 0)
+        if total:
+            self.lab(self.kv_usage).set(1.0 - stats.get("num_free_blocks", 0) / total)
+        for key, metric in (("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits),
+                            ("num_preemptions", self.preemptions)):
+            delta = stats.get(key, 0) - self._last_engine.get(key, 0)
+            if delta > 0:
+                self.lab(metric).inc(delta)
+            self._last_engine[key] = stats.get(key, 0)
+
+
+def serve_http(metrics: Metrics, host: str, port: int) -> int:
+    """Serve /metrics on its own HTTP port (gRPC-only processes); returns the bound port."""
+    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_address[1]
