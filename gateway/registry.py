@@ -27,12 +27,14 @@ log = logging.getLogger("splitserve.gateway")
 
 # Channel options: reconnect quickly after an instance restarts (gRPC's default backoff
 # grows to 120 s), and allow large prompts / logprob batches.
-CHANNEL_OPTIONS = (
+MESSAGE_SIZE_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+CHANNEL_OPTIONS = MESSAGE_SIZE_OPTIONS + (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
 )
 # Consecutive failed Describes after which a decode's open stream is declared broken
 # (covers a peer that vanished without resetting the connection).

@@ -74,6 +74,7 @@ class RequestRun:
         self._link: DecodeLink | None = None  # the stream the request was sent on
         self._queue: asyncio.Queue | None = None
         self._local_prefill = False
+        self._stashed: LinkFailure | None = None  # a failure queued behind merged deltas
 
     async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield the run's messages; always cleans up, also when closed early."""
@@ -177,9 +178,8 @@ class RequestRun:
     async def _follow(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         assert self._queue is not None and self._decode is not None
         while True:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), timeout=self._remaining_s())
-            except (TimeoutError, asyncio.TimeoutError):
+            item = await self._next_item()
+            if item is None:
                 yield self._final(FR.FINISH_REASON_ERROR, error=self._timeout_message())
                 return
             if isinstance(item, LinkFailure):
@@ -189,6 +189,33 @@ class RequestRun:
             yield message
             if message.finish_reason:
                 return
+
+    async def _next_item(self) -> decode_pb2.TokenDelta | LinkFailure | None:
+        """The next TokenDelta (those already queued merged into one, so a slow client gets
+        fewer, larger messages) or LinkFailure; None when the deadline passed first."""
+        assert self._queue is not None
+        if self._stashed is not None:
+            item, self._stashed = self._stashed, None
+            return item
+        queue = self._queue
+        if queue.empty():
+            try:
+                async with asyncio.timeout(self._remaining_s()):
+                    item = await queue.get()
+            except TimeoutError:
+                return None
+        else:
+            item = queue.get_nowait()
+        if isinstance(item, LinkFailure):
+            return item
+        deltas = [item]
+        while not deltas[-1].finish_reason and not queue.empty():
+            following = queue.get_nowait()
+            if isinstance(following, LinkFailure):
+                self._stashed = following  # after the tokens that came before it
+                break
+            deltas.append(following)
+        return deltas[0] if len(deltas) == 1 else _merge_deltas(deltas)
 
     def _first_message(self, first: prefill_pb2.PrefillResponse) -> generation_pb2.GenerateResponse:
         logprobs = [first.first_logprobs] if first.HasField("first_logprobs") else []
@@ -297,6 +324,20 @@ class RequestRun:
             prefill, kv = self._held
             self._held = None
             self._service.spawn(_release_kv(prefill, kv))
+
+
+def _merge_deltas(deltas: Sequence[decode_pb2.TokenDelta]) -> decode_pb2.TokenDelta:
+    """One delta holding the tokens of consecutive deltas; the end state of the last one."""
+    first, last = deltas[0], deltas[-1]
+    merged = decode_pb2.TokenDelta(request_id=first.request_id, cached_prompt_tokens=first.cached_prompt_tokens,
+                                   num_blocks_pulled=first.num_blocks_pulled, finish_reason=last.finish_reason,
+                                   error=last.error)
+    for delta in deltas:
+        merged.token_ids.extend(delta.token_ids)
+        merged.logprobs.extend(delta.logprobs)
+    if last.HasField("timings"):
+        merged.timings.CopyFrom(last.timings)
+    return merged
 
 
 async def _release_kv(prefill: Instance, kv: common_pb2.KvHandle) -> None:

@@ -84,10 +84,13 @@ class _Shape:
                                  "top_logprobs": [{"token": self._token(t.token_id), "logprob": t.logprob,
                                                    "bytes": list(self._token(t.token_id).encode())}
                                                   for t in lp.top]} for tok, lp in entries]}
-        offsets = []
+        # offsets into the output text: tokens of one message share its text span
+        start, end = self._text_offset, self._text_offset + len(message.text)
+        offsets, position = [], start
         for tok, _ in entries:
-            offsets.append(self._text_offset)
-            self._text_offset += len(tok)
+            offsets.append(min(position, end))
+            position += len(tok)
+        self._text_offset = end
         return {"tokens": [tok for tok, _ in entries], "token_logprobs": [lp.logprob for _, lp in entries],
                 "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
                 "text_offset": offsets}

@@ -21,7 +21,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.grpc_api import HealthReporter, add_services
-from gateway.registry import CHANNEL_OPTIONS, Registry
+from gateway.registry import MESSAGE_SIZE_OPTIONS, Registry
 from gateway.router import Router
 from gateway.service import GatewayService
 
@@ -88,7 +88,7 @@ class GatewayServer:
         self.health = HealthReporter()
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: asyncio.ensure_future(self.health.set_ready(ready)))
-        self._grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         add_services(self._grpc_server, self.service, self.health)
         self.grpc_port = self._grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         await self._grpc_server.start()

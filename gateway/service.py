@@ -100,6 +100,7 @@ class GatewayService:
         self.request_timeout_s = request_timeout_s
         self.vocab_size = len(tokenizer)
         self.num_active = 0
+        self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
         self.draining = False
         self._background: set[asyncio.Task] = set()
 
@@ -175,13 +176,18 @@ class GatewayService:
         """
         arrival_ns = time.monotonic_ns()
         self._admit()
+        request_id = inp.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._active_ids:
+            raise invalid(f"request_id {request_id!r} is already running on this gateway; use a unique id",
+                          "request_id")
         self.num_active += 1
+        self._active_ids.add(request_id)
         try:
             self.check_model(inp.model)
             prompt_ids = self.prompt_token_ids(inp)
             seed = inp.params.seed if inp.params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
-            run = RequestRun(self, request_id=inp.request_id or f"req-{uuid.uuid4().hex}",
+            run = RequestRun(self, request_id=request_id,
                              params=inp.params, prompt_token_ids=prompt_ids, seed=seed,
                              priority=inp.priority, arrival_ns=arrival_ns,
                              deadline=time.monotonic() + budget_s, budget_s=budget_s)
@@ -190,6 +196,7 @@ class GatewayService:
                     yield message
         finally:
             self.num_active -= 1
+            self._active_ids.discard(request_id)
 
     def spawn(self, coro: Any) -> None:
         """Run a cleanup coroutine in the background (kept referenced until done)."""

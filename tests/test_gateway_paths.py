@@ -247,3 +247,74 @@ def test_deadline_ends_the_request_and_aborts_it(make_stack):
     assert summary(messages) == ([21], " w21", FR.FINISH_REASON_ERROR, "",
                                  f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)")
     stack.wait_for(lambda: decode.aborts == [rid], what="AbortRequest after the deadline")
+
+
+def test_a_request_id_already_running_is_refused(make_stack):
+    decode = FakeDecode()
+    decode.hold = True
+    stack = make_stack([FakePrefill()], [decode])
+    req = request(max_tokens=3)
+    req.request_id = "dup"
+    held = stub(stack).Generate(req, timeout=10)
+    next(held)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, req)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request_id 'dup' is already running on this gateway; use a unique id")
+    held.cancel()
+
+
+class _RecordingLink:
+    def __init__(self):
+        self.aborted, self.finished = [], []
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def finish(self, request_id):
+        self.finished.append(request_id)
+
+
+def _run_with_queue(tokenizer_dir, items, **params):
+    """A RequestRun on the local-prefill path whose decode queue already holds `items`."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import load_tokenizer
+    from gateway.request_run import RequestRun
+
+    service = SimpleNamespace(tokenizer=load_tokenizer(tokenizer_dir))
+    run = RequestRun(service, request_id="r", params=SamplingParams(**params), prompt_token_ids=[20, 21], seed=1,
+                     priority=0, arrival_ns=time.monotonic_ns(), deadline=time.monotonic() + 5, budget_s=5)
+    run._decode, run._link, run._local_prefill = SimpleNamespace(name="decode-x"), _RecordingLink(), True
+    run._queue = asyncio.Queue()
+    for item in items:
+        run._queue.put_nowait(item)
+    return run
+
+
+def test_queued_deltas_merge_into_one_message_and_a_stop_string_cuts_the_tokens(tokenizer_dir):
+    import asyncio
+
+    from gateway.decode_link import LinkFailure
+    from protos import decode_pb2
+
+    deltas = [decode_pb2.TokenDelta(request_id="r", token_ids=[t], cached_prompt_tokens=4 if t == 22 else 0)
+              for t in (22, 23, 24, 25)]
+    failure = LinkFailure("decode instance decode-x failed: gone")
+
+    async def scenario():
+        run = _run_with_queue(tokenizer_dir, deltas[:2] + [failure], stop=("3 w2",))
+        merged = await run._next_item()
+        assert (list(merged.token_ids), merged.cached_prompt_tokens) == ([22, 23], 4)
+        assert await run._next_item() is failure  # kept for after the tokens queued before it
+        run = _run_with_queue(tokenizer_dir, deltas, stop=("3 w2",))
+        message = run._delta_message(await run._next_item())
+        # " w22 w23 w24": "3 w2" is completed by token 24; token 25 is dropped
+        assert (list(message.token_ids), message.text, message.stop_reason) == ([22, 23, 24], " w22 w2", "3 w2")
+        assert (message.usage.completion_tokens, message.usage.cached_prompt_tokens) == (3, 4)
+        assert run._link.aborted == ["r"]
+
+    asyncio.run(scenario())

@@ -84,7 +84,7 @@ def test_chat_stream(client):
 def test_completion_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="hello world w20", max_tokens=2, logprobs=1)
     lp = r.choices[0].logprobs
-    assert lp.tokens == ["w21", "w22"] and lp.text_offset == [0, 3]
+    assert lp.tokens == ["w21", "w22"] and lp.text_offset == [0, 4]  # text " w21 w22"
     assert lp.token_logprobs == pytest.approx([-0.21, -0.22])
     assert [list(t) for t in lp.top_logprobs] == [["w21"], ["w22"]]
 
