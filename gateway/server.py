@@ -87,7 +87,7 @@ class GatewayServer:
                                       request_timeout_s=config.request_timeout_s)
         self.health = HealthReporter()
         await self.health.set_ready(False)
-        self.registry.listeners.append(lambda ready: asyncio.ensure_future(self.health.set_ready(ready)))
+        self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
         self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         add_services(self._grpc_server, self.service, self.health)
         self.grpc_port = self._grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")

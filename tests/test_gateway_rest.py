@@ -222,3 +222,29 @@ def test_no_decode_up_is_503_with_retry_after(tokenizer_dir):
         assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
     finally:
         stack.stop()
+
+
+def test_a_decode_failing_mid_request_reaches_rest_clients(tokenizer_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    decode = FakeDecode()
+    decode.hold = True
+    stack = Stack(tokenizer_dir, [FakePrefill()], [decode]).start()
+    try:
+        body = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 5}
+        with ThreadPoolExecutor(1) as pool, \
+                httpx.stream("POST", stack.base_url + "/v1/completions", json={**body, "stream": True}, timeout=10) as sse:
+            plain = pool.submit(post, stack, "/v1/completions", body)
+            lines = sse.iter_lines()
+            assert json.loads(next(line for line in lines if line)[len("data: "):])["choices"][0]["text"] == " w21"
+            stack.wait_for(lambda: len(decode.requests) == 2, what="both requests at the decode")
+            stack.loop.run(stack.servers["decode-0"].stop())
+            events = [line for line in lines if line]
+            error = json.loads(events[0][len("data: "):])["error"]
+            assert error["type"] == "server_error" and error["message"].startswith("decode instance decode-0 failed: ")
+            assert events[1:] == ["data: [DONE]"]
+            response = plain.result(10)
+        assert response.status_code == 500
+        assert response.json()["error"]["message"].startswith("decode instance decode-0 failed: ")
+    finally:
+        stack.stop()
