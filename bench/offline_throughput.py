@@ -45,7 +45,7 @@ def run_splitserve(config_path: str, requests, dtype: str, device: str, args) ->
 
     llm = LLM(model=config_path, load_format="dummy", dtype=dtype, device=device,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_kv_blocks=args.num_kv_blocks)
+              num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_fraction)
     llm.generate(prompt_token_ids=[requests[0][0][:16]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
@@ -60,7 +60,7 @@ def run_hf(config_path: str, requests, dtype: str, device: str, args) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(Path(config_path).parent if config_path.endswith(".json") else config_path)
+    config = AutoConfig.from_pretrained(_config_dir(config_path) if config_path.endswith(".json") else config_path)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(device).eval()
     max_in = max(len(p) for p, _ in requests)
@@ -111,13 +111,150 @@ def run_vllm(config_path: str, requests, dtype: str, device: str, args) -> dict:
 ENGINES = {"splitserve": run_splitserve, "hf": run_hf, "vllm": run_vllm}
 
 
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fixed_splitserve(llm, batch: int, prompt_len: int, output_len: int, vocab: int, device: str) -> dict:
+    """One batch of identical-length requests; per-step wall times split into prefill and decode."""
+    from engine import SamplingParams
+
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    engine = llm.engine
+    step_times: list[tuple[int, float]] = []
+    original = engine.step
+
+    def timed_step():
+        start = time.perf_counter()
+        outs = original()
+        step_times.append((len(engine.scheduler.running), time.perf_counter() - start))
+        return outs
+
+    engine.step = timed_step
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+            temperature=0, max_tokens=output_len, ignore_eos=True))
+        _sync(device)
+        total = time.perf_counter() - start
+    finally:
+        engine.step = original
+    assert all(len(o.token_ids) == output_len for o in outs)
+    # steps after the last prompt token: decode-only steps of the whole batch
+    num_prefill_steps = _num_prefill_steps(prompt_len, batch, llm.config.max_num_batched_tokens)
+    decode = sorted(t for _, t in step_times[num_prefill_steps:])
+    return {"batch": batch, "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan"),
+            "decode_step_p10_ms": 1e3 * decode[len(decode) // 10] if decode else float("nan"),
+            "decode_step_p90_ms": 1e3 * decode[(9 * len(decode)) // 10] if decode else float("nan"),
+            "prefill_ms": 1e3 * sum(t for _, t in step_times[:num_prefill_steps]),
+            "seconds": total, "output_tok_s": batch * output_len / total}
+
+
+def _num_prefill_steps(prompt_len: int, batch: int, budget: int) -> int:
+    """Steps until every prompt is computed (the step that finishes a prompt also samples)."""
+    return -(-(prompt_len * batch) // budget)
+
+
+def fixed_hf(model, batch: int, prompt_len: int, output_len: int, vocab: int, device: str) -> dict:
+    """transformers generate, eager, default cache: decode step = (t(out) - t(1)) / (out - 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(10, vocab, (batch, prompt_len), generator=g).to(device)
+    times = {}
+    for n in (1, output_len):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        _sync(device)
+        times[n] = time.perf_counter() - start
+    step = (times[output_len] - times[1]) / (output_len - 1)
+    return {"batch": batch, "decode_step_ms": 1e3 * step, "prefill_ms": 1e3 * times[1],
+            "seconds": times[output_len], "output_tok_s": batch * output_len / times[output_len]}
+
+
+def roofline_ms(config: dict, batch: int, context: int, bytes_per_s: float = 4.28e12, flops: float = 790e12) -> float:
+    """PERF.md's decode-step floor for this config (weights + KV read, or matmul FLOPs)."""
+    h, layers, ffn, vocab = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim", h // heads)
+    params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * (
+        h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn)
+    kv_bytes = 2 * layers * kv_heads * d * 2
+    t_mem = (params * 2 + batch * context * kv_bytes) / bytes_per_s
+    t_flop = 2 * params * batch / flops
+    return 1e3 * max(t_mem, t_flop)
+
+
+def run_fixed(args) -> list[dict]:
+    """The GPU issue's fixed shapes: prompt 512, 128 forced outputs, several batch sizes."""
+    config = json.loads(Path(args.config).read_text())
+    vocab = config["vocab_size"]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    if "splitserve" in args.engines:
+        from engine import LLM
+
+        llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.device,
+                  max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                  kv_cache_memory_fraction=args.kv_fraction)
+        fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
+        for b in batches:
+            row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
+            rows.append({"engine": "splitserve", **row})
+            print(rows[-1], flush=True)
+        del llm
+        if args.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+    if "hf" in args.engines:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(_config_dir(args.config))
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, args.dtype)).eval()
+        fixed_hf(model, 1, 32, 4, vocab, args.device)
+        for b in batches:
+            row = fixed_hf(model, b, args.prompt_len, args.output_len, vocab, args.device)
+            rows.append({"engine": "hf", **row})
+            print(rows[-1], flush=True)
+        del model
+    context = args.prompt_len + args.output_len // 2
+    print(f"\nfixed shapes: prompt {args.prompt_len}, output {args.output_len} forced, config {Path(args.config).name}, "
+          f"{args.dtype}, {args.device}")
+    print(f"{'engine':<12}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}")
+    for r in rows:
+        floor = roofline_ms(config, r["batch"], context)
+        r["floor_ms"] = floor
+        print(f"{r['engine']:<12}{r['batch']:>6}{r['decode_step_ms']:>16.2f}{floor:>10.2f}{r['decode_step_ms'] / floor:>9.2f}"
+              f"{r['prefill_ms']:>12.1f}{r['output_tok_s']:>10.0f}")
+    return rows
+
+
+def _config_dir(config_path: str) -> str:
+    """transformers wants a directory with config.json: make one beside the bench config."""
+    directory = Path(tempfile.mkdtemp())
+    shutil.copy(config_path, directory / "config.json")
+    return str(directory)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--vllm-inner":
         vllm_inner(*sys.argv[2:6])
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="splitserve,hf")
-    ap.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
+    ap.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS) + ["fixed"])
     ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "llama-32m.json"))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
@@ -126,12 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--batch-sizes", default="1,16,64,128", help="fixed workload only")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache_memory_fraction on CUDA")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.workload == "fixed":
+        rows = run_fixed(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+        return 0
     vocab = json.loads(Path(args.config).read_text())["vocab_size"]
     requests = make_workload(args.workload, vocab)
     asked = sum(n for _, n in requests)

@@ -8,7 +8,7 @@ from engine.config_fields import ConfigError, option, validate_fields
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float16", "bfloat16", "float32", "float64")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda") + tuple(f"cuda:{i}" for i in range(16))
 
 
 def default_model_dir() -> str:

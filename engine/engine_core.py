@@ -53,9 +53,13 @@ class RequestOutput:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RequestError("--device cuda was asked for but no CUDA device is visible")
-    return torch.device(name)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RequestError(f"--device {name} was asked for but no CUDA device is visible")
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)  # other GPUs stay visible (CUDA IPC peers)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
@@ -105,6 +109,8 @@ class EngineCore:
         factory = kv_cache_factory or (lambda layout, n, dev: layout.allocate(n, dev))
         kv_cache = factory(self.layout, num_blocks, device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device)
+        if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":
+            self.runner.capture_graphs(config.max_num_seqs, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)
@@ -115,8 +121,11 @@ class EngineCore:
 
     def _size_pool(self, device: torch.device) -> int:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.config.kv_cache_memory_fraction)
+            free, total = torch.cuda.mem_get_info(device)
+            # the fraction bounds this process's whole use of the GPU (weights included);
+            # what it leaves free covers graphs, activations and transfer staging
+            used = total - free
+            budget = int(total * self.config.kv_cache_memory_fraction) - used
         else:
             budget = self.config.kv_cache_cpu_bytes
         num_blocks = budget // self.layout.block_nbytes

@@ -42,6 +42,21 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.pin = device.type == "cuda"
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs for bucketed batch sizes (CUDA only)."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks)
+        self.graphs.capture()
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host list → device tensor through pinned memory (asynchronous on CUDA)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
+        return host.to(self.device, non_blocking=True)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size
@@ -68,22 +83,21 @@ class ModelRunner:
                 sampling_ids.append(request.request_id)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=self._to_device(qsl, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(padded, torch.int32),
+            slot_mapping=self._to_device(slots, torch.int64),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=self._to_device(logits_indices, torch.int64),
             sampling_request_ids=sampling_ids,
         )
 
@@ -91,7 +105,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, tuple[int, object]]:
         """Run one step; returns request_id -> (sampled token id, logprobs or None)."""
         inputs = self.prepare_inputs(out, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)  # (T, H)
+        meta = inputs.meta
+        if self.graphs is not None and meta.is_decode_only and self.graphs.bucket_for(meta.num_seqs) is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens,
+                                     meta.block_tables)  # (T, H)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)  # (T, H)
         if not inputs.sampling_request_ids:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)

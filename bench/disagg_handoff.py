@@ -1,0 +1,207 @@
+"""Disaggregated hand-off: prefill on one device, decode on another, per KV transport.
+
+    python -m bench.disagg_handoff --config bench/configs/llama3-8b.json --dtype bfloat16 \
+        --prefill-device cuda:0 --decode-device cuda:1 --transports nccl,cuda_ipc --json out.json
+
+For each transport it starts a prefill and a decode service as processes, sends prompts one at a
+time (Prefill, then the decode stream), and checks the tokens against the colocated engine run
+in this process on the same prompts one at a time. It reports the KV data-movement rate (bytes
+pulled / time of the pull, measured in the decode's core around gather + copy + scatter) against a
+plain device-to-device tensor copy of the same size measured here, and the hand-off latency
+(prefill's answer to the first decode delta: pull, lease release, first decode step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", command, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("READY"):
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    raise RuntimeError(f"{command} did not start; log:\n{log_path.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10) -> float:
+    """GB/s of a plain tensor copy src -> dst of num_bytes (median of repeats)."""
+    import torch
+
+    a = torch.empty(num_bytes, dtype=torch.uint8, device=src)
+    b = torch.empty(num_bytes, dtype=torch.uint8, device=dst)
+    times = []
+    for i in range(repeats + 2):
+        if src.startswith("cuda"):
+            torch.cuda.synchronize(src)
+            torch.cuda.synchronize(dst)
+        start = time.perf_counter()
+        b.copy_(a)
+        if dst.startswith("cuda"):
+            torch.cuda.synchronize(dst)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path) -> dict:
+    from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+    p_port, d_port = free_port(), free_port()
+    engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
+              str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8",
+              "--block-size", str(args.block_size)]
+    prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
+                                         f"p-{transport}", "--kv-transport", transport], logs / f"p-{transport}.log")
+    decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
+                                       f"d-{transport}", "--kv-transport", transport, "--prefill-peers",
+                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30"],
+                   logs / f"d-{transport}.log")
+    try:
+        p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
+        d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
+        d_stub = decode_pb2_grpc.DecodeStub(d_chan)
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await inbox.get()) is not None:
+                yield item
+
+        call = d_stub.Generate(requests())
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        results = []
+        for i, prompt in enumerate(prompts):
+            before = (await d_stub.Describe(common_pb2.DescribeRequest())).counters
+            p_before = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
+            rid = f"{transport}-{i}"
+            first = await p_stub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                                    sampling=sampling, seed=i), timeout=300)
+            answered = time.perf_counter()
+            await inbox.put(decode_pb2.DecodeIn(request=decode_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=i,
+                first_token_id=first.first_token_id, kv=first.kv)))
+            tokens, handoff = [first.first_token_id], None
+            async for out in call:
+                for delta in out.deltas:
+                    if handoff is None:
+                        handoff = time.perf_counter() - answered
+                    tokens.extend(delta.token_ids)
+                if any(d.finish_reason for d in out.deltas):
+                    break
+            after = (await d_stub.Describe(common_pb2.DescribeRequest())).counters
+            moved = after["kv_bytes_pulled"] - before.get("kv_bytes_pulled", 0)
+            ns = after["kv_transfer_ns"] - before.get("kv_transfer_ns", 0)
+            p_after = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
+            send_ns = p_after.get("kv_send_ns", 0) - p_before.get("kv_send_ns", 0)
+            results.append({"tokens": tokens, "handoff_ms": handoff * 1e3, "bytes": moved,
+                            "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
+                            "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0})
+            print(transport, i, {k: v for k, v in results[-1].items() if k != "tokens"}, flush=True)
+        await inbox.put(None)
+        call.cancel()
+        return {"transport": transport, "requests": results}
+    finally:
+        stop(prefill)
+        stop(decode)
+
+
+def colocated(args, prompts) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.prefill_device,
+              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, max_num_seqs=8,
+              block_size=args.block_size)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    del llm
+    return outs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "bench" / "configs" / "llama3-8b.json"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefill-device", default="cuda:0")
+    ap.add_argument("--decode-device", default="cuda:1")
+    ap.add_argument("--transports", default="nccl,cuda_ipc")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--num-kv-blocks", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--logs", default="/tmp/disagg-logs")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads(Path(args.config).read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    expected = colocated(args, prompts)
+    report = {"args": vars(args), "transports": []}
+    for transport in args.transports.split(","):
+        result = asyncio.run(run_transport(args, transport, prompts, logs))
+        result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
+        report["transports"].append(result)
+    kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
+    report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
+    print(f"\nprompt {args.prompt_len} tokens, KV {kv_bytes / 2**20:.0f} MiB per request; plain copy "
+          f"{args.prefill_device}->{args.decode_device} of that size: {report['copy_gb_s']:.0f} GB/s")
+    print("pull = decode side, request to blocks in place (nccl: includes asking the prefill to send);")
+    print("send = prefill side gather + send (nccl only)")
+    print(f"{'transport':<10}{'tokens equal':>14}{'pull GB/s':>11}{'% of copy':>11}{'send GB/s':>11}"
+          f"{'% of copy':>11}{'handoff ms':>12}")
+    for t in report["transports"]:
+        rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
+        handoffs = [r["handoff_ms"] for r in t["requests"][1:]] or [t["requests"][0]["handoff_ms"]]
+        sends = [r["send_gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["send_gb_s"]]
+        t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
+        t["median_send_gb_s"] = statistics.median(sends)
+        copy = report["copy_gb_s"]
+        print(f"{t['transport']:<10}{str(t['tokens_equal']):>14}{t['median_gb_s']:>11.1f}"
+              f"{100 * t['median_gb_s'] / copy:>10.1f}%{t['median_send_gb_s']:>11.1f}"
+              f"{100 * t['median_send_gb_s'] / copy:>10.1f}%{t['median_handoff_ms']:>12.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if all(t["tokens_equal"] for t in report["transports"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
