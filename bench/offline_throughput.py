@@ -213,8 +213,11 @@ def run_fixed(args) -> list[dict]:
             print(rows[-1], flush=True)
         del llm
         if args.device.startswith("cuda"):
+            import gc
+
             import torch
 
+            gc.collect()
             torch.cuda.empty_cache()
     if "hf" in args.engines:
         import torch

@@ -121,6 +121,10 @@ class EngineCore:
 
     def _size_pool(self, device: torch.device) -> int:
         if device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
             free, total = torch.cuda.mem_get_info(device)
             # the fraction bounds this process's whole use of the GPU (weights included);
             # what it leaves free covers graphs, activations and transfer staging

@@ -47,7 +47,7 @@ def test_bf16_default_model_matches_transformers_on_most_prompts():
     from engine.default_model_path import default_model_path
 
     path = default_model_path()
-    llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
+    llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16, num_kv_blocks=256)
     tok = llm.tokenizer
     texts = [f"def {name}(" for name in ("fibonacci", "parse_args", "main", "read_file", "sort_items", "merge",
                                          "validate", "connect", "encode", "decode", "tokenize", "flatten",
