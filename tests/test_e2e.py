@@ -1,0 +1,209 @@
+"""The whole stack as real processes on loopback: gateway + prefill + 2 decodes, the default
+model in float64, per KV transport. Tokens through the gateway equal the in-process engine's."""
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.default_model_path import default_model_path
+from protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from tests.service_client import describe
+from tests.service_harness import Proc, free_port, start_service
+from tests.test_engine_exact import make_prompts
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+ENGINE = dict(dtype="float64", block_size=4, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
+    prompts = make_prompts(vocab=8192)
+    greedy = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    seeded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[:4], sampling_params=[
+        SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i in range(4)])]
+    return prompts, greedy, seeded
+
+
+class Stack:
+    def __init__(self, transport: str, logs, num_decode: int = 2):
+        model = default_model_path()
+        self.procs: dict[str, Proc] = {}
+        self.prefill = start_service("prefill", model, logs, "prefill", service_args=["--kv-transport", transport],
+                                     **ENGINE)
+        self.procs["prefill"] = self.prefill[0]
+        self.decodes = []
+        for i in range(num_decode):
+            proc, addr = start_service("decode", model, logs, f"decode-{i}",
+                                       service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1]],
+                                       **ENGINE)
+            self.procs[f"decode-{i}"] = proc
+            self.decodes.append(addr)
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.gateway = Proc("gateway", ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
+                                        "--prefill", self.prefill[1], "--decode", ",".join(self.decodes),
+                                        "--health-interval-s", "0.2"], logs, "gateway")
+        self.procs["gateway"] = self.gateway
+        for proc in self.procs.values():
+            if proc is not self.gateway:
+                proc.wait_ready()
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{self.http_port}/ready", timeout=2)
+                if r.status_code == 200 and all(i["up"] for i in r.json()["instances"]):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("gateway never became ready:\n" + self.gateway.log_path.read_text()[-3000:])
+
+    def stop(self):
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module", params=["shm", "nccl"])
+def stack(request, tmp_path_factory):
+    s = Stack(request.param, tmp_path_factory.mktemp(f"e2e-{request.param}"))
+    yield s
+    s.stop()
+
+
+async def generate(port, prompt_ids, **sampling):
+    """All token ids of one request through the gateway's gRPC API, and every message."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt_ids),
+                                                 sampling=common_pb2.SamplingParams(**sampling))
+        messages = [m async for m in stub.Generate(request, timeout=120)]
+    return [t for m in messages for t in m.token_ids], messages
+
+
+async def total_free(stack):
+    p = await describe(stack.prefill[1])
+    ds = [await describe(a, decode_pb2_grpc.DecodeStub) for a in stack.decodes]
+    return [(p.load.num_free_blocks, p.load.num_total_blocks)] + [(d.load.num_free_blocks, d.load.num_total_blocks) for d in ds], ds
+
+
+def test_concurrent_requests_equal_the_in_process_engine(stack, reference):
+    prompts, greedy, seeded = reference
+
+    async def main():
+        greedy_jobs = [generate(stack.grpc_port, p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+                       for p in prompts]
+        seeded_jobs = [generate(stack.grpc_port, p, temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS,
+                                ignore_eos=True) for i, p in enumerate(prompts[:4])]
+        results = await asyncio.gather(*greedy_jobs, *seeded_jobs)
+        await asyncio.sleep(0.3)
+        return results, await total_free(stack)
+
+    results, (free, decodes) = asyncio.run(main())
+    assert [r[0] for r in results[:16]] == greedy
+    assert [r[0] for r in results[16:]] == seeded
+    assert all(f == t for f, t in free)  # every block back on every instance
+    assert all(d.counters.get("requests_received", 0) > 0 for d in decodes)  # both decodes took traffic
+    last = results[0][1][-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_TOKENS
+
+
+def test_first_token_streams_before_the_rest(stack, reference):
+    prompts, greedy, _ = reference
+    tokens, messages = asyncio.run(generate(stack.grpc_port, prompts[3], temperature=0, max_tokens=MAX_TOKENS,
+                                            ignore_eos=True))
+    # the prefill's token goes to the client alone, before decode has produced anything
+    assert list(messages[0].token_ids) == greedy[3][:1]
+    assert len(messages) > 2 and tokens == greedy[3]
+
+
+def test_openai_client_through_the_real_stack(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused")
+    out = client.completions.create(model="default_model", prompt="def fibonacci(n):", max_tokens=12, temperature=0)
+    assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+    llm_text = out.choices[0].text
+    chunks = list(client.completions.create(model="default_model", prompt="def fibonacci(n):", max_tokens=12,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == llm_text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="default_model", prompt="x", max_tokens=4, temperature=-1)
+    assert info.value.status_code == 400 and "temperature" in str(info.value)
+
+
+def test_cancel_mid_stream_frees_blocks_everywhere(stack):
+    body = {"prompt": "import os", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=60) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        free, _ = asyncio.run(total_free(stack))
+        if all(f == t for f, t in free):
+            break
+        time.sleep(0.1)
+    assert all(f == t for f, t in free)
+
+
+def test_killing_a_decode_fails_only_its_requests(tmp_path, reference):
+    prompts, greedy, _ = reference
+    stack = Stack("shm", tmp_path)
+    try:
+        async def main():
+            jobs = [asyncio.create_task(generate(stack.grpc_port, list(range(100 + i, 140 + i)), temperature=0,
+                                                 max_tokens=300, ignore_eos=True)) for i in range(4)]
+            await asyncio.sleep(1.5)  # all four are decoding, spread over both decodes
+            stack.procs["decode-1"].kill()
+            done = await asyncio.gather(*jobs, return_exceptions=True)
+            after = await generate(stack.grpc_port, prompts[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            return done, after
+
+        started = time.monotonic()
+        done, after = asyncio.run(main())
+        finals = [r[1][-1] for r in done]
+        failed = [f for f in finals if f.finish_reason == common_pb2.FINISH_REASON_ERROR]
+        finished = [f for f in finals if f.finish_reason == common_pb2.FINISH_REASON_LENGTH]
+        assert len(failed) >= 1 and len(finished) >= 1 and len(failed) + len(finished) == 4
+        assert all(f.error.startswith("decode instance") for f in failed)
+        assert after[0] == greedy[0]  # later requests go to the surviving decode
+        assert time.monotonic() - started < 60
+    finally:
+        stack.stop()
+
+
+def test_layout_mismatch_is_refused_before_serving(tmp_path):
+    model = default_model_path()
+    prefill, p_addr = start_service("prefill", model, tmp_path, "prefill", **ENGINE)
+    decode, d_addr = start_service("decode", model, tmp_path, "decode", **{**ENGINE, "block_size": 8})
+    http = free_port()
+    gateway = Proc("gateway", ["--grpc-port", "0", "--http-port", str(http), "--prefill", p_addr, "--decode", d_addr],
+                   tmp_path, "gateway")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{http}/ready", timeout=2)
+                if "KV layouts differ" in r.text:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert r.status_code == 503
+        assert "block_size=4" in r.text and "block_size=8" in r.text
+    finally:
+        for p in (gateway, prefill, decode):
+            p.stop()
