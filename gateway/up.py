@@ -150,7 +150,7 @@ def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
 def banner(up: UpConfig, model_id: str) -> str:
     """URLs and a ready-to-paste request."""
     base = f"http://{HOST}:{up.http_port}"
-    body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 32})
+    body = json.dumps({"model": model_id, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     return "\n".join([
         f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {up.kv_transport}",
         f"  OpenAI REST  {base}/v1",

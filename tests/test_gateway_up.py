@@ -145,7 +145,7 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
             lines.append(line.rstrip("\n"))
             if line.startswith("Press Ctrl-C"):
                 break
-        body = json.dumps({"model": "tiny-fake", "prompt": "Once upon a time", "max_tokens": 32})
+        body = json.dumps({"model": "tiny-fake", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
         base = f"http://127.0.0.1:{http_port}"
         assert lines == [
             "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm",
