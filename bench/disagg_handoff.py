@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", command, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, start_new_session=True)
     deadline = time.monotonic() + 600

@@ -211,6 +211,11 @@ def run_fixed(args) -> list[dict]:
             row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
             rows.append({"engine": "splitserve", **row})
             print(rows[-1], flush=True)
+            if args.profile and llm.engine.runner.graphs is not None:
+                from bench.decode_profile import format_profile, profile_decode
+
+                rows[-1].update(profile_decode(llm, b, args.prompt_len + args.output_len // 2, args.prompt_len, vocab))
+                print(format_profile(rows[-1]), flush=True)
         del llm
         if args.device.startswith("cuda"):
             import gc
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="fixed workload, CUDA graphs: decompose a decode step")
     ap.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache_memory_fraction on CUDA")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
