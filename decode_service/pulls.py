@@ -11,18 +11,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import dataclass
 
 import grpc
 import torch
 
 from engine import core_messages as m
+from engine import tracing
 from engine.grpc_server import insecure_channel
 from engine.kv_transfer.io import pair_name, transfer_tag
 from engine.wire import layout_from_proto, logprobs_from_proto
 from protos import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.decode.pulls")
+
+# A peer that is restarting gets this long to answer ReleaseKv (RPCs wait for the channel to
+# reconnect instead of failing fast); past it the copy counts as unvalidated.
+RELEASE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -93,17 +99,21 @@ class PullCoordinator:
         if pull is None:
             return
         h = pull.handle
+        span = self.service.spans.get(msg.request_id)
+        metadata = tuple(tracing.inject(span).items()) if span is not None else None
         try:
             await self.stub(h.prefill_address).SendKv(prefill_pb2.SendKvRequest(
                 decode_instance=self.service.name, lease_id=h.lease.lease_id, epoch=h.lease.epoch,
-                block_indices=msg.block_indices), timeout=self.service.config.kv_transfer_timeout_s)
+                block_indices=msg.block_indices), timeout=self.service.config.kv_transfer_timeout_s,
+                metadata=metadata, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             log.warning("request_id=%s SendKv failed: %s", msg.request_id, exc.details())
 
     async def _release(self, handle) -> bool:
         try:
             response = await self.stub(handle.prefill_address).ReleaseKv(
-                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch), timeout=5.0)
+                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch),
+                timeout=RELEASE_TIMEOUT_S, wait_for_ready=True)
             return response.released
         except grpc.aio.AioRpcError as exc:
             log.warning("ReleaseKv to %s failed: %s", handle.prefill_address, exc.details())
@@ -114,6 +124,10 @@ class PullCoordinator:
         if pull is None:
             return  # cancelled; its lease was released by cancel()
         service = self.service
+        end_ns = time.time_ns()
+        tracing.record_span("kv.transfer", end_ns - done.transfer_ns, end_ns, service.spans.get(done.request_id), {
+            "kv.transport": pull.handle.transport, "kv.bytes": done.num_bytes, "kv.blocks": done.num_blocks_pulled,
+            "kv.cached_prompt_tokens": done.num_cached_tokens, "kv.ok": done.ok})
         released = await self._release(pull.handle)
         if done.ok and released:
             stream = service.owner.get(done.request_id)
@@ -185,7 +199,8 @@ class PullCoordinator:
             lambda cid: m.Pair(cid, pair, 0, host, port, backend), timeout_s=60.0))
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
         await self.stub(prefill_address).PairKv(prefill_pb2.PairKvRequest(
-            decode_instance=service.name, store_host=host, store_port=port, backend=backend), timeout=60.0)
+            decode_instance=service.name, store_host=host, store_port=port, backend=backend), timeout=30.0,
+            wait_for_ready=True)
         await mine
         service.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)

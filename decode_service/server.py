@@ -24,6 +24,7 @@ import grpc
 
 from decode_service.pulls import PullCoordinator
 from engine import core_messages as m
+from engine import tracing
 from engine.service_base import ServiceBase, setup_logging
 from engine.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
@@ -50,6 +51,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.owner: dict[str, GatewayStream] = {}
         self.pulls = PullCoordinator(self)
         self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
+        self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
 
     async def on_started(self) -> None:
         peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
@@ -74,7 +76,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             self.count("generation_tokens", len(out.new_token_ids))
             self._observe(out)
             if out.finished:
-                self.finish_request(out.request_id)
+                self.finish_request(out.request_id, out.error)
         for stream, deltas in per_stream.values():
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
 
@@ -100,8 +102,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             if t[3] > 1:
                 mt.lab(mt.tpot).observe((t[2] - t[1]) / (t[3] - 1))
 
-    def finish_request(self, request_id: str) -> None:
+    def finish_request(self, request_id: str, error: str | None = None) -> None:
         self.timing.pop(request_id, None)
+        tracing.end_span(self.spans.pop(request_id, None), error)
         self.pulls.cancel(request_id)  # releases the prefill's lease if a pull was still pending
         stream = self.owner.pop(request_id, None)
         if stream is not None:
@@ -115,6 +118,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if stream is None:
             return
         self.count("requests_failed")
+        tracing.end_span(self.spans.pop(request_id, None), error)
         stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[decode_pb2.TokenDelta(
             request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)]))
         self.finish_request(request_id)
@@ -176,6 +180,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             return
         self.owner[rid] = stream
         self.timing[rid] = [time.monotonic(), 0.0, 0.0, 0]
+        if tracing.enabled():
+            self.spans[rid] = tracing.start_span("decode", tracing.extract(req.trace_context), {
+                "request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")})
         stream.request_ids.add(rid)
         self.inflight += 1
         self.count("requests_received")
@@ -211,6 +218,7 @@ def free_port(host: str) -> int:
 
 def _serve(engine_config, service_config) -> int:
     service = DecodeService(engine_config, service_config)
+    tracing.init_tracing(f"splitserve-{engine_config.role}", service.name)
     return asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
 
 

@@ -16,6 +16,7 @@ import time
 import grpc
 
 from engine import core_messages as m
+from engine import tracing
 from engine.kv_transfer.io import pair_name, transfer_tag
 from engine.service_base import Refuse, ServiceBase, setup_logging
 from engine.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
@@ -53,6 +54,12 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                 self.metrics.lab(self.metrics.kv_leases_expired).inc()
 
     async def Prefill(self, request, context):
+        parent = tracing.extract(tracing.metadata_carrier(context.invocation_metadata()))
+        with tracing.span("prefill", parent, {"request_id": request.request_id,
+                                              "prompt_tokens": len(request.prompt_token_ids)}, kind="server") as sp:
+            return await self._prefill(request, context, sp)
+
+    async def _prefill(self, request, context, sp):
         try:
             self.check_accepting(context)
             params = sampling_from_proto(request.sampling)
@@ -62,6 +69,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id
         arrival = time.monotonic_ns()
+        arrival_wall = time.time_ns()
         queue = self.client.open_stream(rid)
         self.inflight += 1
         try:
@@ -89,6 +97,9 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         mt.lab(mt.queue).observe(out.queue_ns / 1e9)
         mt.lab(mt.prefill_time).observe(max(total_ns - out.queue_ns, 0) / 1e9)
         response.timings.queue_ns = out.queue_ns
+        tracing.record_span("prefill.queue", arrival_wall, arrival_wall + out.queue_ns, sp)
+        tracing.record_span("prefill.compute", arrival_wall + out.queue_ns, arrival_wall + total_ns, sp,
+                            {"cached_prompt_tokens": out.num_cached_tokens})
         if out.finish_reason != "prefilled":
             response.finish_reason = FINISH_REASONS[out.finish_reason]
             return response
@@ -136,8 +147,14 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                                 f"block index {bad[0]} is out of range; the lease holds {len(lease.block_ids)} blocks")
         block_ids = [lease.block_ids[i] for i in request.block_indices]
         pair = pair_name(self.name, request.decode_instance)
+        parent = tracing.extract(tracing.metadata_carrier(context.invocation_metadata()))
+        with tracing.span("kv.send", parent, {"request_id": lease.request_id, "kv.blocks": len(block_ids),
+                                              "kv.transport": "nccl"}, kind="server"):
+            return await self._send(context, block_ids, pair, transfer_tag(lease.epoch))
+
+    async def _send(self, context, block_ids, pair, tag):
         try:
-            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids, transfer_tag(lease.epoch)),
+            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids, tag),
                                             timeout_s=self.config.kv_transfer_timeout_s + 5)
         except Exception as exc:
             self.count("kv_send_failures")
@@ -163,4 +180,5 @@ def run(ns, configs) -> int:
 
     engine_config = replace(configs["EngineConfig"], role="prefill")
     service = PrefillService(engine_config, configs["ServiceConfig"])
+    tracing.init_tracing("splitserve-prefill", service.name)
     return asyncio.run(service.serve(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)))

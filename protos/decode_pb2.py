@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\rsplitserve.v1\x1a\x13protos/common.proto\"\x99\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x11\n\x0f_first_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"q\n\x08\x44\x65\x63odeIn\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.DecodeRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x88\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_blocks_pulled\x18\x08 \x01(\r\"G\n\tDecodeOut\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TokenDelta\x12\x0f\n\x07step_ns\x18\x02 \x01(\x04\x32\x98\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x17.splitserve.v1.DecodeIn\x1a\x18.splitserve.v1.DecodeOut(\x01\x30\x01\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\rsplitserve.v1\x1a\x13protos/common.proto\"\x95\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x45\n\rtrace_context\x18\t \x03(\x0b\x32..splitserve.v1.DecodeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_first_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"q\n\x08\x44\x65\x63odeIn\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.DecodeRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x88\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_blocks_pulled\x18\x08 \x01(\r\"G\n\tDecodeOut\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TokenDelta\x12\x0f\n\x07step_ns\x18\x02 \x01(\x04\x32\x98\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x17.splitserve.v1.DecodeIn\x1a\x18.splitserve.v1.DecodeOut(\x01\x30\x01\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=60
-  _globals['_DECODEREQUEST']._serialized_end=341
-  _globals['_ABORTREQUEST']._serialized_start=343
-  _globals['_ABORTREQUEST']._serialized_end=377
-  _globals['_DECODEIN']._serialized_start=379
-  _globals['_DECODEIN']._serialized_end=492
-  _globals['_TOKENDELTA']._serialized_start=495
-  _globals['_TOKENDELTA']._serialized_end=759
-  _globals['_DECODEOUT']._serialized_start=761
-  _globals['_DECODEOUT']._serialized_end=832
-  _globals['_DECODE']._serialized_start=835
-  _globals['_DECODE']._serialized_end=987
+  _globals['_DECODEREQUEST']._serialized_end=465
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=395
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=446
+  _globals['_ABORTREQUEST']._serialized_start=467
+  _globals['_ABORTREQUEST']._serialized_end=501
+  _globals['_DECODEIN']._serialized_start=503
+  _globals['_DECODEIN']._serialized_end=616
+  _globals['_TOKENDELTA']._serialized_start=619
+  _globals['_TOKENDELTA']._serialized_end=883
+  _globals['_DECODEOUT']._serialized_start=885
+  _globals['_DECODEOUT']._serialized_end=956
+  _globals['_DECODE']._serialized_start=959
+  _globals['_DECODE']._serialized_end=1111
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,73 @@
+"""Traces over real OTLP/gRPC from the prefill and decode processes, parented across processes."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from protos import common_pb2, decode_pb2, prefill_pb2
+from tests.model_factory import make_tiny_model_dir
+from tests.otlp_receiver import Receiver
+from tests.service_client import DecodeSession, prefill_stub
+from tests.service_harness import start_service
+
+pytestmark = pytest.mark.slow
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT}-01"
+
+
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp_path):
+    receiver = Receiver()
+    model = make_tiny_model_dir(tmp_path, "llama", name="traced")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    os.environ.update(env)
+    try:
+        prefill, p_addr = start_service("prefill", model, tmp_path, "p-traced", service_args=["--kv-transport", transport])
+        decode, d_addr = start_service("decode", model, tmp_path, "d-traced",
+                                       service_args=["--kv-transport", transport, "--prefill-peers", p_addr])
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+
+        async def main():
+            sampling = common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            prompt = list(range(10, 31))
+            first = await prefill_stub(p_addr).Prefill(
+                prefill_pb2.PrefillRequest(request_id="t1", prompt_token_ids=prompt, sampling=sampling),
+                metadata=(("traceparent", TRACEPARENT),))
+            session = DecodeSession(d_addr)
+            session.submit(decode_pb2.DecodeRequest(request_id="t1", prompt_token_ids=prompt, sampling=sampling,
+                                                    first_token_id=first.first_token_id, kv=first.kv,
+                                                    trace_context={"traceparent": TRACEPARENT}))
+            await session.collect("t1")
+            await session.close()
+
+        asyncio.run(main())
+        wanted = {"prefill", "prefill.queue", "prefill.compute", "decode", "kv.transfer"}
+        if transport == "nccl":
+            wanted.add("kv.send")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not wanted <= {s["name"] for s in receiver.spans}:
+            time.sleep(0.1)
+        spans = {s["name"]: s for s in receiver.spans}
+        assert wanted <= set(spans)
+        assert {s["trace_id"] for s in receiver.spans} == {TRACE_ID}  # one trace
+        assert spans["prefill"]["parent"] == PARENT and spans["decode"]["parent"] == PARENT
+        assert spans["prefill.queue"]["parent"] == spans["prefill"]["span_id"]
+        assert spans["prefill.compute"]["parent"] == spans["prefill"]["span_id"]
+        assert spans["kv.transfer"]["parent"] == spans["decode"]["span_id"]
+        assert spans["kv.transfer"]["attributes"]["kv.blocks"] == 6  # 21 tokens in blocks of 4
+        assert spans["kv.transfer"]["attributes"]["kv.transport"] == transport
+        assert spans["prefill"]["service"] == "splitserve-prefill" and spans["decode"]["service"] == "splitserve-decode"
+        if transport == "nccl":
+            assert spans["kv.send"]["parent"] == spans["decode"]["span_id"]
+    finally:
+        prefill.stop()
+        decode.stop()
+        receiver.stop()
