@@ -1,0 +1,284 @@
+"""Workload and load generation for bench/serve.py: prompts, arrivals, the two clients, the runner.
+
+Everything random comes from one seed: the same seed gives the same prompts, output lengths and
+arrival times, so two setups measured with one seed see the same workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from bench.serve_stats import CANCELLED, COMPLETED, FAILED, RequestRecord, token_gaps
+
+LENGTH_DISTS = ("fixed", "uniform", "longtail")
+
+
+def check_loopback(host: str) -> str:
+    """`host` when it is 127.0.0.0/8, localhost or ::1; ValueError otherwise (no DNS lookups)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare == "localhost":
+        return host
+    try:
+        loopback = ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"--host {host!r} is not a loopback address; bench/serve.py only sends load to "
+                         "127.0.0.0/8, localhost or ::1")
+    return host
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes into a URL or a gRPC target (IPv6 in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths: fixed at `mean`, uniform in mean·[1-spread, 1+spread], or a lognormal long tail
+    with median `mean` and sigma `spread` (ShareGPT-like: most short, a few very long)."""
+
+    kind: str
+    mean: int
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LENGTH_DISTS:
+            raise ValueError(f"length distribution must be one of {', '.join(LENGTH_DISTS)}, got {self.kind!r}")
+        if self.mean < 1:
+            raise ValueError(f"length must be >= 1, got {self.mean}")
+        if self.spread < 0 or (self.kind == "uniform" and self.spread >= 1):
+            raise ValueError(f"{self.kind} spread must be in [0, 1) for uniform and >= 0 for longtail, got {self.spread}")
+
+    def sample(self, rng: random.Random, limit: int | None) -> int:
+        """One length; longtail draws are clipped to [1, limit], other kinds must fit in limit."""
+        if self.kind == "fixed":
+            n = self.mean
+        elif self.kind == "uniform":
+            n = rng.randint(max(1, round(self.mean * (1 - self.spread))), round(self.mean * (1 + self.spread)))
+        else:
+            n = max(1, round(rng.lognormvariate(math.log(self.mean), self.spread)))
+            return min(n, limit) if limit else n
+        if limit is not None and n > limit:
+            raise ValueError(f"a {self.kind} length of {n} tokens exceeds the {limit} allowed "
+                             "(context limit minus the output length); lower the length")
+        return n
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: prompt token ids and forced output length."""
+
+    index: int
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+def make_workload(num_requests: int, prompts: LengthDist, outputs: LengthDist, vocab_size: int,
+                  max_model_len: int | None, seed: int) -> list[RequestSpec]:
+    """Seeded random prompts (token ids in [1, vocab_size)) and output lengths; prompt + output fits
+    in max_model_len."""
+    if vocab_size < 2:
+        raise ValueError(f"--vocab-size must be >= 2, got {vocab_size}")
+    rng = random.Random(seed)
+    specs = []
+    for i in range(num_requests):
+        out_limit = max_model_len - 1 if max_model_len else None
+        output_len = outputs.sample(rng, out_limit)
+        prompt_len = prompts.sample(rng, max_model_len - output_len if max_model_len else None)
+        specs.append(RequestSpec(i, tuple(rng.randrange(1, vocab_size) for _ in range(prompt_len)), output_len))
+    return specs
+
+
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals at `rate` req/s (first at 0); all at 0 when rate is inf."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed + 1)  # independent of the prompt stream
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+class Progress:
+    """A plain progress bar on stderr, redrawn at most every `interval_s`."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=sys.stderr, interval_s: float = 0.2):
+        self.total, self.label, self.enabled, self.stream, self.interval_s = total, label, enabled, stream, interval_s
+        self.started, self._drawn = time.perf_counter(), 0.0
+        self.dispatched = 0  # requests handed to a task (run_load counts them)
+
+    def update(self, records: Sequence[RequestRecord], force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self._drawn < self.interval_s):
+            return
+        self._drawn = now
+        done = sum(r.status in (COMPLETED, FAILED, CANCELLED) for r in records)
+        failed = sum(r.status in (FAILED, CANCELLED) for r in records)
+        in_flight = self.dispatched - done
+        width = 30
+        filled = width * done // max(1, self.total)
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done, "
+                          f"{in_flight} in flight, {failed} failed, {now - self.started:.1f} s ")
+        self.stream.flush()
+
+    def close(self, records: Sequence[RequestRecord]) -> None:
+        self.update(records, force=True)
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+Sender = Callable[[RequestSpec, RequestRecord, Callable[[], float]], Awaitable[None]]
+
+
+async def run_load(specs: Sequence[RequestSpec], arrivals: Sequence[float], send: Sender, *,
+                   concurrency: int | None, max_seconds: float, progress: Progress) -> tuple[list[RequestRecord], float]:
+    """Send each spec at its arrival time (at most `concurrency` in flight); stop sending at
+    max_seconds and cancel what is still running then. Returns the records and the duration
+    (run start to the last request's end, or to the deadline)."""
+    records = [RequestRecord(s.index, len(s.prompt), s.output_len, at) for s, at in zip(specs, arrivals)]
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    start = time.perf_counter()
+    deadline = start + max_seconds
+
+    def clock() -> float:
+        return time.perf_counter() - start
+
+    async def one(spec: RequestSpec, record: RequestRecord) -> None:
+        try:
+            await send(spec, record, clock)
+        except asyncio.CancelledError:
+            record.status, record.error = CANCELLED, f"cancelled at --max-seconds={max_seconds:g}"
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is counted by its message
+            record.status, record.error = FAILED, error_message(exc)
+        finally:
+            if gate is not None:
+                gate.release()
+            progress.update(records)
+
+    tasks = []
+    for spec, record in zip(specs, records):
+        wait = start + record.scheduled_s - time.perf_counter()
+        if start + record.scheduled_s >= deadline:
+            break
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if gate is not None:
+            try:
+                await asyncio.wait_for(gate.acquire(), timeout=max(0.0, deadline - time.perf_counter()))
+            except asyncio.TimeoutError:
+                break
+        tasks.append(asyncio.create_task(one(spec, record)))
+        progress.dispatched += 1
+        progress.update(records)
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    duration = min(time.perf_counter(), deadline) - start
+    progress.close(records)
+    return records, duration
+
+
+def _finish(record: RequestRecord, sent_s: float, events: list[tuple[float, int]]) -> None:
+    """TTFT, ITLs and e2e (to the last token-carrying message) from the stream's events."""
+    record.ttft_s, record.itl_s = token_gaps(sent_s, events)
+    if record.ttft_s is None:
+        record.status, record.error = FAILED, "stream ended without a token"
+        return
+    record.e2e_s = max(t for t, k in events if k > 0) - sent_s
+    record.status = COMPLETED
+
+
+class RequestFailed(RuntimeError):
+    """The gateway answered with an error (HTTP status, SSE error event or an ERROR finish)."""
+
+
+def error_message(exc: BaseException) -> str:
+    """A short message for the error counts: gRPC status and details, the gateway's error, or the
+    exception's type and text."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"gRPC {code().name}: {details()}"
+    if isinstance(exc, RequestFailed):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
+    """Streams `Generation.Generate` with token-id prompts; counts tokens by the token ids streamed."""
+    from protos import common_pb2, generation_pb2
+
+    async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
+        request = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=spec.prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=temperature))
+        events: list[tuple[float, int]] = []
+        record.sent_s = sent = clock()
+        async for message in stub.Generate(request, timeout=timeout_s):
+            events.append((clock(), len(message.token_ids)))
+            record.num_received += len(message.token_ids)
+            if message.finish_reason:
+                record.finish_reason = common_pb2.FinishReason.Name(message.finish_reason)
+                record.prompt_tokens_reported = message.usage.prompt_tokens
+                if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    raise RequestFailed(message.error)
+        _finish(record, sent, events)
+
+    return send
+
+
+def rest_sender(client, base_url: str, model: str, temperature: float, logprobs: bool) -> Sender:
+    """Streams POST /v1/completions (SSE) with a token-id prompt. With `logprobs` (logprobs: 0)
+    each chunk lists its tokens, so tokens are counted per chunk; without, each chunk counts as one
+    ITL sample and the usage chunk gives the token count."""
+
+    async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
+        body = {"model": model, "prompt": list(spec.prompt), "max_tokens": spec.output_len, "ignore_eos": True,
+                "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+        if logprobs:
+            body["logprobs"] = 0
+        events: list[tuple[float, int]] = []
+        record.sent_s = sent = clock()
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raw = await response.aread()
+                raise RequestFailed(f"HTTP {response.status_code}: {_error_text(raw)}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = clock(), json.loads(line[6:])
+                if "error" in chunk:
+                    raise RequestFailed(chunk["error"].get("message", str(chunk["error"])))
+                for choice in chunk.get("choices", []):
+                    k = len(choice["logprobs"]["tokens"]) if logprobs and choice.get("logprobs") else int(not logprobs)
+                    events.append((now, k))
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
+                if chunk.get("usage"):
+                    record.num_received = chunk["usage"]["completion_tokens"]
+                    record.prompt_tokens_reported = chunk["usage"]["prompt_tokens"]
+        _finish(record, sent, events)
+
+    return send
+
+
+def _error_text(raw: bytes) -> str:
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return raw.decode(errors="replace")[:200]
