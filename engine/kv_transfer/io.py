@@ -81,7 +81,12 @@ class KvIo:
         if not indices:
             return 0
         kv_cache = core.engine.runner.kv_cache
-        if spec.transport in ("shm", "cuda_ipc"):
+        if spec.transport == "cuda_ipc":
+            src_ids = [spec.block_ids[i] for i in indices]
+            num_bytes = copy_block_runs(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
+            torch.cuda.current_stream(kv_cache.device).synchronize()
+            return num_bytes
+        if spec.transport == "shm":
             src_ids = [spec.block_ids[i] for i in indices]
             num_bytes = copy_blocks(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
             if kv_cache.is_cuda:
@@ -98,7 +103,13 @@ class KvIo:
         group = self.groups.get(pair)
         if group is None:
             raise RuntimeError(f"no communicator with {spec.prefill_instance} (pair {pair} not registered)")
-        staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+        src_ids = [spec.block_ids[i] for i in indices]
+        direct = block_run(src_ids) is not None and block_run(dst_blocks) is not None
+        if direct:  # one message straight into the destination blocks (the sender skips its gather too)
+            first = dst_blocks[0]
+            staging = kv_cache[first:first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
+        else:
+            staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
         core.outbox.append(NeedSend(spec.request_id, pair, indices))
         core.flush()  # the server must ask the prefill to send while this side receives
         try:
@@ -106,8 +117,9 @@ class KvIo:
         except Exception:
             self.drop_pair(pair)
             raise
-        dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
-        kv_cache.index_copy_(0, dst, staging)
+        if not direct:
+            dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
+            kv_cache.index_copy_(0, dst, staging)
         return staging.numel() * staging.element_size()
 
     # -- prefill side ----------------------------------------------------------------------
@@ -116,8 +128,11 @@ class KvIo:
         if group is None:
             raise RuntimeError(f"pair {pair} is not registered")
         start = time.perf_counter_ns()
-        index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-        staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
+        if block_run(block_ids) is not None:  # consecutive blocks: send the pool's own slice, no gather
+            staging = kv_cache[block_ids[0]:block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
+        else:
+            index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+            staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
         try:
             group.send([staging], 0, tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
@@ -171,6 +186,42 @@ class KvIo:
         self._mapped.clear()
         if self._own_pool is not None:
             self._own_pool.close()
+
+
+def block_run(ids: list[int]) -> int | None:
+    """The first id when `ids` are consecutive (b, b+1, ...), else None. Both sides of an NCCL
+    transfer decide from the source ids alone whether the sender skips its gather."""
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return ids[0]
+    return None
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal (src_start, dst_start, count) runs where both sides advance by one block."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+MAX_DIRECT_RUNS = 16  # beyond this, per-run copies cost more host time than one gather pass
+
+
+def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> int:
+    """Copy blocks src[src_ids] -> dst[dst_ids] (pools are block-major, so a run of consecutive
+    blocks is one contiguous range): one device-to-device copy per run, a single pass with no
+    staging; more than MAX_DIRECT_RUNS runs fall back to gather + copy + scatter. Returns bytes."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_block_runs: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
+    runs = block_runs(src_ids, dst_ids)
+    if len(runs) > MAX_DIRECT_RUNS:
+        return copy_blocks(src, src_ids, dst, dst_ids)
+    for s, d, n in runs:
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+    return len(src_ids) * src[0].numel() * src.element_size()
 
 
 def transfer_tag(epoch: int) -> int:
