@@ -129,7 +129,9 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
             ns = after["kv_transfer_ns"] - before.get("kv_transfer_ns", 0)
             p_after = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
             send_ns = p_after.get("kv_send_ns", 0) - p_before.get("kv_send_ns", 0)
-            results.append({"tokens": tokens, "handoff_ms": handoff * 1e3, "bytes": moved,
+            ids = list(first.kv.block_ids)
+            src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
+            results.append({"tokens": tokens, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
                             "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
                             "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0})
             print(transport, i, {k: v for k, v in results[-1].items() if k != "tokens"}, flush=True)
