@@ -24,7 +24,11 @@ def split_addresses(value: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """Where the gateway listens, which instances it routes to, and its admission limits."""
+    """Where the gateway listens, which instances it routes to, its admission limits, auth and rate limits.
+
+    Rate limits are per API key; without configured keys every caller shares one bucket.
+    API keys themselves are never config fields (the config is printed at start).
+    """
 
     host: str = option("127.0.0.1", "address to bind the gRPC and REST servers")
     grpc_port: int = option(50051, "gRPC port of the Generation API; 0 = any free port", min=0, max=65535)
@@ -39,6 +43,21 @@ class GatewayConfig:
     max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
     max_concurrent_requests: int = option(1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20)
     drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
+    max_waiting_per_decode: int = option(256, "requests waiting at one decode (its Describe num_waiting plus those sent "
+                                         "since) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503",
+                                         min=1, max=1 << 20)
+    metrics_port: int = option(0, "separate HTTP port for /metrics (for a gateway without REST; REST serves /metrics "
+                               "itself); 0 = off", min=0, max=65535)
+    api_keys_file: str = option("", "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
+                                "(comma-separated) every public call needs 'Authorization: Bearer <key>'")
+    tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
+    tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
+    rate_limit_rps: float = option(0.0, "requests per second per API key (token bucket); 0 = no limit",
+                                   min=0.0, max=1e6)
+    rate_limit_burst: int = option(0, "request bucket size per API key; 0 = max(1, ceil(rate_limit_rps))",
+                                   min=0, max=1 << 20)
+    rate_limit_tokens_per_min: int = option(0, "prompt tokens + max_tokens per minute per API key; 0 = no limit",
+                                            min=0, max=1 << 40)
 
     @property
     def prefill_addresses(self) -> tuple[str, ...]:

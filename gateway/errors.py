@@ -9,24 +9,33 @@ ERROR_KINDS: dict[str, tuple[grpc.StatusCode, int, str]] = {
     "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     "not_found": (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
     "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error"),
+    "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error"),
+    "rate_limited": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     "resource_exhausted": (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "service_unavailable_error"),
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
     "deadline_exceeded": (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
     "internal": (grpc.StatusCode.INTERNAL, 500, "server_error"),
 }
 
+MAX_MESSAGE_CHARS = 1024
+
 
 class GatewayError(Exception):
     """A request the gateway refuses or cannot serve, before any token was sent.
 
     `param` names the offending request field (OpenAI's error "param"); `retry_after_s`
-    becomes HTTP Retry-After / gRPC trailing metadata "retry-after".
+    becomes HTTP Retry-After / gRPC trailing metadata "retry-after". Messages longer than
+    MAX_MESSAGE_CHARS are cut in the middle (they echo client values, and gRPC carries them
+    in trailing metadata, which clients cap at a few KiB).
     """
 
     def __init__(self, kind: str, message: str, *, param: str | None = None,
                  code: str | None = None, retry_after_s: int | None = None) -> None:
         if kind not in ERROR_KINDS:
             raise ValueError(f"unknown error kind {kind!r}")
+        if len(message) > MAX_MESSAGE_CHARS:
+            half = MAX_MESSAGE_CHARS // 2
+            message = f"{message[:half]} ...[{len(message) - 2 * half} characters cut]... {message[-half:]}"
         super().__init__(message)
         self.kind = kind
         self.message = message

@@ -1,16 +1,25 @@
-"""The public gRPC API: `splitserve.v1.Generation`, grpc.health.v1 and server reflection."""
+"""The public gRPC API: `splitserve.v1.Generation`, grpc.health.v1 and server reflection.
+
+Generation calls need `authorization: Bearer <key>` metadata when API keys are configured
+(UNAUTHENTICATED otherwise); health and reflection stay open. Refusals carry the gRPC code
+of their GatewayError and, when the caller may retry, trailing metadata `retry-after`.
+"""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+import asyncio
+from contextlib import aclosing
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import ApiKeys
 from gateway.errors import GatewayError, invalid
+from gateway.observe import GatewayMetrics
 from gateway.service import GatewayService, GenerationInput, build_sampling_params, sampling_values_from_proto
-from protos import generation_pb2, generation_pb2_grpc
+from protos import generation_pb2
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -24,7 +33,8 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
                                      if request.HasField("skip_special_tokens") else True)
     params = build_sampling_params(values, max_stop_strings)
     kind = request.WhichOneof("prompt")
-    common = dict(request_id=request.request_id, model=request.model, params=params, priority=request.priority)
+    common = dict(request_id=request.request_id, model=request.model, params=params, priority=request.priority,
+                  max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None)
     if kind == "text":
         return GenerationInput(text=request.text, **common)
     if kind == "token_ids":
@@ -34,42 +44,37 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
     raise invalid("prompt must be set (text, token_ids or chat)", "prompt")
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Generation over the shared GatewayService; refusals become gRPC status codes."""
+class GenerationServicer:
+    """Generation over the shared GatewayService; methods raise GatewayError for refusals.
+
+    Not registered directly: `generation_handlers` wraps each method with authentication,
+    request parsing, the refusal -> status mapping and the requests_total count.
+    """
 
     def __init__(self, service: GatewayService) -> None:
         self._service = service
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            inp = input_from_proto(request, self._service.max_stop_strings)
-        except GatewayError as exc:
-            await _abort(context, exc)
-        stream = self._service.generate(inp, timeout_s=context.time_remaining())
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                       client_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        inp = input_from_proto(request, self._service.max_stop_strings)
+        stream = self._service.generate(inp, timeout_s=context.time_remaining(), client_id=client_id)
         try:
             async for message in stream:
                 yield message
-        except GatewayError as exc:
-            await _abort(context, exc)
         finally:
             await stream.aclose()  # client gone mid-stream: abort on every hop now
 
-    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
-                       ) -> generation_pb2.TokenizeResponse:
-        try:
-            self._service.check_model(request.model)
-            if request.WhichOneof("input") == "chat":
-                turns = [(m.role, m.content) for m in request.chat.messages]
-                ids = self._service.tokenize_chat(turns)
-            else:
-                ids = self._service.tokenize_text(request.text)
-        except GatewayError as exc:
-            await _abort(context, exc)
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext,
+                       client_id: str) -> generation_pb2.TokenizeResponse:
+        self._service.check_model(request.model)
+        if request.WhichOneof("input") == "chat":
+            ids = self._service.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
+        else:
+            ids = self._service.tokenize_text(request.text)
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._service.registry.max_model_len)
 
-    async def ListModels(self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
-                         ) -> generation_pb2.ListModelsResponse:
+    async def ListModels(self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
+                         client_id: str) -> generation_pb2.ListModelsResponse:
         model_id = self._service.model_id
         models = [generation_pb2.ModelInfo(id=model_id, max_model_len=self._service.registry.max_model_len)] if model_id else []
         return generation_pb2.ListModelsResponse(models=models)
@@ -78,6 +83,97 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def _abort(context: grpc.aio.ServicerContext, exc: GatewayError) -> None:
     metadata = (("retry-after", str(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
     await context.abort(exc.grpc_status, exc.message, trailing_metadata=metadata)
+
+
+def _parse(raw: bytes, request_type: type) -> Any:
+    """The request message from its bytes; INVALID_ARGUMENT (not gRPC's INTERNAL) when malformed."""
+    try:
+        return request_type.FromString(raw)
+    except Exception as exc:  # DecodeError, or RecursionError on absurd nesting
+        raise invalid(f"request is not a valid {request_type.DESCRIPTOR.full_name}: {exc}", "request") from None
+
+
+class _Call:
+    """Authentication and accounting of one call: `status` ends as the gRPC code name sent."""
+
+    def __init__(self, gate: "_Gate", route: str, context: grpc.aio.ServicerContext) -> None:
+        self.gate, self.route, self.context, self.status = gate, route, context, "UNKNOWN"
+
+    def client_id(self) -> str:
+        metadata = self.context.invocation_metadata() or ()
+        value = next((v for k, v in metadata if k == "authorization"), None)
+        return self.gate.api_keys.authenticate(value)
+
+    async def refuse(self, exc: GatewayError) -> None:
+        self.status = exc.grpc_status.name
+        await _abort(self.context, exc)
+
+    def done(self) -> None:
+        if self.gate.metrics is not None:
+            self.gate.metrics.count(self.route, self.status)
+
+
+class _Gate:
+    """What every Generation method shares: the servicer, the keys, the metrics."""
+
+    def __init__(self, servicer: GenerationServicer, api_keys: ApiKeys, metrics: GatewayMetrics | None) -> None:
+        self.servicer, self.api_keys, self.metrics = servicer, api_keys, metrics
+
+    def unary(self, name: str, request_type: type) -> grpc.RpcMethodHandler:
+        method, route = getattr(self.servicer, name), f"/{GENERATION_SERVICE}/{name}"
+
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            call = _Call(self, route, context)
+            try:
+                client_id = call.client_id()  # authenticate before looking at the request
+                response = await method(_parse(raw, request_type), context, client_id)
+                call.status = "OK"
+                return response
+            except GatewayError as exc:
+                await call.refuse(exc)
+            except asyncio.CancelledError:
+                call.status = "CANCELLED"
+                raise
+            finally:
+                call.done()
+
+        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
+
+    def streaming(self, name: str, request_type: type) -> grpc.RpcMethodHandler:
+        method, route = getattr(self.servicer, name), f"/{GENERATION_SERVICE}/{name}"
+
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = _Call(self, route, context)
+            try:
+                client_id = call.client_id()  # authenticate before looking at the request
+                async with aclosing(method(_parse(raw, request_type), context, client_id)) as stream:
+                    async for message in stream:
+                        yield message
+                call.status = "OK"
+            except GatewayError as exc:
+                await call.refuse(exc)
+            except (asyncio.CancelledError, GeneratorExit):
+                call.status = "CANCELLED"
+                raise
+            finally:
+                call.done()
+
+        return grpc.unary_stream_rpc_method_handler(handle, response_serializer=_serialize)
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+def generation_handlers(service: GatewayService, api_keys: ApiKeys,
+                        metrics: GatewayMetrics | None) -> grpc.GenericRpcHandler:
+    """The Generation service's handlers: requests arrive as bytes and are parsed by us, so a
+    malformed message is INVALID_ARGUMENT; every call is authenticated and counted."""
+    gate = _Gate(GenerationServicer(service), api_keys, metrics)
+    handlers = {"Generate": gate.streaming("Generate", generation_pb2.GenerateRequest),
+                "Tokenize": gate.unary("Tokenize", generation_pb2.TokenizeRequest),
+                "ListModels": gate.unary("ListModels", generation_pb2.ListModelsRequest)}
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
 class HealthReporter:
@@ -99,9 +195,10 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-def add_services(server: grpc.aio.Server, service: GatewayService, health_reporter: HealthReporter) -> None:
-    """Register Generation, health and reflection on `server`."""
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+def add_services(server: grpc.aio.Server, service: GatewayService, health_reporter: HealthReporter,
+                 api_keys: ApiKeys | None = None, metrics: GatewayMetrics | None = None) -> None:
+    """Register Generation (authenticated when keys are configured), health and reflection (open)."""
+    server.add_generic_rpc_handlers((generation_handlers(service, api_keys or ApiKeys(), metrics),))
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
     names = (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

@@ -89,8 +89,7 @@ class RequestRun:
 
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         router = self._service.router
-        if not router.decode_candidates(None):
-            raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
+        self._check_decode_room()
         prefill = router.pick_prefill()
         first = await self._prefill(prefill) if prefill is not None else None
         if first is not None:
@@ -101,7 +100,7 @@ class RequestRun:
             decode = router.pick_decode(router.decode_candidates(prefill), self._prompt)
             if decode is None:
                 yield self._final(FR.FINISH_REASON_ERROR, error=f"no decode instance compatible with prefill "
-                                                                 f"{prefill.name} is up; retry later")
+                                                                 f"{prefill.name} is up and has room; retry later")
                 return
             request = self._decode_request(first)
         else:
@@ -120,6 +119,18 @@ class RequestRun:
         async with aclosing(self._follow()) as messages:
             async for message in messages:
                 yield message
+
+    def _check_decode_room(self) -> None:
+        """RESOURCE_EXHAUSTED / 503 with Retry-After when no decode is up, or every up one is full."""
+        router = self._service.router
+        up = router.decode_candidates(None, with_room=False)
+        if not up:
+            raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
+        if not any(router.has_room(d) for d in up):
+            full = ", ".join(f"{d.name} has {router.num_waiting(d)} waiting" for d in up)
+            raise GatewayError("resource_exhausted", f"every decode instance is full ({full}; "
+                               f"max_waiting_per_decode={router.max_waiting_per_decode}); retry later",
+                               retry_after_s=1)
 
     async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
         """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""

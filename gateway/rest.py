@@ -5,7 +5,10 @@
     GET  /v1/models            the served model
     POST /v1/completions       prompt: text or token ids; SSE when stream is true
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template
+    GET  /metrics              Prometheus metrics of the gateway (gateway/observe.py)
 
+With API keys configured every route but /health, /ready and /metrics needs
+`Authorization: Bearer <key>` (gateway/rest_guard.py).
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}. A request is
 refused (4xx/5xx) only before its first token; a failure after that is a final SSE event
 {"error": ...} (streaming) or HTTP 500 with the error (non-streaming).
@@ -20,21 +23,20 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from gateway.auth import ANONYMOUS, ApiKeys
 from gateway.errors import GatewayError, invalid
-from gateway.rest_params import RestRequest, parse_chat, parse_completion
+from gateway.observe import GatewayMetrics
+from gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
+from gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from gateway.service import GatewayService
 from protos import common_pb2, generation_pb2
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 _DISCONNECT_POLL_S = 0.25
-
-
-def error_response(exc: GatewayError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-    return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=headers)
 
 
 async def read_json(request: Request, max_body_bytes: int) -> Any:
@@ -50,11 +52,16 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except UnicodeDecodeError as exc:
         raise invalid(f"request body is not valid UTF-8: {exc}", "body") from None
     except ValueError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", "body") from None
+    except RecursionError:
+        raise invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
+                      f"{MAX_JSON_DEPTH}", "body") from None
+    check_json_tree(body)
+    return body
 
 
 def _too_large(size: int, limit: int) -> GatewayError:
@@ -191,17 +198,25 @@ async def _until_disconnect(request: Request, work: "asyncio.Future") -> None:
             work.cancel()
 
 
-def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int | None = None) -> FastAPI:
-    """The FastAPI app serving the OpenAI-compatible endpoints over `service`."""
+def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int | None = None, *,
+               api_keys: ApiKeys | None = None, metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving the OpenAI-compatible endpoints (and /metrics) over `service`."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(GuardMiddleware, api_keys=api_keys or ApiKeys(), metrics=metrics)
     created = started_unix_s or int(time.time())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown path, wrong method
+        body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                          "type": "invalid_request_error", "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def generate(request: Request, parse: Callable, chat: bool):
         prefix = "chatcmpl" if chat else "cmpl"
         try:
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
-            stream = service.generate(req.inp)
+            stream = service.generate(req.inp, client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS))
             first = await stream.__anext__()
         except GatewayError as exc:
             return error_response(exc)
@@ -235,6 +250,14 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
         data = [{"id": model_id, "object": "model", "created": created, "owned_by": "splitserve",
                  "max_model_len": service.registry.max_model_len}] if model_id else []
         return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if metrics is None:
+            return JSONResponse(_server_error("metrics are off"), status_code=404)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

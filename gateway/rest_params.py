@@ -1,7 +1,8 @@
 """OpenAI request bodies -> GenerationInput, with errors that name the offending field.
 
-Plain dict validation: unknown fields, wrong types and out-of-range values are HTTP 400
-with the field in the message and in the error's "param".
+Plain dict validation: unknown fields, OpenAI parameters splitserve does not implement,
+wrong types and out-of-range values are HTTP 400 with the field in the message and in the
+error's "param".
 """
 
 from __future__ import annotations
@@ -21,6 +22,45 @@ _COMMON_FIELDS = frozenset(_SAMPLING_FIELDS) | {"model", "max_tokens", "stream",
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+# OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
+_UNSUPPORTED_COMMON = {"logit_bias": ({},), "service_tier": ("auto", "default"), "store": (False,),
+                       "metadata": ({},)}
+UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "echo": (False,), "suffix": ("",)}
+UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                    "function_call": ("none",), "response_format": ({"type": "text"},),
+                    "parallel_tool_calls": (True, False), "audio": (), "modalities": (["text"],),
+                    "prediction": (), "reasoning_effort": (), "web_search_options": ()}
+
+
+MAX_JSON_DEPTH = 32
+
+
+def check_json_tree(body: Any) -> None:
+    """400 when the parsed body nests deeper than MAX_JSON_DEPTH or holds a string with a lone
+    UTF-16 surrogate (JSON's \\ud800 escape: not Unicode, cannot be tokenized or echoed).
+    Errors name the top-level field the problem is in."""
+    stack: list[tuple[Any, str, int]] = [(body, "body", 1)]
+    while stack:
+        value, field, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise invalid(f"{field} nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
+                          f"{MAX_JSON_DEPTH}", field)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(key, f"{field} has a key that", field)
+                stack.append((item, key if depth == 1 else field, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, field, depth + 1) for item in value)
+        elif isinstance(value, str):
+            _check_string(value, field, field)
+
+
+def _check_string(value: str, where: str, field: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"{where} contains a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x} at character "
+                      f"{exc.start}); strings must be valid Unicode", field) from None
 
 
 @dataclass(frozen=True)
@@ -33,14 +73,25 @@ class RestRequest:
     logprobs: int | None  # completions: top-n; chat: top_logprobs when logprobs is true
 
 
-def _check_fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+def _check_fields(body: Any, allowed: frozenset[str], unsupported: dict[str, tuple]) -> dict[str, Any]:
+    """The body as a dict; 400 naming unknown fields, or an OpenAI parameter splitserve does not
+    implement (sent with a value other than its neutral one: null, or the listed defaults)."""
     if not isinstance(body, dict):
         raise invalid(f"request body must be a JSON object, got {type(body).__name__}", "body")
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
+    unknown = sorted(k for k in body if k not in allowed
+                     and not (k in unsupported and _is_neutral(body[k], unsupported[k])))
+    if any(k not in unsupported for k in unknown):
         raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
                       f"allowed: {', '.join(sorted(allowed))}", unknown[0])
+    if unknown:
+        name = unknown[0]
+        raise invalid(f"unsupported parameter: {name} (got {body[name]!r}); splitserve does not implement it, "
+                      f"remove it from the request", name)
     return body
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    return value is None or any(type(value) is type(v) and value == v for v in neutral)
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -116,14 +167,15 @@ def _prompt(body: dict) -> dict[str, Any]:
 
 def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/completions body -> RestRequest."""
-    body = _check_fields(body, COMPLETION_FIELDS)
+    body = _check_fields(body, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION)
     values, stream, include_usage = _common(body)
     if body.get("max_tokens") is not None:
         values["max_tokens"] = body["max_tokens"]
     if body.get("logprobs") is not None:
         values["logprobs"] = body["logprobs"]
     params = _params(values, max_stop_strings, {})
-    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params, **_prompt(body))
+    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params,
+                          max_tokens_param="max_tokens" if "max_tokens" in values else None, **_prompt(body))
     return RestRequest(inp, stream, include_usage, params.logprobs)
 
 
@@ -155,7 +207,7 @@ def _messages(body: dict) -> tuple[tuple[str, str], ...]:
 
 def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/chat/completions body -> RestRequest."""
-    body = _check_fields(body, CHAT_FIELDS)
+    body = _check_fields(body, CHAT_FIELDS, UNSUPPORTED_CHAT)
     values, stream, include_usage = _common(body)
     renames = {}
     if body.get("max_completion_tokens") is not None:
@@ -173,5 +225,6 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         values["logprobs"] = top or 0
     params = _params(values, max_stop_strings, renames)
     inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params,
-                          chat=_messages(body))
+                          chat=_messages(body), max_tokens_param=renames.get("max_tokens", "max_tokens")
+                          if "max_tokens" in values else None)
     return RestRequest(inp, stream, include_usage, params.logprobs)

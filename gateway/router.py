@@ -4,7 +4,8 @@ Prefill: the up instance with the fewest queued prompt tokens (ties: fewest wait
 requests), counting what this gateway sent it since its last Describe.
 
 Decode: among the candidates (compatible with the chosen prefill, or colocated workers,
-or any up decode for a local prefill), the highest score
+or any up decode for a local prefill) that have room (fewer than max_waiting_per_decode
+requests waiting: Describe's num_waiting plus requests sent since), the highest score
 
     score = free_blocks - blocks assigned since its last Describe
             - max(running + waiting, this gateway's in-flight requests there)
@@ -30,8 +31,10 @@ AFFINITY_CAPACITY = 1 << 16  # block hashes remembered
 class Router:
     """Routing policy over a Registry; owns the local load counters and the affinity LRU."""
 
-    def __init__(self, registry: Registry, affinity_capacity: int = AFFINITY_CAPACITY) -> None:
+    def __init__(self, registry: Registry, affinity_capacity: int = AFFINITY_CAPACITY,
+                 max_waiting_per_decode: int = 256) -> None:
         self._registry = registry
+        self.max_waiting_per_decode = max_waiting_per_decode
         self._affinity: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
         self._capacity = affinity_capacity
 
@@ -53,15 +56,24 @@ class Router:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_candidates(self, prefill: Instance | None, *, colocated_only: bool = False) -> list[Instance]:
+    def decode_candidates(self, prefill: Instance | None, *, colocated_only: bool = False,
+                          with_room: bool = True) -> list[Instance]:
         """Up decodes that may take a request: compatible with `prefill` when given, else
-        colocated workers (colocated_only) or every up decode (local prefill)."""
-        decodes = [d for d in self._registry.decodes() if d.up]
+        colocated workers (colocated_only) or every up decode (local prefill); only those
+        with room unless `with_room` is False."""
+        decodes = [d for d in self._registry.decodes() if d.up and (not with_room or self.has_room(d))]
         if prefill is not None:
             return [d for d in decodes if self._registry.compatible(prefill, d)]
         if colocated_only:
             return [d for d in decodes if d.role == "both"]
         return decodes
+
+    def num_waiting(self, d: Instance) -> int:
+        """Requests waiting at decode `d`: its last Describe's, plus those sent since."""
+        return d.describe.load.num_waiting + d.pending_requests
+
+    def has_room(self, d: Instance) -> bool:
+        return self.num_waiting(d) < self.max_waiting_per_decode
 
     def pick_decode(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int]) -> Instance | None:
         """The best-scoring candidate (see the module docstring); ties go to the first listed."""

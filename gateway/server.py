@@ -13,14 +13,18 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import grpc
 
+from gateway.auth import ApiKeys, load_api_keys
 from gateway.config import GatewayConfig
 from gateway.grpc_api import HealthReporter, add_services
+from gateway.limits import RateLimiter
+from gateway.observe import GatewayMetrics
 from gateway.registry import MESSAGE_SIZE_OPTIONS, Registry
 from gateway.router import Router
 from gateway.service import GatewayService
@@ -44,6 +48,28 @@ def load_gateway_tokenizer(model: str) -> Any:
     return load_tokenizer(model)
 
 
+def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
+    """(certificate PEM, key PEM) for the public ports, or None; ValueError naming the flag."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together (got only "
+                         f"{'--tls-cert' if config.tls_cert else '--tls-key'})")
+    if not config.tls_cert:
+        return None
+    pems = []
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        try:
+            with open(path, "rb") as f:
+                pems.append(f.read())
+        except OSError as exc:
+            raise ValueError(f"{flag} {path!r} cannot be read: {exc}") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-cert {config.tls_cert!r} and --tls-key {config.tls_key!r} are not a matching "
+                         f"PEM certificate and key: {exc}") from None
+    return pems[0], pems[1]
+
+
 class _EmbeddedUvicorn:
     """uvicorn.Server that leaves signal handling to the gateway."""
 
@@ -55,53 +81,93 @@ class _EmbeddedUvicorn:
             def capture_signals(self):  # the gateway owns SIGINT/SIGTERM
                 return contextlib.nullcontext()
 
+        tls = dict(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key) if config.tls_cert else {}
         uv_config = uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning",
-                                   access_log=False, lifespan="off", timeout_graceful_shutdown=max(grace_s, 0.1))
+                                   access_log=False, lifespan="off", timeout_graceful_shutdown=max(grace_s, 0.1),
+                                   **tls)
         return Server(uv_config)
 
 
 class GatewayServer:
-    """Owns the registry, router, service and both servers of one gateway process."""
+    """Owns the registry, router, service, metrics and the servers of one gateway process.
+
+    `env` (default os.environ) is where SPLITSERVE_API_KEYS is read.
+    """
 
     def __init__(self, config: GatewayConfig, *, tokenizer: Any = None,
-                 http_socket: socket.socket | None = None) -> None:
+                 http_socket: socket.socket | None = None, env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self._tokenizer = tokenizer
         self._http_socket = http_socket
+        self._env = env
         self.grpc_port = 0
         self.http_port = 0
+        self.metrics_port = 0
         self._grpc_server: grpc.aio.Server | None = None
         self._uvicorn: Any = None
         self._rest_task: asyncio.Task | None = None
+        self._metrics_server: Any = None
 
     async def start(self) -> None:
-        """Build everything, listen on both ports, then register instances (first Describe round)."""
+        """Build everything, listen on the ports, then register instances (first Describe round)."""
+        from engine.metrics import Metrics
+
         config = self.config
+        tls = load_tls(config)
+        self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
         self.registry = Registry(config.prefill_addresses, config.decode_addresses,
                                  health_interval_s=config.health_interval_s, model_id=config.model_id)
-        self.router = Router(self.registry)
+        self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
+        self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
+        address = f"{config.host}:{config.grpc_port}"
+        self.grpc_port = (self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+                          if tls else self._grpc_server.add_insecure_port(address))
+        self.metrics = GatewayMetrics(Metrics(config.model_id, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
+        limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min)
         self.service = GatewayService(self.registry, self.router, tokenizer,
                                       max_concurrent_requests=config.max_concurrent_requests,
                                       max_stop_strings=config.max_stop_strings,
-                                      request_timeout_s=config.request_timeout_s)
+                                      request_timeout_s=config.request_timeout_s, limiter=limiter,
+                                      metrics=self.metrics)
         self.health = HealthReporter()
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
-        self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
-        add_services(self._grpc_server, self.service, self.health)
-        self.grpc_port = self._grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        self.registry.listeners.append(self._learn_model)
+        add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics)
         await self._grpc_server.start()
         if config.http_port or self._http_socket is not None:
             await self._start_rest()
+        if config.metrics_port:
+            self._start_metrics_port()
         await self.registry.start()
-        log.info("gateway up: gRPC %s:%d, REST %s; ready=%s", config.host, self.grpc_port,
-                 f"http://{config.host}:{self.http_port}" if self.http_port else "off", self.registry.ready())
+        log.info("gateway up: gRPC %s:%d, REST %s, metrics port %s; TLS %s, API keys %d, rate limits %s; ready=%s",
+                 config.host, self.grpc_port,
+                 f"{'https' if tls else 'http'}://{config.host}:{self.http_port}" if self.http_port else "off",
+                 self.metrics_port or "off", "on" if tls else "off", self.api_keys.num_keys,
+                 f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
+                 self.registry.ready())
+
+    def _learn_model(self, ready: bool) -> None:
+        if not self.config.model_id and self.registry.model_id:
+            self.metrics.set_model(self.registry.model_id)
+
+    def _start_metrics_port(self) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            self._metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host,
+                                                        registry=self.metrics.registry)
+        except OSError as exc:
+            raise OSError(f"--metrics-port {self.config.metrics_port} cannot be bound on {self.config.host}: "
+                          f"{exc}") from None
+        self.metrics_port = self._metrics_server.server_address[1]
 
     async def _start_rest(self) -> None:
         from gateway.rest import create_app
 
-        app = create_app(self.service, self.config.max_body_bytes, int(time.time()))
+        app = create_app(self.service, self.config.max_body_bytes, int(time.time()),
+                         api_keys=self.api_keys, metrics=self.metrics)
         self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
         sockets = [self._http_socket] if self._http_socket is not None else None
         self._rest_task = asyncio.create_task(self._uvicorn.serve(sockets=sockets), name="gateway-rest")
@@ -116,7 +182,7 @@ class GatewayServer:
             self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self, grace_s: float) -> None:
-        """Drain: refuse new requests, let in-flight ones finish up to grace_s, stop both servers."""
+        """Drain: refuse new requests, let in-flight ones finish up to grace_s, stop the servers."""
         self.service.draining = True
         await self.health.shutdown()
         if self._uvicorn is not None:
@@ -127,6 +193,9 @@ class GatewayServer:
         if self._rest_task is not None:
             waits.append(self._rest_task)
         await asyncio.gather(*waits, return_exceptions=True)
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
         await self.registry.close()
 
 

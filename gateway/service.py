@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import struct
 import time
 import uuid
 from contextlib import aclosing
@@ -21,7 +22,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from engine.sampling_params import MAX_SEED, SamplingParams
+from gateway.auth import ANONYMOUS
 from gateway.errors import GatewayError, invalid
+from gateway.limits import RateLimiter
+from gateway.observe import GatewayMetrics
 from gateway.registry import Registry
 from gateway.request_run import RequestRun
 from gateway.router import Router
@@ -29,6 +33,10 @@ from protos import common_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.gateway")
 
+MAX_REQUEST_ID_CHARS = 256
+MAX_TOP_K = 2**31 - 1  # the wire's int32
+MAX_UINT32 = 2**32 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                              "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
 
@@ -38,7 +46,8 @@ class GenerationInput:
     """One request as both front ends hand it over; exactly one of text/token_ids/chat is set.
 
     `params` is already validated (stop strings and detokenizer options included);
-    `chat` holds (role, content) turns.
+    `chat` holds (role, content) turns. `max_tokens_param` names the field the client set
+    max_tokens with (None: not set, the default applies and generation ends at the context's end).
     """
 
     request_id: str
@@ -48,14 +57,35 @@ class GenerationInput:
     token_ids: tuple[int, ...] | None = None
     chat: tuple[tuple[str, str], ...] | None = None
     priority: int = 0
+    max_tokens_param: str | None = None
 
 
 def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
-    """SamplingParams from request values; INVALID_ARGUMENT naming the field when invalid."""
+    """SamplingParams from request values; INVALID_ARGUMENT naming the field when invalid.
+
+    Float fields travel as float32: a value valid as given but not once rounded (top_p=1e-50
+    becomes 0.0) is refused here rather than by the prefill or decode.
+    """
+    rounded: dict[str, float] = {}
+    for name in _FLOAT_FIELDS:
+        value = values.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                rounded[name] = struct.unpack("f", struct.pack("f", value))[0]
+            except OverflowError:  # beyond float32 (or float): outside every range below anyway
+                if isinstance(value, int) and abs(value) > 1e300:
+                    raise invalid(f"{name} must be a number within its range, got an integer of "
+                                  f"{len(str(abs(value)))} digits", name) from None
     try:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as exc:
         raise invalid(str(exc)) from None
+    changed = {k: v for k, v in rounded.items() if v != values[k]}
+    if changed:
+        try:
+            params = SamplingParams.from_dict({**values, **changed})
+        except (ValueError, TypeError) as exc:
+            raise invalid(f"{exc} (the request's value rounded to float32, as it is sent on)") from None
     if len(params.stop) > max_stop_strings:
         raise invalid(f"stop must have at most {max_stop_strings} strings, got {len(params.stop)}", "stop")
     return params
@@ -91,13 +121,16 @@ class GatewayService:
 
     def __init__(self, registry: Registry, router: Router, tokenizer: Any, *,
                  max_concurrent_requests: int = 1024, max_stop_strings: int = 16,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, limiter: RateLimiter | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.registry = registry
         self.router = router
         self.tokenizer = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
         self.max_stop_strings = max_stop_strings
         self.request_timeout_s = request_timeout_s
+        self.limiter = limiter or RateLimiter()
+        self.metrics = metrics
         self.vocab_size = len(tokenizer)
         self.num_active = 0
         self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
@@ -167,24 +200,58 @@ class GatewayService:
                                f"(max_concurrent_requests={self.max_concurrent_requests}); retry later",
                                retry_after_s=1)
 
-    async def generate(self, inp: GenerationInput, timeout_s: float | None = None
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Run one request; yield its GenerateResponse messages (the last has finish_reason).
+    def check_request_limits(self, inp: GenerationInput, num_prompt_tokens: int) -> None:
+        """Values the wire or the context cannot hold: top_k, stop_token_ids, max_tokens."""
+        params = inp.params
+        if params.top_k > MAX_TOP_K:
+            raise invalid(f"top_k must be -1, 0 (off) or at most {MAX_TOP_K}, got {params.top_k}", "top_k")
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise invalid(f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, "
+                              f"got {token_id}", "stop_token_ids")
+        param, max_tokens, limit = inp.max_tokens_param or "max_tokens", params.max_tokens, self.registry.max_model_len
+        if max_tokens is not None and limit and num_prompt_tokens + max_tokens > limit:
+            raise invalid(f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and the model's "
+                          f"context limit (max_model_len) is {limit} tokens: {param} must be at most "
+                          f"{limit - num_prompt_tokens}", param)
+        if max_tokens is not None and max_tokens > MAX_UINT32:
+            raise invalid(f"{param} must be at most {MAX_UINT32}, got {max_tokens}", param)
 
-        Raises GatewayError before the first message when the request is refused.
-        Closing the iterator early (client gone) aborts the request on every hop.
+    def _prepare(self, inp: GenerationInput, client_id: str) -> list[int]:
+        """Validate and tokenize the prompt, check the limits, charge the client's tokens."""
+        self.check_model(inp.model)
+        prompt_ids = self.prompt_token_ids(inp)
+        self.check_request_limits(inp, len(prompt_ids))
+        max_tokens = inp.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.registry.max_model_len - len(prompt_ids))
+        self.limiter.take_tokens(client_id, len(prompt_ids), max_tokens, inp.max_tokens_param or "max_tokens")
+        return prompt_ids
+
+    async def generate(self, inp: GenerationInput, timeout_s: float | None = None, client_id: str = ANONYMOUS
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Run one request of `client_id`; yield its GenerateResponse messages (the last has finish_reason).
+
+        Raises GatewayError before the first message when the request is refused (rate
+        limit, admission, validation). Closing the iterator early (client gone) aborts the
+        request on every hop.
         """
         arrival_ns = time.monotonic_ns()
+        self.limiter.take_request(client_id)
         self._admit()
         request_id = inp.request_id or f"req-{uuid.uuid4().hex}"
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+                          "request_id")
         if request_id in self._active_ids:
             raise invalid(f"request_id {request_id!r} is already running on this gateway; use a unique id",
                           "request_id")
-        self.num_active += 1
-        self._active_ids.add(request_id)
+        self._enter(request_id, +1)
+        observer = self.metrics.run(arrival_ns / 1e9) if self.metrics is not None else None
+        prompt_ids: list[int] = []
+        closed_early = False
         try:
-            self.check_model(inp.model)
-            prompt_ids = self.prompt_token_ids(inp)
+            prompt_ids = self._prepare(inp, client_id)
             seed = inp.params.seed if inp.params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
             run = RequestRun(self, request_id=request_id,
@@ -193,10 +260,26 @@ class GatewayService:
                              deadline=time.monotonic() + budget_s, budget_s=budget_s)
             async with aclosing(run.stream()) as messages:
                 async for message in messages:
+                    if observer is not None:
+                        observer.message(message)
                     yield message
+        except (GeneratorExit, asyncio.CancelledError):
+            closed_early = True
+            raise
         finally:
-            self.num_active -= 1
+            self._enter(request_id, -1)
+            if observer is not None:
+                observer.end(len(prompt_ids), closed_early)
+
+    def _enter(self, request_id: str, step: int) -> None:
+        """Count a request in (+1) or out (-1) of the active set."""
+        self.num_active += step
+        if step > 0:
+            self._active_ids.add(request_id)
+        else:
             self._active_ids.discard(request_id)
+        if self.metrics is not None:
+            self.metrics.set_running(self.num_active)
 
     def spawn(self, coro: Any) -> None:
         """Run a cleanup coroutine in the background (kept referenced until done)."""

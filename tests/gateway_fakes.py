@@ -153,11 +153,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.max_deltas_per_message = 0
         self.running: dict[str, _Running] = {}
         self.hold = False  # True = produce nothing (requests stay running)
+        self.waiting = 0  # num_waiting reported by Describe
         self.start_ns = time.time_ns()
 
     async def Describe(self, request, context):
         load = common_pb2.Load(num_free_blocks=self.free_blocks, num_total_blocks=self.free_blocks,
-                               num_running=len(self.running))
+                               num_running=len(self.running), num_waiting=self.waiting)
         return _describe(self.name, self.role, self.layout, self.max_model_len, load, self.start_ns)
 
     async def Generate(self, request_iterator, context):
@@ -275,6 +276,8 @@ class Stack:
     prefills: list = field(default_factory=list)
     decodes: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)
+    rest: bool = True  # serve the REST shim (on a pre-bound loopback socket)
+    env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
 
     def start(self) -> "Stack":
         from gateway.config import GatewayConfig
@@ -284,16 +287,20 @@ class Stack:
         self.servers = {s.name: FakeServer(s) for s in self.prefills + self.decodes}
         for server in self.servers.values():
             self.loop.run(server.start())
-        http = socket.socket()
-        http.bind(("127.0.0.1", 0))
+        http = None
+        if self.rest:
+            http = socket.socket()
+            http.bind(("127.0.0.1", 0))
         values = dict(grpc_port=0, model=self.tokenizer_dir, health_interval_s=0.1, drain_grace_s=1.0,
                       prefill=",".join(self.servers[p.name].address for p in self.prefills),
                       decode=",".join(self.servers[d.name].address for d in self.decodes))
         values.update(self.overrides)
-        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http)
+        values.setdefault("http_port", 0)
+        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http, env=self.env)
         self.loop.run(self.gateway.start())
         self.grpc_target = f"127.0.0.1:{self.gateway.grpc_port}"
-        self.base_url = f"http://127.0.0.1:{self.gateway.http_port}"
+        scheme = "https" if values.get("tls_cert") else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.gateway.http_port}"
         return self
 
     def stop(self) -> None:

@@ -1,0 +1,76 @@
+"""ASGI middleware in front of the REST shim: API-key authentication and requests_total.
+
+Every HTTP call except /health, /ready and /metrics must carry `Authorization: Bearer <key>`
+when keys are configured; otherwise it is answered here with 401, OpenAI's error shape and
+`WWW-Authenticate: Bearer`. The caller's client id is put in the ASGI scope under
+CLIENT_ID_KEY for the rate limits. Each call is counted once in requests_total with its
+route (the path for the shim's own routes, "other" for anything else, so random paths
+cannot grow the label set) and the HTTP status it was answered with (/metrics itself is not
+counted). A pure ASGI middleware (not BaseHTTPMiddleware) so streaming and client
+disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from fastapi.responses import JSONResponse
+
+from gateway.auth import OPEN_HTTP_PATHS, ApiKeys
+from gateway.errors import GatewayError
+from gateway.observe import GatewayMetrics
+
+CLIENT_ID_KEY = "splitserve.client_id"
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    """The OpenAI-shaped error with its status, Retry-After and (401) WWW-Authenticate headers."""
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
+    if exc.http_status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.openai_body(), status_code=exc.http_status, headers=headers or None)
+
+
+class GuardMiddleware:
+    """Authenticates and counts every HTTP call to the wrapped app."""
+
+    def __init__(self, app: Callable, api_keys: ApiKeys, metrics: GatewayMetrics | None) -> None:
+        self.app, self.api_keys, self.metrics = app, api_keys, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        status = [500]  # what an exception escaping the app becomes
+
+        async def send_counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if path not in OPEN_HTTP_PATHS:
+                try:
+                    scope[CLIENT_ID_KEY] = self.api_keys.authenticate(_header(scope, b"authorization"))
+                except GatewayError as exc:
+                    await error_response(exc)(scope, receive, send_counted)
+                    return
+            await self.app(scope, receive, send_counted)
+        finally:
+            if self.metrics is not None and path != "/metrics":
+                self.metrics.count(path if path in ROUTES else "other", status[0])
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
