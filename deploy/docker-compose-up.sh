@@ -128,9 +128,16 @@ build_image() {
 }
 
 up_and_request() {
+  # the collector/Jaeger images cannot be pulled here: keep the services from exporting spans
+  export SPLITSERVE_TRACING=${SPLITSERVE_TRACING:-0} OTEL_SDK_DISABLED=${OTEL_SDK_DISABLED:-true}
+  export SPLITSERVE_NUM_THREADS=${SPLITSERVE_NUM_THREADS:-1}
   say "docker compose up --wait gateway prefill decode-0 decode-1"
   "${compose[@]}" up -d --no-build --wait --wait-timeout 300 gateway prefill decode-0 decode-1
   "${compose[@]}" ps
+  for _ in $(seq 120); do
+    curl -sf "http://127.0.0.1:$GATEWAY_HTTP_PORT/ready" >/dev/null && break; sleep 0.5
+  done
+  say "gateway ready: $(curl -sS "http://127.0.0.1:$GATEWAY_HTTP_PORT/ready")"
   say "one completion through the gateway (http://127.0.0.1:$GATEWAY_HTTP_PORT)"
   curl -sS --fail-with-body "http://127.0.0.1:$GATEWAY_HTTP_PORT/v1/completions" \
     -H 'Content-Type: application/json' \
@@ -138,15 +145,16 @@ up_and_request() {
   echo
   python3 -c 'import json,sys; print("answer text:", repr(json.load(open(sys.argv[1]))["choices"][0]["text"]))' \
     "$WORK/answer.json"
-  curl -sS "http://127.0.0.1:$GATEWAY_HTTP_PORT/ready"; echo
 }
 
 down() {
   if docker info >/dev/null 2>&1; then
     say "docker compose down (SIGTERM, drain)"
+    "${compose[@]}" stop --timeout 40 || true
+    "${compose[@]}" ps -a --format 'table {{.Service}}\t{{.Status}}' || true
     "${compose[@]}" logs --no-color >"$WORK/compose.log" 2>&1 || true
+    grep -h -i -E "draining|stopped|READY" "$WORK/compose.log" | cut -c1-160 | tail -16 || true
     "${compose[@]}" down --timeout 40 || true
-    grep -h -E "draining|stopped|READY" "$WORK/compose.log" | tail -12 || true
   fi
   stop_dockerd
 }
