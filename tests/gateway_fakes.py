@@ -319,6 +319,18 @@ class Stack:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted (label, value) pairs without model/instance): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "instance")))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
 async def _serve_forever(kind: str, port: int, name: str) -> None:
     import signal
 
@@ -336,3 +348,4 @@ if __name__ == "__main__":  # python -m tests.gateway_fakes prefill|decode PORT 
     import sys
 
     asyncio.run(_serve_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+
