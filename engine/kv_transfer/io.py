@@ -37,6 +37,8 @@ class KvIo:
         self.role = options.get("role", "both")
         self.timeout_s = float(options.get("timeout_s", 10.0))
         self.endpoint: dict[str, str] = {}
+        self.faults = dict(options.get("faults") or {})  # test-only fault injection
+        self._blocks_sent = 0
         self._own_pool: SharedKvPool | None = None
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}
         self.groups: dict[str, object] = {}  # pair name -> process group
@@ -80,11 +82,25 @@ class KvIo:
         """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
         if not indices:
             return 0
+        self._inject_pull_faults()
         kv_cache = core.engine.runner.kv_cache
         if spec.transport == "cuda_ipc":
+            start = time.perf_counter_ns()
             src_ids = [spec.block_ids[i] for i in indices]
-            num_bytes = copy_block_runs(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
+            src = self._source_pool(spec)
+            timing = log.isEnabledFor(logging.DEBUG)
+            if timing:  # events on the source device's stream, where a cross-device copy_ runs
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events[0].record(torch.cuda.current_stream(src.device))
+            num_bytes = copy_block_runs(src, src_ids, kv_cache, dst_blocks)
+            if timing:
+                events[1].record(torch.cuda.current_stream(src.device))
             torch.cuda.current_stream(kv_cache.device).synchronize()
+            if timing:
+                copy_ms = events[0].elapsed_time(events[1])
+                log.debug("kv timing cuda_ipc pull: %d blocks in %d runs, %d bytes; copy %.3f ms on device "
+                          "(%.1f GB/s); %.3f ms in pull", len(src_ids), len(block_runs(src_ids, dst_blocks)),
+                          num_bytes, copy_ms, num_bytes / copy_ms / 1e6, (time.perf_counter_ns() - start) / 1e6)
             return num_bytes
         if spec.transport == "shm":
             src_ids = [spec.block_ids[i] for i in indices]
@@ -95,6 +111,13 @@ class KvIo:
         if spec.transport == "nccl":
             return self._recv(spec, indices, dst_blocks, kv_cache, core)
         raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
+
+    def _inject_pull_faults(self) -> None:
+        if self.faults.get("pull_delay_ms"):
+            time.sleep(self.faults["pull_delay_ms"] / 1000)
+        if self.faults.get("pull_drop", 0) > 0:
+            self.faults["pull_drop"] -= 1
+            raise RuntimeError("injected fault: pull dropped")
 
     def _recv(self, spec, indices, dst_blocks, kv_cache, core) -> int:
         from engine.core_messages import NeedSend
@@ -110,16 +133,25 @@ class KvIo:
             staging = kv_cache[first:first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
         else:
             staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+        start = time.perf_counter_ns()
         core.outbox.append(NeedSend(spec.request_id, pair, indices))
         core.flush()  # the server must ask the prefill to send while this side receives
+        asked = time.perf_counter_ns()
         try:
             group.recv([staging], 1, spec.tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
             self.drop_pair(pair)
             raise
+        received = time.perf_counter_ns()
         if not direct:
             dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
             kv_cache.index_copy_(0, dst, staging)
+        if log.isEnabledFor(logging.DEBUG):
+            if kv_cache.is_cuda:
+                torch.cuda.current_stream(kv_cache.device).synchronize()
+            log.debug("kv timing nccl recv: %d blocks, direct=%s; ask %.3f ms, recv wait %.3f ms, scatter %.3f ms",
+                      len(indices), direct, (asked - start) / 1e6, (received - asked) / 1e6,
+                      (time.perf_counter_ns() - received) / 1e6)
         return staging.numel() * staging.element_size()
 
     # -- prefill side ----------------------------------------------------------------------
@@ -133,11 +165,19 @@ class KvIo:
         else:
             index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
             staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
+        kill_after = self.faults.get("send_kill_after_blocks")
+        if kill_after and self._blocks_sent + len(block_ids) > kill_after:
+            log.warning("injected fault: killing this service after %d blocks sent", self._blocks_sent)
+            os.killpg(os.getpgrp(), 9)
+        self._blocks_sent += len(block_ids)
+        gathered = time.perf_counter_ns()
         try:
             group.send([staging], 0, tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
             self.drop_pair(pair)
             raise
+        log.debug("kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms", len(block_ids),
+                  (gathered - start) / 1e6, (time.perf_counter_ns() - gathered) / 1e6)
         return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start}
 
     # -- pairs -----------------------------------------------------------------------------
