@@ -110,9 +110,13 @@ class PullCoordinator:
             log.warning("request_id=%s SendKv failed: %s", msg.request_id, exc.details())
 
     async def _release(self, handle) -> bool:
+        epoch = handle.lease.epoch
+        if self.service.faults.get("corrupt_epoch", 0) > 0:  # test-only: validate against a wrong epoch
+            self.service.faults["corrupt_epoch"] -= 1
+            epoch += 1_000_000
         try:
             response = await self.stub(handle.prefill_address).ReleaseKv(
-                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch),
+                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=epoch),
                 timeout=RELEASE_TIMEOUT_S, wait_for_ready=True)
             return response.released
         except grpc.aio.AioRpcError as exc:

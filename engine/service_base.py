@@ -18,6 +18,22 @@ from protos import common_pb2
 log = logging.getLogger("splitserve.service")
 
 
+FAULTS = ("pull_drop", "pull_delay_ms", "corrupt_epoch", "send_kill_after_blocks")
+
+
+def parse_faults(spec: str) -> dict[str, int]:
+    """`name=value,...` → {name: int}; the names are FAULTS (test-only fault injection)."""
+    faults: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in FAULTS or not value.isdigit():
+            raise ValueError(f"--fault-injection: {item!r} is not NAME=INT with NAME one of {', '.join(FAULTS)}")
+        faults[name] = int(value)
+    if faults:
+        log.warning("FAULT INJECTION ON: %s (test only)", faults)
+    return faults
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -38,9 +54,10 @@ class ServiceBase:
         self.counters: dict[str, int] = {}
         self.inflight = 0
         self.draining = False
+        self.faults = parse_faults(service_config.fault_injection)
         kv_options = {"transport": service_config.kv_transport, "instance": self.name,
                       "start_epoch": self.start_unix_ns, "role": engine_config.role,
-                      "timeout_s": service_config.kv_transfer_timeout_s}
+                      "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults}
         self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message)
         self.metrics = None  # built once the core reports the model id
 

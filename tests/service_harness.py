@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -58,6 +60,9 @@ class Proc:
         self.log.close()
 
 
+ENGINE = dict(dtype="float64", block_size=4, num_kv_blocks=512)
+
+
 def engine_args(model_dir: Path, **overrides) -> list[str]:
     values = {"model": str(model_dir), "dtype": "float64", "device": "cpu", "block-size": "4",
               "num-kv-blocks": "256", "num-threads": "1", "max-num-batched-tokens": "256"}
@@ -71,3 +76,59 @@ def start_service(command: str, model_dir: Path, log_dir: Path, name: str, port:
     args = engine_args(model_dir, **engine_overrides) + ["--port", str(port), "--instance-name", name, *service_args]
     proc = Proc(command, args, log_dir, name)
     return proc, f"127.0.0.1:{port}"
+
+
+class Stack:
+    """gateway + prefill + N decodes on loopback, the default model, float64 (see ENGINE)."""
+
+    def __init__(self, transport: str, logs, num_decode: int = 2, prefill_args: list[str] = (),
+                 decode_args: list[str] = ()):
+        from engine.default_model_path import default_model_path
+
+        model = default_model_path()
+        self.model, self.logs, self.transport = model, logs, transport
+        self.procs: dict[str, Proc] = {}
+        self.prefill_args = ["--kv-transport", transport, *prefill_args]
+        self.prefill = start_service("prefill", model, logs, "prefill", service_args=self.prefill_args, **ENGINE)
+        self.procs["prefill"] = self.prefill[0]
+        self.decodes = []
+        for i in range(num_decode):
+            proc, addr = start_service("decode", model, logs, f"decode-{i}",
+                                       service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1],
+                                                     *decode_args], **ENGINE)
+            self.procs[f"decode-{i}"] = proc
+            self.decodes.append(addr)
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.gateway = Proc("gateway", ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
+                                        "--prefill", self.prefill[1], "--decode", ",".join(self.decodes),
+                                        "--health-interval-s", "0.2"], logs, "gateway")
+        self.procs["gateway"] = self.gateway
+        for proc in self.procs.values():
+            if proc is not self.gateway:
+                proc.wait_ready()
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{self.http_port}/ready", timeout=2)
+                if r.status_code == 200 and all(i["up"] for i in r.json()["instances"]):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("gateway never became ready:\n" + self.gateway.log_path.read_text()[-3000:])
+
+    def stop(self):
+        for proc in self.procs.values():
+            proc.stop()
+
+
+    def restart_prefill(self) -> None:
+        """Start the prefill again on its old port (after a kill)."""
+        port = int(self.prefill[1].rsplit(":", 1)[1])
+        proc, _ = start_service("prefill", self.model, self.logs, "prefill-restarted", port=port,
+                                service_args=self.prefill_args, **ENGINE)
+        self.procs["prefill"] = proc
+        proc.wait_ready()

@@ -13,12 +13,11 @@ from engine import LLM, SamplingParams
 from engine.default_model_path import default_model_path
 from protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
 from tests.service_client import describe
-from tests.service_harness import Proc, free_port, start_service
+from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service
 from tests.test_engine_exact import make_prompts
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
-ENGINE = dict(dtype="float64", block_size=4, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")
@@ -31,47 +30,6 @@ def reference():
         SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
         for i in range(4)])]
     return prompts, greedy, seeded
-
-
-class Stack:
-    def __init__(self, transport: str, logs, num_decode: int = 2):
-        model = default_model_path()
-        self.procs: dict[str, Proc] = {}
-        self.prefill = start_service("prefill", model, logs, "prefill", service_args=["--kv-transport", transport],
-                                     **ENGINE)
-        self.procs["prefill"] = self.prefill[0]
-        self.decodes = []
-        for i in range(num_decode):
-            proc, addr = start_service("decode", model, logs, f"decode-{i}",
-                                       service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1]],
-                                       **ENGINE)
-            self.procs[f"decode-{i}"] = proc
-            self.decodes.append(addr)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.gateway = Proc("gateway", ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-                                        "--prefill", self.prefill[1], "--decode", ",".join(self.decodes),
-                                        "--health-interval-s", "0.2"], logs, "gateway")
-        self.procs["gateway"] = self.gateway
-        for proc in self.procs.values():
-            if proc is not self.gateway:
-                proc.wait_ready()
-        self.wait_ready()
-
-    def wait_ready(self, timeout_s=60.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{self.http_port}/ready", timeout=2)
-                if r.status_code == 200 and all(i["up"] for i in r.json()["instances"]):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("gateway never became ready:\n" + self.gateway.log_path.read_text()[-3000:])
-
-    def stop(self):
-        for proc in self.procs.values():
-            proc.stop()
 
 
 @pytest.fixture(scope="module", params=["shm", "nccl"])
