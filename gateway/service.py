@@ -71,11 +71,14 @@ def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> Samp
         value = values.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
-                rounded[name] = struct.unpack("f", struct.pack("f", value))[0]
-            except OverflowError:  # beyond float32 (or float): outside every range below anyway
-                if isinstance(value, int) and abs(value) > 1e300:
-                    raise invalid(f"{name} must be a number within its range, got an integer of "
-                                  f"{len(str(abs(value)))} digits", name) from None
+                as_float = float(value)
+            except OverflowError:  # an integer beyond any float
+                raise invalid(f"{name} must be a number within its range, got an integer of "
+                              f"{len(str(abs(value)))} digits", name) from None
+            try:
+                rounded[name] = struct.unpack("f", struct.pack("f", as_float))[0]
+            except OverflowError:  # beyond float32: outside every allowed range, refused below
+                pass
     try:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as exc:
