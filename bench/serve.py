@@ -134,7 +134,6 @@ async def measure(ns: argparse.Namespace, host: str, grpc_port: int, http_port: 
     outputs = LengthDist(ns.output_dist, ns.output_len, ns.output_spread)
     slo = Slo(ns.slo_ttft_ms, ns.slo_itl_ms, ns.slo_tpot_ms)
     async with Target(ns, host, grpc_port, http_port) as target:
-        specs = make_workload(ns.num_requests, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed)
         warmup = make_workload(ns.num_warmup, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed + 7919)
         for spec in warmup:  # one at a time, outside the measured runs; a failure here means the stack is broken
             records, _ = await run_load([spec], [0.0], target.send, concurrency=None, max_seconds=ns.request_timeout_s,
@@ -142,14 +141,16 @@ async def measure(ns: argparse.Namespace, host: str, grpc_port: int, http_port: 
             if records[0].status != "completed":
                 raise RuntimeError(f"warm-up request failed: {records[0].error}")
         runs = []
-        for rate in rates:
+        for salt, rate in enumerate(rates):  # fresh prompts per run: no prefix-cache hits from an earlier run
+            specs = make_workload(ns.num_requests, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed,
+                                  salt)
             label = f"rate {rate:g}" + (f", conc {ns.concurrency}" if ns.concurrency else "")
             arrivals = arrival_times(len(specs), rate, ns.seed)
             records, duration = await run_load(specs, arrivals, target.send, concurrency=ns.concurrency,
                                                max_seconds=ns.max_seconds,
                                                progress=Progress(len(specs), label, enabled=not ns.no_progress))
             summary = summarize(records, duration, slo)
-            runs.append({"request_rate": rate, "concurrency": ns.concurrency, "summary": summary,
+            runs.append({"request_rate": rate, "concurrency": ns.concurrency, "workload_salt": salt, "summary": summary,
                          "requests": [r.to_json() for r in records]})
             print(format_run(runs[-1], ns.mode or "-", ns.api), flush=True)
         return {"model_id": target.model_id, "max_model_len": target.max_model_len, "runs": runs}

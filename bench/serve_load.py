@@ -83,18 +83,18 @@ class RequestSpec:
 
 
 def make_workload(num_requests: int, prompts: LengthDist, outputs: LengthDist, vocab_size: int,
-                  max_model_len: int | None, seed: int) -> list[RequestSpec]:
+                  max_model_len: int | None, seed: int, salt: int = 0) -> list[RequestSpec]:
     """Seeded random prompts (token ids in [1, vocab_size)) and output lengths; prompt + output fits
-    in max_model_len."""
+    in max_model_len. Lengths depend on `seed` only; token ids on `seed` and `salt`, so the runs of a
+    sweep (one salt each) share lengths but never a prompt (no prefix-cache hits between runs)."""
     if vocab_size < 2:
         raise ValueError(f"--vocab-size must be >= 2, got {vocab_size}")
-    rng = random.Random(seed)
+    lengths, ids = random.Random(seed), random.Random(f"prompt-ids/{seed}/{salt}")
     specs = []
     for i in range(num_requests):
-        out_limit = max_model_len - 1 if max_model_len else None
-        output_len = outputs.sample(rng, out_limit)
-        prompt_len = prompts.sample(rng, max_model_len - output_len if max_model_len else None)
-        specs.append(RequestSpec(i, tuple(rng.randrange(1, vocab_size) for _ in range(prompt_len)), output_len))
+        output_len = outputs.sample(lengths, max_model_len - 1 if max_model_len else None)
+        prompt_len = prompts.sample(lengths, max_model_len - output_len if max_model_len else None)
+        specs.append(RequestSpec(i, tuple(ids.randrange(1, vocab_size) for _ in range(prompt_len)), output_len))
     return specs
 
 
@@ -115,8 +115,9 @@ def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
 class Progress:
     """A plain progress bar on stderr, redrawn at most every `interval_s`."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True, stream=sys.stderr, interval_s: float = 0.2):
-        self.total, self.label, self.enabled, self.stream, self.interval_s = total, label, enabled, stream, interval_s
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=None, interval_s: float = 0.2):
+        self.total, self.label, self.enabled, self.interval_s = total, label, enabled, interval_s
+        self.stream = stream or sys.stderr
         self.started, self._drawn = time.perf_counter(), 0.0
         self.dispatched = 0  # requests handed to a task (run_load counts them)
 
@@ -236,6 +237,7 @@ def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
             if message.finish_reason:
                 record.finish_reason = common_pb2.FinishReason.Name(message.finish_reason)
                 record.prompt_tokens_reported = message.usage.prompt_tokens
+                record.cached_prompt_tokens = message.usage.cached_prompt_tokens
                 if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     raise RequestFailed(message.error)
         _finish(record, sent, events)
@@ -272,6 +274,8 @@ def rest_sender(client, base_url: str, model: str, temperature: float, logprobs:
                 if chunk.get("usage"):
                     record.num_received = chunk["usage"]["completion_tokens"]
                     record.prompt_tokens_reported = chunk["usage"]["prompt_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    record.cached_prompt_tokens = details.get("cached_tokens", 0)
         _finish(record, sent, events)
 
     return send

@@ -79,6 +79,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     num_received: int = 0  # output tokens the stream carried (usage when the stream does not list them)
     prompt_tokens_reported: int | None = None  # usage.prompt_tokens from the gateway
+    cached_prompt_tokens: int = 0  # usage: prompt tokens served from a prefix cache
     finish_reason: str = ""
     error: str = ""
     meets_slo: bool = False
@@ -92,7 +93,8 @@ class RequestRecord:
     def to_json(self) -> dict:
         return {"index": self.index, "status": self.status, "prompt_len": self.prompt_len,
                 "output_len": self.output_len, "num_received": self.num_received,
-                "prompt_tokens_reported": self.prompt_tokens_reported, "finish_reason": self.finish_reason,
+                "prompt_tokens_reported": self.prompt_tokens_reported,
+                "cached_prompt_tokens": self.cached_prompt_tokens, "finish_reason": self.finish_reason,
                 "error": self.error, "scheduled_s": self.scheduled_s, "sent_s": self.sent_s,
                 "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
                 "itl_p99_s": percentile(self.itl_s, 99) if self.itl_s else None,
@@ -142,6 +144,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         "output_tokens_received": sum(r.num_received for r in records),
         "num_token_mismatch": sum(r.num_received != r.output_len for r in done),
         "completed_prompt_tokens": prompt_tokens, "completed_output_tokens": output_tokens,
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in done),
         "duration_s": duration_s,
         "request_throughput": len(done) / duration_s,
         "output_token_throughput": output_tokens / duration_s,

@@ -32,7 +32,8 @@ def format_run(run: dict, mode: str, api: str) -> str:
         f"requests    planned {s['num_planned']}, sent {s['num_sent']}: completed {s['num_completed']}, "
         f"failed {s['num_failed']}, cancelled {s['num_cancelled']}, not sent {s['num_not_sent']}",
         f"tokens      output asked {s['output_tokens_asked']}, received {s['output_tokens_received']} "
-        f"({s['num_token_mismatch']} completed requests short or long); prompt {s['completed_prompt_tokens']}",
+        f"({s['num_token_mismatch']} completed requests short or long); prompt {s['completed_prompt_tokens']} "
+        f"({s['cached_prompt_tokens']} from a prefix cache)",
         f"duration    {s['duration_s']:.2f} s",
         f"throughput  {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
         f"{s['total_token_throughput']:.1f} total tok/s",
