@@ -89,8 +89,11 @@ class ServiceBase:
                                num_queued_tokens=s.get("num_queued_tokens", 0), num_leases=s.get("num_held", 0))
 
     async def Describe(self, request, context) -> common_pb2.DescribeResponse:
-        stats = await self.client.query("stats") if not self.client.dead else {}
-        self.client.stats = stats or self.client.stats
+        # The core reports its stats with every step (and after aborts/releases), so the last
+        # snapshot is current; a round trip to a busy core would make health checks time out.
+        stats = self.client.stats
+        if not stats and not self.client.dead:
+            stats = self.client.stats = await self.client.query("stats")
         counters = {k: int(v) for k, v in {**stats, **self.counters}.items()}
         return common_pb2.DescribeResponse(
             instance_id=self.instance_id, role=self.engine_config.role if self.role != "prefill" else "prefill",
