@@ -169,7 +169,13 @@ class GatewayServer:
         app = create_app(self.service, self.config.max_body_bytes, int(time.time()),
                          api_keys=self.api_keys, metrics=self.metrics)
         self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
-        sockets = [self._http_socket] if self._http_socket is not None else None
+        sockets = None
+        if self._http_socket is not None:
+            # asyncio sets TCP_NODELAY on accepted sockets only when the listener's proto is TCP;
+            # a socket.socket() has proto 0, and Nagle + delayed ACKs then add ~40 ms to every
+            # response. Accepted sockets inherit the listener's TCP_NODELAY.
+            self._http_socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets = [self._http_socket]
         self._rest_task = asyncio.create_task(self._uvicorn.serve(sockets=sockets), name="gateway-rest")
         while not self._uvicorn.started and not self._rest_task.done():
             await asyncio.sleep(0.01)

@@ -12,6 +12,7 @@ a last message whose finish_reason is ERROR and whose `error` says why.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import struct
@@ -213,23 +214,29 @@ class GatewayService:
                 raise invalid(f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, "
                               f"got {token_id}", "stop_token_ids")
         param, max_tokens, limit = inp.max_tokens_param or "max_tokens", params.max_tokens, self.registry.max_model_len
-        if max_tokens is not None and limit and num_prompt_tokens + max_tokens > limit:
+        if inp.max_tokens_param and max_tokens is not None and limit and num_prompt_tokens + max_tokens > limit:
             raise invalid(f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and the model's "
                           f"context limit (max_model_len) is {limit} tokens: {param} must be at most "
                           f"{limit - num_prompt_tokens}", param)
         if max_tokens is not None and max_tokens > MAX_UINT32:
             raise invalid(f"{param} must be at most {MAX_UINT32}, got {max_tokens}", param)
 
-    def _prepare(self, inp: GenerationInput, client_id: str) -> list[int]:
-        """Validate and tokenize the prompt, check the limits, charge the client's tokens."""
+    def _prepare(self, inp: GenerationInput, client_id: str) -> tuple[list[int], SamplingParams]:
+        """Validate and tokenize the prompt, check the limits, fit a default max_tokens into the
+        context, charge the client's tokens; the prompt ids and the params to run with."""
         self.check_model(inp.model)
         prompt_ids = self.prompt_token_ids(inp)
         self.check_request_limits(inp, len(prompt_ids))
-        max_tokens = inp.params.max_tokens
-        if max_tokens is None:
-            max_tokens = max(0, self.registry.max_model_len - len(prompt_ids))
-        self.limiter.take_tokens(client_id, len(prompt_ids), max_tokens, inp.max_tokens_param or "max_tokens")
-        return prompt_ids
+        params, limit = inp.params, self.registry.max_model_len
+        room = limit - len(prompt_ids)
+        if limit and not inp.max_tokens_param and (params.max_tokens is None or params.max_tokens > room):
+            if params.min_tokens > room:
+                raise invalid(f"min_tokens is {params.min_tokens}, but the prompt has {len(prompt_ids)} tokens and "
+                              f"the model's context limit (max_model_len) is {limit} tokens: at most {room} tokens "
+                              f"can be generated", "min_tokens")
+            params = dataclasses.replace(params, max_tokens=room)  # the default, cut to what the context holds
+        self.limiter.take_tokens(client_id, len(prompt_ids), params.max_tokens or 0, inp.max_tokens_param or "max_tokens")
+        return prompt_ids, params
 
     async def generate(self, inp: GenerationInput, timeout_s: float | None = None, client_id: str = ANONYMOUS
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -254,11 +261,11 @@ class GatewayService:
         prompt_ids: list[int] = []
         closed_early = False
         try:
-            prompt_ids = self._prepare(inp, client_id)
-            seed = inp.params.seed if inp.params.seed is not None else secrets.randbelow(MAX_SEED + 1)
+            prompt_ids, params = self._prepare(inp, client_id)
+            seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
             run = RequestRun(self, request_id=request_id,
-                             params=inp.params, prompt_token_ids=prompt_ids, seed=seed,
+                             params=params, prompt_token_ids=prompt_ids, seed=seed,
                              priority=inp.priority, arrival_ns=arrival_ns,
                              deadline=time.monotonic() + budget_s, budget_s=budget_s)
             async with aclosing(run.stream()) as messages:

@@ -289,7 +289,7 @@ class Stack:
             self.loop.run(server.start())
         http = None
         if self.rest:
-            http = socket.socket()
+            http = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             http.bind(("127.0.0.1", 0))
         values = dict(grpc_port=0, model=self.tokenizer_dir, health_interval_s=0.1, drain_grace_s=1.0,
                       prefill=",".join(self.servers[p.name].address for p in self.prefills),
