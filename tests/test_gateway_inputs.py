@@ -113,6 +113,17 @@ def test_max_tokens_up_to_the_context_is_served(stack):
     assert (r.status_code, r.json()["usage"]["completion_tokens"]) == (200, 61)
 
 
+def test_default_max_tokens_is_cut_to_the_context(stack):
+    prompt = " ".join(["w9"] * 60)  # 60 tokens: 4 fit in the context of 64, fewer than the default 16
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert (r.status_code, r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == \
+        (200, 4, "length")
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": prompt, "min_tokens": 5})
+    assert (r.status_code, r.json()) == (400, error(
+        "min_tokens is 5, but the prompt has 60 tokens and the model's context limit (max_model_len) is 64 tokens: "
+        "at most 4 tokens can be generated", "min_tokens"))
+
+
 def test_neutral_values_of_unsupported_parameters_are_accepted(stack):
     r = post(stack, "/v1/completions", {**PROMPT, "max_tokens": 2, "best_of": 1, "echo": False, "suffix": None,
                                         "logit_bias": {}, "store": False})
