@@ -1,12 +1,13 @@
 """The request path shared by the gRPC API and the REST shim.
 
-    GenerationInput ──validate, admit, tokenize, seed──▶ RequestRun.stream()
+    GenerationInput ──request limit, admit, validate, tokenize, token limit, seed──▶ RequestRun.stream()
                                                          (prefill → decode, detokenize)
                     ◀──────────── GenerateResponse messages ─────────────
 
 Everything that can be refused is refused before the first message (GatewayError), so
 both front ends can still answer with a status code; later failures end the stream with
-a last message whose finish_reason is ERROR and whose `error` says why.
+a last message whose finish_reason is ERROR and whose `error` says why. The client-side
+metrics of every request that produced a message are recorded here (gateway/observe.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class GenerationInput:
 
     `params` is already validated (stop strings and detokenizer options included);
     `chat` holds (role, content) turns. `max_tokens_param` names the field the client set
-    max_tokens with (None: not set, the default applies and generation ends at the context's end).
+    max_tokens with: such a max_tokens must fit in the context with the prompt (else 400).
+    None: not set; the default (SamplingParams') applies, cut to what the context holds.
     """
 
     request_id: str
