@@ -113,6 +113,15 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.squeeze(2)  # (G, Hq, D)
 
 
+def _cpu_op(q: torch.Tensor):
+    """kernels.cpu_paged_attention when its C++ op is built (float32/float64 on CPU), else None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return None
+    from kernels import cpu_paged_attention
+
+    return cpu_paged_attention if cpu_paged_attention.load() is not None else None
+
+
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,6 +135,8 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     plan = _plan(meta)
     qsl = meta.query_start_loc
+    if meta.is_decode_only and _cpu_op(q) is not None:
+        return _cpu_op(q).paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     for rows, seq_lens, max_len in plan.decode_groups:
         token_rows = qsl[rows].long()
         out[token_rows] = _decode_group(q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens,
