@@ -140,6 +140,15 @@ def start_span(name: str, parent=None, attributes: dict | None = None, kind: str
     return _tracer.start_span(name, context=parent, kind=kinds[kind], attributes=attributes or {})
 
 
+def context_of(s):
+    """An OpenTelemetry context whose current span is `s` (None when off)."""
+    if s is _NOOP or s is None:
+        return None
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(s)
+
+
 def end_span(s, error: str | None = None) -> None:
     if s is _NOOP or s is None:
         return

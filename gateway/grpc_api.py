@@ -7,6 +7,8 @@ of their GatewayError and, when the caller may retry, trailing metadata `retry-a
 
 from __future__ import annotations
 
+from engine import tracing
+
 import asyncio
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -57,7 +59,8 @@ class GenerationServicer:
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                        client_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
         inp = input_from_proto(request, self._service.max_stop_strings)
-        stream = self._service.generate(inp, timeout_s=context.time_remaining(), client_id=client_id)
+        stream = self._service.generate(inp, timeout_s=context.time_remaining(), client_id=client_id,
+                                         trace_carrier=tracing.metadata_carrier(context.invocation_metadata()))
         try:
             async for message in stream:
                 yield message

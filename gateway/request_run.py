@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import grpc
 
+from engine import tracing
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from gateway.decode_link import DecodeLink, LinkDown, LinkFailure
@@ -48,7 +49,7 @@ class RequestRun:
 
     def __init__(self, service: "GatewayService", *, request_id: str, params: SamplingParams,
                  prompt_token_ids: list[int], seed: int, priority: int, arrival_ns: int,
-                 deadline: float, budget_s: float) -> None:
+                 deadline: float, budget_s: float, trace_carrier: dict[str, str] | None = None) -> None:
         from gateway.service import sampling_to_proto
 
         self._service = service
@@ -75,6 +76,11 @@ class RequestRun:
         self._queue: asyncio.Queue | None = None
         self._local_prefill = False
         self._stashed: LinkFailure | None = None  # a failure queued behind merged deltas
+        self._handed: tuple[Instance, common_pb2.KvHandle] | None = None  # lease given to a decode, unclaimed yet
+        self._span = tracing.start_span("request", tracing.extract(trace_carrier), {
+            "request_id": request_id, "prompt_tokens": len(prompt_token_ids), "max_tokens": params.max_tokens or 0})
+        self._first_message_ns = 0
+        self._error: str | None = None
 
     async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield the run's messages; always cleans up, also when closed early."""
@@ -138,15 +144,21 @@ class RequestRun:
         request = prefill_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
                                              sampling=self._sampling, seed=self._seed, priority=self._priority)
         router.assign(prefill, self._prompt)
-        call = prefill.prefill_stub.Prefill(request, timeout=max(0.001, self._remaining_s()))
+        span = tracing.start_span("gateway.prefill", tracing.context_of(self._span),
+                                  {"prefill": prefill.name}, kind="client")
+        call = prefill.prefill_stub.Prefill(request, timeout=max(0.001, self._remaining_s()),
+                                            metadata=tuple(tracing.inject(span).items()) or None)
         try:
             response = await call
         except asyncio.CancelledError:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
+            tracing.end_span(span, f"{exc.code().name}: {exc.details()}")
+            span = None
             return self._prefill_failed(prefill, exc)
         finally:
+            tracing.end_span(span)
             router.release(prefill)
         if response.HasField("kv") and not response.finish_reason:
             self._held = (prefill, response.kv)
@@ -175,13 +187,14 @@ class RequestRun:
             if first.HasField("first_logprobs"):
                 request.first_logprobs.CopyFrom(first.first_logprobs)
             request.kv.CopyFrom(first.kv)
+        request.trace_context.update(tracing.inject(self._span))
         return request
 
     def _submit(self, decode: Instance, request: decode_pb2.DecodeRequest) -> None:
         assert decode.link is not None
         self._queue = decode.link.submit(request)  # raises LinkDown
         self._decode, self._link = decode, decode.link
-        self._held = None  # the decode owns the lease now
+        self._handed, self._held = self._held, None  # the decode owns the lease now
         self._service.router.assign(decode, self._prompt)
 
     # -- streaming -----------------------------------------------------------------------
@@ -194,6 +207,10 @@ class RequestRun:
                 yield self._final(FR.FINISH_REASON_ERROR, error=self._timeout_message())
                 return
             if isinstance(item, LinkFailure):
+                if self._handed is not None and self.num_output_tokens <= 1:
+                    # the decode died before it could claim the blocks: free them now, not at expiry
+                    # (ReleaseKv is idempotent: a lease the decode did claim answers released=false)
+                    self._service.spawn(_release_kv(*self._handed))
                 yield self._final(FR.FINISH_REASON_ERROR, error=item.message)
                 return
             message = self._delta_message(item)
@@ -280,6 +297,8 @@ class RequestRun:
 
     def _message(self, ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs], text: str
                  ) -> generation_pb2.GenerateResponse:
+        if ids and not self._first_message_ns:
+            self._first_message_ns = time.time_ns()
         return generation_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids,
                                                logprobs=logprobs)
 
@@ -301,6 +320,7 @@ class RequestRun:
         message.timings.CopyFrom(self._timings(decode_timings))
         if error:
             log.warning("request %s failed: %s", self.request_id, error)
+            self._error = error
         return message
 
     def _timings(self, decode: common_pb2.Timings | None) -> common_pb2.Timings:
@@ -324,7 +344,11 @@ class RequestRun:
         return f"request {self.request_id} timed out after {self._budget_s:g} s (request_timeout_s or the client's deadline)"
 
     def _cleanup(self) -> None:
-        """Abort the decode request if it still runs; release a lease nobody claimed."""
+        """Abort the decode request if it still runs; release a lease nobody claimed; end the trace."""
+        if self._first_message_ns:
+            tracing.record_span("gateway.stream", self._first_message_ns, time.time_ns(), self._span,
+                                {"output_tokens": self.num_output_tokens})
+        tracing.end_span(self._span, self._error)
         if self._link is not None:
             self._link.abort(self.request_id)  # no-op once finished or failed
             self._link = None

@@ -216,7 +216,9 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
         try:
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
-            stream = service.generate(req.inp, client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS))
+            stream = service.generate(req.inp, client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS),
+                                      trace_carrier={k: v for k, v in request.headers.items()
+                                                     if k in ("traceparent", "tracestate")})
             first = await stream.__anext__()
         except GatewayError as exc:
             return error_response(exc)

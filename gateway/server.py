@@ -234,4 +234,11 @@ async def serve(config: GatewayConfig) -> int:
 def run(ns: Any, configs: dict[str, Any]) -> int:
     """Entry point of `splitserve gateway` (see engine/cli.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(configs["GatewayConfig"]))
+    from engine import tracing
+
+    config = configs["GatewayConfig"]
+    tracing.init_tracing("splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}")
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        tracing.shutdown()

@@ -240,8 +240,8 @@ class GatewayService:
         self.limiter.take_tokens(client_id, len(prompt_ids), params.max_tokens or 0, inp.max_tokens_param or "max_tokens")
         return prompt_ids, params
 
-    async def generate(self, inp: GenerationInput, timeout_s: float | None = None, client_id: str = ANONYMOUS
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(self, inp: GenerationInput, timeout_s: float | None = None, client_id: str = ANONYMOUS,
+                       trace_carrier: dict[str, str] | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Run one request of `client_id`; yield its GenerateResponse messages (the last has finish_reason).
 
         Raises GatewayError before the first message when the request is refused (rate
@@ -269,7 +269,7 @@ class GatewayService:
             run = RequestRun(self, request_id=request_id,
                              params=params, prompt_token_ids=prompt_ids, seed=seed,
                              priority=inp.priority, arrival_ns=arrival_ns,
-                             deadline=time.monotonic() + budget_s, budget_s=budget_s)
+                             deadline=time.monotonic() + budget_s, budget_s=budget_s, trace_carrier=trace_carrier)
             async with aclosing(run.stream()) as messages:
                 async for message in messages:
                     if observer is not None:

@@ -71,3 +71,40 @@ def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp
         prefill.stop()
         decode.stop()
         receiver.stop()
+
+
+def test_rest_request_is_one_trace_from_gateway_to_decode(tmp_path):
+    """traceparent from a REST caller → gateway request span → prefill, kv.transfer, decode, stream."""
+    import httpx
+
+    from tests.service_harness import Stack
+
+    receiver = Receiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    os.environ.update(env)
+    try:
+        stack = Stack("shm", tmp_path, num_decode=1)
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions", headers={"traceparent": TRACEPARENT},
+                       json={"prompt": "def fibonacci(n):", "max_tokens": 5, "temperature": 0}, timeout=30)
+        assert r.status_code == 200
+        wanted = {"request", "gateway.prefill", "gateway.stream", "prefill", "prefill.queue", "prefill.compute",
+                  "decode", "kv.transfer"}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not wanted <= {s["name"] for s in receiver.spans}:
+            time.sleep(0.1)
+        spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == TRACE_ID}
+        assert wanted <= set(spans), sorted(spans)
+        assert spans["request"]["parent"] == PARENT and spans["request"]["service"] == "splitserve-gateway"
+        assert spans["gateway.prefill"]["parent"] == spans["request"]["span_id"]
+        assert spans["prefill"]["parent"] == spans["gateway.prefill"]["span_id"]
+        assert spans["decode"]["parent"] == spans["request"]["span_id"]
+        assert spans["gateway.stream"]["parent"] == spans["request"]["span_id"]
+        assert spans["kv.transfer"]["parent"] == spans["decode"]["span_id"]
+        assert len([s for s in receiver.spans if s["name"] == "request"]) == 1  # one trace per request
+    finally:
+        stack.stop()
+        receiver.stop()
