@@ -197,7 +197,15 @@ HANDLERS: dict[type, Callable] = {
 
 
 def core_main(config, conn, kv_options: dict) -> None:
-    """Entry point of the core process."""
+    """Entry point of the core process.
+
+    It ignores SIGINT/SIGTERM: its service process decides when it stops (a Shutdown message
+    after draining), and it exits by itself when that process is gone (the pipe closes).
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kv_io = None

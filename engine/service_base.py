@@ -99,7 +99,8 @@ class ServiceBase:
             instance_id=self.instance_id, role=self.engine_config.role if self.role != "prefill" else "prefill",
             model_id=self.client.info.model_id, layout=layout_to_proto(self.client.layout), load=self.load(),
             transports=[self.config.kv_transport], kv_endpoint=self.client.endpoint,
-            start_unix_ns=self.start_unix_ns, max_model_len=self.client.info.max_model_len, counters=counters)
+            start_unix_ns=self.start_unix_ns, max_model_len=self.client.info.max_model_len, counters=counters,
+            draining=self.draining)
 
     async def serve(self, add_servicers) -> int:
         """Start the core and the gRPC server; run until SIGTERM, then drain."""

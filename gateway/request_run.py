@@ -133,7 +133,8 @@ class RequestRun:
         if not up:
             raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
         if not any(router.has_room(d) for d in up):
-            full = ", ".join(f"{d.name} has {router.num_waiting(d)} waiting" for d in up)
+            full = ", ".join(f"{d.name} is draining" if d.describe.draining else
+                             f"{d.name} has {router.num_waiting(d)} waiting" for d in up)
             raise GatewayError("resource_exhausted", f"every decode instance is full ({full}; "
                                f"max_waiting_per_decode={router.max_waiting_per_decode}); retry later",
                                retry_after_s=1)

@@ -44,7 +44,7 @@ class Router:
         """The least-loaded up prefill that has at least one compatible up decode."""
         decodes = [d for d in self._registry.decodes() if d.up]
         candidates = [p for p in self._registry.prefills()
-                      if p.up and any(self._registry.compatible(p, d) for d in decodes)]
+                      if p.up and not p.describe.draining and any(self._registry.compatible(p, d) for d in decodes)]
         if not candidates:
             return None
 
@@ -73,7 +73,8 @@ class Router:
         return d.describe.load.num_waiting + d.pending_requests
 
     def has_room(self, d: Instance) -> bool:
-        return self.num_waiting(d) < self.max_waiting_per_decode
+        """False when full, or draining (it finishes what it has and takes nothing new)."""
+        return not d.describe.draining and self.num_waiting(d) < self.max_waiting_per_decode
 
     def pick_decode(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int]) -> Instance | None:
         """The best-scoring candidate (see the module docstring); ties go to the first listed."""

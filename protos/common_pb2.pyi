@@ -170,7 +170,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "role", "model_id", "layout", "load", "transports", "kv_endpoint", "start_unix_ns", "max_model_len", "counters")
+    __slots__ = ("instance_id", "role", "model_id", "layout", "load", "transports", "kv_endpoint", "start_unix_ns", "max_model_len", "counters", "draining")
     class KvEndpointEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class DescribeResponse(_message.Message):
     START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     model_id: str
@@ -205,4 +206,5 @@ class DescribeResponse(_message.Message):
     start_unix_ns: int
     max_model_len: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[_Mapping[str, str]] = ..., start_unix_ns: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[_Mapping[str, str]] = ..., start_unix_ns: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,55 @@
+"""SIGTERM drains: in-flight requests finish, new ones are refused or routed elsewhere, exit 0."""
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from protos import common_pb2
+from tests.service_harness import Stack
+from tests.test_chaos import generate
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
+    stack = Stack("shm", tmp_path, num_decode=2)
+    try:
+        async def main():
+            jobs = [asyncio.create_task(generate(stack.grpc_port, list(range(50 + i, 80 + i)), max_tokens=120))
+                    for i in range(4)]
+            await asyncio.sleep(1.0)  # all are decoding, on both decodes
+            stack.procs["decode-1"].popen.send_signal(signal.SIGTERM)  # the service process only, as k8s does
+            results = await asyncio.gather(*jobs)
+            after = await generate(stack.grpc_port, list(range(7, 30)), max_tokens=8)
+            return results, after
+
+        results, after = asyncio.run(main())
+        assert all(tokens is not None and len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+                   for tokens, last in results)  # nothing in flight was lost
+        assert after[1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # served by the other decode
+        proc = stack.procs["decode-1"].popen
+        proc.wait(timeout=20)
+        assert proc.returncode == 0
+    finally:
+        stack.stop()
+
+
+def test_sigterm_on_the_gateway_lets_streams_finish(tmp_path):
+    stack = Stack("shm", tmp_path, num_decode=1)
+    try:
+        async def main():
+            job = asyncio.create_task(generate(stack.grpc_port, list(range(60, 90)), max_tokens=100))
+            await asyncio.sleep(1.0)
+            stack.procs["gateway"].popen.send_signal(signal.SIGTERM)
+            return await job
+
+        started = time.monotonic()
+        tokens, last = asyncio.run(main())
+        assert tokens is not None and len(tokens) == 100 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        stack.procs["gateway"].popen.wait(timeout=20)
+        assert stack.procs["gateway"].popen.returncode == 0
+        assert time.monotonic() - started < 40
+    finally:
+        stack.stop()
