@@ -206,8 +206,9 @@ def core_main(config, conn, kv_options: dict) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.logs import setup_logging
+
+    setup_logging()
     kv_io = None
     try:
         from engine.engine_core import EngineCore

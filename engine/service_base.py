@@ -11,6 +11,7 @@ import time
 import grpc
 
 from engine.core_process import EngineClient
+from engine.logs import setup_logging  # noqa: F401  (re-exported for the services)
 from engine.grpc_server import build_server, install_drain, set_serving
 from engine.wire import layout_to_proto
 from protos import common_pb2
@@ -32,11 +33,6 @@ def parse_faults(spec: str) -> dict[str, int]:
     if faults:
         log.warning("FAULT INJECTION ON: %s (test only)", faults)
     return faults
-
-
-def setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class ServiceBase:

@@ -177,7 +177,7 @@ class RequestRun:
         reason = f"prefill instance {prefill.name} failed: {code.name}: {exc.details()}"
         if code in _MARK_DOWN_CODES:
             self._service.registry.mark_down(prefill, reason)
-        log.warning("request %s: %s; falling back to a local prefill on a decode", self.request_id, reason)
+        log.warning("request_id=%s %s; falling back to a local prefill on a decode", self.request_id, reason)
         return None
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
@@ -320,7 +320,7 @@ class RequestRun:
                                                 cached_prompt_tokens=self.cached_prompt_tokens))
         message.timings.CopyFrom(self._timings(decode_timings))
         if error:
-            log.warning("request %s failed: %s", self.request_id, error)
+            log.warning("request_id=%s failed: %s", self.request_id, error)
             self._error = error
         return message
 

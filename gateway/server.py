@@ -233,8 +233,10 @@ async def serve(config: GatewayConfig) -> int:
 
 def run(ns: Any, configs: dict[str, Any]) -> int:
     """Entry point of `splitserve gateway` (see engine/cli.py)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import tracing
+    from engine.logs import setup_logging
+
+    setup_logging()
 
     config = configs["GatewayConfig"]
     tracing.init_tracing("splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}")

@@ -1,0 +1,55 @@
+"""Process logging: one line per event, plain or JSON (`SPLITSERVE_LOG_FORMAT=json`).
+
+Log calls name the request as `request_id=<id>`; the JSON formatter lifts it into its own
+field, and adds the current trace id when tracing is on, so log lines join traces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+
+_REQUEST_ID = re.compile(r"request_id=(\S+)")
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """{"ts", "level", "logger", "msg", "request_id"?, "trace_id"?, "exc"?} per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+                "level": record.levelname, "logger": record.name, "msg": message}
+        match = _REQUEST_ID.search(message)
+        if match:
+            line["request_id"] = match.group(1)
+        trace_id = _current_trace_id()
+        if trace_id:
+            line["trace_id"] = trace_id
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def _current_trace_id() -> str | None:
+    from engine import tracing
+
+    if not tracing.enabled():
+        return None
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else None
+
+
+def setup_logging() -> None:
+    """Configure the root logger from SPLITSERVE_LOG_LEVEL and SPLITSERVE_LOG_FORMAT (plain|json)."""
+    handler = logging.StreamHandler()
+    json_format = os.environ.get("SPLITSERVE_LOG_FORMAT", "plain").lower() == "json"
+    handler.setFormatter(JsonFormatter() if json_format else logging.Formatter(PLAIN_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper())
