@@ -78,6 +78,10 @@ def run_hf(config_path: str, requests, dtype: str, device: str, args) -> dict:
 
 def vllm_inner(config_path: str, requests_path: str, dtype: str, out_path: str) -> None:
     """Runs inside vLLM's venv (imports nothing from splitserve)."""
+    # run as a script, bench/ is first on sys.path and bench/kernels.py would shadow the
+    # `kernels` package that transformers probes for
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     from vllm import LLM, SamplingParams, TokensPrompt
 
     requests = json.loads(Path(requests_path).read_text())
