@@ -2,7 +2,7 @@
 # Build the image and serve one request through `docker compose`, on a machine with no Docker
 # daemon and no reachable image registry (this project's CI/dev machines: Debian bookworm, root).
 #
-#   bash deploy/docker-compose-up.sh [all|prepare|build|up|down]     (default: all)
+#   bash deploy/docker-compose-up.sh [all|prepare|build|up|down|clean]     (default: all)
 #
 #   prepare  unpack Debian's docker.io, containerd, runc and iptables with `dpkg -x` into
 #            $WORK/root (nothing is installed system-wide), start dockerd by hand with its own
@@ -18,6 +18,13 @@
 #            through the gateway and print the answer
 #   down     `docker compose down` (SIGTERM drain), stop dockerd, remove its bridge interfaces
 #   all      prepare, build, up, down; dockerd is always stopped at the end
+#   clean    down, then remove $WORK (debs, rootfs, the daemon's images: ~6 GB)
+#
+# Recorded run (2026-11-30, 2 cores, from an empty $WORK, SOURCE=head at ce2da70): 7 min 9 s in
+# all: unpack 7 s, dockerd up in 1 s, debootstrap 87 s, docker import 3 s, image build 279 s
+# (2.49 GB: torch 2.13.0+cpu from the local wheel, the rest from PyPI), compose up --wait until
+# all four healthy and the gateway ready 45 s, one completion (32 tokens, the README's answer)
+# 1 s, compose down 4 s (every service logged its drain and exited 0).
 #
 # Environment: SOURCE (worktree, default: tracked and untracked-not-ignored files; head: the
 # committed tree), WORK (default /tmp/splitserve-docker; kept between runs as a cache, `rm -rf` it
@@ -82,16 +89,17 @@ start_dockerd() {
 }
 
 stop_dockerd() {
-  [ -f "$WORK/dockerd.pid" ] || return 0
   local pid
-  pid=$(cat "$WORK/dockerd.pid")
-  if kill -0 "$pid" 2>/dev/null; then
+  pid=$(cat "$WORK/dockerd.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
     say "stopping dockerd ($pid)"
     kill -TERM "$pid"
     for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
   fi
   rm -f "$WORK/dockerd.pid"
   ip link delete docker0 2>/dev/null || true
+  # dockerd leaves its default network namespace mounted under --exec-root
+  awk -v w="$WORK/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
 }
 
 base_image() {
@@ -165,9 +173,10 @@ case "$step" in
   build) start_dockerd; build_image ;;
   up) install_compose_plugin; start_dockerd; up_and_request ;;
   down) down ;;
+  clean) down; rm -rf "$WORK" ;;
   all)
     trap down EXIT
     unpack_docker; install_compose_plugin; start_dockerd; base_image; build_image; up_and_request
     say "done" ;;
-  *) echo "usage: $0 [all|prepare|build|up|down]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|prepare|build|up|down|clean]" >&2; exit 2 ;;
 esac
