@@ -8,7 +8,10 @@ and e2e at the gateway (what clients see) and at decode (per request it owns).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -80,7 +83,24 @@ class Metrics:
             self._last_engine[key] = stats.get(key, 0)
 
 
-def serve_http(metrics: Metrics, host: str, port: int) -> int:
-    """Serve /metrics on its own HTTP port (gRPC-only processes); returns the bound port."""
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
-    return server.server_address[1]
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve /metrics on its own HTTP port (gRPC-only processes); returns the running server.
+
+    Always the plain text format: prometheus_client's own server answers a scraper that asks
+    for OpenMetrics by renaming `splitserve:x` to `splitserve_x`, which no dashboard query finds.
+    """
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

@@ -105,7 +105,7 @@ class ServiceBase:
 
         self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
         if self.config.metrics_port:
-            bound = serve_http(self.metrics, self.config.host, self.config.metrics_port)
+            bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
         server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names)
         await server.start()

@@ -153,11 +153,10 @@ class GatewayServer:
             self.metrics.set_model(self.registry.model_id)
 
     def _start_metrics_port(self) -> None:
-        from prometheus_client import start_http_server
+        from engine.metrics import serve_http
 
         try:
-            self._metrics_server, _ = start_http_server(self.config.metrics_port, addr=self.config.host,
-                                                        registry=self.metrics.registry)
+            self._metrics_server = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port)
         except OSError as exc:
             raise OSError(f"--metrics-port {self.config.metrics_port} cannot be bound on {self.config.host}: "
                           f"{exc}") from None

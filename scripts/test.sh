@@ -4,6 +4,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+# tests/test_deploy.py runs a real Prometheus (Debian's package) against the stack
+if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+    || echo "could not install prometheus; tests/test_deploy.py will say how"
+fi
 bash scripts/install.sh .venv-test --fresh || { echo "install failed"; exit 1; }
 echo "install took $(( $(date +%s) - start )) s"
 .venv-test/bin/python -m pytest -q -p no:cacheprovider "$@"
