@@ -193,9 +193,9 @@ class PullCoordinator:
 
     async def _pair(self, prefill_instance: str, prefill_address: str) -> None:
         service = self.service
-        host = service.config.host
+        host = service.config.peer_host  # the prefill dials the store here
         with socket.socket() as s:
-            s.bind((host, 0))
+            s.bind((service.config.host, 0))
             port = s.getsockname()[1]
         backend = "nccl" if torch.cuda.is_available() and service.client.info.device.startswith("cuda") else "gloo"
         pair = pair_name(prefill_instance, service.name)

@@ -94,6 +94,7 @@ class Pair:
     store_host: str
     store_port: int
     backend: str
+    local_host: str = ""  # this side's own reachable address (gloo binds its pair sockets there)
 
 
 @dataclass

@@ -169,7 +169,8 @@ class CoreLoop:
 
         def join() -> None:
             try:
-                self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, device)
+                self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, device,
+                                local_host=msg.local_host or msg.store_host)
                 self.background_replies.put(m.Reply(msg.call_id, True))
             except Exception as exc:
                 self.background_replies.put(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))

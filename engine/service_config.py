@@ -12,8 +12,14 @@ from engine.kv_transfer.io import TRANSPORTS
 class ServiceConfig:
     """Where a service listens and how it moves KV."""
 
+    @property
+    def peer_host(self) -> str:
+        """The host peers should dial: --advertise-host, else --host (0.0.0.0 is no address to dial)."""
+        return self.advertise_host or self.host
+
     host: str = option("127.0.0.1", "address to bind (internal services: loopback or the private network)")
     port: int = option(50061, "gRPC port", min=1, max=65535)
+    advertise_host: str = option("", "address peers use to reach this instance (KV handles, NCCL rendezvous); empty = --host")
     metrics_port: int = option(0, "HTTP port for /metrics; 0 = off", min=0, max=65535)
     instance_name: str = option("", "instance name; empty = <role>-<port>")
     kv_transport: str = option("shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS)

@@ -106,7 +106,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         held = self.held.pop(rid)
         lease = self.leases.grant(rid, held.block_ids, held.block_hashes, held.num_tokens, request.lease_ms)
         response.kv.CopyFrom(common_pb2.KvHandle(
-            prefill_instance=self.name, prefill_address=f"{self.config.host}:{self.config.port}",
+            prefill_instance=self.name, prefill_address=f"{self.config.peer_host}:{self.config.port}",
             block_ids=held.block_ids, block_hashes=held.block_hashes, num_tokens=held.num_tokens,
             lease=common_pb2.Lease(lease_id=lease.lease_id, epoch=lease.epoch, expires_unix_ns=lease.expires_unix_ns),
             transport=self.config.kv_transport, layout=layout_to_proto(self.client.layout),
@@ -130,7 +130,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         pair = pair_name(self.name, request.decode_instance)
         try:
             await self.client.call(lambda cid: m.Pair(cid, pair, 1, request.store_host, request.store_port,
-                                                      request.backend), timeout_s=60.0)
+                                                      request.backend, self.config.peer_host), timeout_s=60.0)
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.count("pairs_created")

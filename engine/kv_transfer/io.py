@@ -181,7 +181,8 @@ class KvIo:
         return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start}
 
     # -- pairs -----------------------------------------------------------------------------
-    def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device) -> None:
+    def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
+             local_host: str | None = None) -> None:
         """Join the 2-rank group `pair` (rank 0 = decode, hosting the store). Blocks until both joined."""
         import torch.distributed as dist
 
@@ -194,7 +195,7 @@ class KvIo:
 
             opts = ProcessGroupGloo._Options()
             opts._timeout = timeout
-            opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+            opts._devices = [ProcessGroupGloo.create_device(hostname=local_host or host)]
             group = ProcessGroupGloo(prefixed, rank, 2, opts)
         elif backend == "nccl":
             from torch._C._distributed_c10d import ProcessGroupNCCL
