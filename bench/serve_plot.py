@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -53,7 +54,7 @@ def plot_sweeps(sweeps: Sequence[dict], out_prefix: str) -> list[str] | str:
                     if path == ("goodput", "share"):
                         values = [100 * v for v in values]
                     ax.plot(rates, values, styles[j % len(styles)], color=f"C{i}",
-                            label=f"{sweep.get('mode', f'run {i}')}: {label}")
+                            label=f"{sweep.get('label') or sweep.get('mode') or f'run {i}'}: {label}")
             if name == "goodput" and ylabel.startswith("goodput"):
                 top = max(r["request_rate"] for s in sweeps for r in s["runs"])
                 ax.plot([0, top], [0, top], color="0.7", linewidth=0.8, label="offered rate")
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in ns.files:
         with open(path) as f:
             sweeps.append(json.load(f))
+    modes = [s.get("mode") for s in sweeps]
+    for path, sweep in zip(ns.files, sweeps):  # the file name tells apart sweeps of one mode
+        if modes.count(sweep.get("mode")) > 1:
+            sweep["label"] = f"{sweep.get('mode')} ({os.path.splitext(os.path.basename(path))[0]})"
     result = plot_sweeps(sweeps, ns.out)
     if isinstance(result, str):
         print(result, file=sys.stderr)
