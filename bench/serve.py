@@ -25,8 +25,8 @@ import sys
 import time
 
 from bench.serve_launch import MODES, REPO, LaunchedStack, LaunchPlan
-from bench.serve_load import (LENGTH_DISTS, LengthDist, Progress, arrival_times, check_loopback, grpc_sender,
-                              make_workload, rest_sender, run_load, url_host)
+from bench.serve_load import (LENGTH_DISTS, LengthDist, Progress, arrival_times, check_loopback, error_message,
+                              grpc_sender, make_workload, rest_sender, run_load, url_host)
 from bench.serve_stats import Slo, summarize
 from bench.serve_table import format_run, format_sweep
 
@@ -110,7 +110,11 @@ class Target:
             options = [("grpc.max_concurrent_streams", 1 << 16)]
             channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.grpc_target, options))
             stub = generation_pb2_grpc.GenerationStub(channel)
-            models = await stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
+            try:
+                models = await stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                raise RuntimeError(f"cannot reach the gateway's gRPC API at {self.grpc_target}: "
+                                   f"{error_message(exc)}") from None
             self.model_id, self.max_model_len = models.models[0].id, models.models[0].max_model_len or None
             self.send = grpc_sender(stub, self.ns.temperature, self.ns.request_timeout_s)
         else:
@@ -119,7 +123,11 @@ class Target:
             client = await self._stack.enter_async_context(httpx.AsyncClient(
                 timeout=httpx.Timeout(self.ns.request_timeout_s, connect=30),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
-            data = (await client.get(f"{self.base_url}/v1/models")).raise_for_status().json()["data"]
+            try:
+                data = (await client.get(f"{self.base_url}/v1/models")).raise_for_status().json()["data"]
+            except httpx.HTTPError as exc:
+                raise RuntimeError(f"cannot reach the gateway's REST API at {self.base_url}: "
+                                   f"{error_message(exc)}") from None
             self.model_id, self.max_model_len = data[0]["id"], data[0].get("max_model_len") or None
             self.send = rest_sender(client, self.base_url, self.model_id, self.ns.temperature, self.ns.rest_logprobs)
         return self

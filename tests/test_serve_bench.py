@@ -13,6 +13,7 @@ from bench.serve_launch import LaunchPlan, launch_commands
 from bench.serve_load import (LengthDist, Progress, RequestSpec, arrival_times, check_loopback, make_workload,
                               run_load)
 from bench.serve_stats import COMPLETED, RequestRecord, Slo, describe, percentile, summarize, token_gaps
+from tests.service_harness import free_port
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -103,6 +104,13 @@ def test_cli_refuses_a_remote_host(capsys):
     assert serve.main(["--host", "10.1.2.3", "--num-requests", "1"]) == 2
     assert capsys.readouterr().err == ("bench.serve: error: --host '10.1.2.3' is not a loopback address; "
                                        "bench/serve.py only sends load to 127.0.0.0/8, localhost or ::1\n")
+
+
+def test_cli_names_an_unreachable_gateway(capsys):
+    port = free_port()  # nothing listens there
+    assert serve.main(["--api", "rest", "--http-port", str(port), "--num-requests", "1"]) == 1
+    assert capsys.readouterr().err == (f"bench.serve: cannot reach the gateway's REST API at http://127.0.0.1:{port}: "
+                                       "ConnectError: All connection attempts failed\n")
 
 
 def test_workload_is_seeded_and_fits_the_context():
