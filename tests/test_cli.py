@@ -34,3 +34,17 @@ def test_invalid_flag_value_exits_2_with_the_message(capsys):
     assert main(["generate", "--block-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "splitserve generate: error: --block-size=0 is out of range; allowed [1, 256]" in err
+
+
+def test_bench_lists_benchmarks_on_an_unknown_name(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "splitserve bench: unknown benchmark 'nope'; choose one of:" in err
+    assert "offline_throughput" in err and "serve" in err
+
+
+def test_bench_runs_a_benchmark_with_its_own_arguments(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "serve", "--help"])
+    assert info.value.code == 0
+    assert "--request-rate" in capsys.readouterr().out
