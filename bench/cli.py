@@ -9,7 +9,6 @@ BENCHMARKS = {
     "offline_throughput": "offline throughput vs transformers and vLLM; fixed-shape decode-step timing (GPU)",
     "kernels": "Triton kernels vs SDPA and the copy bandwidth (GPU)",
     "disagg_handoff": "prefill and decode on two devices: tokens, KV pull rate, hand-off latency",
-    "decode_profile": "one GPU decode step split into graph, lm_head, sampling and host time",
     "serve": "load generator against the gateway: TTFT, ITL, TPOT, goodput, rate sweeps",
 }
 
