@@ -58,6 +58,8 @@ def load_model(model: str | Path, *, dtype: torch.dtype | str, device: torch.dev
         init_dummy_weights(net, seed)
     else:
         load_safetensors(net, weight_files, path)
+    if hasattr(net, "pack_for_cpu"):
+        net.pack_for_cpu()  # float32 on CPU: MKL-packed GEMM weights
     return net.eval(), config
 
 
