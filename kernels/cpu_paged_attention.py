@@ -2,8 +2,8 @@
 
 The torch path gathers every sequence's blocks into a padded copy before attending, which on
 a CPU costs as much memory traffic as the attention itself. This op reads keys and values in
-place through the block table, one (sequence, KV head) task per thread-pool slot, with the
-query heads that share a KV head reading it once (GQA). float32 and float64.
+place through the block table, one sequence per task (its rows of all KV heads are contiguous,
+so reads stream), every query head reading its KV head from the same row (GQA). float32 and float64.
 
     q (B, Hq, D), k/v_cache (N, bs, Hkv, D) strided (last dim contiguous),
     block_tables (B, M) int32, seq_lens (B,) int32  ->  out (B, Hq, D)
@@ -44,6 +44,8 @@ static inline T dot8(const T* __restrict__ a, const T* __restrict__ b, int64_t n
 template <typename T>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& tables, const torch::Tensor& lens, double scale, torch::Tensor& out) {
+  // One task per sequence: each cached token's keys (all KV heads) are one contiguous row, so a
+  // task streams whole rows block after block, which the hardware prefetcher follows best.
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k.size(1), Hkv = k.size(2), group = Hq / Hkv;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
@@ -56,43 +58,38 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k, const to
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scores, acc(group * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> scores, acc(Hq * D);
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lp[b];
       std::fill(acc.begin(), acc.end(), T(0));
-      if (L <= 0) {
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < D; ++d) op[b * os0 + (h * group + g) * os1 + d] = T(0);
-        continue;
-      }
-      scores.assign(group * L, T(0));
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kt = kp + tp[b * ts0 + t / bs] * ks0 + (t % bs) * ks1 + h * ks2;
-        for (int64_t g = 0; g < group; ++g) {
-          const T* qh = qp + b * qs0 + (h * group + g) * qs1;
-          scores[g * L + t] = dot8(qh, kt, D) * T(scale);
+      if (L > 0) {
+        scores.resize(Hq * L);
+        for (int64_t t = 0; t < L; ++t) {  // scores[hq][t] = q[hq] . k[t, hq / group]
+          const T* krow = kp + tp[b * ts0 + t / bs] * ks0 + (t % bs) * ks1;
+          for (int64_t hq = 0; hq < Hq; ++hq)
+            scores[hq * L + t] = dot8(qp + b * qs0 + hq * qs1, krow + (hq / group) * ks2, D) * T(scale);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* s = scores.data() + g * L;
-        T m = *std::max_element(s, s + L), sum = 0;
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const T inv = T(1) / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vt = vp + tp[b * ts0 + t / bs] * vs0 + (t % bs) * vs1 + h * vs2;
-        for (int64_t g = 0; g < group; ++g) {
-          const T p = scores[g * L + t];
-          T* a = acc.data() + g * D;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          T* s = scores.data() + hq * L;
+          T m = *std::max_element(s, s + L), sum = 0;
+          for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+          const T inv = T(1) / sum;
+          for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+        }
+        for (int64_t t = 0; t < L; ++t) {  // acc[hq] += p[hq][t] * v[t, hq / group]
+          const T* vrow = vp + tp[b * ts0 + t / bs] * vs0 + (t % bs) * vs1;
+          for (int64_t hq = 0; hq < Hq; ++hq) {
+            const T p = scores[hq * L + t];
+            const T* vh = vrow + (hq / group) * vs2;
+            T* a = acc.data() + hq * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vt[d];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d) op[b * os0 + (h * group + g) * os1 + d] = acc[g * D + d];
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int64_t d = 0; d < D; ++d) op[b * os0 + hq * os1 + d] = acc[hq * D + d];
     }
   });
 }
@@ -123,7 +120,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _module = load_inline(name="splitserve_cpu_paged_attention_v3", cpp_sources=[_SOURCE],
+        _module = load_inline(name="splitserve_cpu_paged_attention_v4", cpp_sources=[_SOURCE],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)
     except Exception as exc:  # no compiler, no ninja: the torch path still works
