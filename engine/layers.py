@@ -32,6 +32,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return kernels.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual  # (..., H)
+    if x.dtype in (torch.float32, torch.float64):  # computes in x's dtype already: one fused op
+        out = F.rms_norm(x, (x.shape[-1],), weight, eps)  # (..., H)
+        return out if residual is None else (out, x)
     xc = x.to(compute_dtype(x.dtype))
     variance = xc.pow(2).mean(-1, keepdim=True)  # (..., 1)
     out = weight * (xc * torch.rsqrt(variance + eps)).to(x.dtype)  # (..., H)
