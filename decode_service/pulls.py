@@ -19,7 +19,7 @@ import torch
 
 from engine import core_messages as m
 from engine import tracing
-from engine.grpc_server import insecure_channel
+from engine.grpc_server import internal_channel
 from engine.kv_transfer.io import pair_name, transfer_tag
 from engine.wire import layout_from_proto, logprobs_from_proto
 from protos import prefill_pb2, prefill_pb2_grpc
@@ -52,7 +52,8 @@ class PullCoordinator:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            self._stubs[address] = prefill_pb2_grpc.PrefillStub(insecure_channel(address))
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(
+                internal_channel(address, self.service.internal_tls))
         return self._stubs[address]
 
     def _spawn(self, coro) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,7 +32,45 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def build_server(host: str, port: int, add_servicers, service_names: list[str]) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+@dataclass(frozen=True)
+class InternalTls:
+    """mTLS between internal services: every server asks for a client certificate signed by `ca`,
+    every client presents `cert` and checks the server against `ca` (PEM files)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_files(cls, cert: str, key: str, ca: str) -> "InternalTls | None":
+        """None when all three are empty; a ValueError naming the flags when only some are set."""
+        given = {"--internal-tls-cert": cert, "--internal-tls-key": key, "--internal-tls-ca": ca}
+        if not any(given.values()):
+            return None
+        missing = [flag for flag, value in given.items() if not value]
+        if missing:
+            raise ValueError(f"internal mTLS needs all of --internal-tls-cert, --internal-tls-key and "
+                             f"--internal-tls-ca; missing {', '.join(missing)}")
+        return cls(*(Path(value).read_bytes() for value in (cert, key, ca)))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def internal_channel(address: str, tls: InternalTls | None) -> grpc.aio.Channel:
+    """A channel to an internal peer: mTLS when configured, else plaintext (loopback/private network)."""
+    if tls is None:
+        return insecure_channel(address)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+
+
+def build_server(host: str, port: int, add_servicers, service_names: list[str], tls: InternalTls | None = None
+                 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
     """A grpc.aio server with our servicers, grpc.health.v1 and reflection; returns (server, health, port)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -40,7 +80,8 @@ def build_server(host: str, port: int, add_servicers, service_names: list[str]) 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
     return server, health_servicer, bound

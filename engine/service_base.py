@@ -12,7 +12,7 @@ import grpc
 
 from engine.core_process import EngineClient
 from engine.logs import setup_logging  # noqa: F401  (re-exported for the services)
-from engine.grpc_server import build_server, install_drain, set_serving
+from engine.grpc_server import InternalTls, build_server, install_drain, set_serving
 from engine.wire import layout_to_proto
 from protos import common_pb2
 
@@ -51,6 +51,8 @@ class ServiceBase:
         self.inflight = 0
         self.draining = False
         self.faults = parse_faults(service_config.fault_injection)
+        self.internal_tls = InternalTls.from_files(service_config.internal_tls_cert, service_config.internal_tls_key,
+                                                   service_config.internal_tls_ca)
         kv_options = {"transport": service_config.kv_transport, "instance": self.name,
                       "start_epoch": self.start_unix_ns, "role": engine_config.role,
                       "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults}
@@ -107,7 +109,8 @@ class ServiceBase:
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
-        server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names)
+        server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names,
+                                            self.internal_tls)
         await server.start()
         set_serving(health, self.service_names, True)
         await self.on_started()

@@ -29,4 +29,7 @@ class ServiceConfig:
     prefill_peers: str = option("", "decode with nccl: comma-separated prefill addresses to pair with at start")
     max_queued_requests: int = option(1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20)
     drain_grace_s: float = option(30.0, "on SIGTERM: how long to let in-flight requests finish", min=0.0, max=3600.0)
+    internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
+    internal_tls_key: str = option("", "PEM private key for internal mTLS")
+    internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
     fault_injection: str = option("", "TEST ONLY: faults to inject, e.g. pull_drop=2,pull_delay_ms=300,corrupt_epoch=1,send_kill_after_blocks=3")

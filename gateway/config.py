@@ -50,6 +50,9 @@ class GatewayConfig:
                                "itself); 0 = off", min=0, max=65535)
     api_keys_file: str = option("", "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
                                 "(comma-separated) every public call needs 'Authorization: Bearer <key>'")
+    internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
+    internal_tls_key: str = option("", "PEM private key for internal mTLS")
+    internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
     tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
     tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
     rate_limit_rps: float = option(0.0, "requests per second per API key (token bucket); 0 = no limit",

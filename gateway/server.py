@@ -116,8 +116,12 @@ class GatewayServer:
         tls = load_tls(config)
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
+        from engine.grpc_server import InternalTls, internal_channel
+
+        internal_tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
         self.registry = Registry(config.prefill_addresses, config.decode_addresses,
-                                 health_interval_s=config.health_interval_s, model_id=config.model_id)
+                                 health_interval_s=config.health_interval_s, model_id=config.model_id,
+                                 channel_factory=lambda address: internal_channel(address, internal_tls))
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
         self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         address = f"{config.host}:{config.grpc_port}"
