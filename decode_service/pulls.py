@@ -178,21 +178,23 @@ class PullCoordinator:
                 try:
                     info = await self.stub(address).Describe(common_pb2.DescribeRequest(), timeout=2.0)
                     name = info.instance_id.split("@")[0]
-                    await self.ensure_pair(name, address)
+                    await self.ensure_pair(name, address, patient=True)
                     break
                 except Exception as exc:
                     if attempt % 20 == 0:
                         log.info("waiting to pair with %s: %s", address, exc)
                     await asyncio.sleep(0.5)
 
-    async def ensure_pair(self, prefill_instance: str, prefill_address: str) -> None:
+    async def ensure_pair(self, prefill_instance: str, prefill_address: str, patient: bool = False) -> None:
+        """Pair with a prefill (once). `patient` (start-up) waits up to 30 s for a peer that is still coming
+        up; on a request's path the wait is one transfer timeout, then the failure policy applies."""
         task = self._pairs.get(prefill_instance)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.create_task(self._pair(prefill_instance, prefill_address))
+            task = asyncio.create_task(self._pair(prefill_instance, prefill_address, patient))
             self._pairs[prefill_instance] = task
         await task
 
-    async def _pair(self, prefill_instance: str, prefill_address: str) -> None:
+    async def _pair(self, prefill_instance: str, prefill_address: str, patient: bool) -> None:
         service = self.service
         host = service.config.peer_host  # the prefill dials the store here
         with socket.socket() as s:
@@ -204,8 +206,8 @@ class PullCoordinator:
             lambda cid: m.Pair(cid, pair, 0, host, port, backend), timeout_s=60.0))
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
         await self.stub(prefill_address).PairKv(prefill_pb2.PairKvRequest(
-            decode_instance=service.name, store_host=host, store_port=port, backend=backend), timeout=30.0,
-            wait_for_ready=True)
+            decode_instance=service.name, store_host=host, store_port=port, backend=backend),
+            timeout=30.0 if patient else service.config.kv_transfer_timeout_s, wait_for_ready=True)
         await mine
         service.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)
