@@ -127,7 +127,9 @@ class KvIo:
         if group is None:
             raise RuntimeError(f"no communicator with {spec.prefill_instance} (pair {pair} not registered)")
         src_ids = [spec.block_ids[i] for i in indices]
-        direct = block_run(src_ids) is not None and block_run(dst_blocks) is not None
+        # Receive straight into the destination blocks only over NCCL, whose abort (drop_pair) cancels a
+        # timed-out receive; a gloo receive left pending could land in blocks reused by then, so CPU stages.
+        direct = kv_cache.is_cuda and block_run(src_ids) is not None and block_run(dst_blocks) is not None
         if direct:  # one message straight into the destination blocks (the sender skips its gather too)
             first = dst_blocks[0]
             staging = kv_cache[first:first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
