@@ -179,7 +179,8 @@ def test_run_load_counts_failed_cancelled_and_unsent(capsys):
                                              progress=Progress(4, "t", interval_s=0)))
     assert [r.status for r in records] == ["completed", "failed", "cancelled", "not_sent"]
     assert [r.error for r in records] == ["", "ConnectionError: refused", "cancelled at --max-seconds=0.3", ""]
-    assert 0.3 <= duration < 0.5
+    # the deadline is kept by the event loop's clock and the duration read from perf_counter: allow 1 ms
+    assert 0.299 <= duration < 0.5
     assert "3/4 done, 0 in flight, 2 failed" in capsys.readouterr().err.splitlines()[-1]
 
 
