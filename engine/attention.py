@@ -132,11 +132,11 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_kv_heads = k_cache.shape[2]
     gqa = q.shape[1] != num_kv_heads
+    if meta.is_decode_only and _cpu_op(q) is not None:
+        return _cpu_op(q).paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
     plan = _plan(meta)
     qsl = meta.query_start_loc
-    if meta.is_decode_only and _cpu_op(q) is not None:
-        return _cpu_op(q).paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     for rows, seq_lens, max_len in plan.decode_groups:
         token_rows = qsl[rows].long()
         out[token_rows] = _decode_group(q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens,

@@ -8,7 +8,7 @@ from engine.kv_layout import KvLayout
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
-_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
 
 FINISH_REASONS = {
@@ -25,7 +25,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, **extra) -> SamplingParam
 
     Raises ValueError naming the field when a value is out of range.
     """
-    values = {name: getattr(pb, name) for name in _OPTIONAL_FIELDS if pb.HasField(name)}
+    values = {name: getattr(pb, name) for name in OPTIONAL_SAMPLING_FIELDS if pb.HasField(name)}
     if "temperature" in values:
         values["temperature"] = float(values["temperature"])
     values["stop_token_ids"] = tuple(pb.stop_token_ids)
@@ -36,7 +36,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, **extra) -> SamplingParam
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
-    for name in _OPTIONAL_FIELDS:
+    for name in OPTIONAL_SAMPLING_FIELDS:
         value = getattr(params, name)
         if value is not None:
             setattr(pb, name, value)

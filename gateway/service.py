@@ -23,6 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+from engine import wire
 from engine.sampling_params import MAX_SEED, SamplingParams
 from gateway.auth import ANONYMOUS
 from gateway.errors import GatewayError, invalid
@@ -39,8 +40,6 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 MAX_UINT32 = 2**32 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                             "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> Samp
 
 def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]:
     """The fields a gRPC caller set, as SamplingParams keyword values."""
-    values: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    values: dict[str, Any] = {name: getattr(msg, name) for name in wire.OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     values["stop_token_ids"] = list(msg.stop_token_ids)
     values["ignore_eos"] = msg.ignore_eos
     return values
@@ -107,16 +106,7 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
 
 def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingParams:
     """The wire form sent to prefill and decode, with the effective seed."""
-    msg = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=seed, repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-    if params.max_tokens is not None:
-        msg.max_tokens = params.max_tokens
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    return msg
+    return wire.sampling_to_proto(dataclasses.replace(params, seed=seed))
 
 
 class GatewayService:
