@@ -5,10 +5,13 @@
 
 For each transport it starts a prefill and a decode service as processes, sends prompts one at a
 time (Prefill, then the decode stream), and checks the tokens against the colocated engine run
-in this process on the same prompts one at a time. It reports the KV data-movement rate (bytes
-pulled / time of the pull, measured in the decode's core around gather + copy + scatter) against a
-plain device-to-device tensor copy of the same size measured here, and the hand-off latency
-(prefill's answer to the first decode delta: pull, lease release, first decode step).
+in this process on the same prompts one at a time. It reports the KV data movement on the device
+(CUDA events around the copy: the decode's pull for cuda_ipc, the prefill's send for nccl), the
+pull's wall time in the decode core, and the hand-off latency (prefill's answer to the first decode
+delta: pull, lease release, first decode step), against a plain device-to-device tensor copy of the
+same size measured here back to back and after 200 ms of idle (an idle H200 lowers its clocks, and
+`--pacing sequential` leaves the decode GPU idle before every pull; `--pacing overlapped` sends the
+next prompt while the previous one decodes).
 """
 
 from __future__ import annotations
@@ -60,39 +63,48 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10) -> float:
-    """GB/s of a plain tensor copy src -> dst of num_bytes (median of repeats)."""
+def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10, idle_s: float = 0.0) -> float:
+    """GB/s of a plain tensor copy src -> dst of num_bytes (median of repeats), timed like the
+    transfers: CUDA events around the copy on the stream that runs it (the source device's).
+    `idle_s`: both devices idle this long before each copy (an idle H200 lowers its clocks)."""
     import torch
 
+    if not src.startswith("cuda"):
+        return float("nan")  # a CPU run checks the flow and the tokens only
     a = torch.empty(num_bytes, dtype=torch.uint8, device=src)
     b = torch.empty(num_bytes, dtype=torch.uint8, device=dst)
+    stream = torch.cuda.current_stream(a.device)
     times = []
     for i in range(repeats + 2):
-        if src.startswith("cuda"):
-            torch.cuda.synchronize(src)
-            torch.cuda.synchronize(dst)
-        start = time.perf_counter()
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        time.sleep(idle_s)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         b.copy_(a)
-        if dst.startswith("cuda"):
-            torch.cuda.synchronize(dst)
+        end.record(stream)
+        torch.cuda.synchronize(dst)
+        end.synchronize()
         if i >= 2:
-            times.append(time.perf_counter() - start)
+            times.append(start.elapsed_time(end) / 1e3)
     return num_bytes / statistics.median(times) / 1e9
 
 
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path) -> dict:
     from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+    tag = transport
+
     p_port, d_port = free_port(), free_port()
     engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
               str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8",
               "--block-size", str(args.block_size)]
     prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
-                                         f"p-{transport}", "--kv-transport", transport], logs / f"p-{transport}.log")
+                                         f"p-{tag}", "--kv-transport", transport], logs / f"p-{tag}.log")
     decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
-                                       f"d-{transport}", "--kv-transport", transport, "--prefill-peers",
+                                       f"d-{tag}", "--kv-transport", transport, "--prefill-peers",
                                        f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30"],
-                   logs / f"d-{transport}.log")
+                   logs / f"d-{tag}.log")
     try:
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
         d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
@@ -105,38 +117,65 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
 
         call = d_stub.Generate(requests())
         sampling = common_pb2.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        tokens: dict[str, list[int]] = {}
+        first_delta: dict[str, asyncio.Event] = {}
+        finished: dict[str, asyncio.Event] = {}
+        first_at: dict[str, float] = {}
+
+        async def read():
+            async for out in call:
+                for delta in out.deltas:
+                    rid = delta.request_id
+                    if not first_delta[rid].is_set():
+                        first_at[rid] = time.perf_counter()
+                        first_delta[rid].set()
+                    tokens[rid].extend(delta.token_ids)
+                    if delta.finish_reason:
+                        finished[rid].set()
+
+        reader = asyncio.create_task(read())
         results = []
         for i, prompt in enumerate(prompts):
             before = (await d_stub.Describe(common_pb2.DescribeRequest())).counters
             p_before = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
-            rid = f"{transport}-{i}"
+            rid = f"{tag}-{i}"
+            first_delta[rid], finished[rid] = asyncio.Event(), asyncio.Event()
             first = await p_stub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
                                                                     sampling=sampling, seed=i), timeout=300)
             answered = time.perf_counter()
+            tokens[rid] = [first.first_token_id]
             await inbox.put(decode_pb2.DecodeIn(request=decode_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=i,
                 first_token_id=first.first_token_id, kv=first.kv)))
-            tokens, handoff = [first.first_token_id], None
-            async for out in call:
-                for delta in out.deltas:
-                    if handoff is None:
-                        handoff = time.perf_counter() - answered
-                    tokens.extend(delta.token_ids)
-                if any(d.finish_reason for d in out.deltas):
-                    break
+            await asyncio.wait_for(first_delta[rid].wait(), 300)  # the pull is committed before the first delta
+            handoff = first_at[rid] - answered
+            if args.pacing == "sequential":
+                await asyncio.wait_for(finished[rid].wait(), 300)
             after = (await d_stub.Describe(common_pb2.DescribeRequest())).counters
             moved = after["kv_bytes_pulled"] - before.get("kv_bytes_pulled", 0)
             ns = after["kv_transfer_ns"] - before.get("kv_transfer_ns", 0)
             p_after = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
             send_ns = p_after.get("kv_send_ns", 0) - p_before.get("kv_send_ns", 0)
+            # data movement on the device (CUDA events around the copy): the pull's copy for cuda_ipc,
+            # the send for nccl (the receive is already posted, so the send interval is the transfer)
+            if transport == "nccl":
+                device_ns = p_after.get("kv_send_device_ns", 0) - p_before.get("kv_send_device_ns", 0)
+            else:
+                device_ns = after.get("kv_copy_device_ns", 0) - before.get("kv_copy_device_ns", 0)
             ids = list(first.kv.block_ids)
             src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
-            results.append({"tokens": tokens, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
+            results.append({"request_id": rid, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
                             "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
-                            "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0})
-            print(transport, i, {k: v for k, v in results[-1].items() if k != "tokens"}, flush=True)
+                            "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0,
+                            "device_ms": device_ns / 1e6, "device_gb_s": moved / device_ns if device_ns else 0.0})
+            print(transport, i, results[-1], flush=True)
+        for rid in finished:
+            await asyncio.wait_for(finished[rid].wait(), 300)
+        for r in results:
+            r["tokens"] = tokens[r["request_id"]]
         await inbox.put(None)
         call.cancel()
+        reader.cancel()
         return {"transport": transport, "requests": results}
     finally:
         stop(prefill)
@@ -165,6 +204,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--pacing", choices=("sequential", "overlapped"), default="sequential",
+                    help="sequential: each request finishes before the next prefill, so the decode GPU idles "
+                         "(and drops its clocks) before every pull; overlapped: the next prefill starts at the "
+                         "previous request's first token, so pulls land while the decode GPU is decoding "
+                         "(use --max-tokens long enough to outlast a prefill)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
@@ -184,22 +228,28 @@ def main(argv=None) -> int:
         report["transports"].append(result)
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
     report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
-    print(f"\nprompt {args.prompt_len} tokens, KV {kv_bytes / 2**20:.0f} MiB per request; plain copy "
-          f"{args.prefill_device}->{args.decode_device} of that size: {report['copy_gb_s']:.0f} GB/s")
-    print("pull = decode side, request to blocks in place (nccl: includes asking the prefill to send);")
-    print("send = prefill side gather + send (nccl only)")
-    print(f"{'transport':<10}{'tokens equal':>14}{'pull GB/s':>11}{'% of copy':>11}{'send GB/s':>11}"
-          f"{'% of copy':>11}{'handoff ms':>12}")
+    report["copy_after_idle_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device, idle_s=0.2)
+    print(f"\nprompt {args.prompt_len} tokens, KV {kv_bytes / 2**20:.0f} MiB per request, pacing {args.pacing}; "
+          f"plain copy {args.prefill_device}->{args.decode_device} of that size: {report['copy_gb_s']:.0f} GB/s "
+          f"back to back, {report['copy_after_idle_gb_s']:.0f} GB/s after 200 ms idle (% below: of back to back)")
+    print("moved = data movement on the device, CUDA events around the copy (cuda_ipc: the pull's copy;")
+    print("        nccl: the prefill's send, the decode's receive already posted);")
+    print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
+    print("send = prefill core's wall time, gather + send (nccl only)")
+    print(f"{'transport':<22}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
+          f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}")
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
         handoffs = [r["handoff_ms"] for r in t["requests"][1:]] or [t["requests"][0]["handoff_ms"]]
         sends = [r["send_gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["send_gb_s"]]
+        moved = [r["device_gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["device_gb_s"]]
         t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
-        t["median_send_gb_s"] = statistics.median(sends)
+        t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
         copy = report["copy_gb_s"]
-        print(f"{t['transport']:<10}{str(t['tokens_equal']):>14}{t['median_gb_s']:>11.1f}"
-              f"{100 * t['median_gb_s'] / copy:>10.1f}%{t['median_send_gb_s']:>11.1f}"
-              f"{100 * t['median_send_gb_s'] / copy:>10.1f}%{t['median_handoff_ms']:>12.2f}")
+        print(f"{t['transport']:<22}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
+              f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
+              f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
+              f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(t["tokens_equal"] for t in report["transports"]) else 1

@@ -141,6 +141,7 @@ class PullCoordinator:
             service.count("kv_blocks_pulled", done.num_blocks_pulled)
             service.count("kv_bytes_pulled", done.num_bytes)
             service.count("kv_transfer_ns", done.transfer_ns)
+            service.count("kv_copy_device_ns", done.device_ns)
             mt = service.metrics
             mt.lab(mt.kv_transfer_bytes).inc(done.num_bytes)
             mt.lab(mt.kv_transfer_blocks).inc(done.num_blocks_pulled)

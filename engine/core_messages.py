@@ -133,6 +133,7 @@ class ImportDone:
     num_cached_tokens: int = 0
     num_bytes: int = 0
     transfer_ns: int = 0
+    device_ns: int = 0  # the copy on the device (CUDA events), cuda_ipc only
     error: str | None = None
 
 

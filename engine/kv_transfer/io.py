@@ -39,6 +39,7 @@ class KvIo:
         self.endpoint: dict[str, str] = {}
         self.faults = dict(options.get("faults") or {})  # test-only fault injection
         self._blocks_sent = 0
+        self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}
         self.groups: dict[str, object] = {}  # pair name -> process group
@@ -85,22 +86,18 @@ class KvIo:
         self._inject_pull_faults()
         kv_cache = core.engine.runner.kv_cache
         if spec.transport == "cuda_ipc":
-            start = time.perf_counter_ns()
             src_ids = [spec.block_ids[i] for i in indices]
             src = self._source_pool(spec)
-            timing = log.isEnabledFor(logging.DEBUG)
-            if timing:  # events on the source device's stream, where a cross-device copy_ runs
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                events[0].record(torch.cuda.current_stream(src.device))
+            # timed on the destination's stream: every way of copying below makes it wait for the copy
+            stream = torch.cuda.current_stream(kv_cache.device)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            events[0].record(stream)
+            # torch's cross-device copy_ on the source device's stream: as fast as a copy between ordinary
+            # tensors (bench/kv_copy_variants.py); split over several streams or issued by the destination is slower
             num_bytes = copy_block_runs(src, src_ids, kv_cache, dst_blocks)
-            if timing:
-                events[1].record(torch.cuda.current_stream(src.device))
-            torch.cuda.current_stream(kv_cache.device).synchronize()
-            if timing:
-                copy_ms = events[0].elapsed_time(events[1])
-                log.debug("kv timing cuda_ipc pull: %d blocks in %d runs, %d bytes; copy %.3f ms on device "
-                          "(%.1f GB/s); %.3f ms in pull", len(src_ids), len(block_runs(src_ids, dst_blocks)),
-                          num_bytes, copy_ms, num_bytes / copy_ms / 1e6, (time.perf_counter_ns() - start) / 1e6)
+            events[1].record(stream)
+            events[1].synchronize()
+            self.last_device_ns = int(events[0].elapsed_time(events[1]) * 1e6)
             return num_bytes
         if spec.transport == "shm":
             src_ids = [spec.block_ids[i] for i in indices]
@@ -173,14 +170,22 @@ class KvIo:
             os.killpg(os.getpgrp(), 9)
         self._blocks_sent += len(block_ids)
         gathered = time.perf_counter_ns()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if kv_cache.is_cuda else None
+        if events:
+            events[0].record()
         try:
             group.send([staging], 0, tag).wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception:
             self.drop_pair(pair)
             raise
+        if events:  # the current stream waited for the send: the interval is the transfer on the device
+            events[1].record()
+            events[1].synchronize()
+            self.last_device_ns = int(events[0].elapsed_time(events[1]) * 1e6)
         log.debug("kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms", len(block_ids),
                   (gathered - start) / 1e6, (time.perf_counter_ns() - gathered) / 1e6)
-        return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start}
+        return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start,
+                "device_ns": self.last_device_ns if events else 0}
 
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
