@@ -73,6 +73,7 @@ class _HostPlan:
 
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, int]]  # (rows, seq_lens, max_len) per group
     prefills: list[tuple[int, int, int, int]]  # (seq index, start row, end row, seq_len)
+    decode_seqs: torch.Tensor | None  # every one-token sequence's index, for the CPU op (None: no decodes)
 
 
 DECODE_GROUP_SIZE = 16  # decode rows sorted by length, batched in groups to bound padding
@@ -92,7 +93,8 @@ def _plan(meta: AttentionMetadata) -> _HostPlan:
         seqs = [i for _, i in chunk]
         groups.append((torch.tensor(seqs, device=device), torch.tensor([n for n, _ in chunk], device=device),
                        chunk[-1][0]))
-    plan = _HostPlan(groups, prefills)
+    decode_seqs = torch.tensor([i for _, i in decodes], device=device) if decodes else None
+    plan = _HostPlan(groups, prefills, decode_seqs)
     meta._host_plan = plan
     return plan
 
@@ -114,12 +116,12 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _cpu_op(q: torch.Tensor):
-    """kernels.cpu_paged_attention when its C++ op is built (float32/float64 on CPU), else None."""
+    """kernels.cpu_ops when its C++ ops are built (the decode attention takes float32/float64 on CPU), else None."""
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
         return None
-    from kernels import cpu_paged_attention
+    from kernels import cpu_ops
 
-    return cpu_paged_attention if cpu_paged_attention.load() is not None else None
+    return cpu_ops if cpu_ops.load() is not None else None
 
 
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -132,15 +134,22 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_kv_heads = k_cache.shape[2]
     gqa = q.shape[1] != num_kv_heads
-    if meta.is_decode_only and _cpu_op(q) is not None:
-        return _cpu_op(q).paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    op = _cpu_op(q)
+    if meta.is_decode_only and op is not None:
+        return op.paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
     plan = _plan(meta)
     qsl = meta.query_start_loc
-    for rows, seq_lens, max_len in plan.decode_groups:
-        token_rows = qsl[rows].long()
-        out[token_rows] = _decode_group(q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens,
-                                        max_len, scale)
+    if op is not None and plan.decode_seqs is not None:  # a mixed step's one-token rows, in one call
+        seqs = plan.decode_seqs
+        rows = qsl[seqs].long()
+        out[rows] = op.paged_decode_attention_cpu(q[rows], k_cache, v_cache, meta.block_tables[seqs],
+                                                  meta.seq_lens[seqs], scale)
+    else:
+        for rows, seq_lens, max_len in plan.decode_groups:
+            token_rows = qsl[rows].long()
+            out[token_rows] = _decode_group(q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens,
+                                            max_len, scale)
     for i, start, end, seq_len in plan.prefills:
         q_len = end - start
         if seq_len == q_len and k_new is not None:
@@ -148,9 +157,11 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             k = _gather_context(k_cache, meta.block_tables[i], seq_len)  # (L, Hkv, D)
             v = _gather_context(v_cache, meta.block_tables[i], seq_len)
-        qi = q[start:end].transpose(0, 1)  # (Hq, q_len, D)
-        ki = k.transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
-        vi = v.transpose(0, 1).to(q.dtype)
+        # 4-D (1, H, L, D): torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall back to
+        # the math path, 2.5-4x slower at prompt lengths of 100-512
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
+        ki = k.transpose(0, 1).to(q.dtype).unsqueeze(0)  # (1, Hkv, L, D)
+        vi = v.transpose(0, 1).to(q.dtype).unsqueeze(0)
         if seq_len == q_len:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
@@ -158,7 +169,7 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             rows_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + (seq_len - q_len)
             cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=cols <= rows_pos, scale=scale, enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
@@ -167,7 +178,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D)."""
     if q.is_cuda:
         return _attention_cuda(q, k, v, k_cache, v_cache, meta, scale)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    from kernels import cpu_ops
+
+    ops = cpu_ops.for_tensor(k) if k_cache.dtype == k.dtype else None
+    if ops is not None:
+        ops.write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return attention_torch(q, k_cache, v_cache, meta, scale, k, v)
 
 

@@ -74,6 +74,29 @@ def _queue_ns(request: Request) -> int:
     return int((request.first_scheduled_time - request.arrival_time) * 1e9)
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep and reuse freed tensor memory (process-wide; CPU engines).
+
+    By default a tensor over the mmap threshold gets fresh pages from the kernel and gives them
+    back when freed, so every step's activations page-fault again: at 2k-token prefill steps that
+    made RMSNorm 6x and SiLU-mul 2x slower than on reused memory. With the threshold at its maximum
+    (32 MiB) and trimming at 1 GiB, freed blocks stay in the heap for the next step, as tcmalloc
+    would keep them. Returns False where the C library has no mallopt (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 class EngineCore:
     """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
 
@@ -86,6 +109,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
+        if device.type == "cpu":
+            keep_freed_memory()
         dtype_name = resolve_dtype(config.dtype, device)
         if model is None:
             model, model_config = load_model(config.resolved_model(), dtype=dtype_from_name(dtype_name),

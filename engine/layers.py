@@ -1,6 +1,5 @@
-"""Small tensor ops the decoder uses, one function each (plain torch).
-
-Each op may later be routed to a Triton kernel on CUDA without changing its signature.
+"""Small tensor ops the decoder uses, one function each: Triton kernels on CUDA, the C++ ops of
+`kernels.cpu_ops` for float32 on CPU, plain torch otherwise.
 Precision follows transformers: reductions and rotary angles are computed in float32 for
 16/32-bit models and cast back; a float64 model computes in float64 throughout, so the
 float64 exactness tests compare true float64 math (see tests/model_factory.py).
@@ -19,6 +18,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _cpu_ops(x: torch.Tensor):
+    """kernels.cpu_ops for a float32 CPU tensor when its C++ ops are built, else None (torch path).
+    float64 (the exactness tests) always takes the torch path."""
+    from kernels import cpu_ops
+
+    return cpu_ops.for_tensor(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """RMSNorm over the last dim: weight * x / sqrt(mean(x^2) + eps).
@@ -30,6 +37,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         import kernels
 
         return kernels.rms_norm(x, weight, eps, residual)
+    ops = _cpu_ops(x)
+    if ops is not None and weight.dtype == x.dtype:
+        return ops.rms_norm_cpu(x, weight, eps, residual)
     if residual is not None:
         x = x + residual  # (..., H)
     if x.dtype in (torch.float32, torch.float64):  # computes in x's dtype already: one fused op
@@ -47,6 +57,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         import kernels
 
         return kernels.silu_and_mul(x)
+    ops = _cpu_ops(x)
+    if ops is not None and x.dim() == 2:
+        return ops.silu_and_mul_cpu(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 
@@ -62,6 +75,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         import kernels
 
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        return
+    ops = _cpu_ops(q)
+    if ops is not None and cos_sin_cache.dtype == q.dtype:
+        ops.rotary_cpu(positions, q, k, cos_sin_cache)
         return
     half = cos_sin_cache.shape[-1] // 2
     cos_sin = cos_sin_cache[positions]  # (T, D)

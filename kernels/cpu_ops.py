@@ -1,0 +1,457 @@
+"""The CPU data path's hot ops as one small C++ extension (compiled once per machine, cached).
+
+    paged_decode_attention_cpu  q (B, Hq, D), k/v_cache (N, bs, Hkv, D) strided (last dim contiguous),
+                                block_tables (B, M) int32, seq_lens (B,) int32 -> (B, Hq, D);
+                                float32 and float64. Reads keys and values in place through the block
+                                table (the torch path gathers a padded copy first, which on a CPU costs
+                                as much memory traffic as the attention itself).
+    rms_norm_cpu                x (T, H) [+ residual] -> out [, x + residual]; float32
+    rotary_cpu                  neox RoPE in place on q (T, Hq, D) and k (T, Hkv, D) views; float32
+    silu_and_mul_cpu            (T, 2F) -> silu(gate) * up (T, F); float32
+    write_kv_cpu                scatter k/v (T, Hkv, D) into the caches at slot_mapping (< 0 skipped)
+
+Each op reads its input once and writes its output once, in place of 2-6 torch ops with their
+temporaries; float32 paths use AVX-512 where the compiler targets it. `load()` returns None (and
+callers keep the torch path) when no compiler is available; `for_tensor(x)` is the module when x
+is a float32 CPU tensor and the module is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("splitserve.kernels.cpu")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// A dot product with 8 independent partial sums, so the compiler vectorizes it without
+// reassociating a single running sum (which strict IEEE rules forbid).
+template <typename T>
+static inline T dot8(const T* __restrict__ a, const T* __restrict__ b, int64_t n) {
+  T p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) p[j] += a[d + j] * b[d + j];
+  T s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+template <typename T>
+static void decode_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& tables, const torch::Tensor& lens, double scale, torch::Tensor& out) {
+  // One task per sequence: each cached token's keys (all KV heads) are one contiguous row, so a
+  // task streams whole rows block after block, which the hardware prefetcher follows best.
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k.size(1), Hkv = k.size(2), group = Hq / Hkv;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t ts0 = tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> scores, acc(Hq * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = lp[b];
+      std::fill(acc.begin(), acc.end(), T(0));
+      if (L > 0) {
+        scores.resize(Hq * L);
+        for (int64_t t = 0; t < L; ++t) {  // scores[hq][t] = q[hq] . k[t, hq / group]
+          const T* krow = kp + tp[b * ts0 + t / bs] * ks0 + (t % bs) * ks1;
+          for (int64_t hq = 0; hq < Hq; ++hq)
+            scores[hq * L + t] = dot8(qp + b * qs0 + hq * qs1, krow + (hq / group) * ks2, D) * T(scale);
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          T* s = scores.data() + hq * L;
+          T m = *std::max_element(s, s + L), sum = 0;
+          for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+          const T inv = T(1) / sum;
+          for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+        }
+        for (int64_t t = 0; t < L; ++t) {  // acc[hq] += p[hq][t] * v[t, hq / group]
+          const T* vrow = vp + tp[b * ts0 + t / bs] * vs0 + (t % bs) * vs1;
+          for (int64_t hq = 0; hq < Hq; ++hq) {
+            const T p = scores[hq * L + t];
+            const T* vh = vrow + (hq / group) * vs2;
+            T* a = acc.data() + hq * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int64_t d = 0; d < D; ++d) op[b * os0 + hq * os1 + d] = acc[hq * D + d];
+    }
+  });
+}
+
+#ifdef __AVX512F__
+// exp of 16 floats: x = n ln2 + r (two-part ln2), e^r by a degree-7 Taylor-like polynomial in Horner
+// form (max relative error ~2e-7 on |r| <= ln2/2), times 2^n with scalef. Inputs here are <= 0.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));  // below this a weight is < 2e-35 of the maximum's (no denormals)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 5040.0f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Ask for the rows of a block ahead of use (every other 64-byte line; the adjacent-line prefetcher
+// brings its pair): a block's rows are one contiguous range when the head rows are.
+static inline void prefetch_rows(const float* p, int64_t rows, int64_t row_stride, int64_t row_len) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < row_len; c += 32) _mm_prefetch(reinterpret_cast<const char*>(p + r * row_stride + c), _MM_HINT_T1);
+}
+
+constexpr int64_t PREFETCH_BLOCKS = 4;  // blocks requested ahead: enough misses in flight to stream
+
+// Prefetch block `blk` of a sequence (if it exists) for heads from `head_off` on.
+static inline void prefetch_block(const float* base, const int32_t* table, int64_t blk, int64_t L, int64_t bs,
+                                  int64_t s0, int64_t s1, int64_t row_len) {
+  const int64_t t0 = blk * bs;
+  if (t0 < L) prefetch_rows(base + table[blk] * s0, std::min(bs, L - t0), s1, row_len);
+}
+
+// float32, head_dim = 16 * ND, block size <= 16. A task is one sequence and a range of its KV heads
+// (all of them when the batch alone keeps every thread busy). One pass over the sequence's blocks
+// with an online softmax: per block, each query head's 16 scores are one vector (one exp), the
+// running output is rescaled and the block's values added. A block's keys and values for all heads
+// are two adjacent contiguous ranges in the block-major pool, requested PREFETCH_BLOCKS ahead and
+// read from memory once; a GQA group's query heads share each key and value row.
+template <int ND>
+static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  constexpr int64_t D = 16 * ND;
+  const int64_t B = q.size(0), Hq = q.size(1);
+  const int64_t bs = k.size(1), Hkv = k.size(2), G = Hq / Hkv;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t ts0 = tables.stride(0);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t split = B >= 4 * at::get_num_threads() ? 1 : Hkv;  // head ranges per sequence
+  const int64_t heads_per_task = Hkv / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+    const int64_t nq = heads_per_task * G;  // query heads per task
+    std::vector<float> acc(nq * D), qs(nq * D), m(nq), l(nq);
+    alignas(64) float sc[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / split, h0 = (task % split) * heads_per_task;
+      const int64_t L = lp[b];
+      const int32_t* table = tp + b * ts0;
+      const int64_t row_len = (heads_per_task - 1) * ks2 + D;  // floats from head h0's row to the last head's end
+      const int64_t vrow_len = (heads_per_task - 1) * vs2 + D;
+      for (int64_t j = 0; j < nq; ++j) {
+        const float* qg = qp + b * qs0 + (h0 * G + j) * qs1;
+        for (int64_t d = 0; d < D; ++d) qs[j * D + d] = qg[d] * scale;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t blk = 0; blk < PREFETCH_BLOCKS; ++blk) {
+        prefetch_block(kp + h0 * ks2, table, blk, L, bs, ks0, ks1, row_len);
+        prefetch_block(vp + h0 * vs2, table, blk, L, bs, vs0, vs1, vrow_len);
+      }
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t blk = t0 / bs, n = std::min(bs, L - t0);
+        prefetch_block(kp + h0 * ks2, table, blk + PREFETCH_BLOCKS, L, bs, ks0, ks1, row_len);
+        prefetch_block(vp + h0 * vs2, table, blk + PREFETCH_BLOCKS, L, bs, vs0, vs1, vrow_len);
+        const float* kb = kp + table[blk] * ks0;
+        const float* vb = vp + table[blk] * vs0;
+        const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+        for (int64_t j = 0; j < nq; ++j) {
+          const int64_t h = h0 + j / G;
+          __m512 qv[ND];
+          for (int c = 0; c < ND; ++c) qv[c] = _mm512_loadu_ps(qs.data() + j * D + 16 * c);
+          const float* kh = kb + h * ks2;
+          for (int64_t i = 0; i < n; ++i) {
+            const float* kr = kh + i * ks1;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+            sc[i] = _mm512_reduce_add_ps(a);
+          }
+          const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+          const float m_new = std::max(m[j], _mm512_reduce_max_ps(s));
+          const float rescale = std::exp(m[j] - m_new);  // 0 on the first block (m = -inf)
+          const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          l[j] = l[j] * rescale + _mm512_reduce_add_ps(p);
+          m[j] = m_new;
+          _mm512_store_ps(sc, p);
+          float* a = acc.data() + j * D;
+          __m512 av[ND];
+          const __m512 r = _mm512_set1_ps(rescale);
+          for (int c = 0; c < ND; ++c) av[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), r);
+          const float* vh = vb + h * vs2;
+          for (int64_t i = 0; i < n; ++i) {
+            const float* vr = vh + i * vs1;
+            const __m512 pi = _mm512_set1_ps(sc[i]);
+            for (int c = 0; c < ND; ++c) av[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vr + 16 * c), av[c]);
+          }
+          for (int c = 0; c < ND; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* o = op + b * os0 + (h0 * G + j) * os1;
+        const float inv = L > 0 ? 1.0f / l[j] : 0.0f;  // an empty context gives zeros
+        for (int c = 0; c < ND; ++c)
+          _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + j * D + 16 * c), _mm512_set1_ps(inv)));
+      }
+    }
+  });
+}
+#endif
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
+                           torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous");
+  auto out = torch::empty_like(q);
+#ifdef __AVX512F__
+  if (q.scalar_type() == torch::kFloat && q.size(1) % k.size(2) == 0 && k.size(1) <= 16) {
+    switch (q.size(2)) {
+      case 32: decode_f32<2>(q, k, v, tables, lens, float(scale), out); return out;
+      case 64: decode_f32<4>(q, k, v, tables, lens, float(scale), out); return out;
+      case 128: decode_f32<8>(q, k, v, tables, lens, float(scale), out); return out;
+      default: break;
+    }
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] { decode_impl<scalar_t>(q, k, v, tables, lens, scale, out); });
+  return out;
+}
+
+
+// ---- elementwise ops (float32) ----------------------------------------------------------------
+
+// Rows per parallel task: small inputs (a decode step's few rows) stay on one thread.
+static inline int64_t grain_rows(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_len)); }
+
+#ifdef __AVX512F__
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+#endif
+
+std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+                                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "rms_norm_cpu: x must be (T, H) float32, rows contiguous");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty({T, H}, x.options());
+  torch::Tensor res_out, res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    res_out = torch::empty({T, H}, x.options());
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+  float* rop = res_out.defined() ? res_out.data_ptr<float>() : nullptr;
+  const float* wp = w.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* h = xp + t * xs;
+      if (rp) {  // new residual = x + residual, then normalise it
+        float* r = rop + t * H;
+#pragma omp simd
+        for (int64_t d = 0; d < H; ++d) r[d] = h[d] + rp[t * H + d];
+        h = r;
+      }
+      float sum = 0.0f;
+      int64_t d = 0;
+#ifdef __AVX512F__
+      __m512 acc = _mm512_setzero_ps();  // 16 partial sums of squares
+      for (; d + 16 <= H; d += 16) {
+        const __m512 v = _mm512_loadu_ps(h + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      sum = _mm512_reduce_add_ps(acc);
+#endif
+      for (; d < H; ++d) sum += h[d] * h[d];
+      const float inv = 1.0f / std::sqrt(sum / float(H) + float(eps));
+      float* o = op + t * H;
+#pragma omp simd
+      for (int64_t e = 0; e < H; ++e) o[e] = wp[e] * (h[e] * inv);
+    }
+  });
+  if (res_out.defined()) return {out, res_out};
+  return {out};
+}
+
+void rotary_f32(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cache) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cache.is_contiguous(), "rotary_cpu: head_dim must be contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2), half = D / 2;
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* cp = cache.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  at::parallel_for(0, T, grain_rows((Hq + Hk) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cp + pp[t] * D;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < Hq + Hk; ++h) {
+        float* x = h < Hq ? qp + t * qs0 + h * qs1 : kp + t * ks0 + (h - Hq) * ks1;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = x[d], x2 = x[d + half];
+          x[d] = x1 * cos[d] - x2 * sin[d];
+          x[d + half] = x2 * cos[d] + x1 * sin[d];
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor silu_and_mul_f32(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "silu_and_mul_cpu: x must be (T, 2F) float32");
+  const int64_t T = x.size(0), F = x.size(1) / 2, xs = x.stride(0);
+  auto out = torch::empty({T, F}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(2 * F), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + F;
+      float* o = op + t * F;
+      int64_t d = 0;
+#ifdef __AVX512F__
+      for (; d < F; d += 16) {  // silu(g) = g / (1 + exp(-g))
+        const __mmask16 m = tail_mask(F - d);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + d);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + d)));
+      }
+#endif
+      for (; d < F; ++d) o[d] = g[d] / (1.0f + std::exp(-g[d])) * u[d];
+    }
+  });
+  return out;
+}
+
+void write_kv_f32(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots) {
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "write_kv_cpu: head_dim must be contiguous");
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2), bs = k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t c0 = k_cache.stride(0), c1 = k_cache.stride(1), c2 = k_cache.stride(2);
+  const int64_t d0 = v_cache.stride(0), d1 = v_cache.stride(1), d2 = v_cache.stride(2);
+  at::parallel_for(0, T, grain_rows(2 * H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;  // padding
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kc + blk * c0 + off * c1 + h * c2, kp + t * ks0 + h * ks1, D * sizeof(float));
+        std::memcpy(vc + blk * d0 + off * d1 + h * d2, vp + t * vs0 + h * vs1, D * sizeof(float));
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm_f32, "RMSNorm, optionally after a residual add (CPU, float32)");
+  m.def("rotary", &rotary_f32, "neox rotary embedding in place (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul_f32, "silu(gate) * up (CPU, float32)");
+  m.def("write_kv", &write_kv_f32, "scatter keys/values into the paged caches (CPU, float32)");
+}
+"""
+
+_module = None
+_tried = False
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (logged once)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") in ("0", "false", "off"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _module = load_inline(name="splitserve_cpu_ops_v2", cpp_sources=[_SOURCE],
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                              verbose=False)
+    except Exception as exc:  # no compiler, no ninja: the torch path still works
+        log.warning("CPU ops unavailable (%s); using the torch path", exc)
+        _module = None
+    return _module
+
+
+def for_tensor(x: torch.Tensor):
+    """This module when `x` is a float32 CPU tensor and the ops are built, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    import kernels.cpu_ops as ops
+
+    return ops if load() is not None else None
+
+
+def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, Hq, D) -> (B, Hq, D) (float32 or float64; call load() first, it must not be None)."""
+    return _module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                                seq_lens.to(torch.int32).contiguous(), float(scale))
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x (..., H): out, or (out, x + residual) with `residual`; HF Llama numerics in float32."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    res = _module.rms_norm(x2, None if residual is None else residual.reshape(-1, shape[-1]), weight, float(eps))
+    if residual is None:
+        return res[0].view(shape)
+    return res[0].view(shape), res[1].view(shape)
+
+
+def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Neox RoPE in place on q (T, Hq, D) and k (T, Hkv, D); cos_sin_cache (P, D) = cat(cos, sin)."""
+    _module.rotary(positions.to(torch.int64).contiguous(), q, k, cos_sin_cache.contiguous())
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) = [gate | up] -> silu(gate) * up (T, F)."""
+    return _module.silu_and_mul(x)
+
+
+def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value (T, Hkv, D) into the caches (N, bs, Hkv, D) at their slots (< 0 skipped)."""
+    _module.write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())

@@ -1,0 +1,126 @@
+"""The CPU C++ ops against torch references: paged decode attention (fp32, fp64, GQA, ragged),
+RMSNorm(+residual), rotary, SiLU-mul, KV write."""
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+
+
+def dense_reference(q, k_cache, v_cache, tables, seq_lens, scale):
+    """float64 attention over each sequence's gathered context (zeros for an empty one)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[2]
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = k_cache[tables[b].long()].reshape(-1, *k_cache.shape[2:])[:n].double()  # (n, Hkv, D)
+        v = v_cache[tables[b].long()].reshape(-1, *v_cache.shape[2:])[:n].double()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (n, Hq, D)
+        probs = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def op():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ op did not build (needs g++ and ninja; see scripts/install.sh)"
+    return module
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 24])  # 32/64/128: the float32 vector path; 24: generic
+def test_matches_reference(op, dtype, tol, num_q_heads, num_kv_heads, block_size, head_dim):
+    torch.manual_seed(0)
+    num_blocks, layers = 64, 3
+    kv = torch.randn(num_blocks, layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)  # block-major
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    seq_lens = torch.tensor([1, block_size + 3, 5 * block_size, 2, 0], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks)[:6] for _ in seq_lens]).int()
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, dtype=dtype)
+    got = cpu_ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, 0.3)
+    want = dense_reference(q, k_cache, v_cache, tables, seq_lens, 0.3)
+    assert torch.allclose(got.double(), want, atol=tol, rtol=0)
+    assert torch.equal(got[4], torch.zeros_like(got[4]))  # seq_len 0 -> zeros
+
+
+@pytest.mark.parametrize("batch", [2, 64])  # few sequences: a task per KV head; many: a task per sequence
+def test_long_contexts_and_task_splits(op, batch):
+    """Contexts of many blocks (online softmax across blocks, prefetch past the last block), a large
+    score range (exp of very negative differences), every length modulo the block size."""
+    torch.manual_seed(1)
+    block_size, num_q_heads, num_kv_heads, head_dim = 16, 8, 2, 64
+    max_blocks = 40
+    kv = torch.randn(batch * max_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    seq_lens = torch.tensor([(17 * b) % (max_blocks * block_size) + 1 for b in range(batch)], dtype=torch.int32)
+    tables = torch.randperm(batch * max_blocks).view(batch, max_blocks).int()
+    q = torch.randn(batch, num_q_heads, head_dim) * 4  # scores spread over ~+-100
+    got = cpu_ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    want = dense_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+
+
+# ---- elementwise ops (float32) -------------------------------------------------------------------
+
+def test_rms_norm_matches_torch(op):
+    from kernels.rmsnorm import rms_norm_ref
+
+    torch.manual_seed(2)
+    for rows, hidden in [(1, 512), (7, 100), (300, 256)]:  # 100: a tail shorter than one vector
+        x, residual, weight = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.randn(hidden)
+        want_out, want_res = rms_norm_ref(x, weight, 1e-6, residual)
+        out, res = cpu_ops.rms_norm_cpu(x, weight, 1e-6, residual)
+        assert torch.equal(res, want_res)  # the add is exact
+        assert torch.allclose(out, want_out, atol=2e-6, rtol=1e-5)
+        assert torch.allclose(cpu_ops.rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=2e-6, rtol=1e-5)
+    x3 = torch.randn(2, 3, 64)  # leading dims are flattened and restored
+    assert cpu_ops.rms_norm_cpu(x3, torch.ones(64), 1e-6).shape == (2, 3, 64)
+
+
+def test_rotary_matches_torch_in_place(op):
+    from kernels.rotary import build_cos_sin_cache, rotary_embedding
+
+    torch.manual_seed(3)
+    num_tokens, hq, hkv, d = 9, 8, 2, 64
+    cache = build_cos_sin_cache(d, 4096, 10000.0, None, torch.float32)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d)  # q and k are strided views of one fused row
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d)
+    positions = torch.tensor([0, 1, 5, 17, 100, 2047, 3, 3, 4095])
+    want_q, want_k = q.clone(), k.clone()
+    rotary_embedding(positions, want_q, want_k, cache, impl="ref")
+    cpu_ops.rotary_cpu(positions, q, k, cache)
+    assert torch.allclose(q, want_q, atol=1e-5, rtol=0) and torch.allclose(k, want_k, atol=1e-5, rtol=0)
+
+
+def test_silu_and_mul_matches_torch(op):
+    torch.manual_seed(4)
+    for rows, ffn in [(1, 1408), (5, 40), (64, 17)]:  # 40 and 17: partial vectors
+        x = torch.randn(rows, 2 * ffn) * 6  # silu over a wide range (exp of large |x|)
+        x[0, 0], x[0, 1] = -100.0, 100.0
+        want = torch.nn.functional.silu(x[:, :ffn]) * x[:, ffn:]
+        assert torch.allclose(cpu_ops.silu_and_mul_cpu(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_scatters_and_skips_padding(op):
+    torch.manual_seed(5)
+    blocks, bs, hkv, d = 6, 4, 2, 8
+    kv = torch.zeros(blocks, 3, 2, bs, hkv, d)  # block-major, layer 1
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    fused = torch.randn(5, 3 * hkv * d)  # key/value are strided views of a fused row
+    key = fused[:, hkv * d:2 * hkv * d].view(5, hkv, d)
+    value = fused[:, 2 * hkv * d:].view(5, hkv, d)
+    slots = torch.tensor([0, 7, -1, 23, 9])
+    cpu_ops.write_kv_cpu(key, value, k_cache, v_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot // bs, slot % bs], key[t])
+            assert torch.equal(v_cache[slot // bs, slot % bs], value[t])
+    written = {0, 7, 23, 9}
+    untouched = [s for s in range(blocks * bs) if s not in written]
+    assert all(k_cache[s // bs, s % bs].abs().sum() == 0 for s in untouched)
+    assert kv[:, 0].abs().sum() == 0 and kv[:, 2].abs().sum() == 0  # other layers untouched
