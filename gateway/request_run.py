@@ -96,7 +96,7 @@ class RequestRun:
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         router = self._service.router
         self._check_decode_room()
-        prefill = router.pick_prefill()
+        prefill = router.pick_prefill(self._prompt)
         first = await self._prefill(prefill) if prefill is not None else None
         if first is not None:
             message = self._first_message(first)

@@ -1,7 +1,10 @@
 """Which prefill and which decode instance take a request.
 
-Prefill: the up instance with the fewest queued prompt tokens (ties: fewest waiting
-requests), counting what this gateway sent it since its last Describe.
+Prefill: the up instance with the least prompt work ahead of this request's own new tokens
+(ties: fewest waiting requests):
+
+    work = queued prompt tokens (Describe) + prompt tokens sent since its last Describe
+           - leading prompt tokens it prefilled recently (prefix affinity: its cache has them)
 
 Decode: among the candidates (compatible with the chosen prefill, or colocated workers,
 or any up decode for a local prefill) that have room (fewer than max_waiting_per_decode
@@ -12,9 +15,9 @@ requests waiting: Describe's num_waiting plus requests sent since), the highest 
             + leading prompt blocks it served recently (prefix affinity)
 
 A cached leading block counts as one free block: the decode will not allocate or pull it.
-Affinity is an LRU of block hash -> (decode address, start time); block hashes are the
-chained prefix hashes of engine.prefix_hash with the decode's block_size, so they are
-the hashes the decode's own prefix cache uses.
+Affinity is an LRU per pool of block hash -> (address, start time); block hashes are the
+chained prefix hashes of engine.prefix_hash with the instance's block_size, so they are
+the hashes its own prefix cache uses.
 """
 
 from __future__ import annotations
@@ -35,22 +38,27 @@ class Router:
                  max_waiting_per_decode: int = 256) -> None:
         self._registry = registry
         self.max_waiting_per_decode = max_waiting_per_decode
-        self._affinity: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        # per pool: a request's blocks are cached both where it was prefilled and where it decodes
+        self._affinity: dict[str, OrderedDict[bytes, tuple[str, int]]] = {"prefill": OrderedDict(),
+                                                                          "decode": OrderedDict()}
         self._capacity = affinity_capacity
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def pick_prefill(self) -> Instance | None:
-        """The least-loaded up prefill that has at least one compatible up decode."""
+    def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> Instance | None:
+        """The up prefill with the least work ahead (see the module docstring) among those with at
+        least one compatible up decode."""
         decodes = [d for d in self._registry.decodes() if d.up]
         candidates = [p for p in self._registry.prefills()
                       if p.up and not p.describe.draining and any(self._registry.compatible(p, d) for d in decodes)]
         if not candidates:
             return None
+        overlaps = self._overlaps(candidates, prompt_token_ids, "prefill") if prompt_token_ids else {}
 
         def key(p: Instance) -> tuple[int, int]:
             load = p.describe.load
-            return (load.num_queued_tokens + p.pending_tokens, load.num_waiting + p.pending_requests)
+            cached_tokens = overlaps.get(p.affinity_key, 0) * _hash_params(p)[0]
+            return (load.num_queued_tokens + p.pending_tokens - cached_tokens, load.num_waiting + p.pending_requests)
 
         return min(candidates, key=key)  # min() keeps the first listed of equal keys
 
@@ -80,7 +88,7 @@ class Router:
         """The best-scoring candidate (see the module docstring); ties go to the first listed."""
         if not candidates:
             return None
-        overlaps = self._overlaps(candidates, prompt_token_ids)
+        overlaps = self._overlaps(candidates, prompt_token_ids, "decode")
 
         def score(d: Instance) -> int:
             load = d.describe.load
@@ -89,14 +97,16 @@ class Router:
 
         return max(candidates, key=score)  # max() keeps the first of equal scores
 
-    def _overlaps(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int]) -> dict[tuple[str, int], int]:
+    def _overlaps(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int],
+                  pool: str) -> dict[tuple[str, int], int]:
         """Longest leading-block match (in blocks) per candidate's affinity key."""
+        affinity = self._affinity[pool]
         wanted = {d.affinity_key for d in candidates}
         found: dict[tuple[str, int], int] = {}
         for block_size, model_id in {_hash_params(d) for d in candidates}:
             hashes = self._hashes(prompt_token_ids, block_size, model_id)
             for index in range(len(hashes) - 1, -1, -1):
-                owner = self._affinity.get(hashes[index])
+                owner = affinity.get(hashes[index])
                 if owner in wanted and owner not in found:
                     found[owner] = index + 1
                 if len(found) == len(wanted):
@@ -116,15 +126,17 @@ class Router:
         inst.in_flight += 1
         inst.pending_requests += 1
         inst.pending_tokens += len(prompt_token_ids)
-        if inst.pool == "decode" and inst.describe is not None:
+        if inst.describe is not None:
             block_size, model_id = _hash_params(inst)
             if block_size > 0:
-                inst.pending_blocks += -(-len(prompt_token_ids) // block_size)
+                if inst.pool == "decode":
+                    inst.pending_blocks += -(-len(prompt_token_ids) // block_size)
+                affinity = self._affinity[inst.pool]
                 for h in self._hashes(prompt_token_ids, block_size, model_id):
-                    self._affinity[h] = inst.affinity_key
-                    self._affinity.move_to_end(h)
-                while len(self._affinity) > self._capacity:
-                    self._affinity.popitem(last=False)
+                    affinity[h] = inst.affinity_key
+                    affinity.move_to_end(h)
+                while len(affinity) > self._capacity:
+                    affinity.popitem(last=False)
 
     @staticmethod
     def release(inst: Instance) -> None:

@@ -93,6 +93,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.released: list[tuple[str, int]] = []
         self.fail_code: grpc.StatusCode | None = None  # set to make Prefill fail
         self.delay_s = 0.0
+        self.queued_tokens = 0  # reported as Describe's load.num_queued_tokens
         self.start_ns = time.time_ns()
         self.address = ""
 
@@ -125,7 +126,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.ReleaseKvResponse(released=True)
 
     async def Describe(self, request, context):
-        load = common_pb2.Load(num_free_blocks=1000, num_total_blocks=1000)
+        load = common_pb2.Load(num_free_blocks=1000, num_total_blocks=1000, num_queued_tokens=self.queued_tokens)
         return _describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
 
 

@@ -318,3 +318,22 @@ def test_queued_deltas_merge_into_one_message_and_a_stop_string_cuts_the_tokens(
         assert run._link.aborted == ["r"]
 
     asyncio.run(scenario())
+
+
+def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix(make_stack):
+    p0, p1 = FakePrefill("prefill-0"), FakePrefill("prefill-1")
+    stack = make_stack([p0, p1], [FakeDecode()])
+    turn = "hello world " + " ".join(f"w{i}" for i in range(20, 30))  # 12 tokens: 3 full blocks of 4
+    generate(stack, request(turn, max_tokens=2, temperature=0.0))
+    first, other = (p0, p1) if p0.requests else (p1, p0)
+    assert len(first.requests) == 1 and not other.requests
+    first.queued_tokens = 11  # 11 tokens busier than the other, but it holds the 12 leading ones
+    inst = next(i for i in stack.gateway.registry.prefills() if i.describe.instance_id.startswith(first.name))
+    stack.wait_for(lambda: inst.describe.load.num_queued_tokens == 11 and inst.pending_tokens == 0,
+                   what="a Describe after the first turn")
+    generate(stack, request(turn + " w40 w41", max_tokens=2, temperature=0.0))
+    assert len(first.requests) == 2 and not other.requests
+    assert list(first.requests[1].prompt_token_ids)[:12] == list(first.requests[0].prompt_token_ids)
+    stack.wait_for(lambda: inst.pending_tokens == 0, what="the next Describe")
+    generate(stack, request("hello world w50 w51 w52 w53 w54", max_tokens=2, temperature=0.0))  # a new conversation
+    assert len(other.requests) == 1  # goes by load: the other has nothing queued

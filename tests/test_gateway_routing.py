@@ -100,6 +100,29 @@ def test_prefill_with_fewest_queued_tokens_then_fewest_waiting():
     assert Router(registry_of(p_other, p1, d)).pick_prefill() is p1
 
 
+def test_prefill_prefix_affinity_weighs_cached_tokens_against_queued_ones():
+    d = instance("d:1", "decode")
+    p1, p2 = instance("p:1", "prefill"), instance("p:2", "prefill")
+    router = Router(registry_of(p1, p2, d))
+    shared = list(range(20, 32))  # 3 full blocks of 4: 12 tokens p2 will have cached
+    assert router.pick_prefill(shared + [90]) is p1  # nothing cached anywhere: the tie goes to p1
+    router.assign(p2, shared + [90])
+    p2.pending_tokens = p2.pending_requests = 0  # as after the next Describe
+    assert router.pick_prefill(shared + [91]) is p2  # 0 - 12 < 0
+    p2.describe.load.num_queued_tokens = 11
+    assert router.pick_prefill(shared + [91]) is p2  # 11 queued - 12 cached < 0 queued
+    p2.describe.load.num_queued_tokens = 12
+    assert router.pick_prefill(shared + [91]) is p1  # 12 - 12 = 0: the tie goes to p1
+    assert router.pick_prefill() is p1  # no prompt given: load alone
+    p2.describe.load.num_queued_tokens = 0
+    router.assign(d, shared + [91])  # the decode that takes it does not take the prefill's affinity
+    assert router.pick_prefill(shared + [92]) is p2
+    assert router.pick_prefill(shared[:8] + [5, 5, 5, 5]) is p2  # 2 leading blocks in common: 8 tokens
+    assert router.pick_prefill([1, 2, 3, 4] + shared) is p1  # the first block differs: nothing cached
+    p2.describe.start_unix_ns = 2  # p2 restarted: its cache is cold
+    assert router.pick_prefill(shared + [92]) is p1
+
+
 def test_decode_with_most_free_blocks_minus_running():
     a, b = instance("a:1", "decode", free=100, running=10), instance("b:1", "decode", free=95, running=2)
     router = Router(registry_of(a, b))
