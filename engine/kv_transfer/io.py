@@ -190,7 +190,8 @@ class KvIo:
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
              local_host: str | None = None) -> None:
-        """Join the 2-rank group `pair` (rank 0 = decode, hosting the store). Blocks until both joined."""
+        """Join the 2-rank group `pair` (rank 0 = decode, hosting the store). Blocks until both joined
+        and one message has crossed, so the communicator exists before the first transfer."""
         import torch.distributed as dist
 
         self.drop_pair(pair)
@@ -211,6 +212,17 @@ class KvIo:
             group = ProcessGroupNCCL(prefixed, rank, 2, ProcessGroupNCCL.Options())
         else:
             raise ValueError(f"backend {backend!r} is not one of gloo, nccl")
+        # One tiny exchange now: NCCL creates a group's communicator on its first send/recv (0.5-0.7 s on
+        # two H200s), which the pair's first request would otherwise wait for. Rank 1 (prefill) sends.
+        probe = torch.zeros(1, device=device if backend == "nccl" else "cpu")
+        try:
+            (group.recv([probe], 1, 0) if rank == 0 else group.send([probe], 0, 0)).wait(timeout)
+        except Exception:
+            try:
+                group.abort() if hasattr(group, "abort") else None
+            except Exception:
+                pass
+            raise
         self._stores[pair] = store  # the group needs its store alive
         self.groups[pair] = group
         log.info("paired %s as rank %d over %s", pair, rank, backend)
