@@ -53,10 +53,17 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
 
-    async def on_started(self) -> None:
+    async def before_serving(self) -> None:
+        """nccl: pair with the configured prefills before serving (each pair's communicator is built then,
+        not on its first request), waiting at most one transfer timeout; pairing goes on in the background
+        for a peer that is not up yet."""
         peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
         if peers and self.config.kv_transport == "nccl":
             self._pairing = asyncio.create_task(self.pulls.pair_with_peers(peers))
+            try:
+                await asyncio.wait_for(asyncio.shield(self._pairing), self.config.kv_transfer_timeout_s)
+            except asyncio.TimeoutError:
+                log.info("%s: still pairing with %s; serving meanwhile", self.name, ", ".join(peers))
 
     # -- core → streams --------------------------------------------------------------------
     def on_core_message(self, msg) -> None:

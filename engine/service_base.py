@@ -109,6 +109,7 @@ class ServiceBase:
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
+        await self.before_serving()
         server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names,
                                             self.internal_tls)
         await server.start()
@@ -132,6 +133,9 @@ class ServiceBase:
         self.client.shutdown()
         log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
         return 0
+
+    async def before_serving(self) -> None:  # the core runs; nothing can reach this service yet
+        pass
 
     async def on_started(self) -> None:
         pass
