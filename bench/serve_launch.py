@@ -96,7 +96,7 @@ def launch_commands(plan: LaunchPlan, grpc_port: int, http_port: int, engine_por
         argv = cli + [role, "--host", HOST, "--port", str(port), "--instance-name", name, *plan.engine_args]
         if role != "worker":
             argv += ["--kv-transport", plan.kv_transport]
-        if role == "decode" and plan.kv_transport == "nccl":
+        if role == "decode":
             argv += ["--prefill-peers", ",".join(prefills)]
         if plan.devices:
             argv += ["--device", plan.devices[i]]  # after engine_args: one device per process wins

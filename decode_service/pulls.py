@@ -170,21 +170,33 @@ class PullCoordinator:
             service.fail_request(done.request_id, reason)
 
     # -- nccl pairs ------------------------------------------------------------------------
-    async def pair_with_peers(self, addresses: list[str]) -> None:
-        """Pair with each configured prefill at start (retrying until it answers)."""
+    async def prepare_peers(self, addresses: list[str]) -> None:
+        """At start, for each configured prefill (retrying until it answers Describe): pair with it
+        (nccl) or map its KV pool (shm, cuda_ipc), so that its first request pays for neither."""
         from protos import common_pb2
 
+        transport = self.service.config.kv_transport
         for address in addresses:
             for attempt in range(600):
                 try:
                     info = await self.stub(address).Describe(common_pb2.DescribeRequest(), timeout=2.0)
-                    name = info.instance_id.split("@")[0]
-                    await self.ensure_pair(name, address, patient=True)
-                    break
                 except Exception as exc:
                     if attempt % 20 == 0:
-                        log.info("waiting to pair with %s: %s", address, exc)
+                        log.info("waiting for prefill %s: %s", address, exc)
                     await asyncio.sleep(0.5)
+                    continue
+                name = info.instance_id.split("@")[0]
+                try:
+                    if transport == "nccl":
+                        await self.ensure_pair(name, address, patient=True)
+                    elif transport in info.transports and info.kv_endpoint:
+                        await self.service.client.call(lambda cid: m.MapPeer(
+                            cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)), timeout_s=60.0)
+                        self.service.count("peers_mapped")
+                        log.info("mapped %s's KV pool (%s)", name, transport)
+                except Exception as exc:  # its requests will pair or map on their way (or fail by policy)
+                    log.warning("preparing prefill %s (%s) failed: %s", name, address, exc)
+                break
 
     async def ensure_pair(self, prefill_instance: str, prefill_address: str, patient: bool = False) -> None:
         """Pair with a prefill (once). `patient` (start-up) waits up to 30 s for a peer that is still coming

@@ -54,16 +54,16 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
 
     async def before_serving(self) -> None:
-        """nccl: pair with the configured prefills before serving (each pair's communicator is built then,
-        not on its first request), waiting at most one transfer timeout; pairing goes on in the background
-        for a peer that is not up yet."""
+        """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
+        or map their KV pools (shm, cuda_ipc), so no first request waits for it. Waits at most one
+        transfer timeout; a peer that is not up yet is prepared in the background."""
         peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
-        if peers and self.config.kv_transport == "nccl":
-            self._pairing = asyncio.create_task(self.pulls.pair_with_peers(peers))
+        if peers:
+            self._preparing = asyncio.create_task(self.pulls.prepare_peers(peers))
             try:
-                await asyncio.wait_for(asyncio.shield(self._pairing), self.config.kv_transfer_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._preparing), self.config.kv_transfer_timeout_s)
             except asyncio.TimeoutError:
-                log.info("%s: still pairing with %s; serving meanwhile", self.name, ", ".join(peers))
+                log.info("%s: still preparing prefill peers %s; serving meanwhile", self.name, ", ".join(peers))
 
     # -- core → streams --------------------------------------------------------------------
     def on_core_message(self, msg) -> None:

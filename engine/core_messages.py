@@ -98,6 +98,17 @@ class Pair:
 
 
 @dataclass
+class MapPeer:
+    """Decode role: map a prefill's KV pool now (shm, cuda_ipc), not on its first pull."""
+
+    call_id: int
+    prefill_instance: str
+    transport: str
+    endpoint: dict[str, str]
+    layout: Any
+
+
+@dataclass
 class Query:
     call_id: int
     what: str

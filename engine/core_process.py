@@ -180,6 +180,15 @@ class CoreLoop:
         self.num_background += 1
         threading.Thread(target=join, name=f"pair-{msg.pair}", daemon=True).start()
 
+    def on_map_peer(self, msg: m.MapPeer) -> None:
+        try:
+            if msg.layout != self.engine.layout:
+                raise ValueError(self.engine.layout.mismatch(msg.layout))
+            self.kv_io.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
+            self.outbox.append(m.Reply(msg.call_id, True))
+        except Exception as exc:
+            self.outbox.append(m.Reply(msg.call_id, error=f"mapping {msg.prefill_instance}'s KV pool failed: {exc}"))
+
     def on_query(self, msg: m.Query) -> None:
         if msg.what == "stats":
             self.outbox.append(m.Reply(msg.call_id, self.engine.stats()))
@@ -195,7 +204,8 @@ class CoreLoop:
 HANDLERS: dict[type, Callable] = {
     m.AddRequest: CoreLoop.on_add, m.Abort: CoreLoop.on_abort, m.ReleaseHeld: CoreLoop.on_release,
     m.ImportKv: CoreLoop.on_import, m.CommitImport: CoreLoop.on_commit, m.SendBlocks: CoreLoop.on_send,
-    m.Pair: CoreLoop.on_pair, m.Query: CoreLoop.on_query, m.Shutdown: CoreLoop.on_shutdown,
+    m.Pair: CoreLoop.on_pair, m.MapPeer: CoreLoop.on_map_peer, m.Query: CoreLoop.on_query,
+    m.Shutdown: CoreLoop.on_shutdown,
 }
 
 

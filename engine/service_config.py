@@ -26,7 +26,8 @@ class ServiceConfig:
     kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
     lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
     kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
-    prefill_peers: str = option("", "decode with nccl: comma-separated prefill addresses to pair with at start")
+    prefill_peers: str = option("", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; "
+                                    "shm, cuda_ipc: map the KV pool)")
     max_queued_requests: int = option(1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20)
     drain_grace_s: float = option(30.0, "on SIGTERM: how long to let in-flight requests finish", min=0.0, max=3600.0)
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")

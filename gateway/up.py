@@ -68,7 +68,7 @@ def stack_commands(engine: Any, up: UpConfig) -> list[tuple[str, list[str]]]:
     def service(role: str, name: str, port: int) -> list[str]:
         argv = cli + [role, "--host", HOST, "--port", str(port), "--instance-name", name,
                       "--kv-transport", up.kv_transport]
-        if role == "decode" and up.kv_transport == "nccl":
+        if role == "decode":
             argv += ["--prefill-peers", prefill_address]
         return argv + eflags
 

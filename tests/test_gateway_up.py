@@ -55,10 +55,11 @@ def test_stack_commands_forward_non_default_engine_flags():
     def service(role, name, port):
         return CLI + [role, "--host", "127.0.0.1", "--port", str(port), "--instance-name", name, "--kv-transport", "shm"]
 
+    peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
     assert commands == [
         ("prefill-0", service("prefill", "prefill-0", 50061) + eflags),
-        ("decode-0", service("decode", "decode-0", 50071) + eflags),
-        ("decode-1", service("decode", "decode-1", 50072) + eflags),
+        ("decode-0", service("decode", "decode-0", 50071) + peers + eflags),
+        ("decode-1", service("decode", "decode-1", 50072) + peers + eflags),
         ("gateway", CLI + ["gateway", "--host", "127.0.0.1", "--grpc-port", "50051", "--http-port", "8000",
                            "--prefill", "127.0.0.1:50061", "--decode", "127.0.0.1:50071,127.0.0.1:50072"]),
     ]

@@ -69,6 +69,15 @@ async def free_blocks(stack):
     return p.load.num_free_blocks, d.load.num_free_blocks, p, d
 
 
+def test_decode_prepared_its_prefill_before_serving(stack):
+    """--prefill-peers: the decode mapped the prefill's pool (shm) or paired with it (nccl) at start."""
+    d = run(describe(stack["decode"], decode_pb2_grpc.DecodeStub))
+    if stack["transport"] == "shm":
+        assert d.counters["peers_mapped"] == 1 and "pairs_created" not in d.counters
+    else:
+        assert d.counters["pairs_created"] == 1 and "peers_mapped" not in d.counters
+
+
 def test_concurrent_batch_equals_in_process_engine(stack, expected):
     prompts, greedy, seeded = expected
 

@@ -41,7 +41,8 @@ class KvIo:
         self._blocks_sent = 0
         self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
-        self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}
+        self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
+        self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
         self.groups: dict[str, object] = {}  # pair name -> process group
         self._stores: dict[str, object] = {}
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
@@ -67,16 +68,30 @@ class KvIo:
 
     # -- decode side -----------------------------------------------------------------------
     def _source_pool(self, spec) -> torch.Tensor:
-        key = spec.endpoint.get("shm_name") or spec.prefill_instance
+        return self.map_source(spec.prefill_instance, spec.transport, spec.endpoint, spec.layout)
+
+    def map_source(self, prefill_instance: str, transport: str, endpoint: dict, layout: KvLayout) -> torch.Tensor:
+        """The prefill's KV pool, mapped once per pool (shm segment or CUDA IPC handle); a restarted
+        prefill's new pool replaces its old mapping."""
+        key = endpoint.get("shm_name") or endpoint.get("cuda_ipc") or prefill_instance
         pool = self._mapped.get(key)
         if pool is None:
-            num_blocks = int(spec.endpoint["num_blocks"])
-            if spec.transport == "shm":
-                pool = SharedKvPool.open(spec.endpoint["shm_name"], spec.layout, num_blocks)
-            else:
-                func, args = pickle.loads(base64.b64decode(spec.endpoint["cuda_ipc"]))
+            num_blocks = int(endpoint["num_blocks"])
+            if transport == "shm":
+                pool = SharedKvPool.open(endpoint["shm_name"], layout, num_blocks)
+            elif transport == "cuda_ipc":
+                func, args = pickle.loads(base64.b64decode(endpoint["cuda_ipc"]))
                 pool = func(*args)
+            else:
+                raise ValueError(f"transport {transport!r} maps no pool; mapped ones: shm, cuda_ipc")
+            stale = self._mapped_by_instance.get(prefill_instance)
+            if stale is not None and stale in self._mapped:
+                old = self._mapped.pop(stale)
+                if isinstance(old, SharedKvPool):
+                    old.close()
+                log.info("%s's KV pool changed (restarted); dropped the old mapping", prefill_instance)
             self._mapped[key] = pool
+            self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
