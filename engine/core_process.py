@@ -184,7 +184,14 @@ class CoreLoop:
         try:
             if msg.layout != self.engine.layout:
                 raise ValueError(self.engine.layout.mismatch(msg.layout))
-            self.kv_io.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
+            pool = self.kv_io.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
+            import torch
+
+            # one element copied now sets up the path a pull takes (peer access between the devices)
+            kv_cache = self.engine.runner.kv_cache
+            torch.empty(1, dtype=kv_cache.dtype, device=kv_cache.device).copy_(pool.view(-1)[:1])
+            if kv_cache.is_cuda:
+                torch.cuda.synchronize(kv_cache.device)
             self.outbox.append(m.Reply(msg.call_id, True))
         except Exception as exc:
             self.outbox.append(m.Reply(msg.call_id, error=f"mapping {msg.prefill_instance}'s KV pool failed: {exc}"))
