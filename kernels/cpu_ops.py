@@ -48,36 +48,43 @@ static inline T dot8(const T* __restrict__ a, const T* __restrict__ b, int64_t n
   return s;
 }
 
+// A decode attention call's tensors as sizes, strides and raw pointers (q, out: (B, Hq, D);
+// k, v: (N, bs, Hkv, D) strided; tables (B, M) int32; lens (B,) int32).
+template <typename T>
+struct Paged {
+  int64_t B, Hq, D, bs, Hkv, qs0, qs1, os0, os1, ks0, ks1, ks2, vs0, vs1, vs2, ts0;
+  const T *qp, *kp, *vp;
+  const int32_t *tp, *lp;
+  T* op;
+  Paged(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
+        const torch::Tensor& lens, torch::Tensor& out)
+      : B(q.size(0)), Hq(q.size(1)), D(q.size(2)), bs(k.size(1)), Hkv(k.size(2)), qs0(q.stride(0)),
+        qs1(q.stride(1)), os0(out.stride(0)), os1(out.stride(1)), ks0(k.stride(0)), ks1(k.stride(1)),
+        ks2(k.stride(2)), vs0(v.stride(0)), vs1(v.stride(1)), vs2(v.stride(2)), ts0(tables.stride(0)),
+        qp(q.data_ptr<T>()), kp(k.data_ptr<T>()), vp(v.data_ptr<T>()), tp(tables.data_ptr<int32_t>()),
+        lp(lens.data_ptr<int32_t>()), op(out.data_ptr<T>()) {}
+};
+
 template <typename T>
 static void decode_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& tables, const torch::Tensor& lens, double scale, torch::Tensor& out) {
   // One task per sequence: each cached token's keys (all KV heads) are one contiguous row, so a
   // task streams whole rows block after block, which the hardware prefetcher follows best.
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t bs = k.size(1), Hkv = k.size(2), group = Hq / Hkv;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const int64_t ts0 = tables.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scores, acc(Hq * D);
+  const Paged<T> P(q, k, v, tables, lens, out);
+  const int64_t D = P.D, group = P.Hq / P.Hkv;
+  at::parallel_for(0, P.B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> scores, acc(P.Hq * D);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = lp[b];
+      const int64_t L = P.lp[b];
       std::fill(acc.begin(), acc.end(), T(0));
       if (L > 0) {
-        scores.resize(Hq * L);
+        scores.resize(P.Hq * L);
         for (int64_t t = 0; t < L; ++t) {  // scores[hq][t] = q[hq] . k[t, hq / group]
-          const T* krow = kp + tp[b * ts0 + t / bs] * ks0 + (t % bs) * ks1;
-          for (int64_t hq = 0; hq < Hq; ++hq)
-            scores[hq * L + t] = dot8(qp + b * qs0 + hq * qs1, krow + (hq / group) * ks2, D) * T(scale);
+          const T* krow = P.kp + P.tp[b * P.ts0 + t / P.bs] * P.ks0 + (t % P.bs) * P.ks1;
+          for (int64_t hq = 0; hq < P.Hq; ++hq)
+            scores[hq * L + t] = dot8(P.qp + b * P.qs0 + hq * P.qs1, krow + (hq / group) * P.ks2, D) * T(scale);
         }
-        for (int64_t hq = 0; hq < Hq; ++hq) {
+        for (int64_t hq = 0; hq < P.Hq; ++hq) {
           T* s = scores.data() + hq * L;
           T m = *std::max_element(s, s + L), sum = 0;
           for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
@@ -85,18 +92,18 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k, const to
           for (int64_t t = 0; t < L; ++t) s[t] *= inv;
         }
         for (int64_t t = 0; t < L; ++t) {  // acc[hq] += p[hq][t] * v[t, hq / group]
-          const T* vrow = vp + tp[b * ts0 + t / bs] * vs0 + (t % bs) * vs1;
-          for (int64_t hq = 0; hq < Hq; ++hq) {
+          const T* vrow = P.vp + P.tp[b * P.ts0 + t / P.bs] * P.vs0 + (t % P.bs) * P.vs1;
+          for (int64_t hq = 0; hq < P.Hq; ++hq) {
             const T p = scores[hq * L + t];
-            const T* vh = vrow + (hq / group) * vs2;
+            const T* vh = vrow + (hq / group) * P.vs2;
             T* a = acc.data() + hq * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
           }
         }
       }
-      for (int64_t hq = 0; hq < Hq; ++hq)
-        for (int64_t d = 0; d < D; ++d) op[b * os0 + hq * os1 + d] = acc[hq * D + d];
+      for (int64_t hq = 0; hq < P.Hq; ++hq)
+        for (int64_t d = 0; d < D; ++d) P.op[b * P.os0 + hq * P.os1 + d] = acc[hq * D + d];
     }
   });
 }
@@ -147,55 +154,45 @@ template <int ND>
 static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * ND;
-  const int64_t B = q.size(0), Hq = q.size(1);
-  const int64_t bs = k.size(1), Hkv = k.size(2), G = Hq / Hkv;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const int64_t ts0 = tables.stride(0);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t split = B >= 4 * at::get_num_threads() ? 1 : Hkv;  // head ranges per sequence
-  const int64_t heads_per_task = Hkv / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  const Paged<float> P(q, k, v, tables, lens, out);
+  const int64_t G = P.Hq / P.Hkv;
+  const int64_t split = P.B >= 4 * at::get_num_threads() ? 1 : P.Hkv;  // head ranges per sequence
+  const int64_t heads_per_task = P.Hkv / split;
+  at::parallel_for(0, P.B * split, 1, [&](int64_t begin, int64_t end) {
     const int64_t nq = heads_per_task * G;  // query heads per task
     std::vector<float> acc(nq * D), qs(nq * D), m(nq), l(nq);
     alignas(64) float sc[16];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / split, h0 = (task % split) * heads_per_task;
-      const int64_t L = lp[b];
-      const int32_t* table = tp + b * ts0;
-      const int64_t row_len = (heads_per_task - 1) * ks2 + D;  // floats from head h0's row to the last head's end
-      const int64_t vrow_len = (heads_per_task - 1) * vs2 + D;
+      const int64_t L = P.lp[b];
+      const int32_t* table = P.tp + b * P.ts0;
+      const int64_t row_len = (heads_per_task - 1) * P.ks2 + D;  // floats from head h0's row to the last head's end
+      const int64_t vrow_len = (heads_per_task - 1) * P.vs2 + D;
       for (int64_t j = 0; j < nq; ++j) {
-        const float* qg = qp + b * qs0 + (h0 * G + j) * qs1;
+        const float* qg = P.qp + b * P.qs0 + (h0 * G + j) * P.qs1;
         for (int64_t d = 0; d < D; ++d) qs[j * D + d] = qg[d] * scale;
         m[j] = -INFINITY;
         l[j] = 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t blk = 0; blk < PREFETCH_BLOCKS; ++blk) {
-        prefetch_block(kp + h0 * ks2, table, blk, L, bs, ks0, ks1, row_len);
-        prefetch_block(vp + h0 * vs2, table, blk, L, bs, vs0, vs1, vrow_len);
+        prefetch_block(P.kp + h0 * P.ks2, table, blk, L, P.bs, P.ks0, P.ks1, row_len);
+        prefetch_block(P.vp + h0 * P.vs2, table, blk, L, P.bs, P.vs0, P.vs1, vrow_len);
       }
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const int64_t blk = t0 / bs, n = std::min(bs, L - t0);
-        prefetch_block(kp + h0 * ks2, table, blk + PREFETCH_BLOCKS, L, bs, ks0, ks1, row_len);
-        prefetch_block(vp + h0 * vs2, table, blk + PREFETCH_BLOCKS, L, bs, vs0, vs1, vrow_len);
-        const float* kb = kp + table[blk] * ks0;
-        const float* vb = vp + table[blk] * vs0;
+      for (int64_t t0 = 0; t0 < L; t0 += P.bs) {
+        const int64_t blk = t0 / P.bs, n = std::min(P.bs, L - t0);
+        prefetch_block(P.kp + h0 * P.ks2, table, blk + PREFETCH_BLOCKS, L, P.bs, P.ks0, P.ks1, row_len);
+        prefetch_block(P.vp + h0 * P.vs2, table, blk + PREFETCH_BLOCKS, L, P.bs, P.vs0, P.vs1, vrow_len);
+        const float* kb = P.kp + table[blk] * P.ks0;
+        const float* vb = P.vp + table[blk] * P.vs0;
         const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
         for (int64_t j = 0; j < nq; ++j) {
           const int64_t h = h0 + j / G;
           __m512 qv[ND];
           for (int c = 0; c < ND; ++c) qv[c] = _mm512_loadu_ps(qs.data() + j * D + 16 * c);
-          const float* kh = kb + h * ks2;
+          const float* kh = kb + h * P.ks2;
           for (int64_t i = 0; i < n; ++i) {
-            const float* kr = kh + i * ks1;
+            const float* kr = kh + i * P.ks1;
             __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
             for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
             sc[i] = _mm512_reduce_add_ps(a);
@@ -211,9 +208,9 @@ static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const tor
           __m512 av[ND];
           const __m512 r = _mm512_set1_ps(rescale);
           for (int c = 0; c < ND; ++c) av[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), r);
-          const float* vh = vb + h * vs2;
+          const float* vh = vb + h * P.vs2;
           for (int64_t i = 0; i < n; ++i) {
-            const float* vr = vh + i * vs1;
+            const float* vr = vh + i * P.vs1;
             const __m512 pi = _mm512_set1_ps(sc[i]);
             for (int c = 0; c < ND; ++c) av[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vr + 16 * c), av[c]);
           }
@@ -221,7 +218,7 @@ static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const tor
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
-        float* o = op + b * os0 + (h0 * G + j) * os1;
+        float* o = P.op + b * P.os0 + (h0 * G + j) * P.os1;
         const float inv = L > 0 ? 1.0f / l[j] : 0.0f;  // an empty context gives zeros
         for (int c = 0; c < ND; ++c)
           _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + j * D + 16 * c), _mm512_set1_ps(inv)));
@@ -406,7 +403,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _module = load_inline(name="splitserve_cpu_ops_v2", cpp_sources=[_SOURCE],
+        _module = load_inline(name="splitserve_cpu_ops_v3", cpp_sources=[_SOURCE],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)
     except Exception as exc:  # no compiler, no ninja: the torch path still works
