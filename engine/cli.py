@@ -17,7 +17,7 @@ from engine.config_fields import ConfigError, add_arguments, describe, from_name
 
 # subcommand -> (help, "module:function" that takes the parsed namespace, config classes to expose)
 SUBCOMMANDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "up": ("start gateway + prefill + decode on loopback with the default model", "gateway.up:run_up", ("engine.config:EngineConfig", "gateway.config:UpConfig")),
+    "up": ("start gateway + prefill + decode on loopback with the default model", "gateway.up:run_up", ("engine.config:EngineConfig", "gateway.config:UpConfig", "gateway.config:UpGatewayConfig")),
     "gateway": ("run the gateway (gRPC Generation API + REST shim)", "gateway.server:run", ("gateway.config:GatewayConfig",)),
     "prefill": ("run a prefill service", "prefill_service.server:run", ("engine.config:EngineConfig", "engine.service_config:ServiceConfig")),
     "decode": ("run a decode service", "decode_service.server:run", ("engine.config:EngineConfig", "engine.service_config:ServiceConfig")),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 
 from engine.config_fields import option
@@ -83,3 +85,21 @@ class UpConfig:
     num_decode: int = option(1, "decode instances", min=1, max=64)
     ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
     stop_grace_s: float = option(10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0)
+
+
+# GatewayConfig fields `splitserve up` sets itself (addresses, ports, model) or has no use for on
+# loopback (internal mTLS); every other gateway option `up` takes and passes to its gateway.
+UP_SETS_ITSELF = frozenset({"host", "grpc_port", "http_port", "model", "model_id", "prefill", "decode",
+                            "internal_tls_cert", "internal_tls_key", "internal_tls_ca"})
+
+
+def _up_gateway_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    hints = typing.get_type_hints(GatewayConfig)
+    return [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+            for f in dataclasses.fields(GatewayConfig) if f.name not in UP_SETS_ITSELF]
+
+
+UpGatewayConfig = dataclasses.make_dataclass(
+    "UpGatewayConfig", _up_gateway_fields(), frozen=True,
+    namespace={"__doc__": "The gateway options of `splitserve up` (API keys, TLS, limits), passed to its gateway.",
+               "__module__": __name__})

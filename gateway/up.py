@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -29,12 +30,12 @@ _NOT_FORWARDED = {"role"}
 _PR_SET_PDEATHSIG = 1
 
 
-def engine_flags(engine: Any) -> list[str]:
-    """EngineConfig values that differ from the defaults, as CLI flags for the children."""
+def config_flags(config: Any, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """A config's values that differ from the defaults, as CLI flags for a child."""
     flags: list[str] = []
-    for field in dataclasses.fields(engine):
-        value = getattr(engine, field.name)
-        if field.name in _NOT_FORWARDED or value == field.default:
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name in skip or value == field.default:
             continue
         flag = flag_name(field.name)
         if isinstance(value, bool):
@@ -59,10 +60,11 @@ def check_ports(up: UpConfig) -> str | None:
     return None
 
 
-def stack_commands(engine: Any, up: UpConfig) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every child, in start order: prefill, decodes, gateway."""
+def stack_commands(engine: Any, up: UpConfig, gateway_options: Any = None) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, in start order: prefill, decodes, gateway (with the non-default
+    UpGatewayConfig options: API keys, TLS, limits)."""
     cli = [sys.executable, "-m", "engine.cli"]
-    eflags = engine_flags(engine)
+    eflags = config_flags(engine, _NOT_FORWARDED)
     prefill_address = f"{HOST}:{up.prefill_port}"
 
     def service(role: str, name: str, port: int) -> list[str]:
@@ -81,6 +83,8 @@ def stack_commands(engine: Any, up: UpConfig) -> list[tuple[str, list[str]]]:
         gateway += ["--model", engine.model]  # a config.json (dummy weights): the gateway uses its directory
     if engine.model_id:
         gateway += ["--model-id", engine.model_id]
+    if gateway_options is not None:
+        gateway += config_flags(gateway_options)
     return commands + [("gateway", gateway)]
 
 
@@ -127,6 +131,19 @@ class LocalStack:
         return {name: proc.returncode for name, proc in self.procs.items()}
 
 
+def _loopback_tls() -> ssl.SSLContext:
+    """For polling our own gateway child on loopback over TLS: its certificate need not name 127.0.0.1."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _get(url: str, timeout: float, headers: dict[str, str] | None = None):
+    context = _loopback_tls() if url.startswith("https:") else None
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout, context=context)
+
+
 def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
                should_stop: Callable[[], bool] = lambda: False) -> str | None:
     """Poll GET /ready until 200; None when ready, else why not (naming what is not up)."""
@@ -137,7 +154,7 @@ def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
         if exited is not None:
             return f"{exited[0]} exited with code {exited[1]} before the stack was ready (see its log above)"
         try:
-            with urllib.request.urlopen(base_url + "/ready", timeout=2):
+            with _get(base_url + "/ready", timeout=2):
                 return None
         except urllib.error.HTTPError as exc:
             last = json.loads(exc.read() or b"{}").get("reason", f"HTTP {exc.code}")
@@ -147,24 +164,44 @@ def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
     return None if should_stop() else f"not ready after {timeout_s:g} s: {last}"
 
 
-def banner(up: UpConfig, model_id: str) -> str:
-    """URLs and a ready-to-paste request."""
-    base = f"http://{HOST}:{up.http_port}"
+def base_url(up: UpConfig, gateway_options: Any = None) -> str:
+    scheme = "https" if gateway_options is not None and gateway_options.tls_cert else "http"
+    return f"{scheme}://{HOST}:{up.http_port}"
+
+
+def banner(up: UpConfig, model_id: str, gateway_options: Any = None, keys_required: bool = False) -> str:
+    """URLs and a ready-to-paste request (with the CA and API key options it needs)."""
+    base = base_url(up, gateway_options)
     body = json.dumps({"model": model_id, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
-    return "\n".join([
+    curl = f"curl -s {base}/v1/completions"
+    if base.startswith("https:"):
+        curl = f"curl -s --cacert {gateway_options.tls_cert} {base}/v1/completions"
+    if keys_required:
+        curl += " -H \"Authorization: Bearer $SPLITSERVE_API_KEY\""
+    lines = [
         f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {up.kv_transport}",
         f"  OpenAI REST  {base}/v1",
-        f"  gRPC         {HOST}:{up.grpc_port}  (splitserve.v1.Generation, reflection on)",
+        f"  gRPC         {HOST}:{up.grpc_port}  (splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
         f"  readiness    {base}/ready",
-        "Try:",
-        f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'",
+        "Try:" if not keys_required else "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
+        f"  {curl} -H 'Content-Type: application/json' -d '{body}'",
         "Press Ctrl-C to stop.",
-    ])
+    ]
+    return "\n".join(lines)
 
 
-def _model_id(base_url: str) -> str:
+def configured_key(gateway_options: Any, env: dict[str, str]) -> str:
+    """One configured API key (to ask the gateway for its model id), or "" when none is."""
+    from gateway.auth import load_api_keys
+
+    keys = load_api_keys(gateway_options.api_keys_file if gateway_options is not None else "", env)
+    return keys[0] if keys else ""
+
+
+def _model_id(base: str, key: str = "") -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:
+        with _get(base + "/v1/models", timeout=5, headers=headers) as r:
             data = json.loads(r.read()).get("data", [])
     except (urllib.error.URLError, OSError, ValueError):
         return ""
@@ -174,6 +211,7 @@ def _model_id(base_url: str) -> str:
 def run_up(ns: Any, configs: dict[str, Any]) -> int:
     """Entry point of `splitserve up` (see engine/cli.py): 0 after Ctrl-C, 1 when a child failed."""
     engine, up = configs["EngineConfig"], configs["UpConfig"]
+    gateway_options = configs.get("UpGatewayConfig")
     problem = check_ports(up)
     if problem:
         print(f"splitserve up: error: {problem}", file=sys.stderr)
@@ -182,17 +220,22 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, frame: stopping.append(sig))
     stack = LocalStack()
-    base_url = f"http://{HOST}:{up.http_port}"
+    base = base_url(up, gateway_options)
     try:
-        for name, argv in stack_commands(engine, up):
+        key = configured_key(gateway_options, dict(os.environ))
+    except ValueError as exc:  # an unreadable keys file: say so before starting anything
+        print(f"splitserve up: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        for name, argv in stack_commands(engine, up, gateway_options):
             stack.add(name, argv)
-        error = wait_ready(base_url, stack, up.ready_timeout_s, should_stop=lambda: bool(stopping))
+        error = wait_ready(base, stack, up.ready_timeout_s, should_stop=lambda: bool(stopping))
         if error:
             print(f"splitserve up: {error}", file=sys.stderr)
             return 1
         if stopping:
             return 0
-        print(banner(up, _model_id(base_url)), flush=True)
+        print(banner(up, _model_id(base, key), gateway_options, keys_required=bool(key)), flush=True)
         while not stopping:
             exited = stack.first_exit()
             if exited is not None:

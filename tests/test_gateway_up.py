@@ -2,9 +2,11 @@
 names what is not up, and a full run (fake prefill/decode processes + the real gateway
 process) that prints the banner, serves, and leaves nothing running after Ctrl-C."""
 
+import dataclasses
 import json
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -15,8 +17,8 @@ import pytest
 from engine.cli import build_parser
 from engine.config import EngineConfig
 from engine.kv_transfer.io import TRANSPORTS
-from gateway.config import KV_TRANSPORTS, UpConfig
-from gateway.up import LocalStack, check_ports, stack_commands, wait_ready
+from gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
+from gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
 from tests.gateway_fakes import make_tokenizer_dir, word
 
 CLI = [sys.executable, "-m", "engine.cli"]
@@ -75,6 +77,40 @@ def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
     assert commands["gateway"][-4:] == ["--model", "/models/x", "--model-id", "x"]
 
 
+def test_gateway_options_go_to_the_gateway_only():
+    options = UpGatewayConfig(api_keys_file="/etc/keys", tls_cert="/c.pem", tls_key="/k.pem", rate_limit_rps=5.0)
+    commands = dict(stack_commands(EngineConfig(), UpConfig(), options))
+    assert commands["gateway"][-8:] == ["--api-keys-file", "/etc/keys", "--tls-cert", "/c.pem", "--tls-key", "/k.pem",
+                                        "--rate-limit-rps", "5.0"]
+    assert "--tls-cert" not in commands["prefill-0"] and "--api-keys-file" not in commands["decode-0"]
+    assert dict(stack_commands(EngineConfig(), UpConfig(), UpGatewayConfig()))["gateway"] == commands["gateway"][:-8]
+    build_parser().parse_args(commands["gateway"][3:])
+    assert "host" not in {f.name for f in dataclasses.fields(UpGatewayConfig)}  # up sets addresses and ports
+
+
+def test_banner_with_tls_and_api_keys():
+    options = UpGatewayConfig(tls_cert="/c.pem", tls_key="/k.pem")
+    body = json.dumps({"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
+    assert banner(UpConfig(), "m", options, keys_required=True).splitlines() == [
+        "splitserve is up: model 'm', 1 prefill + 1 decode, KV over shm",
+        "  OpenAI REST  https://127.0.0.1:8000/v1",
+        "  gRPC         127.0.0.1:50051  (splitserve.v1.Generation, reflection on, TLS)",
+        "  readiness    https://127.0.0.1:8000/ready",
+        "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
+        f"  curl -s --cacert /c.pem https://127.0.0.1:8000/v1/completions -H \"Authorization: Bearer $SPLITSERVE_API_KEY\""
+        f" -H 'Content-Type: application/json' -d '{body}'",
+        "Press Ctrl-C to stop.",
+    ]
+
+
+def test_an_unreadable_keys_file_stops_up_before_anything_starts(tmp_path):
+    missing = tmp_path / "nope"
+    proc = subprocess.run(CLI + ["up", "--api-keys-file", str(missing)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"splitserve up: error: --api-keys-file '{missing}' cannot be read: [Errno 2] No such file or directory")
+
+
 def test_port_collisions_are_named():
     assert check_ports(UpConfig()) is None
     assert check_ports(UpConfig(decode_port=50050, num_decode=2)) == (
@@ -125,10 +161,10 @@ import sys
 import gateway.up as up
 real = up.stack_commands
 fake = [sys.executable, "-m", "tests.gateway_fakes"]
-up.stack_commands = lambda engine, cfg: [
+up.stack_commands = lambda engine, cfg, gateway_options=None: [
     ("prefill-0", fake + ["prefill", str(cfg.prefill_port), "prefill-0"]),
     ("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"]),
-    ("gateway", real(engine, cfg)[-1][1] + ["--health-interval-s", "0.1"]),
+    ("gateway", real(engine, cfg, gateway_options)[-1][1] + ["--health-interval-s", "0.1"]),
 ]
 from engine.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -160,6 +196,43 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
         r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=10)
         # the prompt's words are unknown (<unk> = 2, skipped in text): the fakes continue 3, 4, ..., 34
         assert r.json()["choices"][0]["text"] == " ".join(word(i) for i in range(3, 35))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
+
+
+def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tmp_path):
+    cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    keys = tmp_path / "keys"
+    keys.write_text("# the up test's key\nup-test-key-1\n")
+    prefill, decode, grpc_port, http_port = free_ports(4)
+    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir, "--prefill-port", str(prefill),
+            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+            "--tls-cert", str(cert), "--tls-key", str(key), "--api-keys-file", str(keys)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("Press Ctrl-C"):
+                break
+        base = f"https://127.0.0.1:{http_port}"
+        assert lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"  # id asked with the key
+        assert lines[1] == f"  OpenAI REST  {base}/v1"
+        assert f"--cacert {cert} {base}/v1/completions" in lines[5]
+        body = {"model": "tiny-fake", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+        ca = ssl.create_default_context(cafile=str(cert))
+        assert httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10).status_code == 401
+        ok = httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10,
+                        headers={"Authorization": "Bearer up-test-key-1"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
     finally:
