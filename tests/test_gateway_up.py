@@ -2,6 +2,7 @@
 names what is not up, and a full run (fake prefill/decode processes + the real gateway
 process) that prints the banner, serves, and leaves nothing running after Ctrl-C."""
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -171,10 +172,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_dir):
+@contextlib.contextmanager
+def running_up(tokenizer_dir, *flags):
+    """`splitserve up` (fake prefill/decode, real gateway) until its banner: yields (banner lines, http
+    port); on leaving, Ctrl-C must stop it with exit code 0 and every port must be closed."""
     prefill, decode, grpc_port, http_port = free_ports(4)
     argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir, "--prefill-port", str(prefill),
-            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port), *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines = []
@@ -182,6 +186,18 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
             lines.append(line.rstrip("\n"))
             if line.startswith("Press Ctrl-C"):
                 break
+        yield lines, grpc_port, http_port
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
+
+
+def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_dir):
+    with running_up(tokenizer_dir) as (lines, grpc_port, http_port):
         body = json.dumps({"model": "tiny-fake", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
         base = f"http://127.0.0.1:{http_port}"
         assert lines == [
@@ -196,13 +212,6 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
         r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=10)
         # the prompt's words are unknown (<unk> = 2, skipped in text): the fakes continue 3, 4, ..., 34
         assert r.json()["choices"][0]["text"] == " ".join(word(i) for i in range(3, 35))
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
 
 
 def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tmp_path):
@@ -212,17 +221,8 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
     keys = tmp_path / "keys"
     keys.write_text("# the up test's key\nup-test-key-1\n")
-    prefill, decode, grpc_port, http_port = free_ports(4)
-    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir, "--prefill-port", str(prefill),
-            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-            "--tls-cert", str(cert), "--tls-key", str(key), "--api-keys-file", str(keys)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("Press Ctrl-C"):
-                break
+    flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--api-keys-file", str(keys)]
+    with running_up(tokenizer_dir, *flags) as (lines, _, http_port):
         base = f"https://127.0.0.1:{http_port}"
         assert lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"  # id asked with the key
         assert lines[1] == f"  OpenAI REST  {base}/v1"
@@ -233,10 +233,3 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
         ok = httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10,
                         headers={"Authorization": "Bearer up-test-key-1"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
