@@ -231,6 +231,20 @@ static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const tor
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
                            torch::Tensor lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(q.size(1) % k.size(2) == 0, "paged_decode: ", q.size(1), " query heads are not a multiple of ",
+              k.size(2), " KV heads");
+  {  // every block a sequence reads must exist: a bad table would read outside the pool
+    const int64_t B = q.size(0), M = tables.size(1), bs = k.size(1), N = k.size(0), ts0 = tables.stride(0);
+    const int32_t* tp = tables.data_ptr<int32_t>();
+    const int32_t* lp = lens.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lp[b] >= 0 && lp[b] <= M * bs, "paged_decode: sequence ", b, " has length ", lp[b],
+                  "; its block table holds at most ", M * bs, " tokens");
+      for (int64_t j = 0; j * bs < lp[b]; ++j)
+        TORCH_CHECK(tp[b * ts0 + j] >= 0 && tp[b * ts0 + j] < N, "paged_decode: sequence ", b, " block ", j, " is ",
+                    tp[b * ts0 + j], "; the pool has blocks 0..", N - 1);
+    }
+  }
   auto out = torch::empty_like(q);
 #ifdef __AVX512F__
   if (q.scalar_type() == torch::kFloat && q.size(1) % k.size(2) == 0 && k.size(1) <= 16) {
@@ -371,6 +385,7 @@ void write_kv_f32(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
       const int64_t slot = sp[t];
       if (slot < 0) continue;  // padding
       const int64_t blk = slot / bs, off = slot % bs;
+      TORCH_CHECK(blk < k_cache.size(0), "write_kv: slot ", slot, " is past the pool's ", k_cache.size(0) * bs, " slots");
       for (int64_t h = 0; h < H; ++h) {
         std::memcpy(kc + blk * c0 + off * c1 + h * c2, kp + t * ks0 + h * ks1, D * sizeof(float));
         std::memcpy(vc + blk * d0 + off * d1 + h * d2, vp + t * vs0 + h * vs1, D * sizeof(float));
@@ -403,7 +418,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _module = load_inline(name="splitserve_cpu_ops_v3", cpp_sources=[_SOURCE],
+        _module = load_inline(name="splitserve_cpu_ops_v4", cpp_sources=[_SOURCE],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)
     except Exception as exc:  # no compiler, no ninja: the torch path still works

@@ -124,3 +124,18 @@ def test_write_kv_scatters_and_skips_padding(op):
     untouched = [s for s in range(blocks * bs) if s not in written]
     assert all(k_cache[s // bs, s % bs].abs().sum() == 0 for s in untouched)
     assert kv[:, 0].abs().sum() == 0 and kv[:, 2].abs().sum() == 0  # other layers untouched
+
+
+def test_bad_block_tables_and_slots_are_refused_not_read(op):
+    """A block id or slot outside the pool raises (naming it) instead of touching memory past the pool."""
+    kv = torch.zeros(4, 1, 2, 4, 2, 8)  # 4 blocks of 4 tokens
+    k_cache, v_cache = kv[:, 0, 0], kv[:, 0, 1]
+    q = torch.randn(1, 4, 8)
+    with pytest.raises(RuntimeError, match="sequence 0 block 1 is 9; the pool has blocks 0..3"):
+        cpu_ops.paged_decode_attention_cpu(q, k_cache, v_cache, torch.tensor([[0, 9]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="sequence 0 has length 9; its block table holds at most 8 tokens"):
+        cpu_ops.paged_decode_attention_cpu(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+    key = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="write_kv: slot 16 is past the pool's 16 slots"):
+        cpu_ops.write_kv_cpu(key, key, k_cache, v_cache, torch.tensor([16]))
+    assert kv.abs().sum() == 0
