@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.layers import cpu_ops_for
+
 
 @dataclass
 class AttentionMetadata:
@@ -115,15 +117,6 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.squeeze(2)  # (G, Hq, D)
 
 
-def _cpu_op(q: torch.Tensor):
-    """kernels.cpu_ops when its C++ ops are built (the decode attention takes float32/float64 on CPU), else None."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-        return None
-    from kernels import cpu_ops
-
-    return cpu_ops if cpu_ops.load() is not None else None
-
-
 def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +127,7 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_kv_heads = k_cache.shape[2]
     gqa = q.shape[1] != num_kv_heads
-    op = _cpu_op(q)
+    op = cpu_ops_for(q, (torch.float32, torch.float64))  # the C++ decode attention, when built
     if meta.is_decode_only and op is not None:
         return op.paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
@@ -178,9 +171,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D)."""
     if q.is_cuda:
         return _attention_cuda(q, k, v, k_cache, v_cache, meta, scale)
-    from kernels import cpu_ops
-
-    ops = cpu_ops.for_tensor(k) if k_cache.dtype == k.dtype else None
+    ops = cpu_ops_for(k) if k_cache.dtype == k.dtype else None
     if ops is not None:
         ops.write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
     else:

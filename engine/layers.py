@@ -18,12 +18,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _cpu_ops(x: torch.Tensor):
-    """kernels.cpu_ops for a float32 CPU tensor when its C++ ops are built, else None (torch path).
-    float64 (the exactness tests) always takes the torch path."""
-    from kernels import cpu_ops
+def cpu_ops_for(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    """kernels.cpu_ops for a CPU tensor of `dtypes` when its C++ ops are built, else None (torch path).
+    The elementwise ops take float32 only: float64 (the exactness tests) keeps the torch path."""
+    from kernels import cpu_ops  # lazily: the kernels package imports Triton
 
-    return cpu_ops.for_tensor(x)
+    return cpu_ops.for_tensor(x, dtypes)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         import kernels
 
         return kernels.rms_norm(x, weight, eps, residual)
-    ops = _cpu_ops(x)
+    ops = cpu_ops_for(x)
     if ops is not None and weight.dtype == x.dtype:
         return ops.rms_norm_cpu(x, weight, eps, residual)
     if residual is not None:
@@ -57,7 +57,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         import kernels
 
         return kernels.silu_and_mul(x)
-    ops = _cpu_ops(x)
+    ops = cpu_ops_for(x)
     if ops is not None and x.dim() == 2:
         return ops.silu_and_mul_cpu(x)
     half = x.shape[-1] // 2
@@ -76,7 +76,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         return
-    ops = _cpu_ops(q)
+    ops = cpu_ops_for(q)
     if ops is not None and cos_sin_cache.dtype == q.dtype:
         ops.rotary_cpu(positions, q, k, cos_sin_cache)
         return

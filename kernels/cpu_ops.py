@@ -13,13 +13,14 @@
 Each op reads its input once and writes its output once, in place of 2-6 torch ops with their
 temporaries; float32 paths use AVX-512 where the compiler targets it. `load()` returns None (and
 callers keep the torch path) when no compiler is available; `for_tensor(x)` is the module when x
-is a float32 CPU tensor and the module is built.
+is a CPU tensor of a dtype the caller's op takes and the module is built.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
@@ -427,13 +428,12 @@ def load():
     return _module
 
 
-def for_tensor(x: torch.Tensor):
-    """This module when `x` is a float32 CPU tensor and the ops are built, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    """This module when `x` is a CPU tensor of one of `dtypes` and the ops are built, else None.
+    The elementwise ops take float32; the decode attention also float64."""
+    if x.device.type != "cpu" or x.dtype not in dtypes:
         return None
-    import kernels.cpu_ops as ops
-
-    return ops if load() is not None else None
+    return sys.modules[__name__] if load() is not None else None
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
