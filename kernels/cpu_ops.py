@@ -31,6 +31,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -159,12 +160,20 @@ static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const tor
   const int64_t G = P.Hq / P.Hkv;
   const int64_t split = P.B >= 4 * at::get_num_threads() ? 1 : P.Hkv;  // head ranges per sequence
   const int64_t heads_per_task = P.Hkv / split;
-  at::parallel_for(0, P.B * split, 1, [&](int64_t begin, int64_t end) {
+  // Sequences longest first, handed out one at a time: contexts differ by 10-100x within a batch, so
+  // fixed halves of the batch can leave one thread with most of the work (and a slowed core stalls
+  // the other); dynamic hand-out keeps every thread busy until the end.
+  std::vector<int64_t> order(P.B);
+  for (int64_t b = 0; b < P.B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return P.lp[x] > P.lp[y]; });
+  const int64_t num_tasks = P.B * split;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     const int64_t nq = heads_per_task * G;  // query heads per task
     std::vector<float> acc(nq * D), qs(nq * D), m(nq), l(nq);
     alignas(64) float sc[16];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / split, h0 = (task % split) * heads_per_task;
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const int64_t b = order[task / split], h0 = (task % split) * heads_per_task;
       const int64_t L = P.lp[b];
       const int32_t* table = P.tp + b * P.ts0;
       const int64_t row_len = (heads_per_task - 1) * P.ks2 + D;  // floats from head h0's row to the last head's end
@@ -419,7 +428,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _module = load_inline(name="splitserve_cpu_ops_v4", cpp_sources=[_SOURCE],
+        _module = load_inline(name="splitserve_cpu_ops_v5", cpp_sources=[_SOURCE],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)
     except Exception as exc:  # no compiler, no ninja: the torch path still works
