@@ -130,7 +130,6 @@ class CoreLoop:
             if spec.layout != self.engine.layout:
                 raise ValueError(self.engine.layout.mismatch(spec.layout))
             indices = list(range(num_local, len(spec.block_ids)))
-            self.kv_io.last_device_ns = 0
             num_bytes = self.kv_io.pull(spec, indices, dst_blocks[num_local:], self)
         except Exception as exc:  # a failed pull fails this request only
             log.warning("request_id=%s KV pull failed: %s", msg.request_id, exc)
@@ -140,7 +139,7 @@ class CoreLoop:
         self.outbox.append(m.ImportDone(msg.request_id, ok=True, num_blocks_pulled=len(indices),
                                         num_cached_tokens=num_local * self.engine.config.block_size,
                                         num_bytes=num_bytes, transfer_ns=time.perf_counter_ns() - start,
-                                        device_ns=self.kv_io.last_device_ns if spec.transport == "cuda_ipc" else 0))
+                                        device_ns=self.kv_io.last_device_ns))
 
     def on_commit(self, msg: m.CommitImport) -> None:
         from engine.engine_core import RequestOutput

@@ -7,6 +7,7 @@ float64 exactness tests compare true float64 math (see tests/model_factory.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,12 +19,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@functools.cache
+def _cpu_ops_module():
+    from kernels import cpu_ops  # lazily, once: the kernels package imports Triton
+
+    return cpu_ops
+
+
 def cpu_ops_for(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
     """kernels.cpu_ops for a CPU tensor of `dtypes` when its C++ ops are built, else None (torch path).
     The elementwise ops take float32 only: float64 (the exactness tests) keeps the torch path."""
-    from kernels import cpu_ops  # lazily: the kernels package imports Triton
-
-    return cpu_ops.for_tensor(x, dtypes)
+    return _cpu_ops_module().for_tensor(x, dtypes)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

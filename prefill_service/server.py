@@ -162,7 +162,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.count("kv_bytes_sent", result["num_bytes"])
         self.count("kv_send_ns", result["transfer_ns"])
-        self.count("kv_send_device_ns", result.get("device_ns", 0))
+        self.count("kv_send_device_ns", result["device_ns"])
         self.metrics.lab(self.metrics.kv_transfer_bytes).inc(result["num_bytes"])
         self.metrics.lab(self.metrics.kv_transfer_blocks).inc(len(block_ids))
         return prefill_pb2.SendKvResponse(num_bytes=result["num_bytes"], transfer_ns=result["transfer_ns"])

@@ -96,6 +96,7 @@ class KvIo:
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
         """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
+        self.last_device_ns = 0  # set by the transports that time their copy on the device (cuda_ipc)
         if not indices:
             return 0
         self._inject_pull_faults()
@@ -227,19 +228,16 @@ class KvIo:
             group = ProcessGroupNCCL(prefixed, rank, 2, ProcessGroupNCCL.Options())
         else:
             raise ValueError(f"backend {backend!r} is not one of gloo, nccl")
+        self._stores[pair] = store  # the group needs its store alive
+        self.groups[pair] = group
         # One tiny exchange now: NCCL creates a group's communicator on its first send/recv (0.5-0.7 s on
         # two H200s), which the pair's first request would otherwise wait for. Rank 1 (prefill) sends.
         probe = torch.zeros(1, device=device if backend == "nccl" else "cpu")
         try:
             (group.recv([probe], 1, 0) if rank == 0 else group.send([probe], 0, 0)).wait(timeout)
         except Exception:
-            try:
-                group.abort() if hasattr(group, "abort") else None
-            except Exception:
-                pass
+            self.drop_pair(pair)
             raise
-        self._stores[pair] = store  # the group needs its store alive
-        self.groups[pair] = group
         log.info("paired %s as rank %d over %s", pair, rank, backend)
 
     def drop_pair(self, pair: str) -> None:
