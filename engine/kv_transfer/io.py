@@ -25,6 +25,24 @@ from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unli
 log = logging.getLogger("splitserve.kv")
 
 TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+# An NVLink path left idle for tens of ms drops to a low-power state; the first copy after that pays
+# ~0.3 ms to wake it (a 256 MiB copy: 0.70 ms back to back, 0.98 ms after 200 ms idle; after a 1 MiB copy
+# just ahead, 0.70 ms again; a 4 KiB one wakes it only part way: bench/kv_copy_clocks.py). A prefill
+# writes this many bytes to each registered decode's wake buffer when a prefill finishes.
+WAKE_BYTES = 1 << 20
+
+
+def export_cuda_ipc(tensor: torch.Tensor) -> str:
+    """A CUDA tensor's IPC handle as text (what an endpoint carries)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
+
+
+def open_cuda_ipc(handle: str) -> torch.Tensor:
+    """Map another process's CUDA tensor from `export_cuda_ipc`'s text."""
+    func, args = pickle.loads(base64.b64decode(handle))
+    return func(*args)
 
 
 class KvIo:
@@ -44,6 +62,11 @@ class KvIo:
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
         self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
         self.groups: dict[str, object] = {}  # pair name -> process group
+        self._wake_buffer: torch.Tensor | None = None  # decode role on CUDA: what prefills write to
+        self._wake_targets: dict[str, torch.Tensor] = {}  # prefill role: decode instance -> its mapped buffer
+        self._wake_source: torch.Tensor | None = None
+        self._wake_stream = None
+        self.link_wakes = 0  # wake writes issued (prefill role)
         self._stores: dict[str, object] = {}
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
 
@@ -59,11 +82,11 @@ class KvIo:
             return self._own_pool.tensor
         kv_cache = layout.allocate(num_blocks, device)
         if self.transport == "cuda_ipc" and exports and device.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            handle = pickle.dumps(reduce_tensor(kv_cache))
-            self.endpoint = {"cuda_ipc": base64.b64encode(handle).decode(), "num_blocks": str(num_blocks),
+            self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
                              "device": str(device.index)}
+        if self.transport in ("cuda_ipc", "nccl") and self.role in ("decode", "both") and device.type == "cuda":
+            self._wake_buffer = torch.zeros(WAKE_BYTES, dtype=torch.uint8, device=device)
+            self.endpoint["wake_cuda_ipc"] = export_cuda_ipc(self._wake_buffer)
         return kv_cache
 
     # -- decode side -----------------------------------------------------------------------
@@ -80,8 +103,7 @@ class KvIo:
             if transport == "shm":
                 pool = SharedKvPool.open(endpoint["shm_name"], layout, num_blocks)
             elif transport == "cuda_ipc":
-                func, args = pickle.loads(base64.b64decode(endpoint["cuda_ipc"]))
-                pool = func(*args)
+                pool = open_cuda_ipc(endpoint["cuda_ipc"])
             else:
                 raise ValueError(f"transport {transport!r} maps no pool; mapped ones: shm, cuda_ipc")
             stale = self._mapped_by_instance.get(prefill_instance)
@@ -203,6 +225,52 @@ class KvIo:
         return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start,
                 "device_ns": self.last_device_ns if events else 0}
 
+    # -- link wake-ups (prefill side) --------------------------------------------------------------
+    def add_wake_target(self, decode_instance: str, target: torch.Tensor, source_device: torch.device) -> None:
+        """Write to `target` (a decode's wake buffer, mapped here) after each prefill; replaces an earlier
+        target of the same decode (a restarted decode registers its new buffer)."""
+        if self._wake_source is None or self._wake_source.device != source_device:
+            self._wake_source = torch.ones(WAKE_BYTES, dtype=torch.uint8, device=source_device)
+            self._wake_stream = torch.cuda.Stream(source_device) if source_device.type == "cuda" else None
+        self._wake_targets[decode_instance] = target
+        self.wake_links([decode_instance])
+
+    def map_wake_target(self, decode_instance: str, endpoint: dict, source_device: torch.device) -> None:
+        """Map a decode's wake buffer from its endpoint (CUDA IPC) and register it."""
+        if source_device.type != "cuda":
+            raise ValueError(f"this prefill runs on {source_device.type}; link wake-ups need a CUDA device")
+        handle = endpoint.get("wake_cuda_ipc")
+        if not handle:
+            raise ValueError("endpoint.wake_cuda_ipc is required")
+        self.add_wake_target(decode_instance, open_cuda_ipc(handle), source_device)
+
+    def wake_links(self, only: list[str] | None = None) -> int:
+        """Copy a few bytes to every registered decode (or those in `only`) on a side stream: the link
+        wakes while the answer travels to the gateway and on to that decode. A target that fails is
+        dropped. Returns the number of writes issued."""
+        issued = 0
+        for name in list(only if only is not None else self._wake_targets):
+            target = self._wake_targets.get(name)
+            if target is None:
+                continue
+            n = min(target.numel(), self._wake_source.numel())
+            try:
+                if self._wake_stream is not None:
+                    with torch.cuda.stream(self._wake_stream):
+                        target[:n].copy_(self._wake_source[:n], non_blocking=True)
+                else:
+                    target[:n].copy_(self._wake_source[:n])
+            except Exception as exc:
+                self._wake_targets.pop(name, None)
+                log.warning("dropped %s's wake buffer: %s", name, exc)
+                continue
+            issued += 1
+        self.link_wakes += issued
+        return issued
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_link_wakes": self.link_wakes, "kv_wake_targets": len(self._wake_targets)}
+
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
              local_host: str | None = None) -> None:
@@ -251,6 +319,7 @@ class KvIo:
         self._stores.pop(pair, None)
 
     def close(self) -> None:
+        self._wake_targets.clear()
         for pair in list(self.groups):
             self.groups.pop(pair, None)
         for pool in self._mapped.values():
