@@ -23,6 +23,12 @@ read through NVML just before each copy. Sources and destinations are 256 MiB re
     rotate[_src|_dst]         back to back, each copy from (or to) a region not touched for 31 copies
     rotate_idle               a fresh region each time, after --idle-ms idle (what a service sees)
     link_B_idle[_rotate]      after idle, a B-byte peer copy just ahead (timed separately) of the copy
+--set wake (which copy wakes what: after idle, a 1 MiB copy, then the timed copy):
+    wake_same_stream_gapN     on the copy's stream, then N ms host sleep
+    wake_other_stream         on another stream of the source device
+    wake_reverse              cuda:1 -> cuda:0 (the other direction)
+    wake_other_process_gapN   by another process (its own buffers, same direction), N ms before
+    wake_sm_kernel            a copy kernel on cuda:0 writing cuda:1 memory (no copy engine)
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ def scenario_names(which: str) -> list[str]:
             names += [f"kick_{who}_{ms}ms" for ms in ("0.25", "1", "3")]
         return names + ["load_dst_hbm", "load_src_hbm", "load_dst_mm", "layers32", "layers32_idle",
                         "layers32_under_mm"]
+    if which == "wake":
+        return ["warm", "idle", "wake_same_stream_gap0", "wake_same_stream_gap2", "wake_same_stream_gap10",
+                "wake_other_stream", "wake_reverse", "wake_other_process_gap1", "wake_other_process_gap5",
+                "wake_sm_kernel"]
     names = [f"same_idle_{ms}ms" for ms in (0, 1, 5, 20, 50, 200)]
     names += ["rotate", "rotate_src", "rotate_dst", "rotate_idle"]
     for size in ("4KiB", "1MiB", "16MiB"):
@@ -82,15 +92,36 @@ def scenario_names(which: str) -> list[str]:
     return names
 
 
+def helper() -> None:
+    """Another process that copies 1 MiB cuda:0 -> cuda:1 of its own each time a line arrives on stdin."""
+    import sys
+
+    import torch
+
+    a = torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:1")
+    b.copy_(a)
+    torch.cuda.synchronize(0)
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        b.copy_(a)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        print("done", flush=True)
+
+
 def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--set", choices=("state", "memory"), default="memory")
+    parser.add_argument("--set", choices=("state", "memory", "wake"), default="memory")
+    parser.add_argument("--helper", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--idle-ms", type=float, default=200.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.helper:
+        return helper()
     nbytes = args.mib << 20
     words = nbytes // 8
     clocks = Clocks(torch)
@@ -151,6 +182,8 @@ def main() -> None:
             time.sleep(float(name[len("same_idle_"):-2]) / 1000)
         else:
             time.sleep(idle)
+        if name.startswith("wake_"):
+            wake(name)
         if name.startswith("kick_"):
             _, who, ms = name.split("_")
             for d in {"dst": [d1], "src": [d0], "both": [d0, d1]}[who]:
@@ -162,6 +195,45 @@ def main() -> None:
                     hbm[d][0].copy_(hbm[d][1], non_blocking=True)
         elif name == "load_dst_mm":
             matmuls(d1, 8.0, side[d1])
+
+    proc = None
+    if args.set == "wake":
+        import subprocess
+        import sys
+
+        proc = subprocess.Popen([sys.executable, "-m", "bench.kv_copy_clocks", "--helper"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+    small0, small1 = link_src[:1 << 20], link_dst[:1 << 20]
+    back0 = torch.empty(1 << 20, dtype=torch.uint8, device=d0)
+    sm_copy = None
+
+    def wake(name: str) -> None:
+        nonlocal sm_copy
+        if name.startswith("wake_same_stream"):
+            small1.copy_(small0, non_blocking=True)
+            torch.cuda.synchronize(d0)
+            time.sleep(float(name.split("gap")[1]) / 1000)
+        elif name == "wake_other_stream":
+            with torch.cuda.stream(side[d0]):
+                small1.copy_(small0, non_blocking=True)
+            side[d0].synchronize()
+        elif name == "wake_reverse":
+            back0.copy_(small1, non_blocking=True)
+            torch.cuda.synchronize(d1)
+            torch.cuda.synchronize(d0)
+        elif name.startswith("wake_other_process"):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "done"
+            time.sleep(float(name.split("gap")[1]) / 1000)
+        elif name == "wake_sm_kernel":
+            if sm_copy is None:
+                from bench.kv_copy_variants import triton_copy
+
+                sm_copy = triton_copy()
+            sm_copy(small0, small1, d0)
+            torch.cuda.synchronize(d0)
 
     def regions_for(name: str, i: int) -> tuple[int, int]:
         r = (i * 7) % REGIONS  # 7 is prime to 32: a region comes back only after 32 copies
@@ -223,6 +295,9 @@ def main() -> None:
         row["src_GBps"] = nbytes / row["src_ms"] / 1e6
         out["rows"][name] = row
         print("ROW", name, json.dumps(row), flush=True)
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait(30)
     ref = next(iter(out["rows"].values()))["src_GBps"]
     print(f"\n{args.mib} MiB cuda:0 -> cuda:1, median of {REPEATS}; idle = {args.idle_ms:.0f} ms; "
           f"SM clocks (MHz) read just before the copy; % of the first row")
