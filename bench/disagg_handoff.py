@@ -168,8 +168,11 @@ async def run_transport(args, transport: str, wake: bool, prompts: list[list[int
             ids = list(first.kv.block_ids)
             src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
             wakes = p_after.get("kv_link_wakes", 0) - p_before.get("kv_link_wakes", 0)
+            # how long before the pull the prefill issued its wake writes, and their device time
+            lead_ms = (after.get("kv_pull_last_unix_ns", 0) - p_after.get("kv_wake_last_unix_ns", 0)) / 1e6 if wakes else None
+            wake_device_ms = p_after.get("kv_wake_last_device_ns", 0) / 1e6 if wakes else None
             results.append({"request_id": rid, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
-                            "link_wakes": wakes,
+                            "link_wakes": wakes, "wake_lead_ms": lead_ms, "wake_device_ms": wake_device_ms,
                             "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
                             "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0,
                             "device_ms": device_ns / 1e6, "device_gb_s": moved / device_ns if device_ns else 0.0})
@@ -262,6 +265,10 @@ def main(argv=None) -> int:
               f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
               f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
               f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")
+    for t in report["transports"]:
+        if t["wake"] and all(r["link_wakes"] for r in t["requests"]):
+            print(f"{t['transport']}: wake writes issued {[round(r['wake_lead_ms'], 2) for r in t['requests']]} ms "
+                  f"before the pull, taking {[round(r['wake_device_ms'] or 0, 3) for r in t['requests']]} ms on the device")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(t["tokens_equal"] for t in report["transports"]) else 1

@@ -37,22 +37,27 @@ def test_wake_targets_are_written_replaced_and_dropped_when_broken():
     from engine.kv_transfer.io import WAKE_BYTES
 
     io = KvIo({"transport": "nccl", "instance": "p-wake", "role": "prefill"})
+
+    def counts():
+        return {k: v for k, v in io.stats().items() if k in ("kv_link_wakes", "kv_wake_targets")}
+
     cpu = torch.device("cpu")
     a, b = torch.zeros(WAKE_BYTES, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     io.add_wake_target("d-a", a, cpu)  # registering writes once (checks the buffer is writable)
-    assert int(a.sum()) == WAKE_BYTES and io.stats() == {"kv_link_wakes": 1, "kv_wake_targets": 1}
+    assert int(a.sum()) == WAKE_BYTES and counts() == {"kv_link_wakes": 1, "kv_wake_targets": 1}
     io.add_wake_target("d-b", b, cpu)
     a.zero_(), b.zero_()
     assert io.wake_links() == 2
     assert int(a.sum()) == WAKE_BYTES and int(b.sum()) == 64  # a smaller buffer gets what fits
-    assert io.stats() == {"kv_link_wakes": 4, "kv_wake_targets": 2}
+    assert counts() == {"kv_link_wakes": 4, "kv_wake_targets": 2}
     a2 = torch.zeros(16, dtype=torch.uint8)
     io.add_wake_target("d-a", a2, cpu)  # d-a restarted: its new buffer replaces the old one
     a.zero_()
     assert io.wake_links() == 2 and int(a.sum()) == 0 and int(a2.sum()) == 16
     io._wake_targets["d-b"] = torch.zeros(8, requires_grad=True)  # not writable in place
     assert io.wake_links() == 1
-    assert io.stats() == {"kv_link_wakes": 8, "kv_wake_targets": 1}
+    assert counts() == {"kv_link_wakes": 8, "kv_wake_targets": 1}
+    assert io.stats()["kv_wake_last_unix_ns"] > 0  # when the last writes were issued (their lead over a pull)
     with pytest.raises(ValueError) as err:
         io.map_wake_target("d-c", {"wake_cuda_ipc": "x"}, cpu)
     assert str(err.value) == "this prefill runs on cpu; link wake-ups need a CUDA device"

@@ -67,6 +67,9 @@ class KvIo:
         self._wake_source: torch.Tensor | None = None
         self._wake_stream = None
         self.link_wakes = 0  # wake writes issued (prefill role)
+        self._wake_events = None  # CUDA events around the last wake writes (their device time, once done)
+        self.last_wake_unix_ns = 0  # when the last wake writes were issued (prefill role)
+        self.last_pull_unix_ns = 0  # when the last pull started (decode role); with the above: the wake's lead
         self._stores: dict[str, object] = {}
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
 
@@ -121,6 +124,7 @@ class KvIo:
         self.last_device_ns = 0  # set by the transports that time their copy on the device (cuda_ipc)
         if not indices:
             return 0
+        self.last_pull_unix_ns = time.time_ns()
         self._inject_pull_faults()
         kv_cache = core.engine.runner.kv_cache
         if spec.transport == "cuda_ipc":
@@ -249,6 +253,10 @@ class KvIo:
         wakes while the answer travels to the gateway and on to that decode. A target that fails is
         dropped. Returns the number of writes issued."""
         issued = 0
+        events = None
+        if self._wake_stream is not None and self._wake_targets:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(self._wake_stream)
         for name in list(only if only is not None else self._wake_targets):
             target = self._wake_targets.get(name)
             if target is None:
@@ -265,11 +273,22 @@ class KvIo:
                 log.warning("dropped %s's wake buffer: %s", name, exc)
                 continue
             issued += 1
+        if events is not None:
+            events[1].record(self._wake_stream)
+            self._wake_events = events
+        self.last_wake_unix_ns = time.time_ns()
         self.link_wakes += issued
         return issued
 
     def stats(self) -> dict[str, int]:
-        return {"kv_link_wakes": self.link_wakes, "kv_wake_targets": len(self._wake_targets)}
+        out = {"kv_link_wakes": self.link_wakes, "kv_wake_targets": len(self._wake_targets)}
+        if self.last_wake_unix_ns:
+            out["kv_wake_last_unix_ns"] = self.last_wake_unix_ns
+        if self._wake_events is not None and self._wake_events[1].query():
+            out["kv_wake_last_device_ns"] = int(self._wake_events[0].elapsed_time(self._wake_events[1]) * 1e6)
+        if self.last_pull_unix_ns:
+            out["kv_pull_last_unix_ns"] = self.last_pull_unix_ns
+        return out
 
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
