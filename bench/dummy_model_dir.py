@@ -14,31 +14,48 @@ import json
 import shutil
 from pathlib import Path
 
+MARKER = "made-by-bench-dummy_model_dir"  # a directory holding this file may be replaced
+
+
+def special_ids(config: dict) -> tuple[int, list[int]]:
+    """(bos, eos ids) from a config, each checked against the vocabulary."""
+    vocab_size = int(config["vocab_size"])
+    bos = int(config.get("bos_token_id", 1))
+    eos = config.get("eos_token_id", 2)
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    for name, token_id in [("bos_token_id", bos)] + [("eos_token_id", e) for e in eos_ids]:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"{name} {token_id} is outside the vocabulary [0, {vocab_size})")
+    return bos, eos_ids
+
 
 def make_dummy_model_dir(config_path: str | Path, out_dir: str | Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     config = json.loads(Path(config_path).read_text())
-    vocab_size = int(config["vocab_size"])
-    bos, eos = int(config.get("bos_token_id", 1)), int(config.get("eos_token_id", 2))
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    special = {bos: "<s>", eos: "</s>"}
-    for token_id, text in special.items():
+    bos, eos_ids = special_ids(config)
+    vocab = {f"w{i}": i for i in range(int(config["vocab_size"]))}
+    names = {bos: "<s>"}
+    for k, token_id in enumerate(eos_ids):
+        names.setdefault(token_id, "</s>" if k == 0 else f"</s{k}>")
+    for token_id, text in names.items():
         del vocab[f"w{token_id}"]
         vocab[text] = token_id
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=special[eos]))
+    eos_text = names[eos_ids[0]]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=eos_text))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    from tokenizers import decoders
-
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="</s>")
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=names[bos], eos_token=eos_text, unk_token=eos_text)
     out = Path(out_dir)
     if out.exists():
+        if any(out.iterdir()) and not (out / MARKER).exists():
+            raise FileExistsError(f"{out} exists and was not made by this tool; give an empty or new directory")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     fast.save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / MARKER).write_text(f"from {config_path}\n")
     return out
 
 
