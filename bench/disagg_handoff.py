@@ -9,11 +9,9 @@ in this process on the same prompts one at a time. It reports the KV data moveme
 (CUDA events around the copy: the decode's pull for cuda_ipc, the prefill's send for nccl), the
 pull's wall time in the decode core, and the hand-off latency (prefill's answer to the first decode
 delta: pull, lease release, first decode step), against a plain device-to-device tensor copy of the
-same size measured here back to back and after 200 ms of idle. An NVLink path left idle drops to a
-low-power state and the first copy after it pays ~0.3 ms to wake it (bench/kv_copy_clocks.py);
-`--pacing sequential` leaves the link idle before every pull, `--pacing overlapped` sends the next
-prompt while the previous one decodes. `--wake on,off` runs each transport with the decode's link
-wake-up (the prefill writes 1 MiB to the decode's buffer when a prefill finishes) and without it.
+same size measured here back to back and after 200 ms of idle: an NVLink path left idle pays ~0.3 ms
+to wake on its next copy (bench/kv_copy_clocks.py), and `--pacing sequential` leaves it idle before
+every pull; `--pacing overlapped` sends the next prompt while the previous one decodes.
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ def stop(proc: subprocess.Popen) -> None:
 def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10, idle_s: float = 0.0) -> float:
     """GB/s of a plain tensor copy src -> dst of num_bytes (median of repeats), timed like the
     transfers: CUDA events around the copy on the stream that runs it (the source device's).
-    `idle_s`: both devices idle this long before each copy (an idle H200 lowers its clocks)."""
+    `idle_s`: both devices idle this long before each copy (the link then has to wake)."""
     import torch
 
     if not src.startswith("cuda"):
@@ -92,10 +90,10 @@ def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10, idle_s: flo
     return num_bytes / statistics.median(times) / 1e9
 
 
-async def run_transport(args, transport: str, wake: bool, prompts: list[list[int]], logs: Path) -> dict:
+async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path) -> dict:
     from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-    tag = f"{transport}-wake" if wake else transport
+    tag = transport
 
     p_port, d_port = free_port(), free_port()
     engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
@@ -105,8 +103,7 @@ async def run_transport(args, transport: str, wake: bool, prompts: list[list[int
                                          f"p-{tag}", "--kv-transport", transport], logs / f"p-{tag}.log")
     decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
                                        f"d-{tag}", "--kv-transport", transport, "--prefill-peers",
-                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30",
-                                       "--kv-link-wake" if wake else "--no-kv-link-wake"],
+                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30"],
                    logs / f"d-{tag}.log")
     try:
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
@@ -167,12 +164,7 @@ async def run_transport(args, transport: str, wake: bool, prompts: list[list[int
                 device_ns = after.get("kv_copy_device_ns", 0) - before.get("kv_copy_device_ns", 0)
             ids = list(first.kv.block_ids)
             src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
-            wakes = p_after.get("kv_link_wakes", 0) - p_before.get("kv_link_wakes", 0)
-            # how long before the pull the prefill issued its wake writes, and their device time
-            lead_ms = (after.get("kv_pull_last_unix_ns", 0) - p_after.get("kv_wake_last_unix_ns", 0)) / 1e6 if wakes else None
-            wake_device_ms = p_after.get("kv_wake_last_device_ns", 0) / 1e6 if wakes else None
             results.append({"request_id": rid, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
-                            "link_wakes": wakes, "wake_lead_ms": lead_ms, "wake_device_ms": wake_device_ms,
                             "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
                             "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0,
                             "device_ms": device_ns / 1e6, "device_gb_s": moved / device_ns if device_ns else 0.0})
@@ -184,8 +176,7 @@ async def run_transport(args, transport: str, wake: bool, prompts: list[list[int
         await inbox.put(None)
         call.cancel()
         reader.cancel()
-        armed = (await d_stub.Describe(common_pb2.DescribeRequest())).counters.get("wake_targets_armed", 0)
-        return {"transport": transport, "wake": wake, "wake_targets_armed": armed, "requests": results}
+        return {"transport": transport, "requests": results}
     finally:
         stop(prefill)
         stop(decode)
@@ -210,14 +201,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-device", default="cuda:0")
     ap.add_argument("--decode-device", default="cuda:1")
     ap.add_argument("--transports", default="nccl,cuda_ipc")
-    ap.add_argument("--wake", default="on", help="comma-separated: on (the decode arms its prefill's link "
-                                                 "wake-ups), off, or both as on,off")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--pacing", choices=("sequential", "overlapped"), default="sequential",
-                    help="sequential: each request finishes before the next prefill, so the decode GPU idles "
-                         "(and drops its clocks) before every pull; overlapped: the next prefill starts at the "
+                    help="sequential: each request finishes before the next prefill, so the link idles "
+                         "before every pull; overlapped: the next prefill starts at the "
                          "previous request's first token, so pulls land while the decode GPU is decoding "
                          "(use --max-tokens long enough to outlast a prefill)")
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -233,9 +222,8 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     expected = colocated(args, prompts)
     report = {"args": vars(args), "transports": []}
-    variants = [(t, w == "on") for t in args.transports.split(",") for w in args.wake.split(",")]
-    for transport, wake in variants:
-        result = asyncio.run(run_transport(args, transport, wake, prompts, logs))
+    for transport in args.transports.split(","):
+        result = asyncio.run(run_transport(args, transport, prompts, logs))
         result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
         report["transports"].append(result)
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
@@ -248,8 +236,7 @@ def main(argv=None) -> int:
     print("        nccl: the prefill's send, the decode's receive already posted);")
     print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
     print("send = prefill core's wall time, gather + send (nccl only)")
-    print("wakes = the prefill's wake writes per request (0: no wake-ups armed)")
-    print(f"{'transport':<22}{'wakes':>6}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
+    print(f"{'transport':<22}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
           f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}")
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
@@ -259,16 +246,10 @@ def main(argv=None) -> int:
         t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
         t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
         copy = report["copy_gb_s"]
-        name = f"{t['transport']} wake {'on' if t['wake'] else 'off'}"
-        wakes = statistics.median(r["link_wakes"] for r in t["requests"])
-        print(f"{name:<22}{wakes:>6.0f}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
+        print(f"{t['transport']:<22}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
               f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
               f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
               f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")
-    for t in report["transports"]:
-        if t["wake"] and all(r["link_wakes"] for r in t["requests"]):
-            print(f"{t['transport']}: wake writes issued {[round(r['wake_lead_ms'], 2) for r in t['requests']]} ms "
-                  f"before the pull, taking {[round(r['wake_device_ms'] or 0, 3) for r in t['requests']]} ms on the device")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(t["tokens_equal"] for t in report["transports"]) else 1

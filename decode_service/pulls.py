@@ -44,8 +44,6 @@ class PullCoordinator:
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._pairs: dict[str, asyncio.Task] = {}
-        self._wake_keys: dict[str, str] = {}  # prefill instance -> the pool (cuda_ipc handle) or pair it was armed for
-        self._pair_builds: dict[str, int] = {}  # prefill instance -> pairs built with it (a rebuilt pair: re-arm)
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -71,13 +69,9 @@ class PullCoordinator:
 
     async def _start(self, req, params) -> None:
         handle = req.kv
-        if handle.transport == "cuda_ipc":  # a prefill not prepared at start (or restarted): arm it for later pulls
-            self.ensure_wake(handle.prefill_instance, handle.prefill_address, handle.endpoint.get("cuda_ipc", ""))
         if handle.transport == "nccl":
             try:
                 await self.ensure_pair(handle.prefill_instance, handle.prefill_address)
-                self.ensure_wake(handle.prefill_instance, handle.prefill_address,
-                                 f"pair {self._pair_builds.get(handle.prefill_instance, 0)}")
             except Exception as exc:  # the core's pull then fails and the policy applies
                 log.warning("request_id=%s pairing with %s failed: %s", req.request_id, handle.prefill_instance, exc)
         spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
@@ -195,16 +189,11 @@ class PullCoordinator:
                 try:
                     if transport == "nccl":
                         await self.ensure_pair(name, address, patient=True)
-                        self._wake_keys[name] = f"pair {self._pair_builds.get(name, 0)}"
-                        await self.arm_wake(name, address)
                     elif transport in info.transports and info.kv_endpoint:
                         await self.service.client.call(lambda cid: m.MapPeer(
                             cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)), timeout_s=60.0)
                         self.service.count("peers_mapped")
                         log.info("mapped %s's KV pool (%s)", name, transport)
-                        if transport == "cuda_ipc":
-                            self._wake_keys[name] = info.kv_endpoint.get("cuda_ipc", "")
-                            await self.arm_wake(name, address)
                 except Exception as exc:  # its requests will pair or map on their way (or fail by policy)
                     log.warning("preparing prefill %s (%s) failed: %s", name, address, exc)
                 break
@@ -235,30 +224,3 @@ class PullCoordinator:
         await mine
         service.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)
-        self._pair_builds[prefill_instance] = self._pair_builds.get(prefill_instance, 0) + 1
-
-    # -- link wake-ups -----------------------------------------------------------------------
-    def ensure_wake(self, prefill_instance: str, prefill_address: str, pool_key: str) -> None:
-        """Arm a prefill once per pool it exports (a restarted prefill has a new pool and no targets)."""
-        if self._wake_keys.get(prefill_instance) != pool_key:
-            self._wake_keys[prefill_instance] = pool_key
-            self._spawn(self.arm_wake(prefill_instance, prefill_address))
-
-    async def arm_wake(self, prefill_instance: str, prefill_address: str) -> None:
-        """Give a prefill this decode's wake buffer (CUDA only): the prefill writes to it when a prefill
-        finishes, so the GPU link is awake when this decode pulls. Best effort: pulls work without."""
-        endpoint = self.service.client.endpoint
-        if not endpoint.get("wake_cuda_ipc") or not self.service.config.kv_link_wake:
-            return
-        try:
-            reply = await self.stub(prefill_address).AddWakeTarget(prefill_pb2.WakeTargetRequest(
-                decode_instance=self.service.name,
-                endpoint={"wake_cuda_ipc": endpoint["wake_cuda_ipc"]}), timeout=30.0)
-        except Exception as exc:
-            log.warning("registering the wake buffer with %s failed: %s", prefill_instance, exc)
-            return
-        if reply.armed:
-            self.service.count("wake_targets_armed")
-            log.info("%s wakes the link before this decode's pulls", prefill_instance)
-        else:
-            log.info("%s will not wake the link: %s", prefill_instance, reply.reason)

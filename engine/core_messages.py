@@ -109,15 +109,6 @@ class MapPeer:
 
 
 @dataclass
-class AddWake:
-    """Prefill role: map a decode's wake buffer and write to it whenever a prefill finishes."""
-
-    call_id: int
-    decode_instance: str
-    endpoint: dict[str, str]
-
-
-@dataclass
 class Query:
     call_id: int
     what: str

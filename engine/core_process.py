@@ -64,10 +64,6 @@ class CoreLoop:
             self.conn.send(self.outbox)
             self.outbox = []
 
-    def stats(self) -> dict:
-        """The engine's counters and gauges plus the KV side's (wake-ups)."""
-        return {**self.engine.stats(), **self.kv_io.stats()} if self.kv_io is not None else self.engine.stats()
-
     def _step(self) -> None:
         start = time.perf_counter_ns()
         outputs = self.engine.step()
@@ -76,9 +72,7 @@ class CoreLoop:
             if out.finish_reason == "prefilled":
                 blocks, hashes, num_tokens = self.engine.held_kv(out.request_id)
                 held.append(m.HeldKv(out.request_id, blocks, hashes, num_tokens))
-        if held and self.kv_io is not None:
-            self.kv_io.wake_links()  # a decode will pull these: wake the links toward the decodes now
-        self.outbox.append(m.StepBatch(outputs, held, self.stats(), time.perf_counter_ns() - start))
+        self.outbox.append(m.StepBatch(outputs, held, self.engine.stats(), time.perf_counter_ns() - start))
 
     def handle(self, msg) -> None:
         handler = HANDLERS.get(type(msg))
@@ -94,7 +88,7 @@ class CoreLoop:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.seed)
         except ValueError as exc:
             out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
-            self.outbox.append(m.StepBatch([out], stats=self.stats()))
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
 
     def on_abort(self, msg: m.Abort) -> None:
         from engine.engine_core import RequestOutput
@@ -103,11 +97,11 @@ class CoreLoop:
         self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
         outs = [RequestOutput(rid, [], finished=True, finish_reason="abort")
                 for rid in msg.request_ids if self.engine.abort(rid)]
-        self.outbox.append(m.StepBatch(outs, stats=self.stats()))
+        self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
 
     def on_release(self, msg: m.ReleaseHeld) -> None:
         self.engine.release_kv(msg.request_id)
-        self.outbox.append(m.StepBatch([], stats=self.stats()))
+        self.outbox.append(m.StepBatch([], stats=self.engine.stats()))
 
     def on_import(self, msg: m.ImportKv) -> None:
         try:
@@ -117,7 +111,7 @@ class CoreLoop:
             from engine.engine_core import RequestOutput
 
             out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
-            self.outbox.append(m.StepBatch([out], stats=self.stats()))
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
             return
         if started is None:
             self.pending_imports.append(msg)  # no room now; retried every loop turn
@@ -155,13 +149,13 @@ class CoreLoop:
         if msg.ok:
             done = self.engine.finish_import(msg.request_id)
             if done is not None:
-                self.outbox.append(m.StepBatch([done], stats=self.stats()))
+                self.outbox.append(m.StepBatch([done], stats=self.engine.stats()))
             return
         self.engine.fail_import(msg.request_id, recompute=msg.recompute)
         if not msg.recompute:
             out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                 error="KV lease was no longer valid after the copy")
-            self.outbox.append(m.StepBatch([out], stats=self.stats()))
+            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
 
     def on_send(self, msg: m.SendBlocks) -> None:
         try:
@@ -201,16 +195,9 @@ class CoreLoop:
         except Exception as exc:
             self.outbox.append(m.Reply(msg.call_id, error=f"mapping {msg.prefill_instance}'s KV pool failed: {exc}"))
 
-    def on_add_wake(self, msg: m.AddWake) -> None:
-        try:
-            self.kv_io.map_wake_target(msg.decode_instance, msg.endpoint, self.engine.runner.kv_cache.device)
-            self.outbox.append(m.Reply(msg.call_id, True))
-        except Exception as exc:
-            self.outbox.append(m.Reply(msg.call_id, error=str(exc)))
-
     def on_query(self, msg: m.Query) -> None:
         if msg.what == "stats":
-            self.outbox.append(m.Reply(msg.call_id, self.stats()))
+            self.outbox.append(m.Reply(msg.call_id, self.engine.stats()))
         elif msg.what == "reset_prefix_cache":
             self.outbox.append(m.Reply(msg.call_id, self.engine.pool.reset_prefix_cache()))
         else:
@@ -223,8 +210,7 @@ class CoreLoop:
 HANDLERS: dict[type, Callable] = {
     m.AddRequest: CoreLoop.on_add, m.Abort: CoreLoop.on_abort, m.ReleaseHeld: CoreLoop.on_release,
     m.ImportKv: CoreLoop.on_import, m.CommitImport: CoreLoop.on_commit, m.SendBlocks: CoreLoop.on_send,
-    m.Pair: CoreLoop.on_pair, m.MapPeer: CoreLoop.on_map_peer,
-    m.AddWake: CoreLoop.on_add_wake, m.Query: CoreLoop.on_query,
+    m.Pair: CoreLoop.on_pair, m.MapPeer: CoreLoop.on_map_peer, m.Query: CoreLoop.on_query,
     m.Shutdown: CoreLoop.on_shutdown,
 }
 

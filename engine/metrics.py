@@ -59,7 +59,6 @@ class Metrics:
         self.kv_transfer_blocks = counter("kv_transfer_blocks_total", "KV blocks moved between instances.")
         self.kv_transfer_time = hist("kv_transfer_duration_seconds", "Duration of one request's KV pull or send.", TRANSFER_BUCKETS_S)
         self.kv_transfer_failures = counter("kv_transfer_failures_total", "Failed KV pulls or sends.")
-        self.kv_link_wakes = counter("kv_link_wakes_total", "Writes to decodes' wake buffers (wake the GPU link before a pull).")
         self.kv_leases_expired = counter("kv_leases_expired_total", "Prefill leases that expired unclaimed.")
         self.requests = counter("requests_total", "Requests by route and status code.", ["route", "status"])
         self._last_engine: dict[str, int] = {}
@@ -77,7 +76,7 @@ class Metrics:
         if total:
             self.lab(self.kv_usage).set(1.0 - stats.get("num_free_blocks", 0) / total)
         for key, metric in (("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits),
-                            ("num_preemptions", self.preemptions), ("kv_link_wakes", self.kv_link_wakes)):
+                            ("num_preemptions", self.preemptions)):
             delta = stats.get(key, 0) - self._last_engine.get(key, 0)
             if delta > 0:
                 self.lab(metric).inc(delta)

@@ -28,9 +28,6 @@ class ServiceConfig:
     kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
     prefill_peers: str = option("", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; "
                                     "shm, cuda_ipc: map the KV pool)")
-    kv_link_wake: bool = option(False, "decode on CUDA: give each prefill a 1 MiB buffer it writes to when a prefill "
-                                       "finishes, to wake the GPU link before the pull (measured: +1-4 points of copy "
-                                       "rate; costs each prefill a CUDA context on this GPU)")
     max_queued_requests: int = option(1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20)
     drain_grace_s: float = option(30.0, "on SIGTERM: how long to let in-flight requests finish", min=0.0, max=3600.0)
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")

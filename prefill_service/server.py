@@ -136,20 +136,6 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         self.count("pairs_created")
         return prefill_pb2.PairKvResponse(paired=True)
 
-    async def AddWakeTarget(self, request, context):
-        if not request.decode_instance:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_instance is required")
-        if not request.endpoint.get("wake_cuda_ipc"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint.wake_cuda_ipc is required")
-        try:
-            await self.client.call(lambda cid: m.AddWake(cid, request.decode_instance, dict(request.endpoint)),
-                                   timeout_s=60.0)
-        except Exception as exc:  # another host, another device numbering, a CPU prefill: pulls work, unwoken
-            log.info("no wake-ups for %s: %s", request.decode_instance, exc)
-            return prefill_pb2.WakeTargetResponse(armed=False, reason=str(exc))
-        self.count("wake_targets_added")
-        return prefill_pb2.WakeTargetResponse(armed=True)
-
     async def SendKv(self, request, context):
         lease = self.leases.get(request.lease_id, request.epoch)
         if lease is None:

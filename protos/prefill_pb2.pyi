@@ -96,26 +96,3 @@ class SendKvResponse(_message.Message):
     num_bytes: int
     transfer_ns: int
     def __init__(self, num_bytes: _Optional[int] = ..., transfer_ns: _Optional[int] = ...) -> None: ...
-
-class WakeTargetRequest(_message.Message):
-    __slots__ = ("decode_instance", "endpoint")
-    class EndpointEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    decode_instance: str
-    endpoint: _containers.ScalarMap[str, str]
-    def __init__(self, decode_instance: _Optional[str] = ..., endpoint: _Optional[_Mapping[str, str]] = ...) -> None: ...
-
-class WakeTargetResponse(_message.Message):
-    __slots__ = ("armed", "reason")
-    ARMED_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    armed: bool
-    reason: str
-    def __init__(self, armed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

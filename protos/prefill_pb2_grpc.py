@@ -56,11 +56,6 @@ class PrefillStub:
                 request_serializer=protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
                 response_deserializer=protos_dot_prefill__pb2.SendKvResponse.FromString,
                 _registered_method=True)
-        self.AddWakeTarget = channel.unary_unary(
-                '/splitserve.v1.Prefill/AddWakeTarget',
-                request_serializer=protos_dot_prefill__pb2.WakeTargetRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.WakeTargetResponse.FromString,
-                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/splitserve.v1.Prefill/Describe',
                 request_serializer=protos_dot_common__pb2.DescribeRequest.SerializeToString,
@@ -100,14 +95,6 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AddWakeTarget(self, request, context):
-        """Register a decode's small GPU buffer that this prefill writes to whenever a prefill finishes, so
-        the GPU-to-GPU link is awake (out of its low-power state) when that decode pulls the KV.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Describe(self, request, context):
         """Instance identity, layout and load.
         """
@@ -137,11 +124,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.SendKv,
                     request_deserializer=protos_dot_prefill__pb2.SendKvRequest.FromString,
                     response_serializer=protos_dot_prefill__pb2.SendKvResponse.SerializeToString,
-            ),
-            'AddWakeTarget': grpc.unary_unary_rpc_method_handler(
-                    servicer.AddWakeTarget,
-                    request_deserializer=protos_dot_prefill__pb2.WakeTargetRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.WakeTargetResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -258,33 +240,6 @@ class Prefill:
             '/splitserve.v1.Prefill/SendKv',
             protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
             protos_dot_prefill__pb2.SendKvResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AddWakeTarget(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.Prefill/AddWakeTarget',
-            protos_dot_prefill__pb2.WakeTargetRequest.SerializeToString,
-            protos_dot_prefill__pb2.WakeTargetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,10 +1,14 @@
-"""KvIo's decode-side pool mappings: one per pool, a restarted prefill's new pool replaces the old."""
+"""KvIo's decode-side pool mappings: one per pool, a restarted prefill's new pool replaces the old; CUDA IPC
+handles travel as plain data and are checked before anything of theirs runs."""
+
+import base64
+import pickle
 
 import pytest
 import torch
 
 from engine.kv_layout import KvLayout
-from engine.kv_transfer.io import KvIo
+from engine.kv_transfer.io import KvIo, ipc_plain_args, load_cuda_ipc
 from engine.kv_transfer.shm import SharedKvPool, segment_name
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model_id="kv-io-test")
@@ -31,35 +35,69 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
             pool.close()
 
 
-def test_wake_targets_are_written_replaced_and_dropped_when_broken():
-    """A prefill writes WAKE_BYTES to each registered decode's buffer per finished prefill step; a decode that
-    registers again replaces its buffer; a buffer that cannot be written is dropped, the others still are."""
-    from engine.kv_transfer.io import WAKE_BYTES
+# what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
+TORCH_ARGS = (torch.Tensor, torch.Size([4, 2, 16]), (32, 16, 1), 64, torch.storage.TypedStorage, torch.bfloat16, 1,
+              b"\x01" * 64, 1 << 20, 4096, False, b"ref", 8, b"\x02" * 64, True)
 
-    io = KvIo({"transport": "nccl", "instance": "p-wake", "role": "prefill"})
 
-    def counts():
-        return {k: v for k, v in io.stats().items() if k in ("kv_link_wakes", "kv_wake_targets")}
+def encode(value) -> str:
+    return base64.b64encode(pickle.dumps(value)).decode()
 
-    cpu = torch.device("cpu")
-    a, b = torch.zeros(WAKE_BYTES, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    io.add_wake_target("d-a", a, cpu)  # registering writes once (checks the buffer is writable)
-    assert int(a.sum()) == WAKE_BYTES and counts() == {"kv_link_wakes": 1, "kv_wake_targets": 1}
-    io.add_wake_target("d-b", b, cpu)
-    a.zero_(), b.zero_()
-    assert io.wake_links() == 2
-    assert int(a.sum()) == WAKE_BYTES and int(b.sum()) == 64  # a smaller buffer gets what fits
-    assert counts() == {"kv_link_wakes": 4, "kv_wake_targets": 2}
-    a2 = torch.zeros(16, dtype=torch.uint8)
-    io.add_wake_target("d-a", a2, cpu)  # d-a restarted: its new buffer replaces the old one
-    a.zero_()
-    assert io.wake_links() == 2 and int(a.sum()) == 0 and int(a2.sum()) == 16
-    io._wake_targets["d-b"] = torch.zeros(8, requires_grad=True)  # not writable in place
-    assert io.wake_links() == 1
-    assert counts() == {"kv_link_wakes": 8, "kv_wake_targets": 1}
-    assert io.stats()["kv_wake_last_unix_ns"] > 0  # when the last writes were issued (their lead over a pull)
+
+def test_a_cuda_ipc_handle_round_trips_as_plain_data():
+    plain = ipc_plain_args(TORCH_ARGS)
+    assert plain == ((4, 2, 16), (32, 16, 1), 64, "bfloat16", 1, b"\x01" * 64, 1 << 20, 4096, False, b"ref", 8,
+                     b"\x02" * 64, True)
+    back = load_cuda_ipc(encode(plain))
+    assert back == TORCH_ARGS and type(back[1]) is torch.Size
+
+
+class _Touch:
+    """Unpickling this would create a file: a handle that names code must be refused before it runs."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_a_handle_naming_code_or_malformed_is_refused_before_anything_runs(tmp_path):
+    marker = tmp_path / "ran"
     with pytest.raises(ValueError) as err:
-        io.map_wake_target("d-c", {"wake_cuda_ipc": "x"}, cpu)
-    assert str(err.value) == "this prefill runs on cpu; link wake-ups need a CUDA device"
-    io.close()
-    assert io.stats()["kv_wake_targets"] == 0
+        load_cuda_ipc(encode(_Touch(marker)))
+    assert str(err.value) == ("endpoint.cuda_ipc is not a CUDA IPC handle: a CUDA IPC handle holds plain data only, "
+                              "not io.open")
+    assert not marker.exists()
+    plain = list(ipc_plain_args(TORCH_ARGS))
+    cases = {
+        "not base64!": "endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text",
+        base64.b64encode(pickle.dumps(tuple(plain))[:20]).decode():
+            "endpoint.cuda_ipc is not a CUDA IPC handle: pickle data was truncated",
+        encode(tuple(plain[:5])): "endpoint.cuda_ipc must hold 13 fields, got 5",
+        encode(tuple(plain[:4] + [-1.5] + plain[5:])): "endpoint.cuda_ipc field device must be int, got -1.5",
+        encode(tuple([(4, "x")] + plain[1:])): "endpoint.cuda_ipc field size must be tuple, got (4, 'x')",
+        encode(tuple(plain[:3] + ["Tensor"] + plain[4:])): "endpoint.cuda_ipc field dtype 'Tensor' is not a torch dtype",
+        encode(tuple(plain[:5] + [None] + plain[6:])): None,  # an empty storage has no handle
+    }
+    for handle, message in cases.items():
+        if message is None:
+            assert load_cuda_ipc(handle)[7] is None
+            continue
+        with pytest.raises(ValueError) as err:
+            load_cuda_ipc(handle)
+        assert str(err.value) == message
+    with pytest.raises(ValueError) as err:
+        ipc_plain_args((torch.nn.Parameter,) + TORCH_ARGS[1:])
+    assert str(err.value) == "only plain tensors are exported over CUDA IPC, not Parameter on TypedStorage"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_tensor_exported_and_opened_in_this_process_is_the_same_memory():
+    from engine.kv_transfer.io import export_cuda_ipc, open_cuda_ipc
+
+    pool = torch.arange(4096, dtype=torch.bfloat16, device="cuda").view(16, 256)
+    opened = open_cuda_ipc(export_cuda_ipc(pool[4:]))  # torch finds its own export in its cache
+    assert opened.shape == (12, 256) and opened.dtype == torch.bfloat16
+    assert opened.data_ptr() == pool[4:].data_ptr() and torch.equal(opened, pool[4:])

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.model_factory import make_tiny_model_dir
 from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
 from tests.service_harness import start_service
@@ -76,37 +76,6 @@ def test_decode_prepared_its_prefill_before_serving(stack):
         assert d.counters["peers_mapped"] == 1 and "pairs_created" not in d.counters
     else:
         assert d.counters["pairs_created"] == 1 and "peers_mapped" not in d.counters
-
-
-def test_wake_target_registration_names_bad_fields_and_a_cpu_prefill_declines(stack):
-    """AddWakeTarget (a decode's buffer the prefill writes to so the GPU link is awake at the pull): a missing
-    field is refused by name; on CPU the prefill declines with the reason and writes nothing. A CPU decode
-    has no wake buffer, so it registered none at start."""
-    import grpc
-
-    from protos import prefill_pb2
-
-    async def go():
-        async with grpc.aio.insecure_channel(stack["prefill"]) as channel:
-            stub = prefill_pb2_grpc.PrefillStub(channel)
-            errors = []
-            for req in (prefill_pb2.WakeTargetRequest(endpoint={"wake_cuda_ipc": "x"}),
-                        prefill_pb2.WakeTargetRequest(decode_instance="d-x", endpoint={"other": "y"})):
-                try:
-                    await stub.AddWakeTarget(req, timeout=10)
-                except grpc.aio.AioRpcError as exc:
-                    errors.append((exc.code(), exc.details()))
-            declined = await stub.AddWakeTarget(prefill_pb2.WakeTargetRequest(
-                decode_instance="d-x", endpoint={"wake_cuda_ipc": "x"}), timeout=10)
-            return errors, declined, await describe(stack["prefill"])
-
-    errors, declined, p = run(go())
-    assert errors == [(grpc.StatusCode.INVALID_ARGUMENT, "decode_instance is required"),
-                      (grpc.StatusCode.INVALID_ARGUMENT, "endpoint.wake_cuda_ipc is required")]
-    assert not declined.armed
-    assert declined.reason == "this prefill runs on cpu; link wake-ups need a CUDA device"
-    assert p.counters["kv_wake_targets"] == 0 and p.counters["kv_link_wakes"] == 0
-    assert "wake_targets_added" not in p.counters
 
 
 def test_concurrent_batch_equals_in_process_engine(stack, expected):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import io
 import logging
 import os
 import pickle
@@ -25,24 +26,74 @@ from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unli
 log = logging.getLogger("splitserve.kv")
 
 TRANSPORTS = ("shm", "cuda_ipc", "nccl")
-# An NVLink path left idle for tens of ms drops to a low-power state; the first copy after that pays
-# ~0.3 ms to wake it (a 256 MiB copy: 0.70 ms back to back, 0.98 ms after 200 ms idle; after a 1 MiB copy
-# just ahead, 0.70 ms again; a 4 KiB one wakes it only part way: bench/kv_copy_clocks.py). A prefill
-# writes this many bytes to each registered decode's wake buffer when a prefill finishes.
-WAKE_BYTES = 1 << 20
+# A CUDA IPC handle travels as plain data (ints, bytes, a dtype name), pickled with no globals at all, so a
+# handle that arrives over the network (KvHandle.endpoint, Describe) can name no code to run here; the
+# rebuild adds torch's classes itself. Fields: torch's reduce_tensor arguments less the two classes.
+_NONE = type(None)
+_IPC_FIELDS = (("size", (tuple,)), ("stride", (tuple,)), ("offset", (int,)), ("dtype", (str,)), ("device", (int,)),
+               ("handle", (bytes, _NONE)), ("storage_size_bytes", (int,)), ("storage_offset_bytes", (int,)),
+               ("requires_grad", (bool,)), ("ref_counter_handle", (bytes, _NONE)), ("ref_counter_offset", (int,)),
+               ("event_handle", (bytes, _NONE)), ("event_sync_required", (bool,)))
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"a CUDA IPC handle holds plain data only, not {module}.{name}")
+
+
+def ipc_plain_args(args: tuple) -> tuple:
+    """torch's reduce_tensor arguments of a CUDA tensor -> the plain fields of _IPC_FIELDS."""
+    tensor_cls, size, stride, offset, storage_cls, dtype, *rest = args
+    if tensor_cls is not torch.Tensor or storage_cls is not torch.storage.TypedStorage:
+        raise ValueError(f"only plain tensors are exported over CUDA IPC, not {tensor_cls.__name__} "
+                         f"on {storage_cls.__name__}")
+    return (tuple(size), tuple(stride), offset, str(dtype).removeprefix("torch."), *rest)
+
+
+def ipc_rebuild_args(plain) -> tuple:
+    """The plain fields, checked one by one -> torch's rebuild_cuda_tensor arguments."""
+    if not isinstance(plain, tuple) or len(plain) != len(_IPC_FIELDS):
+        raise ValueError(f"endpoint.cuda_ipc must hold {len(_IPC_FIELDS)} fields, got "
+                         f"{len(plain) if isinstance(plain, tuple) else type(plain).__name__}")
+    for (name, kinds), value in zip(_IPC_FIELDS, plain):
+        if not isinstance(value, kinds) or isinstance(value, tuple) and not all(isinstance(v, int) for v in value):
+            wanted = " or ".join("None" if k is _NONE else k.__name__ for k in kinds)
+            raise ValueError(f"endpoint.cuda_ipc field {name} must be {wanted}, got {value!r:.80}")
+    size, stride, offset, dtype_name, *rest = plain
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"endpoint.cuda_ipc field dtype {dtype_name!r} is not a torch dtype")
+    return (torch.Tensor, torch.Size(size), stride, offset, torch.storage.TypedStorage, dtype, *rest)
 
 
 def export_cuda_ipc(tensor: torch.Tensor) -> str:
     """A CUDA tensor's IPC handle as text (what an endpoint carries)."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-    return base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
+    func, args = reduce_tensor(tensor)
+    if func is not rebuild_cuda_tensor:
+        raise ValueError(f"only CUDA tensors are exported over CUDA IPC, not one on {tensor.device}")
+    return base64.b64encode(pickle.dumps(ipc_plain_args(args))).decode()
+
+
+def load_cuda_ipc(handle: str) -> tuple:
+    """rebuild_cuda_tensor's arguments from `export_cuda_ipc`'s text, checked before anything runs."""
+    try:
+        raw = base64.b64decode(handle, validate=True)
+    except (ValueError, TypeError):
+        raise ValueError("endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text") from None
+    try:
+        plain = _PlainUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:  # untrusted bytes: any unpickling failure is a malformed handle
+        raise ValueError(f"endpoint.cuda_ipc is not a CUDA IPC handle: {exc}") from None
+    return ipc_rebuild_args(plain)
 
 
 def open_cuda_ipc(handle: str) -> torch.Tensor:
     """Map another process's CUDA tensor from `export_cuda_ipc`'s text."""
-    func, args = pickle.loads(base64.b64decode(handle))
-    return func(*args)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*load_cuda_ipc(handle))
 
 
 class KvIo:
@@ -62,14 +113,6 @@ class KvIo:
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
         self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
         self.groups: dict[str, object] = {}  # pair name -> process group
-        self._wake_buffer: torch.Tensor | None = None  # decode role on CUDA: what prefills write to
-        self._wake_targets: dict[str, torch.Tensor] = {}  # prefill role: decode instance -> its mapped buffer
-        self._wake_source: torch.Tensor | None = None
-        self._wake_stream = None
-        self.link_wakes = 0  # wake writes issued (prefill role)
-        self._wake_events = None  # CUDA events around the last wake writes (their device time, once done)
-        self.last_wake_unix_ns = 0  # when the last wake writes were issued (prefill role)
-        self.last_pull_unix_ns = 0  # when the last pull started (decode role); with the above: the wake's lead
         self._stores: dict[str, object] = {}
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
 
@@ -87,9 +130,6 @@ class KvIo:
         if self.transport == "cuda_ipc" and exports and device.type == "cuda":
             self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
                              "device": str(device.index)}
-        if self.transport in ("cuda_ipc", "nccl") and self.role in ("decode", "both") and device.type == "cuda":
-            self._wake_buffer = torch.zeros(WAKE_BYTES, dtype=torch.uint8, device=device)
-            self.endpoint["wake_cuda_ipc"] = export_cuda_ipc(self._wake_buffer)
         return kv_cache
 
     # -- decode side -----------------------------------------------------------------------
@@ -124,7 +164,6 @@ class KvIo:
         self.last_device_ns = 0  # set by the transports that time their copy on the device (cuda_ipc)
         if not indices:
             return 0
-        self.last_pull_unix_ns = time.time_ns()
         self._inject_pull_faults()
         kv_cache = core.engine.runner.kv_cache
         if spec.transport == "cuda_ipc":
@@ -229,67 +268,6 @@ class KvIo:
         return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start,
                 "device_ns": self.last_device_ns if events else 0}
 
-    # -- link wake-ups (prefill side) --------------------------------------------------------------
-    def add_wake_target(self, decode_instance: str, target: torch.Tensor, source_device: torch.device) -> None:
-        """Write to `target` (a decode's wake buffer, mapped here) after each prefill; replaces an earlier
-        target of the same decode (a restarted decode registers its new buffer)."""
-        if self._wake_source is None or self._wake_source.device != source_device:
-            self._wake_source = torch.ones(WAKE_BYTES, dtype=torch.uint8, device=source_device)
-            self._wake_stream = torch.cuda.Stream(source_device) if source_device.type == "cuda" else None
-        self._wake_targets[decode_instance] = target
-        self.wake_links([decode_instance])
-
-    def map_wake_target(self, decode_instance: str, endpoint: dict, source_device: torch.device) -> None:
-        """Map a decode's wake buffer from its endpoint (CUDA IPC) and register it."""
-        if source_device.type != "cuda":
-            raise ValueError(f"this prefill runs on {source_device.type}; link wake-ups need a CUDA device")
-        handle = endpoint.get("wake_cuda_ipc")
-        if not handle:
-            raise ValueError("endpoint.wake_cuda_ipc is required")
-        self.add_wake_target(decode_instance, open_cuda_ipc(handle), source_device)
-
-    def wake_links(self, only: list[str] | None = None) -> int:
-        """Copy a few bytes to every registered decode (or those in `only`) on a side stream: the link
-        wakes while the answer travels to the gateway and on to that decode. A target that fails is
-        dropped. Returns the number of writes issued."""
-        issued = 0
-        events = None
-        if self._wake_stream is not None and self._wake_targets:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record(self._wake_stream)
-        for name in list(only if only is not None else self._wake_targets):
-            target = self._wake_targets.get(name)
-            if target is None:
-                continue
-            n = min(target.numel(), self._wake_source.numel())
-            try:
-                if self._wake_stream is not None:
-                    with torch.cuda.stream(self._wake_stream):
-                        target[:n].copy_(self._wake_source[:n], non_blocking=True)
-                else:
-                    target[:n].copy_(self._wake_source[:n])
-            except Exception as exc:
-                self._wake_targets.pop(name, None)
-                log.warning("dropped %s's wake buffer: %s", name, exc)
-                continue
-            issued += 1
-        if events is not None:
-            events[1].record(self._wake_stream)
-            self._wake_events = events
-        self.last_wake_unix_ns = time.time_ns()
-        self.link_wakes += issued
-        return issued
-
-    def stats(self) -> dict[str, int]:
-        out = {"kv_link_wakes": self.link_wakes, "kv_wake_targets": len(self._wake_targets)}
-        if self.last_wake_unix_ns:
-            out["kv_wake_last_unix_ns"] = self.last_wake_unix_ns
-        if self._wake_events is not None and self._wake_events[1].query():
-            out["kv_wake_last_device_ns"] = int(self._wake_events[0].elapsed_time(self._wake_events[1]) * 1e6)
-        if self.last_pull_unix_ns:
-            out["kv_pull_last_unix_ns"] = self.last_pull_unix_ns
-        return out
-
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
              local_host: str | None = None) -> None:
@@ -338,7 +316,6 @@ class KvIo:
         self._stores.pop(pair, None)
 
     def close(self) -> None:
-        self._wake_targets.clear()
         for pair in list(self.groups):
             self.groups.pop(pair, None)
         for pool in self._mapped.values():
