@@ -33,7 +33,7 @@ _NONE = type(None)
 _IPC_FIELDS = (("size", (tuple,)), ("stride", (tuple,)), ("offset", (int,)), ("dtype", (str,)), ("device", (int,)),
                ("handle", (bytes, _NONE)), ("storage_size_bytes", (int,)), ("storage_offset_bytes", (int,)),
                ("requires_grad", (bool,)), ("ref_counter_handle", (bytes, _NONE)), ("ref_counter_offset", (int,)),
-               ("event_handle", (bytes, _NONE)), ("event_sync_required", (bool,)))
+               ("event_handle", (bytes, _NONE)), ("event_sync_required", (bool, _NONE)))
 
 
 class _PlainUnpickler(pickle.Unpickler):
