@@ -30,6 +30,26 @@ _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context for the first output
 
 
+def fast_decode(tokenizer: Any, skip_special_tokens: bool) -> Any:
+    """`ids -> text` straight through the Rust tokenizer when transformers' wrapper would add nothing
+    (a fast tokenizer whose decode and _decode are the library's own, clean-up off): the wrapper's
+    argument handling costs several times the decode itself, twice per streamed token. Else the
+    tokenizer's own decode with the same arguments."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its decode
+        PreTrainedTokenizerBase = TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and backend is not None and hasattr(backend, "decode")
+            and getattr(cls, "_decode", None) is TokenizersBackend._decode
+            and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
 @dataclass(frozen=True)
 class DetokenizerDelta:
     """New text since the previous push; stop_str is the stop string that ended the output."""
@@ -58,8 +78,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = fast_decode(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
@@ -95,11 +114,7 @@ class IncrementalDetokenizer:
         return text
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(
-            self._ids[start:end],
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._decode_ids(self._ids[start:end])
 
     def _decode_next(self, token_id: int) -> str:
         """Append one token; return the text it completes (empty while a char is partial)."""

@@ -42,6 +42,8 @@ _MARK_DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.S
 _REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.FAILED_PRECONDITION}
 _RELEASE_TIMEOUT_S = 5.0
+# Put in a run's queue by a timer at its deadline (one timer per request, not one per awaited message).
+_DEADLINE = object()
 
 
 class RequestRun:
@@ -75,7 +77,8 @@ class RequestRun:
         self._link: DecodeLink | None = None  # the stream the request was sent on
         self._queue: asyncio.Queue | None = None
         self._local_prefill = False
-        self._stashed: LinkFailure | None = None  # a failure queued behind merged deltas
+        self._stashed: LinkFailure | object | None = None  # a failure or _DEADLINE queued behind merged deltas
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._handed: tuple[Instance, common_pb2.KvHandle] | None = None  # lease given to a decode, unclaimed yet
         self._span = tracing.start_span("request", tracing.extract(trace_carrier), {
             "request_id": request_id, "prompt_tokens": len(prompt_token_ids), "max_tokens": params.max_tokens or 0})
@@ -194,6 +197,8 @@ class RequestRun:
     def _submit(self, decode: Instance, request: decode_pb2.DecodeRequest) -> None:
         assert decode.link is not None
         self._queue = decode.link.submit(request)  # raises LinkDown
+        loop = asyncio.get_running_loop()
+        self._deadline_timer = loop.call_at(loop.time() + self._remaining_s(), self._queue.put_nowait, _DEADLINE)
         self._decode, self._link = decode, decode.link
         self._handed, self._held = self._held, None  # the decode owns the lease now
         self._service.router.assign(decode, self._prompt)
@@ -225,22 +230,17 @@ class RequestRun:
         assert self._queue is not None
         if self._stashed is not None:
             item, self._stashed = self._stashed, None
-            return item
-        queue = self._queue
-        if queue.empty():
-            try:
-                async with asyncio.timeout(self._remaining_s()):
-                    item = await queue.get()
-            except TimeoutError:
-                return None
         else:
-            item = queue.get_nowait()
+            queue = self._queue
+            item = await queue.get() if queue.empty() else queue.get_nowait()
+        if item is _DEADLINE:
+            return None
         if isinstance(item, LinkFailure):
             return item
         deltas = [item]
-        while not deltas[-1].finish_reason and not queue.empty():
-            following = queue.get_nowait()
-            if isinstance(following, LinkFailure):
+        while not deltas[-1].finish_reason and not self._queue.empty():
+            following = self._queue.get_nowait()
+            if following is _DEADLINE or isinstance(following, LinkFailure):
                 self._stashed = following  # after the tokens that came before it
                 break
             deltas.append(following)
@@ -350,6 +350,9 @@ class RequestRun:
             tracing.record_span("gateway.stream", self._first_message_ns, time.time_ns(), self._span,
                                 {"output_tokens": self.num_output_tokens})
         tracing.end_span(self._span, self._error)
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         if self._link is not None:
             self._link.abort(self.request_id)  # no-op once finished or failed
             self._link = None

@@ -176,3 +176,30 @@ def test_load_tokenizer_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError) as excinfo:
         load_tokenizer(missing)
     assert str(excinfo.value) == f"tokenizer directory {str(missing)!r} does not exist"
+
+
+def test_the_rust_decode_is_used_only_where_it_equals_the_wrappers(byte_bpe, metaspace):
+    """fast_decode skips transformers' wrapper for a plain fast tokenizer (same text for every id sequence,
+    special tokens kept or skipped) and keeps the tokenizer's own decode where a class overrides it."""
+    import random
+
+    from engine.detokenizer import fast_decode
+
+    rng = random.Random(0)
+    for tok in (byte_bpe, metaspace):
+        for skip in (True, False):
+            decode_ids = fast_decode(tok, skip)
+            assert decode_ids.__code__ is not fast_decode(object(), skip).__code__  # the Rust path
+            for _ in range(50):
+                ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+                assert decode_ids(ids) == decode(tok, ids, skip_special_tokens=skip)
+
+    class Shouting(type(byte_bpe)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=byte_bpe.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    ids = byte_bpe.encode("the cat", add_special_tokens=False)
+    assert fast_decode(shouting, True)(ids) == "THE CAT"
+    detok = IncrementalDetokenizer(shouting)
+    assert "".join(stream(detok, ids)[0]) == "THE CAT"

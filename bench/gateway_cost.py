@@ -1,0 +1,127 @@
+"""What the gateway costs per streamed token: the real gateway process in front of fake prefill and decode
+services (tests/gateway_fakes: instant prefill, one token per request every --step-ms), loaded by
+bench.serve over gRPC. Reports the gateway's CPU time per output token (from /proc, so it holds on a
+busy machine), the fakes' CPU, and what the client saw (ITL p50/p99 against the fixed step, TPOT).
+
+    python -m bench.gateway_cost --rate 20 --num-requests 200 --output-len 256 --json out.json
+
+One core at C us/token streams at most 1e6/C tokens/s: the rate at which the gateway, not the GPUs, sets
+the inter-token latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_fakes(step_s: float, tokenizer_dir: str) -> None:
+    """--role fakes: a fake prefill and a fake decode on loopback; prints their addresses, runs until killed."""
+    from tests.gateway_fakes import FakeDecode, FakePrefill, FakeServer, make_tokenizer_dir
+
+    async def serve() -> None:
+        prefill = FakeServer(FakePrefill("prefill-0", max_model_len=8192))
+        decode = FakeServer(FakeDecode("decode-0", max_model_len=8192, step_s=step_s, free_blocks=1 << 20))
+        await prefill.start()
+        await decode.start()
+        print(prefill.address, decode.address, flush=True)
+        await asyncio.Event().wait()
+
+    make_tokenizer_dir(tokenizer_dir)
+    asyncio.run(serve())
+
+
+def wait_port(port: int, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:g} s")
+
+
+def measure(args) -> dict:
+    me = [sys.executable, "-m", "bench.gateway_cost"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = os.path.join(tmp, "tokenizer")
+        fakes = subprocess.Popen(me + ["--role", "fakes", "--step-ms", str(args.step_ms), "--tokenizer-dir", tok],
+                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
+        gateway = None
+        try:
+            prefill, decode = fakes.stdout.readline().split()
+            grpc_port, http_port = free_port(), free_port()
+            gateway = subprocess.Popen([sys.executable, "-m", "engine.cli", "gateway", "--grpc-port", str(grpc_port),
+                                        "--http-port", str(http_port), "--prefill", prefill, "--decode", decode,
+                                        "--model", tok], cwd=REPO, stdout=subprocess.DEVNULL,
+                                       stderr=open(os.path.join(tmp, "gateway.log"), "w"))
+            wait_port(grpc_port)
+            time.sleep(2.0)  # the gateway finds both instances up
+            out_json = os.path.join(tmp, "serve.json")
+            g0, f0 = cpu_s(gateway.pid), cpu_s(fakes.pid)
+            subprocess.run([sys.executable, "-m", "bench.serve", "--grpc-port", str(grpc_port), "--request-rate",
+                            str(args.rate), "--num-requests", str(args.num_requests), "--input-len", "32",
+                            "--output-len", str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000",
+                            "--slo-itl-ms", str(3 * args.step_ms), "--no-progress", "--json", out_json],
+                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            g1, f1 = cpu_s(gateway.pid), cpu_s(fakes.pid)
+            summary = json.loads(Path(out_json).read_text())["runs"][0]["summary"]
+        finally:
+            for proc in (gateway, fakes):
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+    tokens = args.num_requests * args.output_len
+    return {"rate": args.rate, "num_requests": args.num_requests, "output_len": args.output_len,
+            "step_ms": args.step_ms, "tokens": tokens, "gateway_cpu_s": g1 - g0, "fakes_cpu_s": f1 - f0,
+            "gateway_us_per_token": (g1 - g0) / tokens * 1e6, "itl_ms": summary["itl_ms"],
+            "tpot_ms": summary["tpot_ms"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson)")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--step-ms", type=float, default=15.0, help="the fake decode's step")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--role", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer-dir", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "fakes":
+        return run_fakes(args.step_ms / 1000, args.tokenizer_dir)
+    r = measure(args)
+    print(f"{r['tokens']} tokens ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
+          f"fake decode step {r['step_ms']:g} ms)")
+    print(f"{'gateway CPU us/token':>22} {'gateway CPU s':>14} {'fakes CPU s':>12} {'ITL p50 ms':>11} "
+          f"{'ITL p99 ms':>11} {'TPOT p50 ms':>12}")
+    print(f"{r['gateway_us_per_token']:>22.1f} {r['gateway_cpu_s']:>14.2f} {r['fakes_cpu_s']:>12.2f} "
+          f"{r['itl_ms']['p50']:>11.1f} {r['itl_ms']['p99']:>11.1f} {r['tpot_ms']['p50']:>12.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()
