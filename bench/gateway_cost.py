@@ -53,14 +53,20 @@ def run_fakes(step_s: float, tokenizer_dir: str) -> None:
     asyncio.run(serve())
 
 
-def wait_port(port: int, timeout_s: float = 60.0) -> None:
+def wait_ready(http_port: int, timeout_s: float = 60.0) -> None:
+    """Until the gateway's /ready says a full path (prefill and decode up) exists."""
+    import urllib.request
+
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
         time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:g} s")
+    raise RuntimeError(f"the gateway was not ready after {timeout_s:g} s")
 
 
 def measure(args) -> dict:
@@ -77,23 +83,30 @@ def measure(args) -> dict:
                                         "--http-port", str(http_port), "--prefill", prefill, "--decode", decode,
                                         "--model", tok], cwd=REPO, stdout=subprocess.DEVNULL,
                                        stderr=open(os.path.join(tmp, "gateway.log"), "w"))
-            wait_port(grpc_port)
-            time.sleep(2.0)  # the gateway finds both instances up
+            wait_ready(http_port)
             out_json = os.path.join(tmp, "serve.json")
+
+            def load(rate: float, num_requests: int) -> None:
+                subprocess.run([sys.executable, "-m", "bench.serve", "--grpc-port", str(grpc_port), "--request-rate",
+                                str(rate), "--num-requests", str(num_requests), "--input-len", "32", "--output-len",
+                                str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000", "--slo-itl-ms",
+                                str(3 * args.step_ms), "--num-warmup", "0", "--no-progress", "--json", out_json],
+                               cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+            load(50.0, 10)  # warm-up (and the gateway sees both instances up), outside the measurement
             g0, f0 = cpu_s(gateway.pid), cpu_s(fakes.pid)
-            subprocess.run([sys.executable, "-m", "bench.serve", "--grpc-port", str(grpc_port), "--request-rate",
-                            str(args.rate), "--num-requests", str(args.num_requests), "--input-len", "32",
-                            "--output-len", str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000",
-                            "--slo-itl-ms", str(3 * args.step_ms), "--no-progress", "--json", out_json],
-                           cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            load(args.rate, args.num_requests)
             g1, f1 = cpu_s(gateway.pid), cpu_s(fakes.pid)
             summary = json.loads(Path(out_json).read_text())["runs"][0]["summary"]
+            if summary["num_completed"] != args.num_requests:
+                raise RuntimeError(f"only {summary['num_completed']} of {args.num_requests} requests completed: "
+                                   f"{summary['errors']}")
         finally:
             for proc in (gateway, fakes):
                 if proc is not None:
                     proc.kill()
                     proc.wait()
-    tokens = args.num_requests * args.output_len
+    tokens = summary["output_tokens_received"]
     return {"rate": args.rate, "num_requests": args.num_requests, "output_len": args.output_len,
             "step_ms": args.step_ms, "tokens": tokens, "gateway_cpu_s": g1 - g0, "fakes_cpu_s": f1 - f0,
             "gateway_us_per_token": (g1 - g0) / tokens * 1e6, "itl_ms": summary["itl_ms"],

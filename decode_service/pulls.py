@@ -44,6 +44,7 @@ class PullCoordinator:
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._pairs: dict[str, asyncio.Task] = {}
+        self._endpoints: dict[str, dict[str, str]] = {}  # prefill address -> its pool endpoint, from its Describe
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -74,14 +75,38 @@ class PullCoordinator:
                 await self.ensure_pair(handle.prefill_instance, handle.prefill_address)
             except Exception as exc:  # the core's pull then fails and the policy applies
                 log.warning("request_id=%s pairing with %s failed: %s", req.request_id, handle.prefill_instance, exc)
+        endpoint = dict(handle.endpoint)
+        if handle.transport in ("shm", "cuda_ipc"):  # pools are mapped: only from what the prefill says itself
+            endpoint = await self._pool_endpoint(req.request_id, handle)
         spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
-                          endpoint=dict(handle.endpoint), block_ids=list(handle.block_ids),
+                          endpoint=endpoint, block_ids=list(handle.block_ids),
                           block_hashes=list(handle.block_hashes), num_tokens=handle.num_tokens,
                           layout=layout_from_proto(handle.layout), request_id=req.request_id,
                           tag=transfer_tag(handle.lease.epoch))
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
         self.service.client.send(m.ImportKv(req.request_id, list(req.prompt_token_ids), params, req.seed,
                                             req.first_token_id, first_lp, req.priority, spec))
+
+    async def _pool_endpoint(self, request_id: str, handle) -> dict[str, str]:
+        """The pool endpoint the prefill at the handle's address reports in Describe (kept; asked again when
+        a handle names another pool, as after a restart). A handle's own copy is never mapped: mapping
+        hands its fields to the shared-memory and CUDA drivers. {"error": ...} when the prefill cannot say."""
+        from protos import common_pb2
+
+        address, claimed = handle.prefill_address, dict(handle.endpoint)
+        known = self._endpoints.get(address)
+        if known == claimed:
+            return known
+        try:
+            info = await self.stub(address).Describe(common_pb2.DescribeRequest(),
+                                                     timeout=self.service.config.kv_transfer_timeout_s)
+        except Exception as exc:
+            return {"error": f"cannot ask {address} for its KV pool: {exc}"}
+        known = self._endpoints[address] = dict(info.kv_endpoint)
+        if known != claimed:
+            log.warning("request_id=%s: the KV handle names a pool %s does not report; using the one it reports",
+                        request_id, handle.prefill_instance)
+        return known
 
     def cancel(self, request_id: str) -> None:
         pull = self.pending.pop(request_id, None)
@@ -190,6 +215,7 @@ class PullCoordinator:
                     if transport == "nccl":
                         await self.ensure_pair(name, address, patient=True)
                     elif transport in info.transports and info.kv_endpoint:
+                        self._endpoints[address] = dict(info.kv_endpoint)
                         await self.service.client.call(lambda cid: m.MapPeer(
                             cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)), timeout_s=60.0)
                         self.service.count("peers_mapped")

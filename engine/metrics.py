@@ -67,7 +67,7 @@ class Metrics:
     def lab(self, metric, **extra):
         """The metric's child for this process's labels (plus `extra`), looked up once: prometheus_client's
         labels() costs microseconds, and the gateway asks for some per streamed token."""
-        key = (id(metric), *extra.items())
+        key = (id(metric), *self.labels.values(), *extra.items())  # the labels may change (the gateway's model)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(**self.labels, **extra)

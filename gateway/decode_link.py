@@ -41,7 +41,8 @@ class DecodeLink:
 
     Invariants: a request id is in `_queues` from submit() until its final delta was
     routed (`finish`), it was aborted (`abort`), or the link failed; each queue receives
-    TokenDeltas in stream order and at most one LinkFailure, after which nothing else.
+    TokenDeltas in stream order and at most one LinkFailure, after which nothing else (the
+    request's own deadline timer may add request_run's _DEADLINE marker at any point).
     """
 
     def __init__(self, name: str, channel: grpc.aio.Channel,

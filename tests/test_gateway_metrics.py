@@ -144,3 +144,21 @@ def test_metrics_port_when_rest_is_off(tokenizer_dir):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of the scrape is fine
         s.bind(("127.0.0.1", port))  # no listener left: the metrics server let go of its port on stop
+
+
+def test_metric_children_follow_a_label_change():
+    """Metrics.lab caches each labeled child; the gateway learns its model name after start, and what it
+    counts afterwards must carry the new name, not the cached empty one."""
+    from prometheus_client import generate_latest
+
+    from engine.metrics import Metrics
+
+    metrics = Metrics(model_name="", instance="gw-test", role="gateway")
+    metrics.lab(metrics.requests, route="/ready", status="200").inc()
+    metrics.labels["model_name"] = "late-model"
+    metrics.lab(metrics.requests, route="/ready", status="200").inc()
+    metrics.lab(metrics.requests, route="/ready", status="200").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert ('splitserve:requests_total{instance="gw-test",model_name="",route="/ready",status="200"} 1.0' in text)
+    assert ('splitserve:requests_total{instance="gw-test",model_name="late-model",route="/ready",status="200"} 2.0'
+            in text)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.kv_layout import KvLayout
-from engine.kv_transfer.io import KvIo, ipc_plain_args, load_cuda_ipc
+from engine.kv_transfer.io import KvIo
+from engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
 from engine.kv_transfer.shm import SharedKvPool, segment_name
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model_id="kv-io-test")
@@ -36,20 +37,36 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
 
 
 # what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
-TORCH_ARGS = (torch.Tensor, torch.Size([4, 2, 16]), (32, 16, 1), 64, torch.storage.TypedStorage, torch.bfloat16, 1,
-              b"\x01" * 64, 1 << 20, 4096, False, b"ref", 8, b"\x02" * 64, True)
+SHAPE = (4, 2, 16)
+TORCH_ARGS = (torch.Tensor, torch.Size(SHAPE), (32, 16, 1), 0, torch.storage.TypedStorage, torch.bfloat16, 0,
+              b"c" + b"\x01" * 64, 256, 4096, False, b"/torch_123_4567_8", 8, b"\x02" * 64, True)
 
 
 def encode(value) -> str:
     return base64.b64encode(pickle.dumps(value)).decode()
 
 
+def with_field(index: int, value) -> str:
+    plain = list(plain_args(TORCH_ARGS))
+    plain[index] = value
+    return encode(tuple(plain))
+
+
+def refusal(text: str) -> str:
+    with pytest.raises(ValueError) as err:
+        load_cuda_ipc(text)
+    return str(err.value)
+
+
 def test_a_cuda_ipc_handle_round_trips_as_plain_data():
-    plain = ipc_plain_args(TORCH_ARGS)
-    assert plain == ((4, 2, 16), (32, 16, 1), 64, "bfloat16", 1, b"\x01" * 64, 1 << 20, 4096, False, b"ref", 8,
-                     b"\x02" * 64, True)
+    plain = plain_args(TORCH_ARGS)
+    assert plain == (SHAPE, (32, 16, 1), 0, "bfloat16", 0, b"c" + b"\x01" * 64, 256, 4096, False,
+                     b"/torch_123_4567_8", 8, b"\x02" * 64, True)
     back = load_cuda_ipc(encode(plain))
     assert back == TORCH_ARGS and type(back[1]) is torch.Size
+    with pytest.raises(ValueError) as err:
+        plain_args((torch.nn.Parameter,) + TORCH_ARGS[1:])
+    assert str(err.value) == "only plain tensors are exported over CUDA IPC, not Parameter on TypedStorage"
 
 
 class _Touch:
@@ -64,40 +81,92 @@ class _Touch:
 
 def test_a_handle_naming_code_or_malformed_is_refused_before_anything_runs(tmp_path):
     marker = tmp_path / "ran"
-    with pytest.raises(ValueError) as err:
-        load_cuda_ipc(encode(_Touch(marker)))
-    assert str(err.value) == ("endpoint.cuda_ipc is not a CUDA IPC handle: a CUDA IPC handle holds plain data only, "
-                              "not io.open")
+    assert refusal(encode(_Touch(marker))) == ("endpoint.cuda_ipc is not a CUDA IPC handle: a CUDA IPC handle "
+                                               "holds plain data only, not io.open")
     assert not marker.exists()
-    plain = list(ipc_plain_args(TORCH_ARGS))
+    plain = plain_args(TORCH_ARGS)
+    assert refusal("not base64!") == "endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text"
+    assert refusal(base64.b64encode(pickle.dumps(plain)[:20]).decode()) == (
+        "endpoint.cuda_ipc is not a CUDA IPC handle: pickle data was truncated")
+    assert refusal("A" * 20000) == "endpoint.cuda_ipc is not a CUDA IPC handle: over 16384 characters"
+    assert refusal(encode(plain[:5])) == "endpoint.cuda_ipc must hold 13 fields, got 5"
+    assert refusal(with_field(4, 1.5)) == "endpoint.cuda_ipc field device must be int, got 1.5"
+    assert refusal(with_field(4, True)) == "endpoint.cuda_ipc field device must be int, got True"
+    assert refusal(with_field(0, (4, "x"))) == "endpoint.cuda_ipc field size must be tuple, got (4, 'x')"
+    assert refusal(with_field(5, None)) == "endpoint.cuda_ipc field handle must be bytes, got None"
+    assert refusal(with_field(3, "_dynamo")) == "endpoint.cuda_ipc field dtype '_dynamo' is not a torch dtype"
+
+
+def test_values_that_torch_would_trust_are_checked():
+    """torch's native code uses these as they come: a file name in /dev/shm and a word in it to decrement,
+    sizes and offsets that place the mapping. Each is held to what torch itself produces."""
     cases = {
-        "not base64!": "endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text",
-        base64.b64encode(pickle.dumps(tuple(plain))[:20]).decode():
-            "endpoint.cuda_ipc is not a CUDA IPC handle: pickle data was truncated",
-        encode(tuple(plain[:5])): "endpoint.cuda_ipc must hold 13 fields, got 5",
-        encode(tuple(plain[:4] + [-1.5] + plain[5:])): "endpoint.cuda_ipc field device must be int, got -1.5",
-        encode(tuple([(4, "x")] + plain[1:])): "endpoint.cuda_ipc field size must be tuple, got (4, 'x')",
-        encode(tuple(plain[:3] + ["Tensor"] + plain[4:])): "endpoint.cuda_ipc field dtype 'Tensor' is not a torch dtype",
-        encode(tuple(plain[:5] + [None] + plain[6:])): None,  # an empty storage has no handle
+        with_field(9, b"/etc/passwd"): "ref_counter_handle",
+        with_field(9, b"/torch_1_2_3/../x"): "ref_counter_handle",
+        with_field(10, 10000): "ref_counter_handle",
+        with_field(10, -1): "ref_counter_handle",
+        with_field(11, b"\x02" * 63): "event_handle",
+        with_field(5, b""): "handle",
+        with_field(5, b"x" * 5000): "handle",
+        with_field(6, 255): "storage_size_bytes",  # the tensor needs 256 bytes
+        with_field(0, (4, 2, 17)): "storage_size_bytes",
+        with_field(2, -1): "offset",
+        with_field(7, -4096): "offset",
+        with_field(4, -1): "offset",
+        with_field(0, (4, 0, 16)): "size",
+        with_field(0, (1,) * 9): "size",
+        with_field(1, (32, 16)): "size",
+        with_field(8, True): "requires_grad",
     }
-    for handle, message in cases.items():
-        if message is None:
-            assert load_cuda_ipc(handle)[7] is None
-            continue
-        with pytest.raises(ValueError) as err:
-            load_cuda_ipc(handle)
-        assert str(err.value) == message
+    for text, field in cases.items():
+        message = refusal(text)
+        assert message.startswith(f"endpoint.cuda_ipc field {field} "), message
+        assert "out of range" in message
+    assert refusal(with_field(10, 10000)) == ("endpoint.cuda_ipc field ref_counter_handle (b'/torch_123_4567_8', "
+                                              "10000) is out of range: /torch_<pid>_<n>_<n> and a slot in [0, 10000)")
+
+
+def test_a_pool_handle_must_be_exactly_the_pool_its_layout_gives():
+    args = load_cuda_ipc(encode(plain_args(TORCH_ARGS)))
     with pytest.raises(ValueError) as err:
-        ipc_plain_args((torch.nn.Parameter,) + TORCH_ARGS[1:])
-    assert str(err.value) == "only plain tensors are exported over CUDA IPC, not Parameter on TypedStorage"
+        check_shape(args, (8, 2, 16), torch.bfloat16)
+    assert str(err.value) == ("endpoint.cuda_ipc describes a torch.bfloat16 tensor of size (4, 2, 16) (stride (32, 16, 1), "
+                              "offset 0, 256 bytes), not the contiguous torch.bfloat16 pool of size (8, 2, 16) "
+                              "(512 bytes) its layout and num_blocks give")
+    with pytest.raises(ValueError) as err:
+        check_shape(args, SHAPE, torch.float32)
+    assert "not the contiguous torch.float32 pool of size (4, 2, 16) (512 bytes)" in str(err.value)
+    with pytest.raises(ValueError) as err:  # the right pool, on a device this (CPU) process does not see
+        check_shape(args, SHAPE, torch.bfloat16)
+    assert str(err.value) == ("endpoint.cuda_ipc field device 0 is out of range: this process sees "
+                              f"{torch.cuda.device_count()} CUDA devices")
+
+
+OWNER = """
+import sys, time, torch
+from engine.kv_transfer.ipc_handle import export_cuda_ipc
+pool = torch.arange(4096, dtype=torch.float32, device="cuda").view(16, 256)
+torch.cuda.synchronize()
+print(export_cuda_ipc(pool), flush=True)
+sys.stdin.readline()
+"""
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_cuda_tensor_exported_and_opened_in_this_process_is_the_same_memory():
-    from engine.kv_transfer.io import export_cuda_ipc, open_cuda_ipc
+def test_a_pool_exported_by_another_process_maps_here():
+    import subprocess
+    import sys
 
-    pool = torch.arange(4096, dtype=torch.bfloat16, device="cuda").view(16, 256)
-    opened = open_cuda_ipc(export_cuda_ipc(pool[4:]))  # torch finds its own export in its cache
-    assert opened.shape == (12, 256) and opened.dtype == torch.bfloat16
-    assert opened.data_ptr() == pool[4:].data_ptr() and torch.equal(opened, pool[4:])
+    from engine.kv_transfer.ipc_handle import rebuild
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        args = load_cuda_ipc(owner.stdout.readline().strip())
+        check_shape(args, (16, 256), torch.float32)
+        pool = rebuild(args)
+        assert torch.equal(pool.cpu(), torch.arange(4096, dtype=torch.float32).view(16, 256))
+        del pool
+        torch.cuda.synchronize()
+    finally:
+        owner.communicate("done\n", timeout=60)

@@ -101,6 +101,40 @@ def test_concurrent_batch_equals_in_process_engine(stack, expected):
     assert p.counters["leases_released"] >= 22 and p.counters["leases_active"] == 0
 
 
+def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
+    """The decode maps only the pool its prefill reports in Describe: a handle whose endpoint names another
+    segment (here one full of random KV) is pulled from the prefill's own pool, so the tokens stay exact
+    (nccl maps no pool: its handles' endpoints are ignored alike)."""
+    import torch
+
+    from engine.kv_transfer.shm import SharedKvPool
+    from engine.wire import layout_from_proto
+    from protos import prefill_pb2
+
+    prompts, greedy, _ = expected
+
+    async def main():
+        prefill = prefill_stub(stack["prefill"])
+        session = DecodeSession(stack["decode"])
+        first = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="forged", prompt_token_ids=prompts[3],
+                                                                 sampling=sampling()), timeout=60)
+        decoy = SharedKvPool.create(f"splitserve-decoy-{stack['transport']}", layout_from_proto(first.kv.layout),
+                                    int(first.kv.endpoint.get("num_blocks", "64")))
+        try:
+            decoy.tensor.copy_(torch.randn_like(decoy.tensor) * 100)
+            first.kv.endpoint["shm_name"] = decoy.shm.name
+            session.submit(decode_pb2.DecodeRequest(request_id="forged", prompt_token_ids=prompts[3],
+                                                    sampling=sampling(), first_token_id=first.first_token_id,
+                                                    kv=first.kv))
+            tokens, _ = await session.collect("forged")
+        finally:
+            decoy.close()
+        await session.close()
+        return [first.first_token_id] + tokens
+
+    assert run(main()) == greedy[3]
+
+
 def test_follow_up_turn_pulls_only_new_blocks(stack):
     async def main():
         prefill = prefill_stub(stack["prefill"])

@@ -10,91 +10,20 @@ Transports:
 
 from __future__ import annotations
 
-import base64
 import datetime
-import io
 import logging
 import os
-import pickle
 import time
 
 import torch
 
 from engine.kv_layout import KvLayout
+from engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
 from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
 
 log = logging.getLogger("splitserve.kv")
 
 TRANSPORTS = ("shm", "cuda_ipc", "nccl")
-# A CUDA IPC handle travels as plain data (ints, bytes, a dtype name), pickled with no globals at all, so a
-# handle that arrives over the network (KvHandle.endpoint, Describe) can name no code to run here; the
-# rebuild adds torch's classes itself. Fields: torch's reduce_tensor arguments less the two classes.
-_NONE = type(None)
-_IPC_FIELDS = (("size", (tuple,)), ("stride", (tuple,)), ("offset", (int,)), ("dtype", (str,)), ("device", (int,)),
-               ("handle", (bytes, _NONE)), ("storage_size_bytes", (int,)), ("storage_offset_bytes", (int,)),
-               ("requires_grad", (bool,)), ("ref_counter_handle", (bytes, _NONE)), ("ref_counter_offset", (int,)),
-               ("event_handle", (bytes, _NONE)), ("event_sync_required", (bool, _NONE)))
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"a CUDA IPC handle holds plain data only, not {module}.{name}")
-
-
-def ipc_plain_args(args: tuple) -> tuple:
-    """torch's reduce_tensor arguments of a CUDA tensor -> the plain fields of _IPC_FIELDS."""
-    tensor_cls, size, stride, offset, storage_cls, dtype, *rest = args
-    if tensor_cls is not torch.Tensor or storage_cls is not torch.storage.TypedStorage:
-        raise ValueError(f"only plain tensors are exported over CUDA IPC, not {tensor_cls.__name__} "
-                         f"on {storage_cls.__name__}")
-    return (tuple(size), tuple(stride), offset, str(dtype).removeprefix("torch."), *rest)
-
-
-def ipc_rebuild_args(plain) -> tuple:
-    """The plain fields, checked one by one -> torch's rebuild_cuda_tensor arguments."""
-    if not isinstance(plain, tuple) or len(plain) != len(_IPC_FIELDS):
-        raise ValueError(f"endpoint.cuda_ipc must hold {len(_IPC_FIELDS)} fields, got "
-                         f"{len(plain) if isinstance(plain, tuple) else type(plain).__name__}")
-    for (name, kinds), value in zip(_IPC_FIELDS, plain):
-        if not isinstance(value, kinds) or isinstance(value, tuple) and not all(isinstance(v, int) for v in value):
-            wanted = " or ".join("None" if k is _NONE else k.__name__ for k in kinds)
-            raise ValueError(f"endpoint.cuda_ipc field {name} must be {wanted}, got {value!r:.80}")
-    size, stride, offset, dtype_name, *rest = plain
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"endpoint.cuda_ipc field dtype {dtype_name!r} is not a torch dtype")
-    return (torch.Tensor, torch.Size(size), stride, offset, torch.storage.TypedStorage, dtype, *rest)
-
-
-def export_cuda_ipc(tensor: torch.Tensor) -> str:
-    """A CUDA tensor's IPC handle as text (what an endpoint carries)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-
-    func, args = reduce_tensor(tensor)
-    if func is not rebuild_cuda_tensor:
-        raise ValueError(f"only CUDA tensors are exported over CUDA IPC, not one on {tensor.device}")
-    return base64.b64encode(pickle.dumps(ipc_plain_args(args))).decode()
-
-
-def load_cuda_ipc(handle: str) -> tuple:
-    """rebuild_cuda_tensor's arguments from `export_cuda_ipc`'s text, checked before anything runs."""
-    try:
-        raw = base64.b64decode(handle, validate=True)
-    except (ValueError, TypeError):
-        raise ValueError("endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text") from None
-    try:
-        plain = _PlainUnpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # untrusted bytes: any unpickling failure is a malformed handle
-        raise ValueError(f"endpoint.cuda_ipc is not a CUDA IPC handle: {exc}") from None
-    return ipc_rebuild_args(plain)
-
-
-def open_cuda_ipc(handle: str) -> torch.Tensor:
-    """Map another process's CUDA tensor from `export_cuda_ipc`'s text."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*load_cuda_ipc(handle))
-
 
 class KvIo:
     """One per core process. `options`: transport, instance, start_epoch, role, timeout_s."""
@@ -139,6 +68,8 @@ class KvIo:
     def map_source(self, prefill_instance: str, transport: str, endpoint: dict, layout: KvLayout) -> torch.Tensor:
         """The prefill's KV pool, mapped once per pool (shm segment or CUDA IPC handle); a restarted
         prefill's new pool replaces its old mapping."""
+        if "error" in endpoint:
+            raise RuntimeError(endpoint["error"])
         key = endpoint.get("shm_name") or endpoint.get("cuda_ipc") or prefill_instance
         pool = self._mapped.get(key)
         if pool is None:
@@ -146,7 +77,9 @@ class KvIo:
             if transport == "shm":
                 pool = SharedKvPool.open(endpoint["shm_name"], layout, num_blocks)
             elif transport == "cuda_ipc":
-                pool = open_cuda_ipc(endpoint["cuda_ipc"])
+                args = load_cuda_ipc(endpoint["cuda_ipc"])
+                check_shape(args, tuple(layout.cache_shape(num_blocks)), layout.torch_dtype)
+                pool = rebuild(args)
             else:
                 raise ValueError(f"transport {transport!r} maps no pool; mapped ones: shm, cuda_ipc")
             stale = self._mapped_by_instance.get(prefill_instance)
