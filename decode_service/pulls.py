@@ -78,6 +78,8 @@ class PullCoordinator:
         endpoint = dict(handle.endpoint)
         if handle.transport in ("shm", "cuda_ipc"):  # pools are mapped: only from what the prefill says itself
             endpoint = await self._pool_endpoint(req.request_id, handle)
+        if req.request_id not in self.pending:
+            return  # cancelled while pairing or asking: its lease is released, the core never hears of it
         spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
                           endpoint=endpoint, block_ids=list(handle.block_ids),
                           block_hashes=list(handle.block_hashes), num_tokens=handle.num_tokens,
