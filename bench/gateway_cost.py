@@ -1,6 +1,6 @@
 """What the gateway costs per streamed token: the real gateway process in front of fake prefill and decode
 services (tests/gateway_fakes: instant prefill, one token per request every --step-ms), loaded by
-bench.serve over gRPC. Reports the gateway's CPU time per output token (from /proc, so it holds on a
+bench.serve over gRPC or the REST shim (SSE). Reports the gateway's CPU time per output token (from /proc, so it holds on a
 busy machine), the fakes' CPU, and what the client saw (ITL p50/p99 against the fixed step, TPOT).
 
     python -m bench.gateway_cost --rate 20 --num-requests 200 --output-len 256 --json out.json
@@ -87,7 +87,8 @@ def measure(args) -> dict:
             out_json = os.path.join(tmp, "serve.json")
 
             def load(rate: float, num_requests: int) -> None:
-                subprocess.run([sys.executable, "-m", "bench.serve", "--grpc-port", str(grpc_port), "--request-rate",
+                subprocess.run([sys.executable, "-m", "bench.serve", "--api", args.api, "--grpc-port", str(grpc_port),
+                                "--http-port", str(http_port), "--request-rate",
                                 str(rate), "--num-requests", str(num_requests), "--input-len", "32", "--output-len",
                                 str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000", "--slo-itl-ms",
                                 str(3 * args.step_ms), "--num-warmup", "0", "--no-progress", "--json", out_json],
@@ -107,7 +108,7 @@ def measure(args) -> dict:
                     proc.kill()
                     proc.wait()
     tokens = summary["output_tokens_received"]
-    return {"rate": args.rate, "num_requests": args.num_requests, "output_len": args.output_len,
+    return {"api": args.api, "rate": args.rate, "num_requests": args.num_requests, "output_len": args.output_len,
             "step_ms": args.step_ms, "tokens": tokens, "gateway_cpu_s": g1 - g0, "fakes_cpu_s": f1 - f0,
             "gateway_us_per_token": (g1 - g0) / tokens * 1e6, "itl_ms": summary["itl_ms"],
             "tpot_ms": summary["tpot_ms"]}
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=15.0, help="the fake decode's step")
+    ap.add_argument("--api", choices=("grpc", "rest"), default="grpc", help="the gateway API the client streams from")
     ap.add_argument("--json", default="")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", default="", help=argparse.SUPPRESS)
@@ -126,7 +128,7 @@ def main() -> None:
     if args.role == "fakes":
         return run_fakes(args.step_ms / 1000, args.tokenizer_dir)
     r = measure(args)
-    print(f"{r['tokens']} tokens ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
+    print(f"{r['tokens']} tokens over {r['api']} ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
           f"fake decode step {r['step_ms']:g} ms)")
     print(f"{'gateway CPU us/token':>22} {'gateway CPU s':>14} {'fakes CPU s':>12} {'ITL p50 ms':>11} "
           f"{'ITL p99 ms':>11} {'TPOT p50 ms':>12}")
