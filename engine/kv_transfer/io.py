@@ -25,6 +25,7 @@ log = logging.getLogger("splitserve.kv")
 
 TRANSPORTS = ("shm", "cuda_ipc", "nccl")
 
+
 class KvIo:
     """One per core process. `options`: transport, instance, start_epoch, role, timeout_s."""
 
