@@ -413,8 +413,61 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+_NAME = "splitserve_cpu_ops_v5"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+# torch's load_inline holds a lock file in the build directory while it checks the build, even when there
+# is nothing to build; a process killed inside that window (a crash test, Ctrl-C at start) leaves the
+# lock, and every later load waits on it forever. So a build that is already there is imported directly.
+_STALE_LOCK_S = 300.0
 _module = None
 _tried = False
+
+
+def _stamp() -> str:
+    """What the built library was made from: the source, the flags, torch's version."""
+    import hashlib
+
+    return hashlib.sha256("\0".join([_SOURCE, *_CFLAGS, *_LDFLAGS, torch.__version__]).encode()).hexdigest()
+
+
+def _import_built(build_dir: str):
+    """The library already built from this very source, imported without touching the lock; else None."""
+    import importlib.util
+
+    library, stamp = os.path.join(build_dir, f"{_NAME}.so"), os.path.join(build_dir, "splitserve.stamp")
+    try:
+        with open(stamp) as f:
+            if f.read() != _stamp() or not os.path.exists(library):
+                return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(build_dir: str):
+    """Build (or check) through torch, then record the stamp for later processes."""
+    import time
+
+    from torch.utils.cpp_extension import load_inline
+
+    lock = os.path.join(build_dir, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:  # its holder died long ago
+            log.warning("removing the stale build lock %s", lock)
+            os.unlink(lock)
+    except OSError:
+        pass
+    module = load_inline(name=_NAME, cpp_sources=[_SOURCE], extra_cflags=list(_CFLAGS),  # torch appends to them
+                         extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False)
+    tmp = os.path.join(build_dir, f"splitserve.stamp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(_stamp())
+    os.replace(tmp, os.path.join(build_dir, "splitserve.stamp"))
+    return module
 
 
 def load():
@@ -426,11 +479,10 @@ def load():
     if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") in ("0", "false", "off"):
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory
 
-        _module = load_inline(name="splitserve_cpu_ops_v5", cpp_sources=[_SOURCE],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                              verbose=False)
+        build_dir = _get_build_directory(_NAME, verbose=False)
+        _module = _import_built(build_dir) or _build(build_dir)
     except Exception as exc:  # no compiler, no ninja: the torch path still works
         log.warning("CPU ops unavailable (%s); using the torch path", exc)
         _module = None
