@@ -227,19 +227,19 @@ class RequestRun:
     async def _next_item(self) -> decode_pb2.TokenDelta | LinkFailure | None:
         """The next TokenDelta (those already queued merged into one, so a slow client gets
         fewer, larger messages) or LinkFailure; None when the deadline passed first."""
-        assert self._queue is not None
+        queue = self._queue
+        assert queue is not None
         if self._stashed is not None:
             item, self._stashed = self._stashed, None
         else:
-            queue = self._queue
             item = await queue.get() if queue.empty() else queue.get_nowait()
         if item is _DEADLINE:
             return None
         if isinstance(item, LinkFailure):
             return item
         deltas = [item]
-        while not deltas[-1].finish_reason and not self._queue.empty():
-            following = self._queue.get_nowait()
+        while not deltas[-1].finish_reason and not queue.empty():
+            following = queue.get_nowait()
             if following is _DEADLINE or isinstance(following, LinkFailure):
                 self._stashed = following  # after the tokens that came before it
                 break
