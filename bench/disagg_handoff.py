@@ -90,10 +90,35 @@ def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10, idle_s: flo
     return num_bytes / statistics.median(times) / 1e9
 
 
-async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path) -> dict:
+KEEPER = """
+import sys, time, torch
+src, dst, period = sys.argv[1], sys.argv[2], float(sys.argv[3]) / 1000
+a = torch.ones(1 << 20, dtype=torch.uint8, device=src)
+b = torch.empty(1 << 20, dtype=torch.uint8, device=dst)
+print("ready", flush=True)
+while True:
+    b.copy_(a)
+    torch.cuda.synchronize(src)
+    time.sleep(period)
+"""
+
+
+def start_keeper(args, period_ms: float) -> subprocess.Popen | None:
+    """A process of its own copying 1 MiB prefill device -> decode device every period_ms: traffic that
+    keeps the link between the devices from going idle (a stand-in for a keep-alive inside the decode)."""
+    if period_ms <= 0:
+        return None
+    proc = subprocess.Popen([sys.executable, "-c", KEEPER, args.prefill_device, args.decode_device, str(period_ms)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the link keeper did not start")
+    return proc
+
+
+async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, keeper_ms: float = 0) -> dict:
     from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-    tag = transport
+    tag = transport if keeper_ms <= 0 else f"{transport}-keep{keeper_ms:g}"
 
     p_port, d_port = free_port(), free_port()
     engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
@@ -105,6 +130,7 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
                                        f"d-{tag}", "--kv-transport", transport, "--prefill-peers",
                                        f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30"],
                    logs / f"d-{tag}.log")
+    keeper = start_keeper(args, keeper_ms)
     try:
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
         d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
@@ -176,8 +202,10 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
         await inbox.put(None)
         call.cancel()
         reader.cancel()
-        return {"transport": transport, "requests": results}
+        return {"transport": tag, "requests": results}
     finally:
+        if keeper is not None:
+            stop(keeper)
         stop(prefill)
         stop(decode)
 
@@ -209,6 +237,9 @@ def main(argv=None) -> int:
                          "before every pull; overlapped: the next prefill starts at the "
                          "previous request's first token, so pulls land while the decode GPU is decoding "
                          "(use --max-tokens long enough to outlast a prefill)")
+    ap.add_argument("--link-keeper-ms", default="0",
+                    help="comma list; for each value > 0 every transport runs again with a process copying 1 MiB "
+                         "between the two devices every that many ms (traffic that keeps the link awake)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
@@ -222,10 +253,12 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     expected = colocated(args, prompts)
     report = {"args": vars(args), "transports": []}
-    for transport in args.transports.split(","):
-        result = asyncio.run(run_transport(args, transport, prompts, logs))
-        result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
-        report["transports"].append(result)
+    for keeper_ms in [float(v) for v in args.link_keeper_ms.split(",")]:
+        for transport in args.transports.split(","):
+            result = asyncio.run(run_transport(args, transport, prompts, logs, keeper_ms))
+            result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
+            result["link_keeper_ms"] = keeper_ms
+            report["transports"].append(result)
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
     report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
     report["copy_after_idle_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device, idle_s=0.2)
