@@ -70,7 +70,7 @@ def copy_rate(num_bytes: int, src: str, dst: str, repeats: int = 10, idle_s: flo
     import torch
 
     if not src.startswith("cuda"):
-        return float("nan")  # a CPU run checks the flow and the tokens only
+        return cpu_copy_rate(num_bytes, repeats, idle_s)
     a = torch.empty(num_bytes, dtype=torch.uint8, device=src)
     b = torch.empty(num_bytes, dtype=torch.uint8, device=dst)
     stream = torch.cuda.current_stream(a.device)
@@ -113,6 +113,22 @@ def start_keeper(args, period_ms: float) -> subprocess.Popen | None:
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError("the link keeper did not start")
     return proc
+
+
+def cpu_copy_rate(num_bytes: int, repeats: int, idle_s: float) -> float:
+    """GB/s of a plain `copy_` between two host buffers of num_bytes (median of repeats, wall time)."""
+    import torch
+
+    a = torch.ones(num_bytes, dtype=torch.uint8)
+    b = torch.empty(num_bytes, dtype=torch.uint8)
+    times = []
+    for i in range(repeats + 2):
+        time.sleep(idle_s)
+        start = time.perf_counter()
+        b.copy_(a)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
 
 
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, keeper_ms: float = 0) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.kv_layout import KvLayout
-from engine.kv_transfer.io import KvIo
+from engine.kv_transfer.io import KvIo, block_runs, copy_block_runs
 from engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
 from engine.kv_transfer.shm import SharedKvPool, segment_name
 
@@ -34,6 +34,56 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
         io.close()
         for pool in pools:
             pool.close()
+
+
+def numbered_pool(num_blocks: int) -> torch.Tensor:
+    """A pool whose every element holds its block id (block-major, as the engine's pools are)."""
+    pool = LAYOUT.allocate(num_blocks, "cpu")
+    for b in range(num_blocks):
+        pool[b].fill_(b)
+    return pool
+
+
+def test_block_runs_split_where_either_side_stops_advancing_by_one():
+    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert block_runs([4, 5, 6], [7, 8, 2]) == [(4, 7, 2), (6, 2, 1)]
+    assert block_runs([], []) == []
+
+
+@pytest.mark.parametrize("src_ids", [[3, 4, 5, 6, 10, 11], list(range(0, 40, 2))],
+                         ids=["two runs copied directly", "20 runs gathered and scattered"])
+def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids):
+    src, dst = numbered_pool(48), torch.full(LAYOUT.cache_shape(24), -1.0)
+    dst_ids = list(range(2, 2 + len(src_ids)))
+    assert copy_block_runs(src, src_ids, dst, dst_ids) == len(src_ids) * LAYOUT.block_nbytes
+    assert [int(dst[b].unique().item()) for b in range(24)] == [-1, -1, *src_ids, *[-1] * (22 - len(src_ids))]
+    with pytest.raises(ValueError, match="copy_block_runs: 2 source blocks vs 1 destination blocks"):
+        copy_block_runs(src, [0, 1], dst, [0])
+
+
+def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch):
+    monkeypatch.setattr("engine.kv_transfer.shm._untrack", lambda shm: None)
+    owner = SharedKvPool.create(segment_name("p-pull", 1), LAYOUT, 16)
+    owner.tensor.copy_(numbered_pool(16))
+    io = KvIo({"transport": "shm", "instance": "d-pull", "role": "decode"})
+
+    class Spec:  # the fields of a KvSpec a pull reads
+        transport, prefill_instance, layout = "shm", "p-pull", LAYOUT
+        endpoint = {"shm_name": segment_name("p-pull", 1), "num_blocks": "16"}
+        block_ids = [9, 10, 11, 12, 4]
+
+    class Core:
+        class engine:
+            class runner:
+                kv_cache = torch.full(LAYOUT.cache_shape(8), -1.0)
+
+    try:  # the first block is cached here already: blocks 1-4 of the handle go to 5, 6, 7 and 0
+        assert io.pull(Spec, [1, 2, 3, 4], [5, 6, 7, 0], Core) == 4 * LAYOUT.block_nbytes
+        kv = Core.engine.runner.kv_cache
+        assert [int(kv[b].unique().item()) for b in range(8)] == [4, -1, -1, -1, -1, 10, 11, 12]
+    finally:
+        io.close()
+        owner.close()
 
 
 # what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)

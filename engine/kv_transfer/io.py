@@ -116,7 +116,9 @@ class KvIo:
             return num_bytes
         if spec.transport == "shm":
             src_ids = [spec.block_ids[i] for i in indices]
-            num_bytes = copy_blocks(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
+            # runs of consecutive blocks straight from the mapped segment: one pass, no staging tensor
+            # (a fresh staging tensor per pull also pays a page fault per 4 KiB)
+            num_bytes = copy_block_runs(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
             if kv_cache.is_cuda:
                 torch.cuda.current_stream(kv_cache.device).synchronize()
             return num_bytes
