@@ -12,6 +12,8 @@ delta: pull, lease release, first decode step), against a plain device-to-device
 same size measured here back to back and after 200 ms of idle: an NVLink path left idle pays ~0.3 ms
 to wake on its next copy (bench/kv_copy_clocks.py), and `--pacing sequential` leaves it idle before
 every pull; `--pacing overlapped` sends the next prompt while the previous one decodes.
+`--variants plain,keeper:2,keepalive:2` runs every transport again with traffic that keeps the link
+awake: from a separate process (keeper) or the decode's `--kv-link-keepalive-ms` (keepalive).
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ while True:
 
 
 def start_keeper(args, period_ms: float) -> subprocess.Popen | None:
-    """A process of its own copying 1 MiB prefill device -> decode device every period_ms: traffic that
-    keeps the link between the devices from going idle (a stand-in for a keep-alive inside the decode)."""
+    """A process of its own copying 1 MiB prefill device -> decode device every period_ms: traffic from
+    outside the services that keeps the link between the devices from going idle (variant keeper:MS;
+    keepalive:MS is the decode's own)."""
     if period_ms <= 0:
         return None
     proc = subprocess.Popen([sys.executable, "-c", KEEPER, args.prefill_device, args.decode_device, str(period_ms)],
@@ -131,21 +134,33 @@ def cpu_copy_rate(num_bytes: int, repeats: int, idle_s: float) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
-async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, keeper_ms: float = 0) -> dict:
+def parse_variant(text: str) -> tuple[str, float]:
+    """'plain', 'keeper:MS' or 'keepalive:MS' -> (kind, ms)."""
+    kind, _, ms = text.partition(":")
+    if kind not in ("plain", "keeper", "keepalive") or (kind != "plain") != bool(ms):
+        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> or keepalive:<ms>")
+    return kind, float(ms or 0)
+
+
+async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, variant: str = "plain") -> dict:
     from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-    tag = transport if keeper_ms <= 0 else f"{transport}-keep{keeper_ms:g}"
+    kind, ms = parse_variant(variant)
+    tag = transport if kind == "plain" else f"{transport} {variant}"
+    keeper_ms = ms if kind == "keeper" else 0
+    decode_extra = ["--kv-link-keepalive-ms", str(ms)] if kind == "keepalive" else []
 
     p_port, d_port = free_port(), free_port()
     engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
               str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8",
               "--block-size", str(args.block_size)]
+    name = tag.replace(" ", "-").replace(":", "")
     prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
-                                         f"p-{tag}", "--kv-transport", transport], logs / f"p-{tag}.log")
+                                         f"p-{name}", "--kv-transport", transport], logs / f"p-{name}.log")
     decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
-                                       f"d-{tag}", "--kv-transport", transport, "--prefill-peers",
-                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30"],
-                   logs / f"d-{tag}.log")
+                                       f"d-{name}", "--kv-transport", transport, "--prefill-peers",
+                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30", *decode_extra],
+                   logs / f"d-{name}.log")
     keeper = start_keeper(args, keeper_ms)
     try:
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
@@ -253,9 +268,10 @@ def main(argv=None) -> int:
                          "before every pull; overlapped: the next prefill starts at the "
                          "previous request's first token, so pulls land while the decode GPU is decoding "
                          "(use --max-tokens long enough to outlast a prefill)")
-    ap.add_argument("--link-keeper-ms", default="0",
-                    help="comma list; for each value > 0 every transport runs again with a process copying 1 MiB "
-                         "between the two devices every that many ms (traffic that keeps the link awake)")
+    ap.add_argument("--variants", default="plain",
+                    help="comma list, each run for every transport: plain; keeper:MS (a process of its own copies "
+                         "1 MiB between the two devices every MS ms, traffic that keeps the link awake); "
+                         "keepalive:MS (the decode's --kv-link-keepalive-ms MS)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
@@ -269,11 +285,14 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     expected = colocated(args, prompts)
     report = {"args": vars(args), "transports": []}
-    for keeper_ms in [float(v) for v in args.link_keeper_ms.split(",")]:
+    variants = args.variants.split(",")
+    for variant in variants:
+        parse_variant(variant)  # all checked before the first stack starts
+    for variant in variants:
         for transport in args.transports.split(","):
-            result = asyncio.run(run_transport(args, transport, prompts, logs, keeper_ms))
+            result = asyncio.run(run_transport(args, transport, prompts, logs, variant))
             result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
-            result["link_keeper_ms"] = keeper_ms
+            result["variant"] = variant
             report["transports"].append(result)
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
     report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
@@ -285,7 +304,7 @@ def main(argv=None) -> int:
     print("        nccl: the prefill's send, the decode's receive already posted);")
     print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
     print("send = prefill core's wall time, gather + send (nccl only)")
-    print(f"{'transport':<22}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
+    print(f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
           f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}")
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
@@ -295,7 +314,7 @@ def main(argv=None) -> int:
         t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
         t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
         copy = report["copy_gb_s"]
-        print(f"{t['transport']:<22}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
+        print(f"{t['transport']:<26}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
               f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
               f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
               f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")

@@ -55,7 +55,8 @@ class ServiceBase:
                                                    service_config.internal_tls_ca)
         kv_options = {"transport": service_config.kv_transport, "instance": self.name,
                       "start_epoch": self.start_unix_ns, "role": engine_config.role,
-                      "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults}
+                      "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults,
+                      "link_keepalive_ms": service_config.kv_link_keepalive_ms}
         self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message)
         self.metrics = None  # built once the core reports the model id
 

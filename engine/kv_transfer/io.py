@@ -19,6 +19,7 @@ import torch
 
 from engine.kv_layout import KvLayout
 from engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
+from engine.kv_transfer.keepalive import CudaLink, LinkKeepalive
 from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
 
 log = logging.getLogger("splitserve.kv")
@@ -37,6 +38,9 @@ class KvIo:
         self.timeout_s = float(options.get("timeout_s", 10.0))
         self.endpoint: dict[str, str] = {}
         self.faults = dict(options.get("faults") or {})  # test-only fault injection
+        keepalive_ms = float(options.get("link_keepalive_ms") or 0)
+        self.keepalive = LinkKeepalive(keepalive_ms / 1000) if keepalive_ms > 0 else None
+        self.device: torch.device | None = None  # this process's KV pool device
         self._blocks_sent = 0
         self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
@@ -48,6 +52,7 @@ class KvIo:
 
     # -- pool placement --------------------------------------------------------------------
     def kv_cache_factory(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+        self.device = torch.device(device)
         exports = self.role in ("prefill", "both")
         if self.transport == "shm" and exports and device.type == "cpu":
             for name in unlink_stale(self.instance):
@@ -81,6 +86,7 @@ class KvIo:
                 args = load_cuda_ipc(endpoint["cuda_ipc"])
                 check_shape(args, tuple(layout.cache_shape(num_blocks)), layout.torch_dtype)
                 pool = rebuild(args)
+                self._keep_link_awake(pool.device)
             else:
                 raise ValueError(f"transport {transport!r} maps no pool; mapped ones: shm, cuda_ipc")
             stale = self._mapped_by_instance.get(prefill_instance)
@@ -92,6 +98,17 @@ class KvIo:
             self._mapped[key] = pool
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
+
+    def _keep_link_awake(self, peer: torch.device) -> None:
+        """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device)."""
+        own = self.device
+        if self.keepalive is None or own is None or own.type != "cuda" or peer == own:
+            return
+        name = f"{peer}->{own}"
+        if name not in self.keepalive.links:
+            link = CudaLink(peer, own)
+            self.keepalive.add(name, link.copy, link.busy)
+            log.info("keeping link %s awake: 1 MiB every %g ms", name, self.keepalive.period_s * 1000)
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
         """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
@@ -252,6 +269,8 @@ class KvIo:
         self._stores.pop(pair, None)
 
     def close(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.close()
         for pair in list(self.groups):
             self.groups.pop(pair, None)
         for pool in self._mapped.values():
