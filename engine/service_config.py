@@ -25,8 +25,9 @@ class ServiceConfig:
     kv_transport: str = option("shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS)
     kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
     lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
-    kv_link_keepalive_ms: float = option(0.0, "decode, cuda_ipc: copy 1 MiB from each mapped prefill's GPU every this "
-                                              "many ms so that the link is awake when a pull comes; 0 = off",
+    kv_link_keepalive_ms: float = option(0.0, "decode on a GPU: copy 1 MiB from each prefill GPU of this host (cuda_ipc: "
+                                              "mapped at start; nccl: from its first pull) every this many ms so "
+                                              "that the link is awake when a pull comes; 0 = off",
                                          min=0.0, max=1000.0)
     kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
     prefill_peers: str = option("", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config_fields import ConfigError, add_arguments, from_namespace
-from engine.kv_transfer.io import KvIo
+from engine.kv_transfer.io import KvIo, boot_id
 from engine.kv_transfer.keepalive import KEEPALIVE_BYTES, CudaLink, LinkKeepalive
 from engine.service_config import ServiceConfig
 from tests.test_kv_io import LAYOUT
@@ -92,3 +92,25 @@ def test_the_cuda_link_copies_1_mib_between_its_own_buffers_on_side_streams():
     for device in (0, 1):  # issued on the link's side streams; the devices' current streams are as before
         assert torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
     assert link.scratch.numel() == KEEPALIVE_BYTES and int(link.scratch.sum()) == KEEPALIVE_BYTES
+
+
+def test_the_boot_id_names_this_host():
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert boot_id() == f.read().strip() != ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_nccl_prefill_reports_its_device_and_a_decode_keeps_only_visible_peers_awake():
+    prefill = KvIo({"transport": "nccl", "role": "prefill"})
+    prefill.kv_cache_factory(LAYOUT, 2, torch.device("cuda:0"))
+    assert prefill.endpoint == {"device": "0", "boot_id": boot_id()}
+    decode = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
+    decode.kv_cache_factory(LAYOUT, 2, torch.device("cuda:1"))
+    for reported in ("1", "99", "-1", "x", None):  # itself, not visible, malformed, absent
+        decode._keep_link_awake(reported)
+    assert decode.keepalive.links == {}
+    decode._keep_link_awake(prefill.endpoint["device"])
+    assert list(decode.keepalive.links) == ["cuda:0->cuda:1"]
+    wait_until(lambda: decode.keepalive.num_copies >= 3)
+    decode.close()

@@ -65,6 +65,9 @@ class KvIo:
         if self.transport == "cuda_ipc" and exports and device.type == "cuda":
             self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
                              "device": str(device.index)}
+        elif self.transport == "nccl" and exports and device.type == "cuda":
+            # a decode on the same host (same kernel boot id) keeps the link to this device awake
+            self.endpoint = {"device": str(device.index), "boot_id": boot_id()}
         return kv_cache
 
     # -- decode side -----------------------------------------------------------------------
@@ -99,10 +102,17 @@ class KvIo:
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
 
-    def _keep_link_awake(self, peer: torch.device) -> None:
-        """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device)."""
+    def _keep_link_awake(self, peer: torch.device | str | None) -> None:
+        """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device).
+        `peer`: a device, or the device index an endpoint reports (ignored unless a visible GPU's)."""
         own = self.device
-        if self.keepalive is None or own is None or own.type != "cuda" or peer == own:
+        if self.keepalive is None or own is None or own.type != "cuda" or peer is None:
+            return
+        if isinstance(peer, str):
+            if not (peer.isdigit() and int(peer) < torch.cuda.device_count()):
+                return
+            peer = torch.device("cuda", int(peer))
+        if peer == own:
             return
         name = f"{peer}->{own}"
         if name not in self.keepalive.links:
@@ -140,6 +150,8 @@ class KvIo:
                 torch.cuda.current_stream(kv_cache.device).synchronize()
             return num_bytes
         if spec.transport == "nccl":
+            if boot_id() and spec.endpoint.get("boot_id") == boot_id():  # a prefill on another GPU of this host
+                self._keep_link_awake(spec.endpoint.get("device"))
             return self._recv(spec, indices, dst_blocks, kv_cache, core)
         raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
 
@@ -279,6 +291,15 @@ class KvIo:
         self._mapped.clear()
         if self._own_pool is not None:
             self._own_pool.close()
+
+
+def boot_id() -> str:
+    """This host's kernel boot id (the same in every container on it); "" where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def block_run(ids: list[int]) -> int | None:
