@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -58,6 +59,17 @@ class ModelRunner:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
         return host.to(self.device, non_blocking=True)
 
+    def _table_to_device(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables → one (B, M) int32 device tensor padded with 0. Filled row by row through numpy:
+        torch.tensor of the padded nested lists costs ~3x as much (~0.8 ms at 190 x 66 on a server core)."""
+        table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        for row, blocks in zip(table, tables):
+            row[:len(blocks)] = blocks
+        host = torch.from_numpy(table)
+        if self.pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
@@ -81,12 +93,10 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(qsl[-1] - 1)
                 sampling_ids.append(request.request_id)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         meta = AttentionMetadata(
             query_start_loc=self._to_device(qsl, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(padded, torch.int32),
+            block_tables=self._table_to_device(tables),
             slot_mapping=self._to_device(slots, torch.int64),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
