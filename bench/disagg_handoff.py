@@ -137,9 +137,13 @@ def cpu_copy_rate(num_bytes: int, repeats: int, idle_s: float) -> float:
 def parse_variant(text: str) -> tuple[str, float]:
     """'plain', 'keeper:MS' or 'keepalive:MS' -> (kind, ms)."""
     kind, _, ms = text.partition(":")
-    if kind not in ("plain", "keeper", "keepalive") or (kind != "plain") != bool(ms):
-        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> or keepalive:<ms>")
-    return kind, float(ms or 0)
+    try:
+        period = float(ms) if ms else 0.0
+    except ValueError:
+        period = -1.0
+    if kind not in ("plain", "keeper", "keepalive") or (kind == "plain") != (not ms) or (kind != "plain" and period <= 0):
+        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> or keepalive:<ms> with ms > 0")
+    return kind, period
 
 
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, variant: str = "plain") -> dict:
@@ -161,8 +165,9 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
                                        f"d-{name}", "--kv-transport", transport, "--prefill-peers",
                                        f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30", *decode_extra],
                    logs / f"d-{name}.log")
-    keeper = start_keeper(args, keeper_ms)
+    keeper = None
     try:
+        keeper = start_keeper(args, keeper_ms)
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
         d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
         d_stub = decode_pb2_grpc.DecodeStub(d_chan)
@@ -230,6 +235,8 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
             await asyncio.wait_for(finished[rid].wait(), 300)
         for r in results:
             r["tokens"] = tokens[r["request_id"]]
+        if keeper is not None and keeper.poll() is not None:
+            raise RuntimeError(f"the link keeper died during the run (exit {keeper.returncode}): variant {variant} is void")
         await inbox.put(None)
         call.cancel()
         reader.cancel()
@@ -286,8 +293,9 @@ def main(argv=None) -> int:
     expected = colocated(args, prompts)
     report = {"args": vars(args), "transports": []}
     variants = args.variants.split(",")
-    for variant in variants:
-        parse_variant(variant)  # all checked before the first stack starts
+    for variant in variants:  # all checked before the first stack starts
+        if parse_variant(variant)[0] != "plain" and not args.decode_device.startswith("cuda"):
+            raise SystemExit(f"--variants {variant}: keeping a link awake needs CUDA devices")
     for variant in variants:
         for transport in args.transports.split(","):
             result = asyncio.run(run_transport(args, transport, prompts, logs, variant))

@@ -52,7 +52,7 @@ class RequestOutput:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"  # then as if named: cuda gets its index
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RequestError(f"--device {name} was asked for but no CUDA device is visible")
     device = torch.device(name)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config_fields import option
+from engine.config_fields import ConfigError, option
 from engine.kv_transfer.io import TRANSPORTS
+from engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,11 @@ class ServiceConfig:
     kv_transport: str = option("shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS)
     kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
     lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
-    kv_link_keepalive_ms: float = option(0.0, "decode on a GPU: copy 1 MiB from each prefill GPU of this host (cuda_ipc: "
-                                              "mapped at start; nccl: from its first pull) every this many ms so "
-                                              "that the link is awake when a pull comes; 0 = off",
-                                         min=0.0, max=1000.0)
+    kv_link_keepalive_ms: float = option(0.0, "decode on a GPU: every this many ms copy 1 MiB from each prefill GPU it "
+                                              "pulls from (cuda_ipc: once its pool is mapped; nccl: a prefill GPU "
+                                              "this host has, from its first pull) so the link is awake when a pull "
+                                              "comes; costs a CUDA context (~0.3-0.5 GiB) on each such GPU; 0 = off, "
+                                              "else >= 0.5", min=0.0, max=1000.0)
     kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
     prefill_peers: str = option("", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; "
                                     "shm, cuda_ipc: map the KV pool)")
@@ -38,3 +40,8 @@ class ServiceConfig:
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
     fault_injection: str = option("", "TEST ONLY: faults to inject, e.g. pull_drop=2,pull_delay_ms=300,corrupt_epoch=1,send_kill_after_blocks=3")
+
+    def __post_init__(self) -> None:
+        if 0 < self.kv_link_keepalive_ms < MIN_PERIOD_MS:
+            raise ConfigError(f"--kv-link-keepalive-ms={self.kv_link_keepalive_ms} is out of range; "
+                              f"allowed 0 (off) or [{MIN_PERIOD_MS}, 1000.0]")

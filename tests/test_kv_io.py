@@ -2,6 +2,7 @@
 handles travel as plain data and are checked before anything of theirs runs."""
 
 import base64
+import os
 import pickle
 
 import pytest
@@ -11,6 +12,7 @@ from engine.kv_layout import KvLayout
 from engine.kv_transfer.io import KvIo, block_runs, copy_block_runs
 from engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
 from engine.kv_transfer.shm import SharedKvPool, segment_name
+from engine.kv_transfer.shm import copy_blocks as shm_copy_blocks
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model_id="kv-io-test")
 
@@ -50,26 +52,41 @@ def test_block_runs_split_where_either_side_stops_advancing_by_one():
     assert block_runs([], []) == []
 
 
-@pytest.mark.parametrize("src_ids", [[3, 4, 5, 6, 10, 11], list(range(0, 40, 2))],
+@pytest.mark.parametrize("src_ids, gathered", [([3, 4, 5, 6, 10, 11], False), (list(range(0, 40, 2)), True)],
                          ids=["two runs copied directly", "20 runs gathered and scattered"])
-def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids):
+def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids, gathered, monkeypatch):
+    import engine.kv_transfer.io as kv_io
+
+    calls = []
+    monkeypatch.setattr(kv_io, "copy_blocks", lambda *args: calls.append(1) or shm_copy_blocks(*args))
     src, dst = numbered_pool(48), torch.full(LAYOUT.cache_shape(24), -1.0)
     dst_ids = list(range(2, 2 + len(src_ids)))
     assert copy_block_runs(src, src_ids, dst, dst_ids) == len(src_ids) * LAYOUT.block_nbytes
     assert [int(dst[b].unique().item()) for b in range(24)] == [-1, -1, *src_ids, *[-1] * (22 - len(src_ids))]
+    assert calls == ([1] if gathered else [])
     with pytest.raises(ValueError, match="copy_block_runs: 2 source blocks vs 1 destination blocks"):
         copy_block_runs(src, [0, 1], dst, [0])
 
 
+def test_copy_block_runs_refuses_ids_outside_either_pool():
+    src, dst = numbered_pool(4), torch.full(LAYOUT.cache_shape(4), -1.0)
+    with pytest.raises(ValueError, match=r"copy_block_runs: source block ids 3\.\.5 outside the pool's 4 blocks"):
+        copy_block_runs(src, [3, 4, 5], dst, [0, 1, 2])  # a slice src[3:6] would broadcast block 3
+    with pytest.raises(ValueError, match=r"copy_block_runs: destination block ids -1\.\.0 outside the pool's 4 blocks"):
+        copy_block_runs(src, [0, 1], dst, [-1, 0])
+    assert (dst == -1).all()  # nothing was copied
+
+
 def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch):
     monkeypatch.setattr("engine.kv_transfer.shm._untrack", lambda shm: None)
-    owner = SharedKvPool.create(segment_name("p-pull", 1), LAYOUT, 16)
+    name = segment_name(f"p-pull-{os.getpid()}", 1)
+    owner = SharedKvPool.create(name, LAYOUT, 16)
     owner.tensor.copy_(numbered_pool(16))
     io = KvIo({"transport": "shm", "instance": "d-pull", "role": "decode"})
 
     class Spec:  # the fields of a KvSpec a pull reads
         transport, prefill_instance, layout = "shm", "p-pull", LAYOUT
-        endpoint = {"shm_name": segment_name("p-pull", 1), "num_blocks": "16"}
+        endpoint = {"shm_name": name, "num_blocks": "16"}
         block_ids = [9, 10, 11, 12, 4]
 
     class Core:

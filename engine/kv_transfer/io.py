@@ -19,7 +19,7 @@ import torch
 
 from engine.kv_layout import KvLayout
 from engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
-from engine.kv_transfer.keepalive import CudaLink, LinkKeepalive
+from engine.kv_transfer.keepalive import CudaLink, LinkKeepalive, gpu_uuid, local_index
 from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
 
 log = logging.getLogger("splitserve.kv")
@@ -41,6 +41,7 @@ class KvIo:
         keepalive_ms = float(options.get("link_keepalive_ms") or 0)
         self.keepalive = LinkKeepalive(keepalive_ms / 1000) if keepalive_ms > 0 else None
         self.device: torch.device | None = None  # this process's KV pool device
+        self._peer_index: dict[str, int | None] = {}  # nccl prefill GPU UUID -> local index
         self._blocks_sent = 0
         self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
@@ -53,6 +54,9 @@ class KvIo:
     # -- pool placement --------------------------------------------------------------------
     def kv_cache_factory(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        device = self.device
         exports = self.role in ("prefill", "both")
         if self.transport == "shm" and exports and device.type == "cpu":
             for name in unlink_stale(self.instance):
@@ -66,8 +70,8 @@ class KvIo:
             self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
                              "device": str(device.index)}
         elif self.transport == "nccl" and exports and device.type == "cuda":
-            # a decode on the same host (same kernel boot id) keeps the link to this device awake
-            self.endpoint = {"device": str(device.index), "boot_id": boot_id()}
+            # a decode that sees this GPU (same host) can keep the link to it awake
+            self.endpoint = {"gpu_uuid": gpu_uuid(device.index)}
         return kv_cache
 
     # -- decode side -----------------------------------------------------------------------
@@ -102,23 +106,21 @@ class KvIo:
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
 
-    def _keep_link_awake(self, peer: torch.device | str | None) -> None:
-        """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device).
-        `peer`: a device, or the device index an endpoint reports (ignored unless a visible GPU's)."""
+    def _keep_link_awake(self, peer: torch.device | None) -> None:
+        """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device;
+        the link is built on the keep-alive thread, and nothing of it can fail the caller)."""
         own = self.device
-        if self.keepalive is None or own is None or own.type != "cuda" or peer is None:
+        if self.keepalive is None or own is None or own.type != "cuda" or peer is None or peer == own:
             return
-        if isinstance(peer, str):
-            if not (peer.isdigit() and int(peer) < torch.cuda.device_count()):
-                return
-            peer = torch.device("cuda", int(peer))
-        if peer == own:
-            return
-        name = f"{peer}->{own}"
-        if name not in self.keepalive.links:
-            link = CudaLink(peer, own)
-            self.keepalive.add(name, link.copy, link.busy)
-            log.info("keeping link %s awake: 1 MiB every %g ms", name, self.keepalive.period_s * 1000)
+        self.keepalive.add(f"{peer}->{own}", lambda: CudaLink(peer, own))
+
+    def _nccl_peer(self, endpoint: dict) -> torch.device | None:
+        """The local device of an nccl prefill's GPU (by UUID), None when this process does not see it."""
+        uuid = endpoint.get("gpu_uuid", "")
+        if uuid not in self._peer_index:
+            self._peer_index[uuid] = local_index(uuid)
+        index = self._peer_index[uuid]
+        return None if index is None else torch.device("cuda", index)
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
         """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
@@ -150,8 +152,8 @@ class KvIo:
                 torch.cuda.current_stream(kv_cache.device).synchronize()
             return num_bytes
         if spec.transport == "nccl":
-            if boot_id() and spec.endpoint.get("boot_id") == boot_id():  # a prefill on another GPU of this host
-                self._keep_link_awake(spec.endpoint.get("device"))
+            if self.keepalive is not None:
+                self._keep_link_awake(self._nccl_peer(spec.endpoint))  # a prefill on another GPU of this host
             return self._recv(spec, indices, dst_blocks, kv_cache, core)
         raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
 
@@ -293,15 +295,6 @@ class KvIo:
             self._own_pool.close()
 
 
-def boot_id() -> str:
-    """This host's kernel boot id (the same in every container on it); "" where there is none."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def block_run(ids: list[int]) -> int | None:
     """The first id when `ids` are consecutive (b, b+1, ...), else None. Both sides of an NCCL
     transfer decide from the source ids alone whether the sender skips its gather."""
@@ -330,6 +323,10 @@ def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, ds
     staging; more than MAX_DIRECT_RUNS runs fall back to gather + copy + scatter. Returns bytes."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copy_block_runs: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
+    for side, ids, pool in (("source", src_ids, src), ("destination", dst_ids, dst)):
+        if ids and not 0 <= min(ids) <= max(ids) < pool.shape[0]:  # a slice past the end would broadcast
+            raise ValueError(f"copy_block_runs: {side} block ids {min(ids)}..{max(ids)} outside the pool's "
+                             f"{pool.shape[0]} blocks")
     runs = block_runs(src_ids, dst_ids)
     if len(runs) > MAX_DIRECT_RUNS:
         return copy_blocks(src, src_ids, dst, dst_ids)

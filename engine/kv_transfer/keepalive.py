@@ -3,84 +3,118 @@
 An NVLink path left idle for tens of ms makes its next copy pay ~0.3 ms to wake up (a 256 MiB pull
 then runs at ~70% of the back-to-back copy rate; docs/perf.md, "Third look"). With
 `--kv-link-keepalive-ms P` a decode copies 1 MiB from a buffer of its own on each peer's device to
-one on its own device every P ms, on side streams that no pull or step waits on:
+one on its own device every P ms, on high-priority side streams (NCCL's streams come from the other
+pool) that no pull or step waits on:
 
     thread, every P ms:  own buffer on the peer device ──1 MiB──▶ scratch on this device
 
 The buffers are the decode's own (never the peer's pool), so a peer that dies or restarts takes
-nothing this copies from with it. A copy still in flight when the next is due is not stacked
-behind (the link is busy then anyway).
+nothing this copies from with it. A link is built on the keep-alive thread (a first use of the peer's
+GPU creates a CUDA context there, ~0.3-0.5 GiB and a few hundred ms, which the core loop must not
+wait for). A copy still in flight when the next is due is not stacked behind it. A link that fails,
+built or copying, is logged once and never tried again: keeping a link awake is an optimisation,
+and nothing of it may fail a pull.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 log = logging.getLogger("splitserve.kv")
 
 KEEPALIVE_BYTES = 1 << 20  # a 1 MiB copy wakes the link as fully as a 16 MiB one (kv_copy_clocks --set memory)
+MIN_PERIOD_MS = 0.5  # shorter periods only spin this thread against the core loop for the GIL
+
+
+class Link(Protocol):
+    def copy(self) -> None: ...
+
+    def busy(self) -> bool: ...
 
 
 class LinkKeepalive:
-    """Calls each registered `copy()` every `period_s` on one daemon thread while `busy()` of that
-    link is False. The CUDA pieces live in `CudaLink`; this class only schedules."""
+    """Builds each added link on one daemon thread, then calls its copy() every `period_s` while its
+    busy() is False. The CUDA pieces live in `CudaLink`; this class only schedules."""
 
     def __init__(self, period_s: float) -> None:
-        if not period_s > 0:
-            raise ValueError(f"kv_link_keepalive_ms must be > 0 to keep a link awake, got {period_s * 1000:g}")
+        if not period_s * 1000 >= MIN_PERIOD_MS:
+            raise ValueError(f"kv_link_keepalive_ms {period_s * 1000:g} is out of range: 0 (off) or >= {MIN_PERIOD_MS}")
         self.period_s = period_s
-        self.links: dict[str, tuple[Callable[[], None], Callable[[], bool]]] = {}
+        self.pending: dict[str, Callable[[], Link]] = {}  # name -> factory, built on the thread
+        self.links: dict[str, Link] = {}
+        self.failed: set[str] = set()
         self.num_copies = 0
         self.num_skipped = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, name: str, copy: Callable[[], None], busy: Callable[[], bool]) -> bool:
-        """Keep the link `name` awake (once; False when it already is); starts the thread on the first."""
+    def add(self, name: str, factory: Callable[[], Link]) -> bool:
+        """Keep the link `name` awake (once; False when it is already kept, pending or failed)."""
         with self._lock:
-            if name in self.links:
+            if name in self.links or name in self.pending or name in self.failed:
                 return False
-            self.links[name] = (copy, busy)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kv-link-keepalive", daemon=True)
-            self._thread.start()
+            self.pending[name] = factory
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-link-keepalive", daemon=True)
+                self._thread.start()
         return True
+
+    def _fail(self, name: str, what: str, exc: Exception) -> None:
+        log.warning("keep-alive of link %s stopped (%s failed): %s", name, what, exc)
+        with self._lock:
+            self.links.pop(name, None)
+            self.failed.add(name)
+
+    def _build_pending(self) -> None:
+        with self._lock:
+            pending, self.pending = self.pending, {}
+        for name, factory in pending.items():
+            try:
+                link = factory()
+            except Exception as exc:
+                self._fail(name, "setting it up", exc)
+                continue
+            with self._lock:
+                self.links[name] = link
+            log.info("keeping link %s awake: %d bytes every %g ms", name, KEEPALIVE_BYTES, self.period_s * 1000)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            if self.pending:
+                self._build_pending()
             with self._lock:
                 links = list(self.links.items())
-            for name, (copy, busy) in links:
+            for name, link in links:
                 try:
-                    if busy():
+                    if link.busy():
                         self.num_skipped += 1
                         continue
-                    copy()
+                    link.copy()
                     self.num_copies += 1
-                except Exception as exc:  # a broken device must not take the decode down: stop this link
-                    log.warning("keep-alive of link %s stopped: %s", name, exc)
-                    with self._lock:
-                        self.links.pop(name, None)
+                except Exception as exc:  # a broken device must not take the decode down
+                    self._fail(name, "a copy", exc)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5 * self.period_s + 1.0)
+            self._thread.join(timeout=5 * self.period_s + 5.0)
 
 
 class CudaLink:
-    """The link peer_device -> own_device: 1 MiB between two buffers of this process, issued on side
-    streams of both devices so that nothing else orders behind it."""
+    """The link peer_device -> own_device: 1 MiB between two buffers of this process, each allocated
+    and filled on its own side stream, so that the copy orders behind nothing and nothing behind it."""
 
     def __init__(self, peer_device, own_device) -> None:
         import torch
 
-        self.source = torch.ones(KEEPALIVE_BYTES, dtype=torch.uint8, device=peer_device)
-        self.scratch = torch.empty(KEEPALIVE_BYTES, dtype=torch.uint8, device=own_device)
-        self.streams = (torch.cuda.Stream(self.source.device), torch.cuda.Stream(self.scratch.device))
+        self.streams = (torch.cuda.Stream(peer_device, priority=-1), torch.cuda.Stream(own_device, priority=-1))
+        with torch.cuda.stream(self.streams[0]):
+            self.source = torch.ones(KEEPALIVE_BYTES, dtype=torch.uint8, device=peer_device)
+        with torch.cuda.stream(self.streams[1]):
+            self.scratch = torch.empty(KEEPALIVE_BYTES, dtype=torch.uint8, device=own_device)
         self.done = torch.cuda.Event()
         self.done.record(self.streams[1])
 
@@ -95,3 +129,26 @@ class CudaLink:
 
     def busy(self) -> bool:
         return not self.done.query()
+
+
+def gpu_uuid(index: int) -> str:
+    """The physical GPU behind a device index of this process ("" when torch cannot say): indices
+    differ between processes (CUDA_VISIBLE_DEVICES, containers), UUIDs do not."""
+    import torch
+
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return ""
+
+
+def local_index(uuid: str) -> int | None:
+    """This process's index of the GPU with `uuid`, None when it does not see that GPU."""
+    import torch
+
+    if not uuid or not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if gpu_uuid(index) == uuid:
+            return index
+    return None
