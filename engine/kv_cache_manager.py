@@ -84,6 +84,10 @@ class KvCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
+        held = self.req_blocks.get(request.request_id)
+        if not cached and held is not None \
+                and len(held) * self.block_size >= request.num_computed_tokens + num_new_tokens:
+            return True  # e.g. a decode step inside its last block: nothing to allocate
         if self.num_blocks_needed(request, num_new_tokens, cached) > self.pool.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])

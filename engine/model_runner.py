@@ -84,9 +84,14 @@ class ModelRunner:
             request = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             blocks = block_tables[request.request_id]
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if end - start == 1:  # a decode step: one token
+                input_ids.append(request.token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(request.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + end - start)
             seq_lens.append(end)
             tables.append(blocks)
