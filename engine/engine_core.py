@@ -13,9 +13,10 @@ allocated (`begin_import` → the transport copies → `finish_import`); "both" 
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -49,6 +50,13 @@ class RequestOutput:
     error: str | None = None
     queue_ns: int = 0  # arrival to first scheduled compute, on a request's first output
 
+    def __reduce__(self):
+        # every step pickles one of these per running request (core -> service): a positional tuple
+        # pickles ~1.5x and unpickles ~2.5x faster than a dataclass's attribute dict
+        return RequestOutput, _output_fields(self)
+
+
+_output_fields = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -1,0 +1,20 @@
+"""Core <-> service messages cross a pipe pickled: every field of a step's outputs arrives as sent."""
+
+import multiprocessing
+from dataclasses import fields
+
+from engine import core_messages as m
+from engine.engine_core import RequestOutput
+
+
+def test_a_step_batch_crosses_a_pipe_with_every_output_field_intact():
+    outputs = [RequestOutput("a", [5, 6], [{"5": -0.1}], True, "stop", "</s>", 32, None, 1234),
+               RequestOutput("b", [], finished=True, finish_reason="error", error="KV pull failed: x"),
+               RequestOutput("c", [9])]
+    assert all(getattr(outputs[0], f.name) != f.default for f in fields(RequestOutput) if f.name != "error")
+    batch = m.StepBatch(outputs, [m.HeldKv("a", [3, 4], [b"h"], 20)], {"num_running": 2}, 777)
+    here, there = multiprocessing.Pipe()
+    here.send([batch])
+    (got,) = there.recv()
+    assert got == batch and [type(o) for o in got.outputs] == [RequestOutput] * 3
+    assert got.outputs[1].error == "KV pull failed: x" and got.outputs[2].new_logprobs == []
