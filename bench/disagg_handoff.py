@@ -33,6 +33,8 @@ from pathlib import Path
 
 import grpc
 
+from engine.kv_transfer.keepalive import MIN_PERIOD_MS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -141,8 +143,11 @@ def parse_variant(text: str) -> tuple[str, float]:
         period = float(ms) if ms else 0.0
     except ValueError:
         period = -1.0
-    if kind not in ("plain", "keeper", "keepalive") or (kind == "plain") != (not ms) or (kind != "plain" and period <= 0):
-        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> or keepalive:<ms> with ms > 0")
+    ok = (kind == "plain" and not ms or kind == "keeper" and 0 < period <= 1000
+          or kind == "keepalive" and MIN_PERIOD_MS <= period <= 1000)  # nan compares False: refused
+    if not ok:
+        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> (0 < ms <= 1000) or keepalive:<ms> "
+                         f"({MIN_PERIOD_MS} <= ms <= 1000)")
     return kind, period
 
 
@@ -159,14 +164,14 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
               str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8",
               "--block-size", str(args.block_size)]
     name = tag.replace(" ", "-").replace(":", "")
-    prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
-                                         f"p-{name}", "--kv-transport", transport], logs / f"p-{name}.log")
-    decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
-                                       f"d-{name}", "--kv-transport", transport, "--prefill-peers",
-                                       f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30", *decode_extra],
-                   logs / f"d-{name}.log")
-    keeper = None
+    prefill = decode = keeper = None
     try:
+        prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
+                                             f"p-{name}", "--kv-transport", transport], logs / f"p-{name}.log")
+        decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
+                                           f"d-{name}", "--kv-transport", transport, "--prefill-peers",
+                                           f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30", *decode_extra],
+                       logs / f"d-{name}.log")
         keeper = start_keeper(args, keeper_ms)
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
         d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
@@ -242,10 +247,9 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
         reader.cancel()
         return {"transport": tag, "requests": results}
     finally:
-        if keeper is not None:
-            stop(keeper)
-        stop(prefill)
-        stop(decode)
+        for proc in (keeper, prefill, decode):
+            if proc is not None:
+                stop(proc)
 
 
 def colocated(args, prompts) -> list[list[int]]:
@@ -287,21 +291,31 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
+    variants = args.variants.split(",")
+    for variant in variants:  # all checked before anything runs
+        if parse_variant(variant)[0] != "plain" and not args.decode_device.startswith("cuda"):
+            raise SystemExit(f"--variants {variant}: keeping a link awake needs CUDA devices")
     vocab = json.loads(Path(args.config).read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     expected = colocated(args, prompts)
-    report = {"args": vars(args), "transports": []}
-    variants = args.variants.split(",")
-    for variant in variants:  # all checked before the first stack starts
-        if parse_variant(variant)[0] != "plain" and not args.decode_device.startswith("cuda"):
-            raise SystemExit(f"--variants {variant}: keeping a link awake needs CUDA devices")
+    report = {"args": vars(args), "transports": [], "failed": []}
     for variant in variants:
         for transport in args.transports.split(","):
-            result = asyncio.run(run_transport(args, transport, prompts, logs, variant))
-            result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
-            result["variant"] = variant
-            report["transports"].append(result)
+            try:  # one stack failing (a keeper that died, a service that did not start) costs only its row
+                result = asyncio.run(run_transport(args, transport, prompts, logs, variant))
+            except Exception as exc:
+                print(f"{transport} {variant} FAILED: {exc!r}"[:2000], flush=True)
+                report["failed"].append({"transport": transport, "variant": variant, "error": repr(exc)[:4000]})
+            else:
+                result["tokens_equal"] = [r["tokens"] for r in result["requests"]] == expected
+                result["variant"] = variant
+                report["transports"].append(result)
+            if args.json:  # written after every stack: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(report, indent=2))
+    if not report["transports"]:
+        print("no stack completed")
+        return 1
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
     report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
     report["copy_after_idle_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device, idle_s=0.2)
@@ -326,9 +340,11 @@ def main(argv=None) -> int:
               f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
               f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
               f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")
+    for failed in report["failed"]:
+        print(f"{failed['transport']} {failed['variant']}: FAILED ({failed['error'][:200]})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if all(t["tokens_equal"] for t in report["transports"]) else 1
+    return 0 if all(t["tokens_equal"] for t in report["transports"]) and not report["failed"] else 1
 
 
 if __name__ == "__main__":

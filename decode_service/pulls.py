@@ -235,6 +235,16 @@ class PullCoordinator:
             self._pairs[prefill_instance] = task
         await task
 
+    async def _peer_gpu(self, prefill_address: str) -> str:
+        """The GPU UUID a prefill reports in its own Describe ("" when it says none or cannot answer)."""
+        from protos import common_pb2
+
+        try:
+            info = await self.stub(prefill_address).Describe(common_pb2.DescribeRequest(), timeout=2.0)
+        except Exception:
+            return ""
+        return info.kv_endpoint.get("gpu_uuid", "")
+
     async def _pair(self, prefill_instance: str, prefill_address: str, patient: bool) -> None:
         service = self.service
         host = service.config.peer_host  # the prefill dials the store here
@@ -243,8 +253,9 @@ class PullCoordinator:
             port = s.getsockname()[1]
         backend = "nccl" if torch.cuda.is_available() and service.client.info.device.startswith("cuda") else "gloo"
         pair = pair_name(prefill_instance, service.name)
+        peer_gpu = await self._peer_gpu(prefill_address) if service.config.kv_link_keepalive_ms > 0 else ""
         mine = asyncio.create_task(service.client.call(
-            lambda cid: m.Pair(cid, pair, 0, host, port, backend), timeout_s=60.0))
+            lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0))
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
         await self.stub(prefill_address).PairKv(prefill_pb2.PairKvRequest(
             decode_instance=service.name, store_host=host, store_port=port, backend=backend),

@@ -95,6 +95,7 @@ class Pair:
     store_port: int
     backend: str
     local_host: str = ""  # this side's own reachable address (gloo binds its pair sockets there)
+    peer_gpu_uuid: str = ""  # decode: the prefill's GPU from its Describe (a link to keep awake, if seen here)
 
 
 @dataclass

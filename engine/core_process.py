@@ -172,6 +172,7 @@ class CoreLoop:
             try:
                 self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, device,
                                 local_host=msg.local_host or msg.store_host)
+                self.kv_io.keep_peer_awake(msg.peer_gpu_uuid)
                 self.background_replies.put(m.Reply(msg.call_id, True))
             except Exception as exc:
                 self.background_replies.put(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))

@@ -52,11 +52,12 @@ class RequestOutput:
 
     def __reduce__(self):
         # every step pickles one of these per running request (core -> service): a positional tuple
-        # pickles ~1.5x and unpickles ~2.5x faster than a dataclass's attribute dict
+        # pickles and unpickles faster than a dataclass's attribute dict (docs/perf.md, "Host side")
         return RequestOutput, _output_fields(self)
 
 
 _output_fields = operator.attrgetter(*(f.name for f in fields(RequestOutput)))
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -56,3 +56,51 @@ def test_a_request_cancelled_while_the_decode_asks_its_prefill_never_reaches_the
     assert [msg.request_id for msg in imports] == ["b"]  # "a" never reached the core
     assert imports[0].spec.endpoint == ENDPOINT  # the endpoint the prefill reported itself
     assert prefill.released == ["l-a"] and prefill.described == 2
+
+
+class PairingPrefill:
+    """Describe reports a GPU; PairKv answers at once."""
+
+    def __init__(self, gpu_uuid: str) -> None:
+        self.gpu_uuid = gpu_uuid
+        self.described = 0
+
+    async def Describe(self, request, timeout=None):
+        self.described += 1
+        return common_pb2.DescribeResponse(kv_endpoint={"gpu_uuid": self.gpu_uuid} if self.gpu_uuid else {})
+
+    async def PairKv(self, request, timeout=None, wait_for_ready=None):
+        return prefill_pb2.PairKvResponse(paired=True)
+
+
+def pair_messages(keepalive_ms: float, prefill: PairingPrefill) -> list:
+    calls = []
+
+    async def call(make_msg, timeout_s=None):
+        calls.append(make_msg(1))
+        return True
+
+    config = SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute", kv_link_keepalive_ms=keepalive_ms,
+                             peer_host="127.0.0.1", host="127.0.0.1")
+    service = SimpleNamespace(config=config, name="d0", count=lambda *a: None,
+                              client=SimpleNamespace(call=call, info=SimpleNamespace(device="cpu")))
+
+    async def main():
+        pulls = PullCoordinator(service)
+        pulls.stub = lambda address: prefill
+        await pulls.ensure_pair("p0", "127.0.0.1:1")
+
+    asyncio.run(main())
+    return calls
+
+
+def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_with_the_keepalive():
+    prefill = PairingPrefill("GPU-1234")
+    (msg,) = pair_messages(2.0, prefill)
+    assert isinstance(msg, m.Pair) and msg.pair == "p0->d0" and msg.peer_gpu_uuid == "GPU-1234"
+    assert prefill.described == 1
+    quiet = PairingPrefill("GPU-1234")
+    (msg,) = pair_messages(0.0, quiet)
+    assert msg.peer_gpu_uuid == "" and quiet.described == 0  # no keep-alive: no extra Describe
+    (msg,) = pair_messages(2.0, PairingPrefill(""))  # a CPU (or older) prefill reports no GPU
+    assert msg.peer_gpu_uuid == ""

@@ -120,27 +120,23 @@ def test_a_cpu_pool_keeps_no_link_awake():
     assert KvIo({"transport": "cuda_ipc", "role": "decode"}).keepalive is None  # off unless asked for
 
 
-def test_an_nccl_pull_keeps_awake_only_a_prefill_gpu_this_process_sees(monkeypatch):
+def test_an_nccl_pair_keeps_awake_only_a_prefill_gpu_this_process_sees(monkeypatch):
+    looked_up, asked = [], []
+
+    def fake_local_index(uuid):
+        looked_up.append(uuid)
+        return {"GPU-a": 0, "GPU-own": 1}.get(uuid)
+
+    monkeypatch.setattr("engine.kv_transfer.io.local_index", fake_local_index)
     io = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
-    io.device = torch.device("cuda", 1)  # as if the pool were on GPU 1 (no GPU here: the link is never built)
-    asked = []
-    monkeypatch.setattr(io, "_recv", lambda *args: 0)
-    monkeypatch.setattr("engine.kv_transfer.io.local_index", lambda uuid: {"GPU-a": 0, "GPU-own": 1}.get(uuid))
     monkeypatch.setattr(io, "_keep_link_awake", asked.append)
-
-    class Spec:
-        transport = "nccl"
-
-    class Core:
-        class engine:
-            class runner:
-                kv_cache = torch.zeros(1)
-
-    for endpoint in ({"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-elsewhere"}, {}, {"gpu_uuid": "GPU-a"}):
-        Spec.endpoint = endpoint
-        io.pull(Spec, [0], [0], Core)
-    assert asked == [torch.device("cuda", 0), None, None, torch.device("cuda", 0)]
-    assert io._peer_index == {"GPU-a": 0, "GPU-elsewhere": None, "": None}  # each UUID looked up once
+    for uuid in ("GPU-a", "GPU-elsewhere", ""):  # seen here, another host's, a prefill that reports none
+        io.keep_peer_awake(uuid)
+    assert asked == [torch.device("cuda", 0)] and looked_up == ["GPU-a", "GPU-elsewhere"]
+    off = KvIo({"transport": "nccl", "role": "decode"})
+    off.keep_peer_awake("GPU-a")  # no keep-alive asked for: not even looked up
+    assert looked_up == ["GPU-a", "GPU-elsewhere"]
+    io.close()
 
 
 def test_without_gpus_no_uuid_has_a_local_index():
@@ -153,13 +149,12 @@ def test_without_gpus_no_uuid_has_a_local_index():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_the_cuda_link_copies_1_mib_and_nothing_waits_on_it():
     link = CudaLink(torch.device("cuda:0"), torch.device("cuda:1"))
-    torch.cuda._sleep(200_000_000)  # hold cuda:0's current stream: the link's own streams must not wait on it
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s on cuda:0's current stream: the link's own streams must not wait on it
     link.copy()
     wait_until(lambda: not link.busy())
     assert not torch.cuda.current_stream(0).query()  # still sleeping: the copy did not order behind it
     torch.cuda.synchronize(0)
     with torch.cuda.stream(link.streams[0]):
-        link.streams[0].wait_stream(torch.cuda.current_stream(0))
         link.source.fill_(2)
     link.copy()
     wait_until(lambda: not link.busy())
@@ -174,9 +169,19 @@ def test_an_nccl_prefill_reports_its_gpu_and_a_decode_keeps_that_link_awake():
     assert prefill.endpoint == {"gpu_uuid": str(torch.cuda.get_device_properties(0).uuid)}
     decode = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
     decode.kv_cache_factory(LAYOUT, 2, torch.device("cuda:1"))
-    assert decode._nccl_peer(prefill.endpoint) == torch.device("cuda", 0)
-    decode._keep_link_awake(decode._nccl_peer({"gpu_uuid": str(torch.cuda.get_device_properties(1).uuid)}))
-    decode._keep_link_awake(decode._nccl_peer(prefill.endpoint))
+    decode.keep_peer_awake(str(torch.cuda.get_device_properties(1).uuid))  # its own GPU: no link
+    decode.keep_peer_awake(prefill.endpoint["gpu_uuid"])
     wait_until(lambda: decode.keepalive.num_copies >= 3)
     assert list(decode.keepalive.links) == ["cuda:0->cuda:1"] and decode.keepalive.failed == set()
     decode.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pool_on_the_auto_device_knows_its_index():
+    from engine.engine_core import resolve_device
+
+    assert resolve_device("auto") == torch.device("cuda", torch.cuda.current_device())
+    io = KvIo({"transport": "nccl", "role": "decode"})
+    io.kv_cache_factory(LAYOUT, 2, torch.device("cuda"))
+    assert io.device == torch.device("cuda", torch.cuda.current_device())

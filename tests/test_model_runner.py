@@ -1,5 +1,6 @@
 """ModelRunner.prepare_inputs: the exact host-built inputs of a mixed prefill + decode step."""
 
+import pytest
 import torch
 
 from engine.model_runner import ModelRunner
@@ -14,8 +15,10 @@ def request(rid: str, prompt: list[int], output: list[int] = ()) -> Request:
     return r
 
 
-def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables():
-    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, device=torch.device("cpu"))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables(device):
+    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, device=torch.device(device))
     decoding = request("d", [5, 6, 7, 8, 9], output=[10])  # 6 tokens, 5 computed: one new token at position 5
     chunk = request("p", [1, 2, 3, 4, 5, 6, 7])  # a prompt chunk: tokens 2-4, not sampled yet
     out = SchedulerOutput([ScheduledRequest(decoding, 1, 5), ScheduledRequest(chunk, 3, 2)])
@@ -24,7 +27,7 @@ def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables():
     assert inputs.positions.tolist() == [5, 2, 3, 4]
     assert inputs.meta.slot_mapping.tolist() == [3 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0]
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 4] and inputs.meta.seq_lens.tolist() == [6, 5]
-    assert inputs.meta.block_tables.dtype == torch.int32
+    assert inputs.meta.block_tables.dtype == torch.int32 and inputs.meta.block_tables.device.type == device
     assert inputs.meta.block_tables.tolist() == [[7, 3], [4, 9]]
     assert inputs.logits_indices.tolist() == [0] and inputs.sampling_request_ids == ["d"]
     ragged = runner.prepare_inputs(SchedulerOutput([ScheduledRequest(decoding, 1, 5), ScheduledRequest(chunk, 3, 2)]),

@@ -41,7 +41,6 @@ class KvIo:
         keepalive_ms = float(options.get("link_keepalive_ms") or 0)
         self.keepalive = LinkKeepalive(keepalive_ms / 1000) if keepalive_ms > 0 else None
         self.device: torch.device | None = None  # this process's KV pool device
-        self._peer_index: dict[str, int | None] = {}  # nccl prefill GPU UUID -> local index
         self._blocks_sent = 0
         self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
@@ -114,13 +113,13 @@ class KvIo:
             return
         self.keepalive.add(f"{peer}->{own}", lambda: CudaLink(peer, own))
 
-    def _nccl_peer(self, endpoint: dict) -> torch.device | None:
-        """The local device of an nccl prefill's GPU (by UUID), None when this process does not see it."""
-        uuid = endpoint.get("gpu_uuid", "")
-        if uuid not in self._peer_index:
-            self._peer_index[uuid] = local_index(uuid)
-        index = self._peer_index[uuid]
-        return None if index is None else torch.device("cuda", index)
+    def keep_peer_awake(self, uuid: str) -> None:
+        """nccl pairs: keep the link to the prefill's GPU awake when this process sees that GPU (same
+        host); `uuid` comes from the prefill's own Describe, never from a KV handle."""
+        if self.keepalive is not None and uuid:
+            index = local_index(uuid)
+            if index is not None:
+                self._keep_link_awake(torch.device("cuda", index))
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
         """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
@@ -152,8 +151,6 @@ class KvIo:
                 torch.cuda.current_stream(kv_cache.device).synchronize()
             return num_bytes
         if spec.transport == "nccl":
-            if self.keepalive is not None:
-                self._keep_link_awake(self._nccl_peer(spec.endpoint))  # a prefill on another GPU of this host
             return self._recv(spec, indices, dst_blocks, kv_cache, core)
         raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
 

@@ -9,11 +9,13 @@ pool) that no pull or step waits on:
     thread, every P ms:  own buffer on the peer device ──1 MiB──▶ scratch on this device
 
 The buffers are the decode's own (never the peer's pool), so a peer that dies or restarts takes
-nothing this copies from with it. A link is built on the keep-alive thread (a first use of the peer's
-GPU creates a CUDA context there, ~0.3-0.5 GiB and a few hundred ms, which the core loop must not
-wait for). A copy still in flight when the next is due is not stacked behind it. A link that fails,
-built or copying, is logged once and never tried again: keeping a link awake is an optimisation,
-and nothing of it may fail a pull.
+nothing this copies from with it. A link is built on the keep-alive thread, its CUDA context first by a
+torch allocation (which creates it with the GIL released: ~0.3-0.5 GiB and a few hundred ms the core
+loop must not wait for). A copy still in flight when the next is due is not stacked behind it. A link
+that fails, built or copying, is logged once and never tried again: keeping a link awake is an
+optimisation, and nothing of it may fail a pull. Links live as long as the process (a prefill that
+comes back on another GPU adds a link; the old one goes on). While the core thread runs Python, this
+thread gets the GIL at Python's switch interval (5 ms), so periods under that stretch to it then.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class LinkKeepalive:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.period_s + 5.0)
+            log.info("keep-alive stopped: %d copies, %d skipped (in flight), links %s, failed %s",
+                     self.num_copies, self.num_skipped, sorted(self.links), sorted(self.failed))
 
 
 class CudaLink:
@@ -110,6 +114,8 @@ class CudaLink:
     def __init__(self, peer_device, own_device) -> None:
         import torch
 
+        for device in (peer_device, own_device):  # contexts first, made with the GIL released
+            torch.empty(1, device=device)
         self.streams = (torch.cuda.Stream(peer_device, priority=-1), torch.cuda.Stream(own_device, priority=-1))
         with torch.cuda.stream(self.streams[0]):
             self.source = torch.ones(KEEPALIVE_BYTES, dtype=torch.uint8, device=peer_device)
