@@ -130,6 +130,8 @@ def validate_fields(config: Any) -> None:
         if low is None and high is None:
             continue
         bounds = f"[{low}, {high}]" if not meta.get("min_exclusive") else f"({low}, {high}]"
+        if value != value:  # nan passes every comparison below
+            raise ConfigError(f"{flag}={value} is not a number; allowed {bounds}")
         too_low = low is not None and (value <= low if meta.get("min_exclusive") else value < low)
         if too_low or (high is not None and value > high):
             raise ConfigError(f"{flag}={value} is out of range; allowed {bounds}")

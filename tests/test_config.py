@@ -43,6 +43,8 @@ def test_config_is_frozen():
     (["--block-size", "big"], {}, "--block-size: expected int, got 'big'"),
     ([], {"SPLITSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "--enable-prefix-caching: expected true or false, got 'maybe'"),
     ([], {"SPLITSERVE_NUM_KV_BLOCKS": "-3"}, "--num-kv-blocks=-3 is out of range; allowed [1, 10000000]"),
+    (["--kv-cache-memory-fraction", "nan"], {}, "--kv-cache-memory-fraction=nan is not a number; allowed (0.0, 0.98]"),
+    (["--kv-cache-memory-fraction", "inf"], {}, "--kv-cache-memory-fraction=inf is out of range; allowed (0.0, 0.98]"),
 ])
 def test_validation_errors_name_flag_value_and_range(argv, env, message):
     with pytest.raises(ConfigError) as info:
