@@ -104,3 +104,10 @@ def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_wit
     assert msg.peer_gpu_uuid == "" and quiet.described == 0  # no keep-alive: no extra Describe
     (msg,) = pair_messages(2.0, PairingPrefill(""))  # a CPU (or older) prefill reports no GPU
     assert msg.peer_gpu_uuid == ""
+
+    class Mute(PairingPrefill):
+        async def Describe(self, request, timeout=None):
+            raise ConnectionError("no answer")
+
+    (msg,) = pair_messages(2.0, Mute("GPU-1234"))  # a Describe that fails costs the keep-alive, not the pair
+    assert msg.pair == "p0->d0" and msg.peer_gpu_uuid == ""
