@@ -49,6 +49,7 @@ class CoreLoop:
                     return  # the service process is gone
                 for msg in batch:
                     self.handle(msg)
+                self.flush()  # replies and finished pulls go out now, not after the step below
             elif os.getppid() == 1:
                 return  # orphaned
             while not self.background_replies.empty():
