@@ -49,13 +49,13 @@ class CoreLoop:
                     return  # the service process is gone
                 for msg in batch:
                     self.handle(msg)
-                self.flush()  # replies and finished pulls go out now, not after the step below
             elif os.getppid() == 1:
                 return  # orphaned
             while not self.background_replies.empty():
                 self.outbox.append(self.background_replies.get())
                 self.num_background -= 1
             self._retry_imports()
+            self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
             if self.engine.has_unfinished():
                 self._step()
             self.flush()
