@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config_fields import ConfigError, option
+from engine.config_fields import ConfigError, option, validate_fields
 from engine.kv_transfer.io import TRANSPORTS
 from engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
@@ -42,6 +42,7 @@ class ServiceConfig:
     fault_injection: str = option("", "TEST ONLY: faults to inject, e.g. pull_drop=2,pull_delay_ms=300,corrupt_epoch=1,send_kill_after_blocks=3")
 
     def __post_init__(self) -> None:
+        validate_fields(self)  # built directly too, not only from flags
         if 0 < self.kv_link_keepalive_ms < MIN_PERIOD_MS:
             raise ConfigError(f"--kv-link-keepalive-ms={self.kv_link_keepalive_ms} is out of range; "
                               f"allowed 0 (off) or [{MIN_PERIOD_MS}, 1000.0]")

@@ -109,6 +109,8 @@ def test_the_flag_is_range_checked():
         assert str(err.value) == message
     assert from_namespace(ServiceConfig, {}, env={"SPLITSERVE_KV_LINK_KEEPALIVE_MS": "2"}).kv_link_keepalive_ms == 2.0
     assert from_namespace(ServiceConfig, {}, env={}).kv_link_keepalive_ms == 0.0
+    with pytest.raises(ConfigError, match=r"^--kv-link-keepalive-ms=nan is not a number; allowed \[0\.0, 1000\.0\]$"):
+        ServiceConfig(kv_link_keepalive_ms=float("nan"))  # built directly, validated all the same
 
 
 def test_a_cpu_pool_keeps_no_link_awake():
