@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -60,14 +59,11 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
     def _table_to_device(self, tables: list[list[int]]) -> torch.Tensor:
-        """Block tables → one (B, M) int32 device tensor padded with 0. Filled row by row through numpy:
+        """Block tables → one (B, M) int32 device tensor padded with 0. Filled row by row through a numpy view:
         torch.tensor of the padded nested lists costs ~3x as much (~0.8 ms at 190 x 66 on a server core)."""
-        table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for row, blocks in zip(table, tables):
+        host = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32, pin_memory=self.pin)
+        for row, blocks in zip(host.numpy(), tables):
             row[:len(blocks)] = blocks
-        host = torch.from_numpy(table)
-        if self.pin:
-            host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:

@@ -105,11 +105,11 @@ class KvIo:
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
 
-    def _keep_link_awake(self, peer: torch.device | None) -> None:
+    def _keep_link_awake(self, peer: torch.device) -> None:
         """With link_keepalive_ms, keep the link peer -> this pool's device awake (once per peer device;
         the link is built on the keep-alive thread, and nothing of it can fail the caller)."""
         own = self.device
-        if self.keepalive is None or own is None or own.type != "cuda" or peer is None or peer == own:
+        if self.keepalive is None or own is None or own.type != "cuda" or peer == own:
             return
         self.keepalive.add(f"{peer}->{own}", lambda: CudaLink(peer, own))
 
