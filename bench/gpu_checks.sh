@@ -15,8 +15,11 @@
 #   bash bench/gpu_checks.sh 3   the GPU engine's token tests (the model runner's inputs changed), then the
 #                                decode-step profile, Llama-3-8B shape, batch 1/64/128 (host time after the
 #                                block-table, one-token-input and pickling changes)
+#   bash bench/gpu_checks.sh 4   why the services' NCCL send is slower than the probe's: the NCCL probe
+#                                stepped from its conditions to the services' (kv_copy_variants
+#                                --nccl-set service), then the nccl hand-off under two NCCL settings
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1|2|3}
+stage=${1:?usage: bash bench/gpu_checks.sh 1|2|3|4}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -59,8 +62,19 @@ case $stage in
         --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,64,128 \
         --json "$OUT/decode_profile.json" 2>&1 | tail -40
     ;;
+4)
+    echo "== NCCL probe, from its conditions to the services'"
+    timeout 300 python3 -m bench.kv_copy_variants --skip-ipc --nccl-set service --pool-gib 100 \
+        --json "$OUT/nccl_probe.json" 2>&1 | grep -v "^NCCL "
+    for setting in NCCL_P2P_USE_CUDA_MEMCPY=1 NCCL_P2P_READ_ENABLE=1; do
+        echo "== hand-off, sequential, nccl, $setting"
+        export "$setting"
+        handoff 120 "handoff_${setting%%=*}" --transports nccl
+        unset "${setting%%=*}"
+    done
+    ;;
 *)
-    echo "stage must be 1, 2 or 3, got $stage"
+    echo "stage must be 1, 2, 3 or 4, got $stage"
     exit 2
     ;;
 esac

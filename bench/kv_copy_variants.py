@@ -33,6 +33,20 @@ NCCL_VARIANTS = {
     "nvl_chunk_2m": {"NCCL_P2P_NVL_CHUNKSIZE": str(2 << 20)},
     "min_channels_32": {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_MIN_NCHANNELS": "32"},
 }
+# --nccl-set service: from the probe's conditions one step at a time to the services' (why does the
+# services' send take 1.3-1.5 ms against 0.8 here?)
+NCCL_SERVICE_VARIANTS = {
+    "default": {},
+    "sender rank 1 (as paired)": {"PROBE_SWAP": "1"},
+    "bf16 pool": {"PROBE_DTYPE": "bfloat16"},
+    "service timeline": {"PROBE_SERVICE": "1"},
+    "service timeline, rank 1, bf16": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
+    "200 ms idle, rank 1, bf16": {"PROBE_IDLE_S": "0.2", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
+    "service, rank 1, bf16, P2P read": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
+                                        "NCCL_P2P_READ_ENABLE": "1"},
+    "service, rank 1, bf16, CE memcpy": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
+                                         "NCCL_P2P_USE_CUDA_MEMCPY": "1"},
+}
 
 
 def timed(fn, streams, idle_s: float = 0.0) -> dict:
@@ -160,17 +174,29 @@ def owner(handle_path: str, ready: str, pool_gib: float) -> None:
 
 
 def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
+    """One rank of the NCCL probe. The sender is on cuda:0 and the receiver on cuda:1; knobs (env):
+    PROBE_SWAP=1 makes the receiver rank 0 and the sender rank 1 (as the services pair: decode = 0);
+    PROBE_DTYPE the pool's dtype (int64); PROBE_IDLE_S idle before each transfer; PROBE_SERVICE=1 the
+    services' timeline: the receiver idles 100 ms, then posts; the sender runs ~40 ms of matmuls
+    (a prefill) ending ~3 ms before the receiver posts, and sends 3 ms after it (the gRPC ask)."""
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroupNCCL
 
-    torch.cuda.set_device(rank)
+    swap = os.environ.get("PROBE_SWAP") == "1"
+    service = os.environ.get("PROBE_SERVICE") == "1"
+    sender = rank == (1 if swap else 0)
+    torch.cuda.set_device(0 if sender else 1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     group = ProcessGroupNCCL(dist.PrefixStore("probe", store), rank, 2, ProcessGroupNCCL.Options())
-    words = (mib << 20) // 8
-    pool = torch.empty(int(pool_gib * (1 << 30)) // 8, dtype=torch.int64, device="cuda")
+    dtype = getattr(torch, os.environ.get("PROBE_DTYPE", "int64"))
+    size = torch.empty((), dtype=dtype).element_size()
+    words = (mib << 20) // size
+    pool = torch.empty(int(pool_gib * (1 << 30)) // size, dtype=dtype, device="cuda")
     mid = pool.numel() // 2
     buf = pool[mid:mid + words]
+    peer = 1 - rank
+    mat = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) if service and sender else None
     stream = torch.cuda.current_stream()
     walls, devs = [], []
     for i in range(REPEATS + 2):
@@ -178,12 +204,21 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
         store.wait([f"go{i}/{1 - rank}"])
         torch.cuda.synchronize()
         time.sleep(float(os.environ.get("PROBE_IDLE_S", "0")))
-        if rank == 0:
+        if service:
+            if sender:
+                time.sleep(0.057)
+                for _ in range(200):  # ~40 ms of 4096^3 bf16 matmuls
+                    mat @ mat
+                torch.cuda.synchronize()
+                time.sleep(0.006)
+            else:
+                time.sleep(0.1)
+        elif sender:
             time.sleep(0.002)  # the receiver waits, as a pull does
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         e0.record(stream)
-        work = group.send([buf], 1, i) if rank == 0 else group.recv([buf], 0, i)
+        work = group.send([buf], peer, i) if sender else group.recv([buf], peer, i)
         work.wait()
         e1.record(stream)
         stream.synchronize()
@@ -191,7 +226,8 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
         if i >= 2:
             walls.append((t1 - t0) * 1e3)
             devs.append(e0.elapsed_time(e1))
-    return {"rank": rank, "wall_ms": statistics.median(walls), "device_ms": statistics.median(devs),
+    return {"rank": rank, "sender": sender, "wall_ms": statistics.median(walls),
+            "device_ms": statistics.median(devs), "device_ms_all": [round(d, 3) for d in devs],
             "GBps": (mib << 20) / statistics.median(devs) / 1e6,
             "wall_GBps": (mib << 20) / statistics.median(walls) / 1e6}
 
@@ -202,6 +238,9 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=64.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-nccl", action="store_true")
+    parser.add_argument("--skip-ipc", action="store_true")
+    parser.add_argument("--nccl-set", choices=("settings", "service"), default="settings",
+                        help="settings: NCCL tunables; service: the probe's conditions stepped toward the services'")
     parser.add_argument("--phase-timeout", type=float, default=90.0, help="seconds for each process group")
     parser.add_argument("--role", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
@@ -216,29 +255,31 @@ def main() -> None:
 
     me = [sys.executable, "-m", "bench.kv_copy_variants", "--mib", str(args.mib), "--pool-gib", str(args.pool_gib)]
     results: dict = {"mib": args.mib, "pool_gib": args.pool_gib}
-    tmp = os.path.abspath(".kv_copy_probe")
-    os.makedirs(tmp, exist_ok=True)
-    handle, ready = os.path.join(tmp, "handle.pkl"), os.path.join(tmp, "ready")
-    for f in (handle, ready):
-        if os.path.exists(f):
-            os.remove(f)
-    own = subprocess.Popen(me + ["--role", "owner", "--arg", handle, "--arg", ready])
-    try:
-        for _ in range(1200):
-            if os.path.exists(ready):
-                break
-            time.sleep(0.1)
-        ipc_json = os.path.join(tmp, "ipc.json")
+    if not args.skip_ipc:
+        tmp = os.path.abspath(".kv_copy_probe")
+        os.makedirs(tmp, exist_ok=True)
+        handle, ready = os.path.join(tmp, "handle.pkl"), os.path.join(tmp, "ready")
+        for f in (handle, ready):
+            if os.path.exists(f):
+                os.remove(f)
+        own = subprocess.Popen(me + ["--role", "owner", "--arg", handle, "--arg", ready])
         try:
-            subprocess.run(me + ["--role", "consumer", "--arg", handle, "--arg", ipc_json], timeout=args.phase_timeout)
-        except subprocess.TimeoutExpired:
-            print("consumer timed out", flush=True)
-        results["ipc"] = json.load(open(ipc_json)) if os.path.exists(ipc_json) else {}
-    finally:
-        own.kill()
+            for _ in range(1200):
+                if os.path.exists(ready):
+                    break
+                time.sleep(0.1)
+            ipc_json = os.path.join(tmp, "ipc.json")
+            try:
+                subprocess.run(me + ["--role", "consumer", "--arg", handle, "--arg", ipc_json], timeout=args.phase_timeout)
+            except subprocess.TimeoutExpired:
+                print("consumer timed out", flush=True)
+            results["ipc"] = json.load(open(ipc_json)) if os.path.exists(ipc_json) else {}
+        finally:
+            own.kill()
     if not args.skip_nccl:
         results["nccl"] = {}
-        for port, (name, env) in enumerate(NCCL_VARIANTS.items(), start=29711):
+        variants = NCCL_SERVICE_VARIANTS if args.nccl_set == "service" else NCCL_VARIANTS
+        for port, (name, env) in enumerate(variants.items(), start=29711):
             procs = [subprocess.Popen(me + ["--role", "nccl", "--arg", str(r), "--arg", str(port)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, **env}) for r in range(2)]
@@ -254,7 +295,7 @@ def main() -> None:
             results["nccl"][name] = sides
             print("NCCL", name, json.dumps(sides)[:600], flush=True)
     print(f"\n{args.mib} MiB from the middle of a {args.pool_gib} GiB pool, cuda:0 -> cuda:1, median of {REPEATS}")
-    print(f"{'variant':34} {'device ms':>10} {'GB/s':>8} {'wall ms':>9} {'wall GB/s':>10}")
+    print(f"{'variant':44} {'device ms':>10} {'GB/s':>8} {'wall ms':>9} {'wall GB/s':>10}")
     for name, row in results.get("ipc", {}).items():
         if "device_ms" in row:
             print(f"{name:34} {row['device_ms']:10.3f} {row['GBps']:8.1f} {row['wall_ms']:9.3f} {row['wall_GBps']:10.1f}"
@@ -264,8 +305,8 @@ def main() -> None:
     for name, sides in results.get("nccl", {}).items():
         for side in sides:
             if "device_ms" in side:
-                label = f"nccl {name} {'send' if side['rank'] == 0 else 'recv'}"
-                print(f"{label:34} {side['device_ms']:10.3f} {side['GBps']:8.1f} {side['wall_ms']:9.3f} "
+                label = f"nccl {name} {'send' if side['sender'] else 'recv'}"
+                print(f"{label:44} {side['device_ms']:10.3f} {side['GBps']:8.1f} {side['wall_ms']:9.3f} "
                       f"{side['wall_GBps']:10.1f}")
             else:
                 print(f"nccl {name}: {str(side)[:300]}")
