@@ -19,7 +19,7 @@
 #                                stepped from its conditions to the services' (kv_copy_variants
 #                                --nccl-set service), then the nccl hand-off under two NCCL settings
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1|2|3|4}
+stage=${1:?usage: bash bench/gpu_checks.sh 1|2|3|4|5}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -73,8 +73,19 @@ case $stage in
         unset "${setting%%=*}"
     done
     ;;
+5)
+    echo "== NCCL probe and services with NCCL_DEBUG=INFO: what NCCL chose in each"
+    export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P
+    timeout 200 python3 -m bench.kv_copy_variants --skip-ipc --nccl-set service --only-variants 0,1,6,7 \
+        --pool-gib 100 --json "$OUT/nccl_probe_debug.json" 2>&1 | grep -v "^NCCL "
+    export SPLITSERVE_LOG_LEVEL=DEBUG
+    handoff 120 handoff_nccl_debug --transports nccl
+    grep -h "NCCL INFO.*\(via\|hannel\|version\)" /tmp/disagg-logs/*.log | sed 's/^.*NCCL INFO/NCCL INFO/' \
+        | sort | uniq -c | sort -rn | head -40
+    grep -h "kv timing" /tmp/disagg-logs/*.log | sed 's/^.*kv timing/kv timing/' | head -20
+    ;;
 *)
-    echo "stage must be 1, 2, 3 or 4, got $stage"
+    echo "stage must be 1-5, got $stage"
     exit 2
     ;;
 esac

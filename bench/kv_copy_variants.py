@@ -42,6 +42,10 @@ NCCL_SERVICE_VARIANTS = {
     "service timeline": {"PROBE_SERVICE": "1"},
     "service timeline, rank 1, bf16": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
     "200 ms idle, rank 1, bf16": {"PROBE_IDLE_S": "0.2", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
+    "pairing message first, rank 1, bf16": {"PROBE_PAIRING": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
+    "as the services (async error handling 2, wait timeout, pairing)": {
+        "PROBE_PAIRING": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16", "PROBE_WAIT_TIMEOUT": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"},
     "service, rank 1, bf16, P2P read": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
                                         "NCCL_P2P_READ_ENABLE": "1"},
     "service, rank 1, bf16, CE memcpy": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
@@ -197,6 +201,10 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
     buf = pool[mid:mid + words]
     peer = 1 - rank
     mat = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) if service and sender else None
+    if os.environ.get("PROBE_PAIRING") == "1":  # the services' pairing: one 1-element message first
+        one = torch.zeros(1, device="cuda")
+        (group.send([one], peer, 0) if sender else group.recv([one], peer, 0)).wait(datetime.timedelta(seconds=30))
+    wait_timeout = datetime.timedelta(seconds=10) if os.environ.get("PROBE_WAIT_TIMEOUT") == "1" else None
     stream = torch.cuda.current_stream()
     walls, devs = [], []
     for i in range(REPEATS + 2):
@@ -219,7 +227,7 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
         t0 = time.perf_counter()
         e0.record(stream)
         work = group.send([buf], peer, i) if sender else group.recv([buf], peer, i)
-        work.wait()
+        work.wait(wait_timeout) if wait_timeout else work.wait()
         e1.record(stream)
         stream.synchronize()
         t1 = time.perf_counter()
@@ -239,6 +247,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-nccl", action="store_true")
     parser.add_argument("--skip-ipc", action="store_true")
+    parser.add_argument("--only-variants", default=None, help="comma-separated indexes into the NCCL set")
     parser.add_argument("--nccl-set", choices=("settings", "service"), default="settings",
                         help="settings: NCCL tunables; service: the probe's conditions stepped toward the services'")
     parser.add_argument("--phase-timeout", type=float, default=90.0, help="seconds for each process group")
@@ -279,6 +288,9 @@ def main() -> None:
     if not args.skip_nccl:
         results["nccl"] = {}
         variants = NCCL_SERVICE_VARIANTS if args.nccl_set == "service" else NCCL_VARIANTS
+        if args.only_variants:
+            keep = {int(i) for i in args.only_variants.split(",")}
+            variants = {k: v for i, (k, v) in enumerate(variants.items()) if i in keep}
         for port, (name, env) in enumerate(variants.items(), start=29711):
             procs = [subprocess.Popen(me + ["--role", "nccl", "--arg", str(r), "--arg", str(port)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -291,6 +303,9 @@ def main() -> None:
                     p.kill()
                     o, _ = p.communicate()
                 got = [json.loads(l[7:]) for l in o.splitlines() if l.startswith("RESULT ")]
+                if os.environ.get("NCCL_DEBUG"):  # what NCCL chose: transport, channels
+                    print("\n".join(l for l in o.splitlines() if " NCCL INFO " in l and
+                                    ("via" in l or "hannel" in l or "version" in l.lower())), flush=True)
                 sides.append(got[0] if got else {"error": o[-1500:]})
             results["nccl"][name] = sides
             print("NCCL", name, json.dumps(sides)[:600], flush=True)
