@@ -157,7 +157,8 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
     kind, ms = parse_variant(variant)
     tag = transport if kind == "plain" else f"{transport} {variant}"
     keeper_ms = ms if kind == "keeper" else 0
-    decode_extra = ["--kv-link-keepalive-ms", str(ms)] if kind == "keepalive" else []
+    # explicit either way, so that 'plain' stays plain whatever the flag's default
+    decode_extra = ["--kv-link-keepalive-ms", str(ms if kind == "keepalive" else 0)]
 
     p_port, d_port = free_port(), free_port()
     engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",

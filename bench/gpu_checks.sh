@@ -18,8 +18,12 @@
 #   bash bench/gpu_checks.sh 4   why the services' NCCL send is slower than the probe's: the NCCL probe
 #                                stepped from its conditions to the services' (kv_copy_variants
 #                                --nccl-set service), then the nccl hand-off under two NCCL settings
+#   bash bench/gpu_checks.sh 5   the same probe and the services with NCCL_DEBUG=INFO (what NCCL chose)
+#   bash bench/gpu_checks.sh 6   after the NCCL wait fix: GPU tests of KvIo (the NCCL receive and its
+#                                timeout), the hand-off sequential, both transports, plain and keepalive:2,
+#                                and overlapped, nccl, plain and keepalive:2
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1|2|3|4|5}
+stage=${1:?usage: bash bench/gpu_checks.sh 1-6}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -84,8 +88,16 @@ case $stage in
         | sort | uniq -c | sort -rn | head -40
     grep -h "kv timing" /tmp/disagg-logs/*.log | sed 's/^.*kv timing/kv timing/' | head -20
     ;;
+6)
+    echo "== GPU tests of KvIo"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_io.py 2>&1 | tail -15
+    echo "== hand-off, sequential pacing, plain and keepalive:2"
+    handoff 240 handoff_sequential --transports nccl,cuda_ipc --variants plain,keepalive:2
+    echo "== hand-off, overlapped pacing (64 tokens), nccl, plain and keepalive:2"
+    handoff 150 handoff_overlapped --transports nccl --pacing overlapped --max-tokens 64 --variants plain,keepalive:2
+    ;;
 *)
-    echo "stage must be 1-5, got $stage"
+    echo "stage must be 1-6, got $stage"
     exit 2
     ;;
 esac

@@ -1,5 +1,6 @@
 """KvIo's decode-side pool mappings: one per pool, a restarted prefill's new pool replaces the old; CUDA IPC
-handles travel as plain data and are checked before anything of theirs runs."""
+handles travel as plain data and are checked before anything of theirs runs; an NCCL receive lands exactly the
+blocks sent and gives up after the transfer timeout."""
 
 import base64
 import os
@@ -237,3 +238,68 @@ def test_a_pool_exported_by_another_process_maps_here():
         torch.cuda.synchronize()
     finally:
         owner.communicate("done\n", timeout=60)
+
+
+SENDER = r"""
+import sys, torch
+from engine.kv_transfer.io import KvIo
+port = int(sys.argv[1])
+io = KvIo({"transport": "nccl", "instance": "p", "timeout_s": 5})
+pool = torch.arange(8 * 64, dtype=torch.float32, device="cuda:0").view(8, 2, 2, 4, 2, 2)
+io.pair("p->d", 1, "127.0.0.1", port, "nccl", torch.device("cuda:0"))
+for line in sys.stdin:
+    if line.strip() != "send":
+        break
+    sent = io.send("p->d", [2, 3, 4], pool, tag=7)
+    print(sent["num_bytes"], sent["device_ns"], flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL refuses two ranks on one)")
+def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
+    import socket
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        io = KvIo({"transport": "nccl", "instance": "d", "timeout_s": 2})
+        io.pair("p->d", 0, "127.0.0.1", port, "nccl", torch.device("cuda:1"))
+        pool = torch.zeros(8, 2, 2, 4, 2, 2, device="cuda:1")
+        asks = []
+
+        def flush(tell_sender=True):
+            asks.extend(core.outbox)
+            core.outbox.clear()
+            if tell_sender:
+                sender.stdin.write("send\n")
+                sender.stdin.flush()
+
+        core = SimpleNamespace(outbox=[], flush=flush)
+        spec = SimpleNamespace(prefill_instance="p", block_ids=[0, 0, 2, 3, 4], tag=7, request_id="r1")
+        assert io._recv(spec, [2, 3, 4], [5, 6, 7], pool, core) == 3 * 64 * 4
+        assert [(a.request_id, a.pair, a.block_indices) for a in asks] == [("r1", "p->d", [2, 3, 4])]
+        expected = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 2, 4, 2, 2)[2:5]
+        assert torch.equal(pool[5:8].cpu(), expected)
+        assert torch.count_nonzero(pool[:5]).item() == 0
+        num_bytes, device_ns = map(int, sender.stdout.readline().split())
+        assert num_bytes == 3 * 64 * 4 and device_ns > 0
+
+        # nobody sends: the receive gives up after the transfer timeout and the pair is dropped
+        core.flush = lambda: flush(tell_sender=False)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not finish within the transfer timeout \(2 s\)"):
+            io._recv(SimpleNamespace(spec.__dict__ | {"request_id": "r2"}), [2, 3, 4], [5, 6, 7], pool, core)
+        assert 2.0 <= time.monotonic() - started < 4.0
+        assert "p->d" not in io.groups
+    finally:
+        sender.stdin.close()
+        sender.kill()
+        sender.wait(timeout=30)

@@ -25,6 +25,7 @@ from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unli
 log = logging.getLogger("splitserve.kv")
 
 TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+FINISH_POLL_S = 50e-6  # how often a CUDA send/receive is checked for completion
 
 
 class KvIo:
@@ -182,7 +183,7 @@ class KvIo:
         core.flush()  # the server must ask the prefill to send while this side receives
         asked = time.perf_counter_ns()
         try:
-            group.recv([staging], 1, spec.tag).wait(datetime.timedelta(seconds=self.timeout_s))
+            self._finish(group.recv([staging], 1, spec.tag), staging)
         except Exception:
             self.drop_pair(pair)
             raise
@@ -215,22 +216,39 @@ class KvIo:
             os.killpg(os.getpgrp(), 9)
         self._blocks_sent += len(block_ids)
         gathered = time.perf_counter_ns()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if kv_cache.is_cuda else None
-        if events:
-            events[0].record()
+        start_event = torch.cuda.Event(enable_timing=True) if kv_cache.is_cuda else None
+        if start_event is not None:
+            start_event.record()
         try:
-            group.send([staging], 0, tag).wait(datetime.timedelta(seconds=self.timeout_s))
+            end_event = self._finish(group.send([staging], 0, tag), staging)
         except Exception:
             self.drop_pair(pair)
             raise
-        if events:  # the current stream waited for the send: the interval is the transfer on the device
-            events[1].record()
-            events[1].synchronize()
-            self.last_device_ns = int(events[0].elapsed_time(events[1]) * 1e6)
+        if end_event is not None:  # the current stream waited for the send: the interval is the transfer
+            self.last_device_ns = int(start_event.elapsed_time(end_event) * 1e6)
         log.debug("kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms", len(block_ids),
                   (gathered - start) / 1e6, (time.perf_counter_ns() - gathered) / 1e6)
         return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start,
-                "device_ns": self.last_device_ns if events else 0}
+                "device_ns": self.last_device_ns if start_event is not None else 0}
+
+    def _finish(self, work, tensor: torch.Tensor) -> torch.cuda.Event | None:
+        """Wait for one send or receive, at most timeout_s (TimeoutError after it). On CUDA the current
+        stream waits for the transfer and an event recorded behind that wait is polled every ~50 us, and
+        returned (timing enabled): torch's `wait(timeout)` polls in whole milliseconds, which made each
+        side return up to a millisecond late and put that delay inside events timed around the send."""
+        if not tensor.is_cuda:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return None
+        work.wait()  # stream-level: the current stream waits for the transfer; the host does not block
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(torch.cuda.current_stream(tensor.device))
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KV transfer of {tensor.numel() * tensor.element_size()} bytes did not "
+                                   f"finish within the transfer timeout ({self.timeout_s:g} s)")
+            time.sleep(FINISH_POLL_S)
+        return done
 
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
