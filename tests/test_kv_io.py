@@ -296,7 +296,7 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
         core.flush = lambda: flush(tell_sender=False)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"did not finish within the transfer timeout \(2 s\)"):
-            io._recv(SimpleNamespace(spec.__dict__ | {"request_id": "r2"}), [2, 3, 4], [5, 6, 7], pool, core)
+            io._recv(SimpleNamespace(**(spec.__dict__ | {"request_id": "r2"})), [2, 3, 4], [5, 6, 7], pool, core)
         assert 2.0 <= time.monotonic() - started < 4.0
         assert "p->d" not in io.groups
     finally:
