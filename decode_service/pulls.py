@@ -253,7 +253,8 @@ class PullCoordinator:
             port = s.getsockname()[1]
         backend = "nccl" if torch.cuda.is_available() and service.client.info.device.startswith("cuda") else "gloo"
         pair = pair_name(prefill_instance, service.name)
-        peer_gpu = await self._peer_gpu(prefill_address) if service.config.kv_link_keepalive_ms > 0 else ""
+        keepalive = backend == "nccl" and service.config.kv_link_keepalive_ms > 0  # a GPU decode's own link
+        peer_gpu = await self._peer_gpu(prefill_address) if keepalive else ""
         mine = asyncio.create_task(service.client.call(
             lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0))
         await asyncio.sleep(0.05)  # let the store come up before the peer connects

@@ -26,11 +26,12 @@ class ServiceConfig:
     kv_transport: str = option("shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS)
     kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
     lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
-    kv_link_keepalive_ms: float = option(0.0, "decode on a GPU: every this many ms copy 1 MiB from each prefill GPU it "
+    kv_link_keepalive_ms: float = option(2.0, "decode on a GPU: every this many ms copy 1 MiB from each prefill GPU it "
                                               "pulls from (cuda_ipc: once its pool is mapped; nccl: once paired, the "
-                                              "GPU its Describe names if this host has it) so the link is awake when a pull "
-                                              "comes; costs a CUDA context (~0.3-0.5 GiB) on each such GPU; 0 = off, "
-                                              "else >= 0.5", min=0.0, max=1000.0)
+                                              "GPU its Describe names if this host has it), so the NVLink path is awake "
+                                              "when a pull comes (an idle path costs a 256 MiB pull ~0.3 ms: "
+                                              "docs/perf.md); nccl: costs a CUDA context (~0.3-0.5 GiB) on each such "
+                                              "GPU; 0 = off, else >= 0.5", min=0.0, max=1000.0)
     kv_load_failure_policy: str = option("recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail"))
     prefill_peers: str = option("", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; "
                                     "shm, cuda_ipc: map the KV pool)")

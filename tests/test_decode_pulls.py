@@ -3,6 +3,9 @@ asks its prefill for the pool's endpoint never reaches the core, and its lease i
 
 import asyncio
 from types import SimpleNamespace
+from unittest import mock
+
+import torch
 
 from decode_service.pulls import PullCoordinator
 from engine import core_messages as m
@@ -73,7 +76,8 @@ class PairingPrefill:
         return prefill_pb2.PairKvResponse(paired=True)
 
 
-def pair_messages(keepalive_ms: float, prefill: PairingPrefill) -> list:
+def pair_messages(keepalive_ms: float, prefill: PairingPrefill, device: str = "cuda:0") -> list:
+    """The core messages pairing sends, on a decode whose device is `device` (CUDA is faked on this CPU)."""
     calls = []
 
     async def call(make_msg, timeout_s=None):
@@ -83,22 +87,26 @@ def pair_messages(keepalive_ms: float, prefill: PairingPrefill) -> list:
     config = SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute", kv_link_keepalive_ms=keepalive_ms,
                              peer_host="127.0.0.1", host="127.0.0.1")
     service = SimpleNamespace(config=config, name="d0", count=lambda *a: None,
-                              client=SimpleNamespace(call=call, info=SimpleNamespace(device="cpu")))
+                              client=SimpleNamespace(call=call, info=SimpleNamespace(device=device)))
 
     async def main():
         pulls = PullCoordinator(service)
         pulls.stub = lambda address: prefill
         await pulls.ensure_pair("p0", "127.0.0.1:1")
 
-    asyncio.run(main())
+    with mock.patch.object(torch.cuda, "is_available", lambda: device.startswith("cuda")):
+        asyncio.run(main())
     return calls
 
 
 def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_with_the_keepalive():
     prefill = PairingPrefill("GPU-1234")
     (msg,) = pair_messages(2.0, prefill)
-    assert isinstance(msg, m.Pair) and msg.pair == "p0->d0" and msg.peer_gpu_uuid == "GPU-1234"
-    assert prefill.described == 1
+    assert isinstance(msg, m.Pair) and msg.pair == "p0->d0" and msg.backend == "nccl"
+    assert msg.peer_gpu_uuid == "GPU-1234" and prefill.described == 1
+    on_cpu = PairingPrefill("GPU-1234")
+    (msg,) = pair_messages(2.0, on_cpu, device="cpu")  # a CPU decode pairs over gloo: no link to keep awake
+    assert msg.backend == "gloo" and msg.peer_gpu_uuid == "" and on_cpu.described == 0
     quiet = PairingPrefill("GPU-1234")
     (msg,) = pair_messages(0.0, quiet)
     assert msg.peer_gpu_uuid == "" and quiet.described == 0  # no keep-alive: no extra Describe

@@ -107,8 +107,8 @@ def test_the_flag_is_range_checked():
         with pytest.raises(ConfigError) as err:
             from_namespace(ServiceConfig, parser.parse_args(["--kv-link-keepalive-ms", value]), env={})
         assert str(err.value) == message
-    assert from_namespace(ServiceConfig, {}, env={"SPLITSERVE_KV_LINK_KEEPALIVE_MS": "2"}).kv_link_keepalive_ms == 2.0
-    assert from_namespace(ServiceConfig, {}, env={}).kv_link_keepalive_ms == 0.0
+    assert from_namespace(ServiceConfig, {}, env={"SPLITSERVE_KV_LINK_KEEPALIVE_MS": "0"}).kv_link_keepalive_ms == 0.0
+    assert from_namespace(ServiceConfig, {}, env={}).kv_link_keepalive_ms == 2.0  # on by default
     with pytest.raises(ConfigError, match=r"^--kv-link-keepalive-ms=nan is not a number; allowed \[0\.0, 1000\.0\]$"):
         ServiceConfig(kv_link_keepalive_ms=float("nan"))  # built directly, validated all the same
 
