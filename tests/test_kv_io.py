@@ -5,6 +5,7 @@ blocks sent and gives up after the transfer timeout."""
 import base64
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -262,7 +263,6 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
     import subprocess
     import sys
     import time
-    from types import SimpleNamespace
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -299,7 +299,94 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
             io._recv(SimpleNamespace(**(spec.__dict__ | {"request_id": "r2"})), [2, 3, 4], [5, 6, 7], pool, core)
         assert 2.0 <= time.monotonic() - started < 4.0
         assert "p->d" not in io.groups
+        torch.cuda.current_stream(torch.device("cuda:1")).synchronize()  # the abort let the stream go on
     finally:
         sender.stdin.close()
         sender.kill()
         sender.wait(timeout=30)
+
+
+class FakeWork:
+    """A send/receive whose stream-level wait is recorded; `error` is what NCCL reported, if anything."""
+
+    def __init__(self, completes_after: int, error: Exception | None = None) -> None:
+        self.polls, self.completes_after, self.error, self.waits = 0, completes_after, error, 0
+
+    def is_completed(self) -> bool:
+        return self.error is not None or self.polls >= self.completes_after
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        if self.error is not None and self.waits > 1:  # the first wait only queues the stream's wait
+            raise self.error
+        return True
+
+
+class FakeEvent:
+    def __init__(self, work: FakeWork) -> None:
+        self.work = work
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.work.polls += 1
+        return self.work.error is None and self.work.polls > self.work.completes_after
+
+
+def finish_with(monkeypatch, work: FakeWork, timeout_s: float = 0.3):
+    """KvIo._finish's CUDA path on this CPU: the CUDA event and stream are fakes driven by `work`."""
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(work))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    tensor = SimpleTensor()
+    return KvIo({"transport": "nccl", "timeout_s": timeout_s})._finish(work, tensor)
+
+
+class SimpleTensor:
+    is_cuda = True
+    device = "cuda:1"
+
+    def numel(self) -> int:
+        return 1024
+
+    def element_size(self) -> int:
+        return 2
+
+
+def test_a_cuda_transfer_finishes_when_its_event_does(monkeypatch):
+    work = FakeWork(completes_after=3)
+    assert isinstance(finish_with(monkeypatch, work), FakeEvent)
+    assert work.polls == 4
+
+
+def test_an_error_nccl_reports_raises_at_once_not_as_a_timeout(monkeypatch):
+    import time
+
+    work = FakeWork(completes_after=10**9, error=RuntimeError("NCCL communicator was aborted"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="NCCL communicator was aborted"):
+        finish_with(monkeypatch, work, timeout_s=5.0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_cuda_transfer_that_never_ends_times_out(monkeypatch):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^KV transfer of 2048 bytes did not finish within the transfer "
+                                           r"timeout \(0\.3 s\)$"):
+        finish_with(monkeypatch, FakeWork(completes_after=10**9))
+    assert 0.3 <= time.monotonic() - started < 1.5
+
+
+def test_a_failed_transfer_drops_its_own_communicator_never_its_replacement():
+    io = KvIo({"transport": "nccl"})
+    aborted = []
+    old, new = (SimpleNamespace(abort=lambda name=name: aborted.append(name)) for name in ("old", "new"))
+    io.groups["p->d"] = new  # a pairing replaced `old` while its transfer ran
+    with pytest.raises(RuntimeError, match=r"^the communicator of pair p->d was replaced during the transfer$"):
+        io._check_still_paired("p->d", old)
+    io.drop_pair("p->d", old)
+    assert io.groups["p->d"] is new and aborted == []
+    io.drop_pair("p->d", new)
+    assert "p->d" not in io.groups and aborted == ["new"]

@@ -184,8 +184,9 @@ class KvIo:
         asked = time.perf_counter_ns()
         try:
             self._finish(group.recv([staging], 1, spec.tag), staging)
+            self._check_still_paired(pair, group)
         except Exception:
-            self.drop_pair(pair)
+            self.drop_pair(pair, group)
             raise
         received = time.perf_counter_ns()
         if not direct:
@@ -218,11 +219,12 @@ class KvIo:
         gathered = time.perf_counter_ns()
         start_event = torch.cuda.Event(enable_timing=True) if kv_cache.is_cuda else None
         if start_event is not None:
-            start_event.record()
+            start_event.record(torch.cuda.current_stream(kv_cache.device))
         try:
             end_event = self._finish(group.send([staging], 0, tag), staging)
+            self._check_still_paired(pair, group)
         except Exception:
-            self.drop_pair(pair)
+            self.drop_pair(pair, group)
             raise
         if end_event is not None:  # the current stream waited for the send: the interval is the transfer
             self.last_device_ns = int(start_event.elapsed_time(end_event) * 1e6)
@@ -235,7 +237,9 @@ class KvIo:
         """Wait for one send or receive, at most timeout_s (TimeoutError after it). On CUDA the current
         stream waits for the transfer and an event recorded behind that wait is polled every ~50 us, and
         returned (timing enabled): torch's `wait(timeout)` polls in whole milliseconds, which made each
-        side return up to a millisecond late and put that delay inside events timed around the send."""
+        side return up to a millisecond late and put that delay inside events timed around the send.
+        An error NCCL reports for the transfer raises at once (`is_completed` checks the communicator,
+        `wait` then raises what it found), not as a timeout, and never as a finished transfer."""
         if not tensor.is_cuda:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
             return None
@@ -244,11 +248,21 @@ class KvIo:
         done.record(torch.cuda.current_stream(tensor.device))
         deadline = time.monotonic() + self.timeout_s
         while not done.query():
+            if work.is_completed():  # finished, or failed: then wait() raises the communicator's error
+                work.wait()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"KV transfer of {tensor.numel() * tensor.element_size()} bytes did not "
                                    f"finish within the transfer timeout ({self.timeout_s:g} s)")
             time.sleep(FINISH_POLL_S)
+        if work.is_completed():  # a communicator aborted under the transfer also ends its kernels
+            work.wait()
         return done
+
+    def _check_still_paired(self, pair: str, group) -> None:
+        """A pairing that replaced (and aborted) this transfer's communicator meanwhile ends its kernels
+        early: what they moved is not a transfer."""
+        if self.groups.get(pair) is not group:
+            raise RuntimeError(f"the communicator of pair {pair} was replaced during the transfer")
 
     # -- pairs -----------------------------------------------------------------------------
     def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
@@ -287,13 +301,17 @@ class KvIo:
             raise
         log.info("paired %s as rank %d over %s", pair, rank, backend)
 
-    def drop_pair(self, pair: str) -> None:
+    def drop_pair(self, pair: str, only=None) -> None:
+        """Abort and forget the pair's communicator; with `only`, just when it is still that one (a
+        failed transfer must not drop the communicator a new pairing put in its place)."""
+        if only is not None and self.groups.get(pair) is not only:
+            return
         group = self.groups.pop(pair, None)
         if group is not None:
             try:
                 group.abort() if hasattr(group, "abort") else None
-            except Exception:
-                pass
+            except Exception:  # a transfer's kernels may stay queued on the stream: say so
+                log.exception("aborting communicator %s failed", pair)
             log.warning("dropped communicator %s; it is rebuilt on the next pairing", pair)
         self._stores.pop(pair, None)
 
