@@ -4,6 +4,8 @@
                ─▶ Prefill.ReleaseKv ─▶ released: CommitImport(ok)
                                       else / pull failed: policy recompute → local prefill,
                                                           policy fail → error to the client
+An nccl pull also needs the prefill's SendKv to have answered ok: a receive that ended because its
+communicator was torn down is no transfer, and the sender is the side that knows.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -36,6 +38,7 @@ class PendingPull:
     request_id: str
     handle: object  # common_pb2.KvHandle
     cancelled: bool = False
+    send: asyncio.Task | None = None  # nccl: the SendKv call; its result is None (sent) or why it failed
 
 
 class PullCoordinator:
@@ -120,12 +123,14 @@ class PullCoordinator:
         if isinstance(msg, m.ImportDone):
             self._spawn(self._finish(msg))
         elif isinstance(msg, m.NeedSend):
-            self._spawn(self._ask_send(msg))
+            pull = self.pending.get(msg.request_id)
+            if pull is not None:
+                pull.send = asyncio.create_task(self._ask_send(pull, msg))
+                self._tasks.add(pull.send)
+                pull.send.add_done_callback(self._tasks.discard)
 
-    async def _ask_send(self, msg: m.NeedSend) -> None:
-        pull = self.pending.get(msg.request_id)
-        if pull is None:
-            return
+    async def _ask_send(self, pull: PendingPull, msg: m.NeedSend) -> str | None:
+        """Ask the prefill to send; None when it answered that it sent, else why not."""
         h = pull.handle
         span = self.service.spans.get(msg.request_id)
         metadata = tuple(tracing.inject(span).items()) if span is not None else None
@@ -136,6 +141,8 @@ class PullCoordinator:
                 metadata=metadata, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             log.warning("request_id=%s SendKv failed: %s", msg.request_id, exc.details())
+            return f"the prefill's send failed: {exc.details()}"
+        return None
 
     async def _release(self, handle) -> bool:
         epoch = handle.lease.epoch
@@ -161,6 +168,10 @@ class PullCoordinator:
             "kv.transport": pull.handle.transport, "kv.bytes": done.num_bytes, "kv.blocks": done.num_blocks_pulled,
             "kv.cached_prompt_tokens": done.num_cached_tokens, "kv.ok": done.ok})
         released = await self._release(pull.handle)
+        if done.ok and pull.send is not None:  # nccl: the receive ended; did the sender finish its send?
+            why = await pull.send
+            if why is not None:
+                done = replace(done, ok=False, error=why)
         if done.ok and released:
             stream = service.owner.get(done.request_id)
             if stream is not None:

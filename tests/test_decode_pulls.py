@@ -1,13 +1,15 @@
 """PullCoordinator on its own (fake service and prefill stub): a request cancelled while the decode still
-asks its prefill for the pool's endpoint never reaches the core, and its lease is released."""
+asks its prefill for the pool's endpoint never reaches the core, and its lease is released; pairing asks the
+prefill's GPU only for a GPU decode's keep-alive; an nccl pull commits only when the prefill's SendKv says it sent."""
 
 import asyncio
 from types import SimpleNamespace
 from unittest import mock
 
+import grpc
 import torch
 
-from decode_service.pulls import PullCoordinator
+from decode_service.pulls import PendingPull, PullCoordinator
 from engine import core_messages as m
 from protos import common_pb2, decode_pb2, prefill_pb2
 
@@ -119,3 +121,59 @@ def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_wit
 
     (msg,) = pair_messages(2.0, Mute("GPU-1234"))  # a Describe that fails costs the keep-alive, not the pair
     assert msg.pair == "p0->d0" and msg.peer_gpu_uuid == ""
+
+
+class SendingPrefill:
+    """SendKv answers ok or fails as told; ReleaseKv releases."""
+
+    def __init__(self, send_error: str | None) -> None:
+        self.send_error = send_error
+        self.sends: list[list[int]] = []
+
+    async def SendKv(self, request, timeout=None, metadata=None, wait_for_ready=None):
+        self.sends.append(list(request.block_indices))
+        if self.send_error is not None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=self.send_error)
+        return prefill_pb2.SendKvResponse(num_bytes=64)
+
+    async def ReleaseKv(self, request, timeout=None, wait_for_ready=None):
+        return prefill_pb2.ReleaseKvResponse(released=True)
+
+
+def finish_nccl_pull(send_error: str | None) -> tuple[list, list, SendingPrefill]:
+    """An nccl pull whose receive the core reports done (ok) after asking the prefill to send."""
+    sent, failed = [], []
+    metric = SimpleNamespace(inc=lambda *a: None, observe=lambda *a: None)
+    service = SimpleNamespace(
+        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"), name="d0",
+        client=SimpleNamespace(send=sent.append), faults={}, spans={}, owner={}, count=lambda *a: None,
+        metrics=SimpleNamespace(lab=lambda metric_family: metric, kv_transfer_bytes=0, kv_transfer_blocks=0,
+                                kv_transfer_time=0, kv_transfer_failures=0),
+        fail_request=lambda rid, reason: failed.append((rid, reason)))
+    prefill = SendingPrefill(send_error)
+
+    async def main():
+        pulls = PullCoordinator(service)
+        pulls.stub = lambda address: prefill
+        handle = request("r").kv
+        handle.transport = "nccl"
+        pulls.pending["r"] = PendingPull("r", handle)
+        pulls.on_core_message(m.NeedSend("r", "p0->d0", [0, 1]))
+        pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=2, num_bytes=64))
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    return sent, failed, prefill
+
+
+def test_an_nccl_pull_commits_only_when_the_prefill_answered_that_it_sent():
+    sent, failed, prefill = finish_nccl_pull(None)
+    assert prefill.sends == [[0, 1]] and failed == []
+    assert [(c.request_id, c.ok) for c in sent if isinstance(c, m.CommitImport)] == [("r", True)]
+
+    # the receive ended (its communicator torn down under it) but the sender says the send failed
+    sent, failed, prefill = finish_nccl_pull("communicator aborted")
+    commits = [c for c in sent if isinstance(c, m.CommitImport)]
+    assert [(c.request_id, c.ok, c.recompute) for c in commits] == [("r", False, False)]
+    assert failed == [("r", "the prefill's send failed: communicator aborted")]

@@ -307,39 +307,35 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
 
 
 class FakeWork:
-    """A send/receive whose stream-level wait is recorded; `error` is what NCCL reported, if anything."""
+    """A send/receive as torch's NCCL work behaves: `wait()` only queues the stream's wait, `wait(timeout)`
+    raises the error NCCL reported (if any) once `is_completed` has seen it."""
 
     def __init__(self, completes_after: int, error: Exception | None = None) -> None:
-        self.polls, self.completes_after, self.error, self.waits = 0, completes_after, error, 0
+        self.polls, self.completes_after, self.error = 0, completes_after, error
+        self.waits: list[object] = []
 
     def is_completed(self) -> bool:
         return self.error is not None or self.polls >= self.completes_after
 
     def wait(self, timeout=None) -> bool:
-        self.waits += 1
-        if self.error is not None and self.waits > 1:  # the first wait only queues the stream's wait
+        self.waits.append(timeout)
+        if self.error is not None and timeout is not None:
             raise self.error
         return True
 
 
 class FakeEvent:
-    def __init__(self, work: FakeWork) -> None:
-        self.work = work
+    """The event recorded behind the stream's wait: done once the work's kernels end (`ends_after` polls)."""
+
+    def __init__(self, work: FakeWork, ends_after: int) -> None:
+        self.work, self.ends_after = work, ends_after
 
     def record(self, stream=None) -> None:
         pass
 
     def query(self) -> bool:
         self.work.polls += 1
-        return self.work.error is None and self.work.polls > self.work.completes_after
-
-
-def finish_with(monkeypatch, work: FakeWork, timeout_s: float = 0.3):
-    """KvIo._finish's CUDA path on this CPU: the CUDA event and stream are fakes driven by `work`."""
-    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(work))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    tensor = SimpleTensor()
-    return KvIo({"transport": "nccl", "timeout_s": timeout_s})._finish(work, tensor)
+        return self.work.polls > self.ends_after
 
 
 class SimpleTensor:
@@ -353,20 +349,37 @@ class SimpleTensor:
         return 2
 
 
+def finish_with(monkeypatch, work: FakeWork, ends_after: int, timeout_s: float = 0.3):
+    """KvIo._finish's CUDA path on this CPU: the CUDA event and stream are fakes driven by `work`."""
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(work, ends_after))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return KvIo({"transport": "nccl", "timeout_s": timeout_s})._finish(work, SimpleTensor())
+
+
 def test_a_cuda_transfer_finishes_when_its_event_does(monkeypatch):
+    import datetime
+
     work = FakeWork(completes_after=3)
-    assert isinstance(finish_with(monkeypatch, work), FakeEvent)
-    assert work.polls == 4
+    assert isinstance(finish_with(monkeypatch, work, ends_after=3), FakeEvent)
+    assert work.polls == 4  # three polls of the event before it ends, one that sees it
+    assert work.waits == [None, datetime.timedelta(seconds=0.3)]  # the stream's wait, then one check
 
 
 def test_an_error_nccl_reports_raises_at_once_not_as_a_timeout(monkeypatch):
     import time
 
-    work = FakeWork(completes_after=10**9, error=RuntimeError("NCCL communicator was aborted"))
+    work = FakeWork(completes_after=10**9, error=RuntimeError("NCCL error: remote process exited"))
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="NCCL communicator was aborted"):
-        finish_with(monkeypatch, work, timeout_s=5.0)
+    with pytest.raises(RuntimeError, match="NCCL error: remote process exited"):
+        finish_with(monkeypatch, work, ends_after=10**9, timeout_s=5.0)
     assert time.monotonic() - started < 1.0
+
+
+def test_kernels_that_end_because_the_transfer_failed_are_no_finished_transfer(monkeypatch):
+    # an aborted communicator ends its kernels, so the event completes; the work still carries the error
+    work = FakeWork(completes_after=10**9, error=RuntimeError("NCCL communicator was aborted"))
+    with pytest.raises(RuntimeError, match="NCCL communicator was aborted"):
+        finish_with(monkeypatch, work, ends_after=0)
 
 
 def test_a_cuda_transfer_that_never_ends_times_out(monkeypatch):
@@ -375,7 +388,7 @@ def test_a_cuda_transfer_that_never_ends_times_out(monkeypatch):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"^KV transfer of 2048 bytes did not finish within the transfer "
                                            r"timeout \(0\.3 s\)$"):
-        finish_with(monkeypatch, FakeWork(completes_after=10**9))
+        finish_with(monkeypatch, FakeWork(completes_after=10**9), ends_after=10**9)
     assert 0.3 <= time.monotonic() - started < 1.5
 
 
@@ -390,3 +403,21 @@ def test_a_failed_transfer_drops_its_own_communicator_never_its_replacement():
     assert io.groups["p->d"] is new and aborted == []
     io.drop_pair("p->d", new)
     assert "p->d" not in io.groups and aborted == ["new"]
+
+
+def test_a_send_whose_communicator_a_pairing_replaced_fails_and_keeps_the_new_one():
+    io = KvIo({"transport": "nccl", "timeout_s": 1})
+    aborted = []
+    new = SimpleNamespace(abort=lambda: aborted.append("new"))
+
+    class Replaced:  # a pairing swaps in `new` while this group's send is in flight
+        def abort(self):
+            aborted.append("old")
+
+        def send(self, tensors, dst, tag):
+            return SimpleNamespace(wait=lambda timeout=None: io.groups.__setitem__("p->d", new))
+
+    io.groups["p->d"] = Replaced()
+    with pytest.raises(RuntimeError, match=r"^the communicator of pair p->d was replaced during the transfer$"):
+        io.send("p->d", [1, 2], torch.zeros(4, 2))
+    assert io.groups["p->d"] is new and aborted == []

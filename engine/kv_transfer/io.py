@@ -238,24 +238,27 @@ class KvIo:
         stream waits for the transfer and an event recorded behind that wait is polled every ~50 us, and
         returned (timing enabled): torch's `wait(timeout)` polls in whole milliseconds, which made each
         side return up to a millisecond late and put that delay inside events timed around the send.
-        An error NCCL reports for the transfer raises at once (`is_completed` checks the communicator,
-        `wait` then raises what it found), not as a timeout, and never as a finished transfer."""
+        Once the work reads as completed (finished, or failed: `is_completed` checks the communicator),
+        `wait(timeout)` returns at once or raises the error NCCL reported."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         if not tensor.is_cuda:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            work.wait(timeout)
             return None
         work.wait()  # stream-level: the current stream waits for the transfer; the host does not block
         done = torch.cuda.Event(enable_timing=True)
         done.record(torch.cuda.current_stream(tensor.device))
         deadline = time.monotonic() + self.timeout_s
+        checked = False
         while not done.query():
-            if work.is_completed():  # finished, or failed: then wait() raises the communicator's error
-                work.wait()
+            if not checked and work.is_completed():
+                work.wait(timeout)  # completed: no polling sleep; raises if it failed
+                checked = True
             if time.monotonic() > deadline:
                 raise TimeoutError(f"KV transfer of {tensor.numel() * tensor.element_size()} bytes did not "
                                    f"finish within the transfer timeout ({self.timeout_s:g} s)")
             time.sleep(FINISH_POLL_S)
-        if work.is_completed():  # a communicator aborted under the transfer also ends its kernels
-            work.wait()
+        if not checked and work.is_completed():
+            work.wait(timeout)
         return done
 
     def _check_still_paired(self, pair: str, group) -> None:
@@ -297,7 +300,7 @@ class KvIo:
         try:
             (group.recv([probe], 1, 0) if rank == 0 else group.send([probe], 0, 0)).wait(timeout)
         except Exception:
-            self.drop_pair(pair)
+            self.drop_pair(pair, group)
             raise
         log.info("paired %s as rank %d over %s", pair, rank, backend)
 
