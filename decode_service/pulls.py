@@ -60,10 +60,11 @@ class PullCoordinator:
                 internal_channel(address, self.service.internal_tls))
         return self._stubs[address]
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, req, params) -> None:
@@ -125,9 +126,7 @@ class PullCoordinator:
         elif isinstance(msg, m.NeedSend):
             pull = self.pending.get(msg.request_id)
             if pull is not None:
-                pull.send = asyncio.create_task(self._ask_send(pull, msg))
-                self._tasks.add(pull.send)
-                pull.send.add_done_callback(self._tasks.discard)
+                pull.send = self._spawn(self._ask_send(pull, msg))
 
     async def _ask_send(self, pull: PendingPull, msg: m.NeedSend) -> str | None:
         """Ask the prefill to send; None when it answered that it sent, else why not."""
