@@ -80,7 +80,7 @@ def _kernel_table(replay, repeats: int = 5, top: int = 8) -> list[tuple[str, flo
 
 def _host_profile(llm, batch: int, prompt_len: int, vocab: int, steps: int = 12, top: int = 10) -> list[str]:
     """cProfile of `steps` decode-only steps of a fresh batch; the top functions by own time."""
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     engine = llm.engine
     rng = random.Random(batch + 1)
@@ -123,8 +123,8 @@ def profile_decode(llm, batch: int, context: int, prompt_len: int, vocab: int) -
     """Decompose one decode step of `batch` sequences at `context` tokens (see module doc)."""
     import torch
 
-    from engine.sampler import SamplingRow
-    from engine.sampling_params import SamplingParams
+    from splitserve.engine.sampler import SamplingRow
+    from splitserve.common.sampling_params import SamplingParams
 
     runner = llm.engine.runner
     bucket = _fill_graph_inputs(runner, batch, context, vocab)

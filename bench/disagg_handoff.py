@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from engine.kv_transfer.keepalive import MIN_PERIOD_MS
+from splitserve.engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", command, *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -152,7 +152,7 @@ def parse_variant(text: str) -> tuple[str, float]:
 
 
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, variant: str = "plain") -> dict:
-    from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+    from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     kind, ms = parse_variant(variant)
     tag = transport if kind == "plain" else f"{transport} {variant}"
@@ -254,7 +254,7 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
 
 
 def colocated(args, prompts) -> list[list[int]]:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.prefill_device,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, max_num_seqs=8,

@@ -1,6 +1,6 @@
 """What the gateway costs per streamed token: the real gateway process in front of fake prefill and decode
 services (tests/gateway_fakes: instant prefill, one token per request every --step-ms), loaded by
-bench.serve over gRPC or the REST shim (SSE). Reports the gateway's CPU time per output token (from /proc, so it holds on a
+splitserve bench serve over gRPC or the REST shim (SSE). Reports the gateway's CPU time per output token (from /proc, so it holds on a
 busy machine), the fakes' CPU, and what the client saw (ITL p50/p99 against the fixed step, TPOT).
 
     python -m bench.gateway_cost --rate 20 --num-requests 200 --output-len 256 --json out.json
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_launch import free_port
+from splitserve.bench.serve_launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def measure(args) -> dict:
         try:
             prefill, decode = fakes.stdout.readline().split()
             grpc_port, http_port = free_port(), free_port()
-            gateway = subprocess.Popen([sys.executable, "-m", "engine.cli", "gateway", "--grpc-port", str(grpc_port),
+            gateway = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--grpc-port", str(grpc_port),
                                         "--http-port", str(http_port), "--prefill", prefill, "--decode", decode,
                                         "--model", tok], cwd=REPO, stdout=subprocess.DEVNULL,
                                        stderr=open(os.path.join(tmp, "gateway.log"), "w"))
@@ -82,7 +82,7 @@ def measure(args) -> dict:
             out_json = os.path.join(tmp, "serve.json")
 
             def load(rate: float, num_requests: int) -> None:
-                subprocess.run([sys.executable, "-m", "bench.serve", "--api", args.api, "--grpc-port", str(grpc_port),
+                subprocess.run([sys.executable, "-m", "splitserve.bench.serve", "--api", args.api, "--grpc-port", str(grpc_port),
                                 "--http-port", str(http_port), "--request-rate",
                                 str(rate), "--num-requests", str(num_requests), "--input-len", "32", "--output-len",
                                 str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000", "--slo-itl-ms",

@@ -25,10 +25,10 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import rms_norm, rotary_embedding, silu_and_mul, write_kv
-from kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_triton
-from kernels.paged_prefill_attention import paged_prefill_attention_triton
-from kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
+from splitserve.kernels import rms_norm, rotary_embedding, silu_and_mul, write_kv
+from splitserve.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_triton
+from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
+from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
 
 FULL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_layers=4, tokens=131072,
             decode=[(64, 2048), (256, 512), (4, 32768)], prefill=[(1, 8192), (16, 512)],

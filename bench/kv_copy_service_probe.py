@@ -33,7 +33,7 @@ def prefill_like() -> None:
     ~50 ms of matmuls and, when W is 1, writes 1 MiB into the mapped buffer it was given."""
     import torch
 
-    from engine.kv_transfer.ipc_handle import export_cuda_ipc, open_cuda_ipc
+    from splitserve.engine.kv_transfer.ipc_handle import export_cuda_ipc, open_cuda_ipc
 
     d0 = torch.device("cuda:0")
     pool = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=d0)
@@ -75,7 +75,7 @@ def measure(args) -> dict:
     """Median device ms and GB/s of the copy in each scenario."""
     import torch
 
-    from engine.kv_transfer.ipc_handle import export_cuda_ipc, open_cuda_ipc
+    from splitserve.engine.kv_transfer.ipc_handle import export_cuda_ipc, open_cuda_ipc
 
     d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
     proc = subprocess.Popen([sys.executable, "-m", "bench.kv_copy_service_probe", "--prefill-like"],

@@ -41,7 +41,7 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> list[tuple[list[
 
 
 def run_splitserve(config_path: str, requests, dtype: str, device: str, args) -> dict:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(model=config_path, load_format="dummy", dtype=dtype, device=device,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -124,7 +124,7 @@ def _sync(device: str) -> None:
 
 def fixed_splitserve(llm, batch: int, prompt_len: int, output_len: int, vocab: int, device: str) -> dict:
     """One batch of identical-length requests; per-step wall times split into prefill and decode."""
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(batch)]
@@ -204,7 +204,7 @@ def run_fixed(args) -> list[dict]:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     if "splitserve" in args.engines:
-        from engine import LLM
+        from splitserve.engine import LLM
 
         llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.device,
                   max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,

@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
-from engine import core_messages as m
-from engine import tracing
-from engine.grpc_server import internal_channel
-from engine.kv_transfer.io import pair_name, transfer_tag
-from engine.wire import layout_from_proto, logprobs_from_proto
-from protos import prefill_pb2, prefill_pb2_grpc
+from splitserve.engine import core_messages as m
+from splitserve.runtime import tracing
+from splitserve.runtime.grpc_server import internal_channel
+from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.common.wire import layout_from_proto, logprobs_from_proto
+from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.decode.pulls")
 
@@ -97,7 +97,7 @@ class PullCoordinator:
         """The pool endpoint the prefill at the handle's address reports in Describe (kept; asked again when
         a handle names another pool, as after a restart). A handle's own copy is never mapped: mapping
         hands its fields to the shared-memory and CUDA drivers. {"error": ...} when the prefill cannot say."""
-        from protos import common_pb2
+        from splitserve.protos import common_pb2
 
         address, claimed = handle.prefill_address, dict(handle.endpoint)
         known = self._endpoints.get(address)
@@ -210,7 +210,7 @@ class PullCoordinator:
     async def prepare_peers(self, addresses: list[str]) -> None:
         """At start, for each configured prefill (retrying until it answers Describe): pair with it
         (nccl) or map its KV pool (shm, cuda_ipc), so that its first request pays for neither."""
-        from protos import common_pb2
+        from splitserve.protos import common_pb2
 
         transport = self.service.config.kv_transport
         for address in addresses:
@@ -247,7 +247,7 @@ class PullCoordinator:
 
     async def _peer_gpu(self, prefill_address: str) -> str:
         """The GPU UUID a prefill reports in its own Describe ("" when it says none or cannot answer)."""
-        from protos import common_pb2
+        from splitserve.protos import common_pb2
 
         try:
             info = await self.stub(prefill_address).Describe(common_pb2.DescribeRequest(), timeout=2.0)

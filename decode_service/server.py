@@ -18,16 +18,15 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import replace
 
 import grpc
 
-from decode_service.pulls import PullCoordinator
-from engine import core_messages as m
-from engine import tracing
-from engine.service_base import ServiceBase, setup_logging
-from engine.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from splitserve.decode_service.pulls import PullCoordinator
+from splitserve.engine import core_messages as m
+from splitserve.runtime import tracing
+from splitserve.runtime.service_base import ServiceBase, setup_logging
+from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.decode")
 
@@ -231,9 +230,9 @@ def _serve(engine_config, service_config) -> int:
 
 def run(ns, configs) -> int:
     setup_logging()
-    return _serve(replace(configs["EngineConfig"], role="decode"), configs["ServiceConfig"])
+    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role decode, set by the CLI
 
 
 def run_worker(ns, configs) -> int:
     setup_logging()
-    return _serve(replace(configs["EngineConfig"], role="both"), configs["ServiceConfig"])
+    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role both, set by the CLI

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_ops_for
+from splitserve.engine.layers import cpu_ops_for
 
 
 @dataclass
@@ -181,7 +181,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The Triton kernels: KV write, then paged decode (all one-token) or paged prefill attention."""
-    import kernels
+    from splitserve import kernels
 
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:

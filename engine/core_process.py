@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from engine import core_messages as m
+from splitserve.engine import core_messages as m
 
 log = logging.getLogger("splitserve.core")
 
@@ -83,7 +83,7 @@ class CoreLoop:
 
     # -- handlers --------------------------------------------------------------------------
     def on_add(self, msg: m.AddRequest) -> None:
-        from engine.engine_core import RequestOutput
+        from splitserve.engine.engine_core import RequestOutput
 
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.seed)
@@ -92,7 +92,7 @@ class CoreLoop:
             self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
 
     def on_abort(self, msg: m.Abort) -> None:
-        from engine.engine_core import RequestOutput
+        from splitserve.engine.engine_core import RequestOutput
 
         ids = set(msg.request_ids)
         self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
@@ -109,7 +109,7 @@ class CoreLoop:
             started = self.engine.begin_import(msg.request_id, msg.prompt_token_ids, msg.params, msg.seed,
                                                msg.first_token_id, msg.first_logprobs, msg.priority)
         except ValueError as exc:  # a bad request, not a failed pull: it ends here
-            from engine.engine_core import RequestOutput
+            from splitserve.engine.engine_core import RequestOutput
 
             out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
             self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
@@ -143,7 +143,7 @@ class CoreLoop:
                                         device_ns=self.kv_io.last_device_ns))
 
     def on_commit(self, msg: m.CommitImport) -> None:
-        from engine.engine_core import RequestOutput
+        from splitserve.engine.engine_core import RequestOutput
 
         if msg.request_id not in self.engine.importing:
             return  # aborted meanwhile
@@ -217,23 +217,24 @@ HANDLERS: dict[type, Callable] = {
 }
 
 
-def core_main(config, conn, kv_options: dict) -> None:
+def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] | None = None) -> None:
     """Entry point of the core process.
 
     It ignores SIGINT/SIGTERM: its service process decides when it stops (a Shutdown message
     after draining), and it exits by itself when that process is gone (the pipe closes).
+    `process_init` (a module-level function, so it pickles) sets the process up first: the
+    service passes its logging setup.
     """
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from engine.logs import setup_logging
-
-    setup_logging()
+    if process_init is not None:
+        process_init()
     kv_io = None
     try:
-        from engine.engine_core import EngineCore
-        from engine.kv_transfer.io import KvIo
+        from splitserve.engine.engine_core import EngineCore
+        from splitserve.engine.kv_transfer.io import KvIo
 
         kv_io = KvIo(kv_options)
         engine = EngineCore(config, kv_cache_factory=kv_io.kv_cache_factory)
@@ -257,10 +258,12 @@ class EngineClient:
     outputs go to its queue (`open_stream`), replies to their futures.
     """
 
-    def __init__(self, config, kv_options: dict, on_batch: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, config, kv_options: dict, on_batch: Callable[[Any], None] | None = None,
+                 process_init: Callable[[], None] | None = None) -> None:
         self.config = config
         self.kv_options = kv_options
         self.on_batch = on_batch
+        self.process_init = process_init  # run first in the core process (module-level: it is pickled)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.futures: dict[Any, asyncio.Future] = {}
@@ -277,7 +280,7 @@ class EngineClient:
         self.loop = asyncio.get_running_loop()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=core_main, args=(self.config, child, self.kv_options),
+        self.process = ctx.Process(target=core_main, args=(self.config, child, self.kv_options, self.process_init),
                                    name="splitserve-core", daemon=True)
         self.process.start()
         child.close()
@@ -298,7 +301,7 @@ class EngineClient:
             self.loop.call_soon_threadsafe(self._dispatch, batch)
 
     def _core_died(self) -> None:
-        from engine.engine_core import RequestOutput
+        from splitserve.engine.engine_core import RequestOutput
 
         self.dead = True
         for request_id, queue in list(self.streams.items()):

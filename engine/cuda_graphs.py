@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
+from splitserve.engine.attention import AttentionMetadata
 
 log = logging.getLogger("splitserve.graphs")
 

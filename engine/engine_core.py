@@ -20,14 +20,15 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, RuntimeInfo
-from engine.kv_cache_manager import KvCacheManager, cdiv
-from engine.kv_layout import KvLayout, dtype_from_name
-from engine.prefix_hash import extra_keys_for, hash_full_blocks
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from splitserve.engine.block_pool import BlockPool
+from splitserve.common.config import EngineConfig, RuntimeInfo
+from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
+from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
 
 log = logging.getLogger("splitserve.engine")
 
@@ -111,8 +112,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None) -> None:
         """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory)."""
-        from engine.loader import load_model
-        from engine.model_runner import ModelRunner
+        from splitserve.engine.loader import load_model
+        from splitserve.engine.model_runner import ModelRunner
 
         self.config = config
         if config.num_threads:
@@ -140,7 +141,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len, role=config.role,
                                    policy=config.scheduling_policy)
-        factory = kv_cache_factory or (lambda layout, n, dev: layout.allocate(n, dev))
+        factory = kv_cache_factory or allocate_kv_cache
         kv_cache = factory(self.layout, num_blocks, device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device)
         if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":

@@ -11,9 +11,9 @@ and each request's block hashes.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.prefix_hash import hash_full_blocks
-from engine.request import Request
+from splitserve.engine.block_pool import BlockPool
+from splitserve.common.prefix_hash import hash_full_blocks
+from splitserve.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,7 +21,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @functools.cache
 def _cpu_ops_module():
-    from kernels import cpu_ops  # lazily, once: the kernels package imports Triton
+    from splitserve.kernels import cpu_ops  # lazily, once: the kernels package imports Triton
 
     return cpu_ops
 
@@ -40,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (normed, new_residual) where new_residual = x + residual; otherwise returns normed.
     """
     if x.is_cuda:
-        import kernels
+        from splitserve import kernels
 
         return kernels.rms_norm(x, weight, eps, residual)
     ops = cpu_ops_for(x)
@@ -60,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2F) = [gate | up] -> silu(gate) * up, (T, F)."""
     if x.is_cuda:
-        import kernels
+        from splitserve import kernels
 
         return kernels.silu_and_mul(x)
     ops = cpu_ops_for(x)
@@ -78,7 +78,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     and second halves of each head rotate together: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
     """
     if q.is_cuda:
-        import kernels
+        from splitserve import kernels
 
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         return

@@ -1,6 +1,6 @@
 """The offline API, shaped like vLLM's so one benchmark script drives both.
 
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
     outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24))
     outs[0].token_ids, outs[0].text, outs[0].finish_reason
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
+from splitserve.common.config import EngineConfig
+from splitserve.engine.engine_core import EngineCore
+from splitserve.common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -50,7 +50,7 @@ class LLM:
         directory = Path(path)
         if not directory.is_dir() or not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
             return None
-        from engine.tokenizer import load_tokenizer
+        from splitserve.common.tokenizer import load_tokenizer
 
         return load_tokenizer(directory)
 
@@ -76,7 +76,7 @@ class LLM:
 
     def _run(self, token_lists: list[list[int]], params_list: list[SamplingParams],
              prompts: Sequence[str] | None) -> list[GenerationOutput]:
-        from engine.detokenizer import IncrementalDetokenizer
+        from splitserve.common.detokenizer import IncrementalDetokenizer
 
         results: dict[str, GenerationOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kv_layout import dtype_from_name
-from engine.model_config import ModelConfig
-from engine.models import model_class
+from splitserve.engine.kv_layout import dtype_from_name
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models import model_class
 
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 1 << 30  # always show the bar above this (and whenever stderr is a TTY)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.kv_layout import KvLayout
+from splitserve.common.kv_layout import KvLayout
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

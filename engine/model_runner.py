@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SchedulerOutput
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ModelRunner:
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for bucketed batch sizes (CUDA only)."""
-        from engine.cuda_graphs import DecodeGraphs
+        from splitserve.engine.cuda_graphs import DecodeGraphs
 
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from engine.config_fields import option
+from splitserve.common.config_fields import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +20,8 @@ class GenerateConfig:
 
 
 def run(ns, configs) -> int:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM
+    from splitserve.common.sampling_params import SamplingParams
 
     engine_config = configs["EngineConfig"]
     gen = configs["GenerateConfig"]

@@ -27,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.logprobs import TokenLogprobs
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -48,15 +49,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class TokenLogprobs:
-    """The chosen token's logprob and the top-n alternatives (highest first)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -22,8 +22,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KvCacheManager
-from engine.request import Request, RequestStatus
+from splitserve.engine.kv_cache_manager import KvCacheManager
+from splitserve.engine.request import Request, RequestStatus
 
 
 @dataclass

@@ -15,7 +15,7 @@ import hmac
 import os
 from typing import Mapping
 
-from gateway.errors import GatewayError
+from splitserve.gateway.errors import GatewayError
 
 API_KEYS_ENV = "SPLITSERVE_API_KEYS"
 ANONYMOUS = "anonymous"  # the client id of every caller when authentication is off

@@ -6,8 +6,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from engine.config_fields import option
-from engine.sampling_params import MAX_STOP_STRINGS
+from splitserve.common.config_fields import option
+from splitserve.common.sampling_params import MAX_STOP_STRINGS
 
 # engine.kv_transfer.io.TRANSPORTS, repeated here so the gateway never imports torch
 # (tests/test_gateway_up.py checks that the two agree).

@@ -20,7 +20,7 @@ from typing import Callable
 
 import grpc
 
-from protos import decode_pb2, decode_pb2_grpc
+from splitserve.protos import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.gateway")
 

@@ -7,7 +7,7 @@ of their GatewayError and, when the caller may retry, trailing metadata `retry-a
 
 from __future__ import annotations
 
-from engine import tracing
+from splitserve.runtime import tracing
 
 import asyncio
 from contextlib import aclosing
@@ -17,11 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.auth import ApiKeys
-from gateway.errors import GatewayError, invalid
-from gateway.observe import GatewayMetrics
-from gateway.service import GatewayService, GenerationInput, build_sampling_params, sampling_values_from_proto
-from protos import generation_pb2
+from splitserve.gateway.auth import ApiKeys
+from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.service import GatewayService, GenerationInput, build_sampling_params, sampling_values_from_proto
+from splitserve.protos import generation_pb2
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 

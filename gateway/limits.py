@@ -15,7 +15,7 @@ import math
 import time
 from typing import Callable
 
-from gateway.errors import GatewayError
+from splitserve.gateway.errors import GatewayError
 
 
 class TokenBucket:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 
-from engine.metrics import Metrics
-from protos import common_pb2, generation_pb2
+from splitserve.runtime.metrics import Metrics
+from splitserve.protos import common_pb2, generation_pb2
 
 FINISH_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                        common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}

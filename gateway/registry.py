@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 
 import grpc
 
-from gateway.decode_link import DecodeLink
-from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from splitserve.gateway.decode_link import DecodeLink
+from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.gateway")
 

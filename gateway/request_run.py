@@ -15,23 +15,27 @@ never handed to a decode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Sequence
 
 import grpc
 
-from engine import tracing
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
-from gateway.decode_link import DecodeLink, LinkDown, LinkFailure
-from gateway.errors import GatewayError, invalid
-from gateway.registry import Instance
-from protos import common_pb2, decode_pb2, generation_pb2, prefill_pb2
+from splitserve.runtime import tracing
+from splitserve.common import wire
+from splitserve.common.detokenizer import IncrementalDetokenizer
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.gateway.decode_link import DecodeLink, LinkDown, LinkFailure
+from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.registry import Instance
+from splitserve.protos import common_pb2, decode_pb2, generation_pb2, prefill_pb2
 
 if TYPE_CHECKING:
-    from gateway.service import GatewayService
+    from splitserve.gateway.registry import Registry
+    from splitserve.gateway.router import Router
 
 log = logging.getLogger("splitserve.gateway")
 FR = common_pb2.FinishReason
@@ -46,15 +50,28 @@ _RELEASE_TIMEOUT_S = 5.0
 _DEADLINE = object()
 
 
+@dataclass(frozen=True)
+class RunDeps:
+    """What a request run uses of the gateway: routing, instance health, detokenizing, background tasks."""
+
+    router: "Router"
+    registry: "Registry"
+    tokenizer: Any
+    spawn: Callable[[Coroutine], None]  # runs a cleanup coroutine in the background
+
+
+def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingParams:
+    """The wire form sent to prefill and decode, with the effective seed."""
+    return wire.sampling_to_proto(dataclasses.replace(params, seed=seed))
+
+
 class RequestRun:
     """State of one request from routing to its single terminal message."""
 
-    def __init__(self, service: "GatewayService", *, request_id: str, params: SamplingParams,
+    def __init__(self, deps: RunDeps, *, request_id: str, params: SamplingParams,
                  prompt_token_ids: list[int], seed: int, priority: int, arrival_ns: int,
                  deadline: float, budget_s: float, trace_carrier: dict[str, str] | None = None) -> None:
-        from gateway.service import sampling_to_proto
-
-        self._service = service
+        self._deps = deps
         self.request_id = request_id
         self._params = params
         self._prompt = prompt_token_ids
@@ -65,7 +82,7 @@ class RequestRun:
         self._budget_s = budget_s
         self._sampling = sampling_to_proto(params, seed)
         self._detok = IncrementalDetokenizer(
-            service.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            deps.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=prompt_token_ids)
         self.num_output_tokens = 0
         self.cached_prompt_tokens = 0
@@ -97,7 +114,7 @@ class RequestRun:
     # -- routing -------------------------------------------------------------------------
 
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        router = self._service.router
+        router = self._deps.router
         self._check_decode_room()
         prefill = router.pick_prefill(self._prompt)
         first = await self._prefill(prefill) if prefill is not None else None
@@ -131,7 +148,7 @@ class RequestRun:
 
     def _check_decode_room(self) -> None:
         """RESOURCE_EXHAUSTED / 503 with Retry-After when no decode is up, or every up one is full."""
-        router = self._service.router
+        router = self._deps.router
         up = router.decode_candidates(None, with_room=False)
         if not up:
             raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
@@ -144,7 +161,7 @@ class RequestRun:
 
     async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
         """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
-        router = self._service.router
+        router = self._deps.router
         request = prefill_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
                                              sampling=self._sampling, seed=self._seed, priority=self._priority)
         router.assign(prefill, self._prompt)
@@ -179,7 +196,7 @@ class RequestRun:
             raise GatewayError("deadline_exceeded", self._timeout_message())
         reason = f"prefill instance {prefill.name} failed: {code.name}: {exc.details()}"
         if code in _MARK_DOWN_CODES:
-            self._service.registry.mark_down(prefill, reason)
+            self._deps.registry.mark_down(prefill, reason)
         log.warning("request_id=%s %s; falling back to a local prefill on a decode", self.request_id, reason)
         return None
 
@@ -201,7 +218,7 @@ class RequestRun:
         self._deadline_timer = loop.call_at(loop.time() + self._remaining_s(), self._queue.put_nowait, _DEADLINE)
         self._decode, self._link = decode, decode.link
         self._handed, self._held = self._held, None  # the decode owns the lease now
-        self._service.router.assign(decode, self._prompt)
+        self._deps.router.assign(decode, self._prompt)
 
     # -- streaming -----------------------------------------------------------------------
 
@@ -216,7 +233,7 @@ class RequestRun:
                 if self._handed is not None and self.num_output_tokens <= 1:
                     # the decode died before it could claim the blocks: free them now, not at expiry
                     # (ReleaseKv is idempotent: a lease the decode did claim answers released=false)
-                    self._service.spawn(_release_kv(*self._handed))
+                    self._deps.spawn(_release_kv(*self._handed))
                 yield self._final(FR.FINISH_REASON_ERROR, error=item.message)
                 return
             message = self._delta_message(item)
@@ -357,12 +374,12 @@ class RequestRun:
             self._link.abort(self.request_id)  # no-op once finished or failed
             self._link = None
         if self._decode is not None:
-            self._service.router.release(self._decode)
+            self._deps.router.release(self._decode)
             self._decode = None
         if self._held is not None:
             prefill, kv = self._held
             self._held = None
-            self._service.spawn(_release_kv(prefill, kv))
+            self._deps.spawn(_release_kv(prefill, kv))
 
 
 def _merge_deltas(deltas: Sequence[decode_pb2.TokenDelta]) -> decode_pb2.TokenDelta:

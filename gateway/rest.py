@@ -26,13 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from gateway.auth import ANONYMOUS, ApiKeys
-from gateway.errors import GatewayError, invalid
-from gateway.observe import GatewayMetrics
-from gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
-from gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
-from gateway.service import GatewayService
-from protos import common_pb2, generation_pb2
+from splitserve.gateway.auth import ANONYMOUS, ApiKeys
+from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
+from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
+from splitserve.gateway.service import GatewayService
+from splitserve.protos import common_pb2, generation_pb2
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}

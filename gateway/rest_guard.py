@@ -16,9 +16,9 @@ from typing import Any, Awaitable, Callable
 
 from fastapi.responses import JSONResponse
 
-from gateway.auth import OPEN_HTTP_PATHS, ApiKeys
-from gateway.errors import GatewayError
-from gateway.observe import GatewayMetrics
+from splitserve.gateway.auth import OPEN_HTTP_PATHS, ApiKeys
+from splitserve.gateway.errors import GatewayError
+from splitserve.gateway.observe import GatewayMetrics
 
 CLIENT_ID_KEY = "splitserve.client_id"
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from gateway.errors import GatewayError, invalid
-from gateway.service import GenerationInput, build_sampling_params
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.service import GenerationInput, build_sampling_params
 
 # Request fields passed to SamplingParams under the same name.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

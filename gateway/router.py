@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from engine.prefix_hash import extra_keys_for, hash_full_blocks
-from gateway.registry import Instance, Registry
+from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
+from splitserve.gateway.registry import Instance, Registry
 
 AFFINITY_CAPACITY = 1 << 16  # block hashes remembered
 

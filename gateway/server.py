@@ -20,25 +20,25 @@ from typing import Any, Mapping
 
 import grpc
 
-from gateway.auth import ApiKeys, load_api_keys
-from gateway.config import GatewayConfig
-from gateway.grpc_api import HealthReporter, add_services
-from gateway.limits import RateLimiter
-from gateway.observe import GatewayMetrics
-from gateway.registry import MESSAGE_SIZE_OPTIONS, Registry
-from gateway.router import Router
-from gateway.service import GatewayService
+from splitserve.gateway.auth import ApiKeys, load_api_keys
+from splitserve.gateway.config import GatewayConfig
+from splitserve.gateway.grpc_api import HealthReporter, add_services
+from splitserve.gateway.limits import RateLimiter
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.registry import MESSAGE_SIZE_OPTIONS, Registry
+from splitserve.gateway.router import Router
+from splitserve.gateway.service import GatewayService
 
 log = logging.getLogger("splitserve.gateway")
 
 
 def load_gateway_tokenizer(model: str) -> Any:
     """The tokenizer of `model` (a directory), or of the embedded default model when empty."""
-    from engine.tokenizer import load_tokenizer
+    from splitserve.common.tokenizer import load_tokenizer
 
     if not model:
         try:
-            from engine.default_model_path import default_model_path
+            from splitserve.common.default_model_path import default_model_path
         except ImportError as exc:
             raise ValueError(f"no --model given and the embedded default model is not available ({exc}); "
                              "pass --model with a model directory") from None
@@ -110,13 +110,13 @@ class GatewayServer:
 
     async def start(self) -> None:
         """Build everything, listen on the ports, then register instances (first Describe round)."""
-        from engine.metrics import Metrics
+        from splitserve.runtime.metrics import Metrics
 
         config = self.config
         tls = load_tls(config)
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
-        from engine.grpc_server import InternalTls, internal_channel
+        from splitserve.runtime.grpc_server import InternalTls, internal_channel
 
         internal_tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
         self.registry = Registry(config.prefill_addresses, config.decode_addresses,
@@ -157,7 +157,7 @@ class GatewayServer:
             self.metrics.set_model(self.registry.model_id)
 
     def _start_metrics_port(self) -> None:
-        from engine.metrics import serve_http
+        from splitserve.runtime.metrics import serve_http
 
         try:
             self._metrics_server = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port)
@@ -167,7 +167,7 @@ class GatewayServer:
         self.metrics_port = self._metrics_server.server_address[1]
 
     async def _start_rest(self) -> None:
-        from gateway.rest import create_app
+        from splitserve.gateway.rest import create_app
 
         app = create_app(self.service, self.config.max_body_bytes, int(time.time()),
                          api_keys=self.api_keys, metrics=self.metrics)
@@ -236,8 +236,8 @@ async def serve(config: GatewayConfig) -> int:
 
 def run(ns: Any, configs: dict[str, Any]) -> int:
     """Entry point of `splitserve gateway` (see engine/cli.py)."""
-    from engine import tracing
-    from engine.logs import setup_logging
+    from splitserve.runtime import tracing
+    from splitserve.runtime.logs import setup_logging
 
     setup_logging()
 

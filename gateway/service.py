@@ -23,16 +23,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from engine import wire
-from engine.sampling_params import MAX_SEED, SamplingParams
-from gateway.auth import ANONYMOUS
-from gateway.errors import GatewayError, invalid
-from gateway.limits import RateLimiter
-from gateway.observe import GatewayMetrics
-from gateway.registry import Registry
-from gateway.request_run import RequestRun
-from gateway.router import Router
-from protos import common_pb2, generation_pb2
+from splitserve.common import wire
+from splitserve.common.sampling_params import MAX_SEED, SamplingParams
+from splitserve.gateway.auth import ANONYMOUS
+from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.limits import RateLimiter
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.registry import Registry
+from splitserve.gateway.request_run import RequestRun, RunDeps
+from splitserve.gateway.router import Router
+from splitserve.protos import common_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.gateway")
 
@@ -104,11 +104,6 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
     return values
 
 
-def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingParams:
-    """The wire form sent to prefill and decode, with the effective seed."""
-    return wire.sampling_to_proto(dataclasses.replace(params, seed=seed))
-
-
 class GatewayService:
     """Validation, admission, tokenization and the per-request runs.
 
@@ -132,6 +127,7 @@ class GatewayService:
         self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
         self.draining = False
         self._background: set[asyncio.Task] = set()
+        self._run_deps = RunDeps(router=router, registry=registry, tokenizer=tokenizer, spawn=self.spawn)
 
     # -- model and tokenization ------------------------------------------------------------
 
@@ -150,7 +146,7 @@ class GatewayService:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def tokenize_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
-        from engine.tokenizer import apply_chat_template
+        from splitserve.common.tokenizer import apply_chat_template
 
         try:
             return apply_chat_template(self.tokenizer, [{"role": r, "content": c} for r, c in turns])
@@ -256,7 +252,7 @@ class GatewayService:
             prompt_ids, params = self._prepare(inp, client_id)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
-            run = RequestRun(self, request_id=request_id,
+            run = RequestRun(self._run_deps, request_id=request_id,
                              params=params, prompt_token_ids=prompt_ids, seed=seed,
                              priority=inp.priority, arrival_ns=arrival_ns,
                              deadline=time.monotonic() + budget_s, budget_s=budget_s, trace_carrier=trace_carrier)

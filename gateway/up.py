@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
-from engine.config_fields import flag_name
-from gateway.config import UpConfig
+from splitserve.common.config_fields import flag_name
+from splitserve.gateway.config import UpConfig
 
 HOST = "127.0.0.1"
 # EngineConfig fields not forwarded: each subcommand decides its own role.
@@ -63,7 +63,7 @@ def check_ports(up: UpConfig) -> str | None:
 def stack_commands(engine: Any, up: UpConfig, gateway_options: Any = None) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, in start order: prefill, decodes, gateway (with the non-default
     UpGatewayConfig options: API keys, TLS, limits)."""
-    cli = [sys.executable, "-m", "engine.cli"]
+    cli = [sys.executable, "-m", "splitserve.cli"]
     eflags = config_flags(engine, _NOT_FORWARDED)
     prefill_address = f"{HOST}:{up.prefill_port}"
 
@@ -192,7 +192,7 @@ def banner(up: UpConfig, model_id: str, gateway_options: Any = None, keys_requir
 
 def configured_key(gateway_options: Any, env: dict[str, str]) -> str:
     """One configured API key (to ask the gateway for its model id), or "" when none is."""
-    from gateway.auth import load_api_keys
+    from splitserve.gateway.auth import load_api_keys
 
     keys = load_api_keys(gateway_options.api_keys_file if gateway_options is not None else "", env)
     return keys[0] if keys else ""

@@ -5,12 +5,12 @@ on CPU it needs TRITON_INTERPRET=1 set before this package is imported) or "ref"
 Nothing here imports from `engine`.
 """
 
-from kernels.activation import silu_and_mul
-from kernels.kv_write import write_kv
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.paged_prefill_attention import paged_prefill_attention
-from kernels.rmsnorm import rms_norm
-from kernels.rotary import build_cos_sin_cache, rotary_embedding
+from splitserve.kernels.activation import silu_and_mul
+from splitserve.kernels.kv_write import write_kv
+from splitserve.kernels.paged_decode_attention import paged_decode_attention
+from splitserve.kernels.paged_prefill_attention import paged_prefill_attention
+from splitserve.kernels.rmsnorm import rms_norm
+from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
 __all__ = [
     "build_cos_sin_cache",

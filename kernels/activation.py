@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import use_triton
+from splitserve.kernels._common import use_triton
 
 _BLOCK_F = 1024
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, interpreting, next_pow2, num_sms, use_triton
+from splitserve.kernels._common import dot_precision, interpreting, next_pow2, num_sms, use_triton
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic constants (see choose_num_splits and docs/perf.md "Kernels").

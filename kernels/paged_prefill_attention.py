@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import dot_precision, interpreting, next_pow2, use_triton
+from splitserve.kernels._common import dot_precision, interpreting, next_pow2, use_triton
 
 LOG2E = 1.4426950408889634
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2, use_triton
+from splitserve.kernels._common import next_pow2, use_triton
 
 
 @triton.jit

@@ -15,13 +15,13 @@ import time
 
 import grpc
 
-from engine import core_messages as m
-from engine import tracing
-from engine.kv_transfer.io import pair_name, transfer_tag
-from engine.service_base import Refuse, ServiceBase, setup_logging
-from engine.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
-from prefill_service.leases import LeaseTable
-from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+from splitserve.engine import core_messages as m
+from splitserve.runtime import tracing
+from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.runtime.service_base import Refuse, ServiceBase, setup_logging
+from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
+from splitserve.prefill_service.leases import LeaseTable
+from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
 
@@ -177,9 +177,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
 
 def run(ns, configs) -> int:
     setup_logging()
-    from dataclasses import replace
-
-    engine_config = replace(configs["EngineConfig"], role="prefill")
+    engine_config = configs["EngineConfig"]  # role prefill, set by the CLI
     service = PrefillService(engine_config, configs["ServiceConfig"])
     tracing.init_tracing("splitserve-prefill", service.name)
     return asyncio.run(service.serve(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)))

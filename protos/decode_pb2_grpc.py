@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import decode_pb2 as protos_dot_decode__pb2
+from splitserve.protos import common_pb2 as splitserve_dot_protos_dot_common__pb2
+from splitserve.protos import decode_pb2 as splitserve_dot_protos_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/decode_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,13 +38,13 @@ class DecodeStub:
         """
         self.Generate = channel.stream_stream(
                 '/splitserve.v1.Decode/Generate',
-                request_serializer=protos_dot_decode__pb2.DecodeIn.SerializeToString,
-                response_deserializer=protos_dot_decode__pb2.DecodeOut.FromString,
+                request_serializer=splitserve_dot_protos_dot_decode__pb2.DecodeIn.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_decode__pb2.DecodeOut.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/splitserve.v1.Decode/Describe',
-                request_serializer=protos_dot_common__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.DescribeResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.stream_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_decode__pb2.DecodeIn.FromString,
-                    response_serializer=protos_dot_decode__pb2.DecodeOut.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_decode__pb2.DecodeIn.FromString,
+                    response_serializer=splitserve_dot_protos_dot_decode__pb2.DecodeOut.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=protos_dot_common__pb2.DescribeRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.DescribeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class Decode:
             request_iterator,
             target,
             '/splitserve.v1.Decode/Generate',
-            protos_dot_decode__pb2.DecodeIn.SerializeToString,
-            protos_dot_decode__pb2.DecodeOut.FromString,
+            splitserve_dot_protos_dot_decode__pb2.DecodeIn.SerializeToString,
+            splitserve_dot_protos_dot_decode__pb2.DecodeOut.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class Decode:
             request,
             target,
             '/splitserve.v1.Decode/Describe',
-            protos_dot_common__pb2.DescribeRequest.SerializeToString,
-            protos_dot_common__pb2.DescribeResponse.FromString,
+            splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
+            splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import generation_pb2 as protos_dot_generation__pb2
+from splitserve.protos import generation_pb2 as splitserve_dot_protos_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/generation_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.Generation/Generate',
-                request_serializer=protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/splitserve.v1.Generation/Tokenize',
-                request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/splitserve.v1.Generation/ListModels',
-                request_serializer=protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/Generate',
-            protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-            protos_dot_generation__pb2.GenerateResponse.FromString,
+            splitserve_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/Tokenize',
-            protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_generation__pb2.TokenizeResponse.FromString,
+            splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Generation:
             request,
             target,
             '/splitserve.v1.Generation/ListModels',
-            protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_generation__pb2.ListModelsResponse.FromString,
+            splitserve_dot_protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            splitserve_dot_protos_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import prefill_pb2 as protos_dot_prefill__pb2
+from splitserve.protos import common_pb2 as splitserve_dot_protos_dot_common__pb2
+from splitserve.protos import prefill_pb2 as splitserve_dot_protos_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/protos/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,28 +38,28 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Prefill/Prefill',
-                request_serializer=protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/splitserve.v1.Prefill/ReleaseKv',
-                request_serializer=protos_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.ReleaseKvResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_prefill__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
         self.PairKv = channel.unary_unary(
                 '/splitserve.v1.Prefill/PairKv',
-                request_serializer=protos_dot_prefill__pb2.PairKvRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.PairKvResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_prefill__pb2.PairKvRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_prefill__pb2.PairKvResponse.FromString,
                 _registered_method=True)
         self.SendKv = channel.unary_unary(
                 '/splitserve.v1.Prefill/SendKv',
-                request_serializer=protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.SendKvResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_prefill__pb2.SendKvResponse.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/splitserve.v1.Prefill/Describe',
-                request_serializer=protos_dot_common__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.DescribeResponse.FromString,
+                request_serializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
                 _registered_method=True)
 
 
@@ -107,28 +107,28 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
-                    request_deserializer=protos_dot_prefill__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_prefill__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
             ),
             'PairKv': grpc.unary_unary_rpc_method_handler(
                     servicer.PairKv,
-                    request_deserializer=protos_dot_prefill__pb2.PairKvRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.PairKvResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_prefill__pb2.PairKvRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_prefill__pb2.PairKvResponse.SerializeToString,
             ),
             'SendKv': grpc.unary_unary_rpc_method_handler(
                     servicer.SendKv,
-                    request_deserializer=protos_dot_prefill__pb2.SendKvRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.SendKvResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_prefill__pb2.SendKvRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_prefill__pb2.SendKvResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=protos_dot_common__pb2.DescribeRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.DescribeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -157,8 +157,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Prefill',
-            protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_prefill__pb2.PrefillResponse.FromString,
+            splitserve_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_protos_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -184,8 +184,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/ReleaseKv',
-            protos_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-            protos_dot_prefill__pb2.ReleaseKvResponse.FromString,
+            splitserve_dot_protos_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+            splitserve_dot_protos_dot_prefill__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -211,8 +211,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/PairKv',
-            protos_dot_prefill__pb2.PairKvRequest.SerializeToString,
-            protos_dot_prefill__pb2.PairKvResponse.FromString,
+            splitserve_dot_protos_dot_prefill__pb2.PairKvRequest.SerializeToString,
+            splitserve_dot_protos_dot_prefill__pb2.PairKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,8 +238,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/SendKv',
-            protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
-            protos_dot_prefill__pb2.SendKvResponse.FromString,
+            splitserve_dot_protos_dot_prefill__pb2.SendKvRequest.SerializeToString,
+            splitserve_dot_protos_dot_prefill__pb2.SendKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,8 +265,8 @@ class Prefill:
             request,
             target,
             '/splitserve.v1.Prefill/Describe',
-            protos_dot_common__pb2.DescribeRequest.SerializeToString,
-            protos_dot_common__pb2.DescribeResponse.FromString,
+            splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
+            splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import grpc
 
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 SPECIAL = ["<s>", "</s>", "<unk>"]
 ROLE_WORDS = ["user", "system", "assistant", "hello", "world"]
@@ -281,8 +281,8 @@ class Stack:
     env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
 
     def start(self) -> "Stack":
-        from gateway.config import GatewayConfig
-        from gateway.server import GatewayServer
+        from splitserve.gateway.config import GatewayConfig
+        from splitserve.gateway.server import GatewayServer
 
         self.loop = LoopThread()
         self.servers = {s.name: FakeServer(s) for s in self.prefills + self.decodes}

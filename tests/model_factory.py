@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata
+from splitserve.engine.attention import AttentionMetadata
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -15,6 +15,19 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+def wait_until(condition, timeout_s: float, message: str | object, poll_s: float = 0.02):
+    """Poll `condition()` until it returns a truthy value (returned), failing after `timeout_s` with
+    `message` (a callable is called for the message, e.g. to read a log only on failure)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout_s:g} s: {message() if callable(message) else message}")
+        time.sleep(poll_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -22,14 +35,14 @@ def free_port() -> int:
 
 
 class Proc:
-    """One `python -m engine.cli <command> ...` process; waits for its READY line."""
+    """One `python -m splitserve.cli <command> ...` process; waits for its READY line."""
 
     def __init__(self, command: str, args: list[str], log_dir: Path, name: str) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPLITSERVE_LOG_LEVEL": "INFO"}
         self.log = open(self.log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "engine.cli", command, *args], cwd=REPO, env=env,
+        self.popen = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -83,7 +96,7 @@ class Stack:
 
     def __init__(self, transport: str, logs, num_decode: int = 2, prefill_args: list[str] = (),
                  decode_args: list[str] = ()):
-        from engine.default_model_path import default_model_path
+        from splitserve.common.default_model_path import default_model_path
 
         model = default_model_path()
         self.model, self.logs, self.transport = model, logs, transport

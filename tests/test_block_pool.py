@@ -2,11 +2,11 @@
 
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.kv_cache_manager import KvCacheManager
-from engine.prefix_hash import extra_keys_for, hash_block, hash_full_blocks
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from splitserve.engine.kv_cache_manager import KvCacheManager
+from splitserve.common.prefix_hash import extra_keys_for, hash_block, hash_full_blocks
+from splitserve.engine.request import Request
+from splitserve.common.sampling_params import SamplingParams
 
 EXTRA = extra_keys_for("tiny")
 

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.default_model_path import default_model_path
-from protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+from splitserve.engine import LLM, SamplingParams
+from splitserve.common.default_model_path import default_model_path
+from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
 from tests.service_harness import ENGINE, Proc, Stack
 from tests.test_engine_exact import make_prompts

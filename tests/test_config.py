@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.config_fields import ConfigError, add_arguments, describe, from_namespace
+from splitserve.common.config import EngineConfig
+from splitserve.common.config_fields import ConfigError, add_arguments, describe, from_namespace
 
 
 def parse(argv, env=None):

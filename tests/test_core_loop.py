@@ -2,8 +2,8 @@
 
 from types import SimpleNamespace
 
-from engine import core_messages as m
-from engine.core_process import CoreLoop
+from splitserve.engine import core_messages as m
+from splitserve.engine.core_process import CoreLoop
 
 
 class Conn:

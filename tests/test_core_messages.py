@@ -3,8 +3,8 @@
 import multiprocessing
 from dataclasses import fields
 
-from engine import core_messages as m
-from engine.engine_core import RequestOutput
+from splitserve.engine import core_messages as m
+from splitserve.engine.engine_core import RequestOutput
 
 
 def test_a_step_batch_crosses_a_pipe_with_every_output_field_intact():

@@ -4,8 +4,8 @@ import os
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import load_model
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.loader import load_model
 from tests.model_factory import make_tiny_model_dir
 
 

@@ -9,9 +9,9 @@ from unittest import mock
 import grpc
 import torch
 
-from decode_service.pulls import PendingPull, PullCoordinator
-from engine import core_messages as m
-from protos import common_pb2, decode_pb2, prefill_pb2
+from splitserve.decode_service.pulls import PendingPull, PullCoordinator
+from splitserve.engine import core_messages as m
+from splitserve.protos import common_pb2, decode_pb2, prefill_pb2
 
 ENDPOINT = {"shm_name": "splitserve-kv-p0-1", "num_blocks": "64"}
 

@@ -1,4 +1,4 @@
-"""The embedded default model (engine/default_model): loads, tokenizes exactly, has learned
+"""The embedded default model (engine/common/default_model, splitserve.common.default_model_path): loads, tokenizes exactly, has learned
 its corpus, and splitserve's engine reproduces transformers' greedy output on it.
 
 Expected numbers were recorded from the committed weights in float32 on CPU
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.default_model_path import default_model_path
+from splitserve.common.default_model_path import default_model_path
 
 DATA = Path(__file__).parent / "data"
 PROMPT = "def fibonacci(n):"
@@ -106,7 +106,7 @@ ENGINE_PROMPTS = [
 
 
 def test_engine_greedy_equals_transformers(tokenizer, model):
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(model=str(default_model_path()), dtype="float32", device="cpu")
     outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0, max_tokens=24))

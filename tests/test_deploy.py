@@ -71,7 +71,7 @@ def command_option(service: dict, flag: str) -> str:
 
 def exported_metric_names() -> set[str]:
     """Every sample name engine/metrics.py exports (counters as _total, histograms' series)."""
-    from engine.metrics import Metrics
+    from splitserve.runtime.metrics import Metrics
 
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
     names = set()
@@ -125,14 +125,14 @@ def test_compose_wires_health_checks_drain_and_shared_memory(config):
 
 
 def test_compose_environment_names_real_options(config):
-    from engine.config import EngineConfig
-    from engine.config_fields import env_name
-    from engine.service_config import ServiceConfig
-    from gateway.config import GatewayConfig
+    from splitserve.common.config import EngineConfig
+    from splitserve.common.config_fields import env_name
+    from splitserve.runtime.service_config import ServiceConfig
+    from splitserve.gateway.config import GatewayConfig
     import dataclasses
 
     known = {env_name(f.name) for cls in (EngineConfig, ServiceConfig, GatewayConfig) for f in dataclasses.fields(cls)}
-    assert "SPLITSERVE_TRACING" in (REPO / "engine/tracing.py").read_text()  # read there, not a config field
+    assert "SPLITSERVE_TRACING" in (REPO / "engine/runtime/tracing.py").read_text()  # read there, not a config field
     known.add("SPLITSERVE_TRACING")
     used = {k for s in config["services"].values() for k in s.get("environment", {}) if k.startswith("SPLITSERVE_")}
     configmap = yaml.safe_load((DEPLOY / "k8s/configmap.yaml").read_text())["data"]
@@ -163,10 +163,39 @@ def test_mounted_files_and_copy_sources_exist(config):
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
         if line.startswith("COPY ") and "--from=" not in line:
             copies += line.split()[1:-1]
-    assert copies == ["deploy/build-extra/", "pyproject.toml", "README.md", "protos", "engine", "kernels",
-                      "prefill_service", "decode_service", "gateway", "bench", "deploy/healthcheck.py"]
+    sources = ["pyproject.toml", "README.md", "protos", "engine", "kernels", "prefill_service", "decode_service",
+               "gateway", "bench"]
+    assert copies == ["deploy/build-extra/", *sources,  # the full image
+                      "deploy/build-extra/", *sources[:2], "deploy/gateway_requirements.py", *sources[2:],  # gateway
+                      "deploy/healthcheck.py", "deploy/healthcheck.py"]
     for source in copies:
         assert (REPO / source).exists(), source
+
+
+def test_the_gateway_image_is_the_torch_free_target(config):
+    gateway = config["services"]["gateway"]
+    assert gateway["build"]["target"] == "gateway"
+    assert gateway["image"] == "splitserve-gateway:cpu"
+    for name in SPLITSERVE_SERVICES - {"gateway"}:
+        assert "target" not in config["services"][name]["build"], name
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "FROM ${BASE_IMAGE} AS gateway\n" in dockerfile
+    assert dockerfile.rstrip().splitlines()[-1] == 'CMD ["--help"]', "the default target stays the full image"
+
+
+def test_gateway_requirements_are_the_dependencies_less_the_engine():
+    import tomllib
+
+    sys.path.insert(0, str(DEPLOY))
+    try:
+        from gateway_requirements import gateway_requirements
+    finally:
+        sys.path.remove(str(DEPLOY))
+    reqs = gateway_requirements(REPO / "pyproject.toml")
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    dropped = sorted(set(deps) - set(reqs))
+    assert [d.split(">")[0].split(";")[0].strip() for d in dropped] == ["ninja", "safetensors", "torch", "triton"]
+    assert [r for r in reqs if r not in deps] == []
 
 
 # -- Prometheus, Grafana, collector ------------------------------------------------------------
@@ -282,7 +311,7 @@ def scalar(prom_url: str, expr: str) -> float | None:
 @pytest.fixture(scope="module")
 def metrics_stack(tmp_path_factory):
     """prefill + decode-0 + decode-1 (each with --metrics-port) + gateway, default model, 1 thread."""
-    from engine.default_model_path import default_model_path
+    from splitserve.common.default_model_path import default_model_path
 
     logs = tmp_path_factory.mktemp("deploy-stack")
     model, engine = default_model_path(), dict(dtype="float32", block_size=16, num_kv_blocks=64)

@@ -4,8 +4,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from splitserve.common.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from splitserve.common.tokenizer import apply_chat_template, load_tokenizer
 
 CORPUS = [
     "héllo wörld, café crème brûlée",
@@ -183,7 +183,7 @@ def test_the_rust_decode_is_used_only_where_it_equals_the_wrappers(byte_bpe, met
     special tokens kept or skipped) and keeps the tokenizer's own decode where a class overrides it."""
     import random
 
-    from engine.detokenizer import fast_decode
+    from splitserve.common.detokenizer import fast_decode
 
     rng = random.Random(0)
     for tok in (byte_bpe, metaspace):

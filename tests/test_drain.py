@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from protos import common_pb2
+from splitserve.protos import common_pb2
 from tests.service_harness import Stack
 from tests.test_chaos import generate
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams
 from tests.model_factory import LLAMA3_SCALING, load_hf_reference, make_tiny_model_dir
 
 MAX_NEW = 6
@@ -117,7 +117,7 @@ def test_prefix_cache_computes_only_new_tokens(model_dirs):
 
 
 def test_refuses_requests_that_can_never_fit(model_dirs):
-    from engine.engine_core import RequestError
+    from splitserve.engine.engine_core import RequestError
 
     llm = LLM(model=str(model_dirs["llama-gqa2"]), dtype="float64", device="cpu", block_size=4,
               num_kv_blocks=8, max_model_len=40)

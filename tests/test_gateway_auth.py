@@ -12,12 +12,12 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway import auth
-from gateway.auth import ApiKeys, client_id_of, load_api_keys
-from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
-from gateway.server import load_tls
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.gateway import auth
+from splitserve.gateway.auth import ApiKeys, client_id_of, load_api_keys
+from splitserve.gateway.config import GatewayConfig
+from splitserve.gateway.errors import GatewayError
+from splitserve.gateway.server import load_tls
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir, parse_metrics
 
 MODEL = "tiny-fake"

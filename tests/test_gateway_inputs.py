@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
 
 MODEL = "tiny-fake"

@@ -8,9 +8,9 @@ import grpc
 import httpx
 import pytest
 
-from gateway.errors import GatewayError
-from gateway.limits import RateLimiter, TokenBucket
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.gateway.errors import GatewayError
+from splitserve.gateway.limits import RateLimiter, TokenBucket
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir, parse_metrics
 
 MODEL = "tiny-fake"

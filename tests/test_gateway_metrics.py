@@ -10,7 +10,7 @@ import grpc
 import httpx
 import pytest
 
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir, parse_metrics
 
 MODEL = "tiny-fake"
@@ -151,7 +151,7 @@ def test_metric_children_follow_a_label_change():
     counts afterwards must carry the new name, not the cached empty one."""
     from prometheus_client import generate_latest
 
-    from engine.metrics import Metrics
+    from splitserve.runtime.metrics import Metrics
 
     metrics = Metrics(model_name="", instance="gw-test", role="gateway")
     metrics.lab(metrics.requests, route="/ready", status="200").inc()

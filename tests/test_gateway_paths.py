@@ -7,7 +7,7 @@ text (after the prompt) is " w21 w22 w23 ...".
 import grpc
 import pytest
 
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, fake_logprobs, make_tokenizer_dir
 
 FR = common_pb2.FinishReason
@@ -282,12 +282,13 @@ def _run_with_queue(tokenizer_dir, items, **params):
     import time
     from types import SimpleNamespace
 
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import load_tokenizer
-    from gateway.request_run import RequestRun
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.common.tokenizer import load_tokenizer
+    from splitserve.gateway.request_run import RequestRun, RunDeps
 
-    service = SimpleNamespace(tokenizer=load_tokenizer(tokenizer_dir))
-    run = RequestRun(service, request_id="r", params=SamplingParams(**params), prompt_token_ids=[20, 21], seed=1,
+    # this run is past routing: it never asks the router or the registry
+    deps = RunDeps(router=None, registry=None, tokenizer=load_tokenizer(tokenizer_dir), spawn=lambda coro: coro.close())
+    run = RequestRun(deps, request_id="r", params=SamplingParams(**params), prompt_token_ids=[20, 21], seed=1,
                      priority=0, arrival_ns=time.monotonic_ns(), deadline=time.monotonic() + 5, budget_s=5)
     run._decode, run._link, run._local_prefill = SimpleNamespace(name="decode-x"), _RecordingLink(), True
     run._queue = asyncio.Queue()
@@ -299,8 +300,8 @@ def _run_with_queue(tokenizer_dir, items, **params):
 def test_queued_deltas_merge_into_one_message_and_a_stop_string_cuts_the_tokens(tokenizer_dir):
     import asyncio
 
-    from gateway.decode_link import LinkFailure
-    from protos import decode_pb2
+    from splitserve.gateway.decode_link import LinkFailure
+    from splitserve.protos import decode_pb2
 
     deltas = [decode_pb2.TokenDelta(request_id="r", token_ids=[t], cached_prompt_tokens=4 if t == 22 else 0)
               for t in (22, 23, 24, 25)]

@@ -8,10 +8,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.kv_layout import KvLayout
-from gateway.registry import Instance, Registry, describe_layout, layout_mismatch
-from gateway.router import Router
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.common.kv_layout import KvLayout
+from splitserve.gateway.registry import Instance, Registry, describe_layout, layout_mismatch
+from splitserve.gateway.router import Router
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, make_tokenizer_dir
 
 LAYOUT_TEXT = ("num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, "

@@ -15,14 +15,14 @@ import time
 import httpx
 import pytest
 
-from engine.cli import build_parser
-from engine.config import EngineConfig
-from engine.kv_transfer.io import TRANSPORTS
-from gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
-from gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
+from splitserve.cli import parse_args
+from splitserve.common.config import EngineConfig
+from splitserve.engine.kv_transfer.io import TRANSPORTS
+from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
+from splitserve.gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
 from tests.gateway_fakes import make_tokenizer_dir, word
 
-CLI = [sys.executable, "-m", "engine.cli"]
+CLI = [sys.executable, "-m", "splitserve.cli"]
 FAKE = [sys.executable, "-m", "tests.gateway_fakes"]
 
 
@@ -67,7 +67,7 @@ def test_stack_commands_forward_non_default_engine_flags():
                            "--prefill", "127.0.0.1:50061", "--decode", "127.0.0.1:50071,127.0.0.1:50072"]),
     ]
     for _, argv in commands:  # every flag is one the CLI accepts
-        build_parser().parse_args(argv[3:])
+        parse_args(argv[3:])
 
 
 def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
@@ -85,7 +85,7 @@ def test_gateway_options_go_to_the_gateway_only():
                                         "--rate-limit-rps", "5.0"]
     assert "--tls-cert" not in commands["prefill-0"] and "--api-keys-file" not in commands["decode-0"]
     assert dict(stack_commands(EngineConfig(), UpConfig(), UpGatewayConfig()))["gateway"] == commands["gateway"][:-8]
-    build_parser().parse_args(commands["gateway"][3:])
+    parse_args(commands["gateway"][3:])
     assert "host" not in {f.name for f in dataclasses.fields(UpGatewayConfig)}  # up sets addresses and ports
 
 
@@ -159,7 +159,7 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
 
 UP_SCRIPT = """
 import sys
-import gateway.up as up
+import splitserve.gateway.up as up
 real = up.stack_commands
 fake = [sys.executable, "-m", "tests.gateway_fakes"]
 up.stack_commands = lambda engine, cfg, gateway_options=None: [
@@ -167,7 +167,7 @@ up.stack_commands = lambda engine, cfg, gateway_options=None: [
     ("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"]),
     ("gateway", real(engine, cfg, gateway_options)[-1][1] + ["--health-interval-s", "0.1"]),
 ]
-from engine.cli import main
+from splitserve.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -4,7 +4,7 @@ and near-exact in bf16 on the trained default model. Skipped without a GPU."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams
 from tests.model_factory import LLAMA3_SCALING, load_hf_reference, make_tiny_model_dir
 from tests.test_engine_exact import make_prompts
 
@@ -44,7 +44,7 @@ def test_fp32_greedy_equals_transformers(name, eager, tmp_path):
 
 
 def test_bf16_default_model_matches_transformers_on_most_prompts():
-    from engine.default_model_path import default_model_path
+    from splitserve.common.default_model_path import default_model_path
 
     path = default_model_path()
     llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16, num_kv_blocks=256)

@@ -10,18 +10,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kv_layout import KvLayout
-from engine.kv_transfer.io import KvIo, block_runs, copy_block_runs
-from engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
-from engine.kv_transfer.shm import SharedKvPool, segment_name
-from engine.kv_transfer.shm import copy_blocks as shm_copy_blocks
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.kv_layout import allocate_kv_cache
+from splitserve.engine.kv_transfer.io import KvIo, block_runs, copy_block_runs
+from splitserve.engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
+from splitserve.engine.kv_transfer.shm import SharedKvPool, segment_name
+from splitserve.engine.kv_transfer.shm import copy_blocks as shm_copy_blocks
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model_id="kv-io-test")
 
 
 def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
     # owner and reader share this process: the reader must not drop the owner's resource-tracker entry
-    monkeypatch.setattr("engine.kv_transfer.shm._untrack", lambda shm: None)
+    monkeypatch.setattr("splitserve.engine.kv_transfer.shm._untrack", lambda shm: None)
     pools = [SharedKvPool.create(segment_name("p-kvio", epoch), LAYOUT, 3) for epoch in (1, 2)]
     for value, pool in enumerate(pools, start=1):
         pool.tensor.fill_(value)
@@ -42,7 +43,7 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
 
 def numbered_pool(num_blocks: int) -> torch.Tensor:
     """A pool whose every element holds its block id (block-major, as the engine's pools are)."""
-    pool = LAYOUT.allocate(num_blocks, "cpu")
+    pool = allocate_kv_cache(LAYOUT, num_blocks, "cpu")
     for b in range(num_blocks):
         pool[b].fill_(b)
     return pool
@@ -57,7 +58,7 @@ def test_block_runs_split_where_either_side_stops_advancing_by_one():
 @pytest.mark.parametrize("src_ids, gathered", [([3, 4, 5, 6, 10, 11], False), (list(range(0, 40, 2)), True)],
                          ids=["two runs copied directly", "20 runs gathered and scattered"])
 def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids, gathered, monkeypatch):
-    import engine.kv_transfer.io as kv_io
+    import splitserve.engine.kv_transfer.io as kv_io
 
     calls = []
     monkeypatch.setattr(kv_io, "copy_blocks", lambda *args: calls.append(1) or shm_copy_blocks(*args))
@@ -80,7 +81,7 @@ def test_copy_block_runs_refuses_ids_outside_either_pool():
 
 
 def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch):
-    monkeypatch.setattr("engine.kv_transfer.shm._untrack", lambda shm: None)
+    monkeypatch.setattr("splitserve.engine.kv_transfer.shm._untrack", lambda shm: None)
     name = segment_name(f"p-pull-{os.getpid()}", 1)
     owner = SharedKvPool.create(name, LAYOUT, 16)
     owner.tensor.copy_(numbered_pool(16))
@@ -213,7 +214,7 @@ def test_a_pool_handle_must_be_exactly_the_pool_its_layout_gives():
 
 OWNER = """
 import sys, time, torch
-from engine.kv_transfer.ipc_handle import export_cuda_ipc
+from splitserve.engine.kv_transfer.ipc_handle import export_cuda_ipc
 pool = torch.arange(4096, dtype=torch.float32, device="cuda").view(16, 256)
 torch.cuda.synchronize()
 print(export_cuda_ipc(pool), flush=True)
@@ -227,7 +228,7 @@ def test_a_pool_exported_by_another_process_maps_here():
     import subprocess
     import sys
 
-    from engine.kv_transfer.ipc_handle import rebuild
+    from splitserve.engine.kv_transfer.ipc_handle import rebuild
 
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -243,7 +244,7 @@ def test_a_pool_exported_by_another_process_maps_here():
 
 SENDER = r"""
 import sys, torch
-from engine.kv_transfer.io import KvIo
+from splitserve.engine.kv_transfer.io import KvIo
 port = int(sys.argv[1])
 io = KvIo({"transport": "nccl", "instance": "p", "timeout_s": 5})
 pool = torch.arange(8 * 64, dtype=torch.float32, device="cuda:0").view(8, 2, 2, 4, 2, 2)

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from engine.config_fields import ConfigError, add_arguments, from_namespace
-from engine.kv_transfer.io import KvIo
-from engine.kv_transfer.keepalive import KEEPALIVE_BYTES, CudaLink, LinkKeepalive, local_index
-from engine.service_config import ServiceConfig
+from splitserve.common.config_fields import ConfigError, add_arguments, from_namespace
+from splitserve.engine.kv_transfer.io import KvIo
+from splitserve.engine.kv_transfer.keepalive import KEEPALIVE_BYTES, CudaLink, LinkKeepalive, local_index
+from splitserve.runtime.service_config import ServiceConfig
 from tests.test_kv_io import LAYOUT
 
 
@@ -129,7 +129,7 @@ def test_an_nccl_pair_keeps_awake_only_a_prefill_gpu_this_process_sees(monkeypat
         looked_up.append(uuid)
         return {"GPU-a": 0, "GPU-own": 1}.get(uuid)
 
-    monkeypatch.setattr("engine.kv_transfer.io.local_index", fake_local_index)
+    monkeypatch.setattr("splitserve.engine.kv_transfer.io.local_index", fake_local_index)
     io = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
     monkeypatch.setattr(io, "_keep_link_awake", asked.append)
     for uuid in ("GPU-a", "GPU-elsewhere", ""):  # seen here, another host's, a prefill that reports none
@@ -181,7 +181,7 @@ def test_an_nccl_prefill_reports_its_gpu_and_a_decode_keeps_that_link_awake():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_pool_on_the_auto_device_knows_its_index():
-    from engine.engine_core import resolve_device
+    from splitserve.engine.engine_core import resolve_device
 
     assert resolve_device("auto") == torch.device("cuda", torch.cuda.current_device())
     io = KvIo({"transport": "nccl", "role": "decode"})

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import loader
-from engine.loader import load_model
+from splitserve.engine import loader
+from splitserve.engine.kv_layout import allocate_kv_cache
+from splitserve.engine.loader import load_model
 from tests.model_factory import hf_logits, load_hf_reference, make_tiny_model_dir
 
 SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
@@ -162,7 +163,7 @@ def _dummy_logits(net, config) -> torch.Tensor:
     from tests.model_factory import SeqSpec, build_meta, step_positions
 
     spec = [SeqSpec(0, 5, (0, 1))]
-    kv_cache = config.kv_layout(4, "bfloat16").allocate(2, "cpu")
+    kv_cache = allocate_kv_cache(config.kv_layout(4, "bfloat16"), 2, "cpu")
     with torch.inference_mode():
         hidden = net(torch.tensor([1, 2, 3, 4, 5]), step_positions(spec), kv_cache, build_meta(spec, 4))
         return net.compute_logits(hidden)  # (5, V)
@@ -211,7 +212,7 @@ def test_loaded_model_matches_transformers(llama_dir):
     net, config = load_model(llama_dir, dtype=torch.float64, device="cpu")
     tokens = [5, 400, 23, 99, 502, 0, 17]
     spec = [SeqSpec(0, len(tokens), (3, 0))]
-    kv_cache = config.kv_layout(4, "float64").allocate(4, "cpu")
+    kv_cache = allocate_kv_cache(config.kv_layout(4, "float64"), 4, "cpu")
     with torch.inference_mode():
         logits = net.compute_logits(net(torch.tensor(tokens), step_positions(spec), kv_cache, build_meta(spec, 4)))
     torch.testing.assert_close(logits, hf_logits(load_hf_reference(llama_dir), tokens), atol=1e-10, rtol=0)

@@ -3,7 +3,7 @@
 import json
 import logging
 
-from engine.logs import JsonFormatter
+from splitserve.runtime.logs import JsonFormatter
 
 
 def test_json_lines_carry_level_logger_message_and_request_id():

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def request(rid: str, prompt: list[int], output: list[int] = ()) -> Request:

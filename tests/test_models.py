@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
-from engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
-from engine.loader import load_model
-from engine.model_config import ARCH_TRAITS, ModelConfig
-from engine.models import MODEL_REGISTRY, DecoderForCausalLM, model_class
+from splitserve.engine.kv_layout import allocate_kv_cache
+from splitserve.engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
+from splitserve.engine.loader import load_model
+from splitserve.engine.model_config import ARCH_TRAITS, ModelConfig
+from splitserve.engine.models import MODEL_REGISTRY, DecoderForCausalLM, model_class
 from tests.model_factory import (LINEAR_SCALING, LLAMA3_SCALING, SeqSpec, build_meta, hf_logits,
                                  load_hf_reference, make_tiny_model_dir, step_positions, tiny_hf_config)
 
@@ -51,7 +52,7 @@ def _schedule() -> list[list[tuple[str, SeqSpec]]]:
 def run_engine(net: DecoderForCausalLM, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our logits for every token of SEQ_A and SEQ_B, computed over the schedule: name -> (L, V)."""
     seqs = {"A": SEQ_A, "B": SEQ_B}
-    kv_cache = config.kv_layout(BLOCK_SIZE, str(dtype).removeprefix("torch.")).allocate(16, "cpu")
+    kv_cache = allocate_kv_cache(config.kv_layout(BLOCK_SIZE, str(dtype).removeprefix("torch.")), 16, "cpu")
     rows: dict[str, list[torch.Tensor]] = {"A": [], "B": []}
     with torch.inference_mode():
         for step in _schedule():

@@ -8,8 +8,8 @@ import grpc
 import httpx
 import pytest
 
-from engine.grpc_server import InternalTls
-from protos import common_pb2, prefill_pb2_grpc
+from splitserve.runtime.grpc_server import InternalTls
+from splitserve.protos import common_pb2, prefill_pb2_grpc
 from tests.service_harness import ENGINE, Proc, free_port, start_service
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_partial_mtls_flags_are_refused_naming_the_missing_ones():
 
 
 def test_stack_over_mtls_serves_and_refuses_plaintext(certs, tmp_path):
-    from engine.default_model_path import default_model_path
+    from splitserve.common.default_model_path import default_model_path
 
     tls = ["--internal-tls-cert", str(certs / "svc.pem"), "--internal-tls-key", str(certs / "svc.key"),
            "--internal-tls-ca", str(certs / "ca.pem")]

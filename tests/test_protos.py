@@ -6,28 +6,34 @@ from pathlib import Path
 
 import pytest
 
-from protos.generate import PROTO_FILES, REPO_ROOT, generate
-
-PROTO_DIR = REPO_ROOT / "protos"
+from splitserve.protos.generate import PROTO_DIR, PROTO_FILES, generate
 
 
 def test_committed_stubs_match_the_sources(tmp_path):
     written = generate(tmp_path)
     assert len(written) == 3 * len(PROTO_FILES)
     stale = [p.name for p in written if not filecmp.cmp(p, PROTO_DIR / p.name, shallow=False)]
-    assert stale == [], f"stale stubs (run python -m protos.generate): {stale}"
+    assert stale == [], f"stale stubs (run python -m splitserve.protos.generate): {stale}"
 
 
 def test_stubs_import_and_expose_the_services():
-    from protos import decode_pb2_grpc, generation_pb2_grpc, prefill_pb2_grpc
+    from splitserve.protos import decode_pb2_grpc, generation_pb2_grpc, prefill_pb2_grpc
 
     assert hasattr(generation_pb2_grpc, "GenerationServicer")
     assert hasattr(prefill_pb2_grpc, "PrefillStub")
     assert hasattr(decode_pb2_grpc, "DecodeStub")
 
 
+def test_descriptors_are_registered_under_the_package_path():
+    """A unique proto path, so another project's `protos/common.proto` cannot clash in the pool."""
+    from splitserve.protos import common_pb2, decode_pb2
+
+    assert common_pb2.DESCRIPTOR.name == "splitserve/protos/common.proto"
+    assert [d.name for d in decode_pb2.DESCRIPTOR.dependencies] == ["splitserve/protos/common.proto"]
+
+
 def test_messages_round_trip():
-    from protos import common_pb2, prefill_pb2
+    from splitserve.protos import common_pb2, prefill_pb2
 
     handle = common_pb2.KvHandle(prefill_instance="p0", block_ids=[3, 1, 2], num_tokens=40,
                                  lease=common_pb2.Lease(lease_id="l1", epoch=7))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from splitserve.engine.sampler import (
     _mix64,
     Sampler,
     SamplingRow,
@@ -16,7 +16,7 @@ from engine.sampler import (
     random_uniform,
     row_key,
 )
-from engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

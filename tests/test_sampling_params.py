@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 
 def test_defaults():

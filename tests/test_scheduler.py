@@ -1,11 +1,11 @@
 """Scheduler: token budget, chunked prefill, sequence cap, preemption, roles — exact."""
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KvCacheManager
-from engine.prefix_hash import extra_keys_for
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.kv_cache_manager import KvCacheManager
+from splitserve.common.prefix_hash import extra_keys_for
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
 
 
 def setup(num_blocks=16, block_size=4, budget=8, max_seqs=4, role="both", policy="fcfs"):

@@ -1,4 +1,4 @@
-"""bench/serve.py: exact statistics, loopback-only targets, accounting of every request, and a
+"""splitserve bench serve: exact statistics, loopback-only targets, accounting of every request, and a
 real stack per mode (--launch) whose numbers must agree with each other exactly."""
 
 import asyncio
@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from bench import serve
-from bench.serve_launch import LaunchPlan, launch_commands
-from bench.serve_load import (LengthDist, Progress, RequestSpec, arrival_times, check_loopback, make_workload,
+from splitserve.bench import serve
+from splitserve.bench.serve_launch import LaunchPlan, launch_commands
+from splitserve.bench.serve_load import (LengthDist, Progress, RequestSpec, arrival_times, check_loopback, make_workload,
                               run_load)
-from bench.serve_stats import COMPLETED, RequestRecord, Slo, describe, percentile, summarize, token_gaps
+from splitserve.bench.serve_stats import COMPLETED, RequestRecord, Slo, describe, percentile, summarize, token_gaps
 from tests.service_harness import free_port
 
 
@@ -96,20 +96,20 @@ def test_loopback_hosts_are_accepted(host):
 def test_other_hosts_are_refused(host):
     with pytest.raises(ValueError) as info:
         check_loopback(host)
-    assert str(info.value) == (f"--host {host!r} is not a loopback address; bench/serve.py only sends load to "
+    assert str(info.value) == (f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
                                "127.0.0.0/8, localhost or ::1")
 
 
 def test_cli_refuses_a_remote_host(capsys):
     assert serve.main(["--host", "10.1.2.3", "--num-requests", "1"]) == 2
-    assert capsys.readouterr().err == ("bench.serve: error: --host '10.1.2.3' is not a loopback address; "
-                                       "bench/serve.py only sends load to 127.0.0.0/8, localhost or ::1\n")
+    assert capsys.readouterr().err == ("splitserve bench serve: error: --host '10.1.2.3' is not a loopback address; "
+                                       "splitserve bench serve only sends load to 127.0.0.0/8, localhost or ::1\n")
 
 
 def test_cli_names_an_unreachable_gateway(capsys):
     port = free_port()  # nothing listens there
     assert serve.main(["--api", "rest", "--http-port", str(port), "--num-requests", "1"]) == 1
-    assert capsys.readouterr().err == (f"bench.serve: cannot reach the gateway's REST API at http://127.0.0.1:{port}: "
+    assert capsys.readouterr().err == (f"splitserve bench serve: cannot reach the gateway's REST API at http://127.0.0.1:{port}: "
                                        "ConnectError: All connection attempts failed\n")
 
 
@@ -145,7 +145,7 @@ def test_launch_commands_per_mode():
     plan = LaunchPlan("disaggregated", ("--num-threads", "1", "--model", "/m"), ("--health-interval-s", "0.2"),
                       ("cuda:0", "cuda:1"), kv_transport="nccl")
     cmds = launch_commands(plan, 7000, 7001, [7010, 7011])
-    cli = [sys.executable, "-m", "engine.cli"]
+    cli = [sys.executable, "-m", "splitserve.cli"]
     assert cmds == [
         ("prefill-0", cli + ["prefill", "--host", "127.0.0.1", "--port", "7010", "--instance-name", "prefill-0",
                              "--num-threads", "1", "--model", "/m", "--kv-transport", "nccl", "--device", "cuda:0"]),

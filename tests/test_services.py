@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from splitserve.engine import LLM, SamplingParams
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.model_factory import make_tiny_model_dir
 from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
 from tests.service_harness import start_service
@@ -107,9 +107,9 @@ def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
     (nccl maps no pool: its handles' endpoints are ignored alike)."""
     import torch
 
-    from engine.kv_transfer.shm import SharedKvPool
-    from engine.wire import layout_from_proto
-    from protos import prefill_pb2
+    from splitserve.engine.kv_transfer.shm import SharedKvPool
+    from splitserve.common.wire import layout_from_proto
+    from splitserve.protos import prefill_pb2
 
     prompts, greedy, _ = expected
 
@@ -156,7 +156,7 @@ def test_unclaimed_lease_expires_and_frees_blocks(stack):
     async def main():
         prefill = prefill_stub(stack["prefill"])
         before = (await describe(stack["prefill"])).counters.get("leases_expired", 0)
-        from protos import prefill_pb2
+        from splitserve.protos import prefill_pb2
 
         r = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(300, 317)),
                                                              sampling=sampling()))
@@ -177,7 +177,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
     async def main():
         prefill = prefill_stub(stack["prefill"])
         session = DecodeSession(stack["decode"])
-        from protos import prefill_pb2
+        from splitserve.protos import prefill_pb2
 
         prompt = list(range(400, 420))
         first = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="c1", prompt_token_ids=prompt,
@@ -210,7 +210,7 @@ def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, 
         decode.wait_ready()
 
         async def main():
-            from protos import prefill_pb2
+            from splitserve.protos import prefill_pb2
 
             first = await prefill_stub(p_addr).Prefill(prefill_pb2.PrefillRequest(
                 request_id="k1", prompt_token_ids=prompts[0], sampling=sampling()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
 from tests.service_harness import Stack
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from protos import common_pb2, decode_pb2, prefill_pb2
+from splitserve.protos import common_pb2, decode_pb2, prefill_pb2
 from tests.model_factory import make_tiny_model_dir
 from tests.otlp_receiver import Receiver
 from tests.service_client import DecodeSession, prefill_stub

@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from engine.kv_layout import KvLayout
-from engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
-from engine.kv_transfer.keepalive import CudaLink, LinkKeepalive, gpu_uuid, local_index
-from engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.kv_layout import allocate_kv_cache, torch_dtype
+from splitserve.engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
+from splitserve.engine.kv_transfer.keepalive import CudaLink, LinkKeepalive, gpu_uuid, local_index
+from splitserve.engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
 
 log = logging.getLogger("splitserve.kv")
 
@@ -65,7 +66,7 @@ class KvIo:
             self._own_pool = SharedKvPool.create(name, layout, num_blocks)
             self.endpoint = {"shm_name": name, "num_blocks": str(num_blocks)}
             return self._own_pool.tensor
-        kv_cache = layout.allocate(num_blocks, device)
+        kv_cache = allocate_kv_cache(layout, num_blocks, device)
         if self.transport == "cuda_ipc" and exports and device.type == "cuda":
             self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
                              "device": str(device.index)}
@@ -91,7 +92,7 @@ class KvIo:
                 pool = SharedKvPool.open(endpoint["shm_name"], layout, num_blocks)
             elif transport == "cuda_ipc":
                 args = load_cuda_ipc(endpoint["cuda_ipc"])
-                check_shape(args, tuple(layout.cache_shape(num_blocks)), layout.torch_dtype)
+                check_shape(args, tuple(layout.cache_shape(num_blocks)), torch_dtype(layout))
                 pool = rebuild(args)
                 self._keep_link_awake(pool.device)
             else:
@@ -163,7 +164,7 @@ class KvIo:
             raise RuntimeError("injected fault: pull dropped")
 
     def _recv(self, spec, indices, dst_blocks, kv_cache, core) -> int:
-        from engine.core_messages import NeedSend
+        from splitserve.engine.core_messages import NeedSend
 
         pair = pair_name(spec.prefill_instance, self.instance)
         group = self.groups.get(pair)

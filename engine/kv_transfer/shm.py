@@ -13,7 +13,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from engine.kv_layout import KvLayout
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.kv_layout import torch_dtype
 
 PREFIX = "splitserve-kv-"
 
@@ -51,7 +52,7 @@ class SharedKvPool:
     def __init__(self, shm: shared_memory.SharedMemory, layout: KvLayout, num_blocks: int, owner: bool) -> None:
         self.shm = shm
         self.owner = owner
-        flat = torch.frombuffer(shm.buf, dtype=layout.torch_dtype, count=num_blocks * layout.block_numel)
+        flat = torch.frombuffer(shm.buf, dtype=torch_dtype(layout), count=num_blocks * layout.block_numel)
         self.tensor = flat.view(layout.cache_shape(num_blocks))  # (N, L, 2, bs, Hkv, D)
 
     @classmethod

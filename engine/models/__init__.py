@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ARCH_TRAITS, ModelConfig, unsupported_architecture
-from engine.models.llama import DecoderForCausalLM
+from splitserve.engine.model_config import ARCH_TRAITS, ModelConfig, unsupported_architecture
+from splitserve.engine.models.llama import DecoderForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": DecoderForCausalLM,

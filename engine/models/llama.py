@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention_forward
-from engine.kv_layout import layer_kv
-from engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
-from engine.model_config import ModelConfig
+from splitserve.engine.attention import AttentionMetadata, attention_forward
+from splitserve.engine.kv_layout import layer_kv
+from splitserve.engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
+from splitserve.engine.model_config import ModelConfig
 
 # Fused module name -> the checkpoint modules stacked in its rows, in order.
 FUSED_PARTS = {

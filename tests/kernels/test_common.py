@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels._common import next_pow2, use_triton
+from splitserve.kernels._common import next_pow2, use_triton
 
 
 def test_auto_picks_triton_only_for_cuda_tensors():

@@ -4,7 +4,7 @@ RMSNorm(+residual), rotary, SiLU-mul, KV write."""
 import pytest
 import torch
 
-from kernels import cpu_ops
+from splitserve.kernels import cpu_ops
 
 
 def dense_reference(q, k_cache, v_cache, tables, seq_lens, scale):
@@ -67,7 +67,7 @@ def test_long_contexts_and_task_splits(op, batch):
 # ---- elementwise ops (float32) -------------------------------------------------------------------
 
 def test_rms_norm_matches_torch(op):
-    from kernels.rmsnorm import rms_norm_ref
+    from splitserve.kernels.rmsnorm import rms_norm_ref
 
     torch.manual_seed(2)
     for rows, hidden in [(1, 512), (7, 100), (300, 256)]:  # 100: a tail shorter than one vector
@@ -82,7 +82,7 @@ def test_rms_norm_matches_torch(op):
 
 
 def test_rotary_matches_torch_in_place(op):
-    from kernels.rotary import build_cos_sin_cache, rotary_embedding
+    from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
     torch.manual_seed(3)
     num_tokens, hq, hkv, d = 9, 8, 2, 64

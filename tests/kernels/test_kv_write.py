@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import write_kv
+from splitserve.kernels import write_kv
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

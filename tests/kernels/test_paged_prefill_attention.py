@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import paged_prefill_attention
-from kernels.paged_prefill_attention import paged_prefill_attention_triton
+from splitserve.kernels import paged_prefill_attention
+from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import rms_norm
+from splitserve.kernels import rms_norm
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

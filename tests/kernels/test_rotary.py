@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels import build_cos_sin_cache, rotary_embedding
+from splitserve.kernels import build_cos_sin_cache, rotary_embedding
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

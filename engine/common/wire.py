@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from protos import common_pb2
+from splitserve.protos import common_pb2
 
-from engine.kv_layout import KvLayout
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from splitserve.common.kv_layout import KvLayout
+from splitserve.common.logprobs import TokenLogprobs
+from splitserve.common.sampling_params import SamplingParams
 
 OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")

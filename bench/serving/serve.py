@@ -1,10 +1,10 @@
 """Serving benchmark: load against the gateway (gRPC or REST), TTFT / ITL / TPOT / e2e, goodput.
 
     # against a running stack (`splitserve up`), 2 req/s Poisson, 100 requests
-    python -m bench.serve --request-rate 2 --num-requests 100 --slo-ttft-ms 1000 --slo-itl-ms 100
+    splitserve bench serve --request-rate 2 --num-requests 100 --slo-ttft-ms 1000 --slo-itl-ms 100
 
     # start the stack itself, sweep rates, plot; the same seed gives the same workload in both modes
-    python -m bench.serve --launch disaggregated --engine-args "--num-threads 1" \
+    splitserve bench serve --launch disaggregated --engine-args "--num-threads 1" \
         --sweep 1,2,4 --num-requests 30 --json disagg.json --plot-prefix disagg
 
 Requests carry random token-id prompts (seeded) and forced output lengths (ignore_eos,
@@ -24,15 +24,15 @@ import subprocess
 import sys
 import time
 
-from bench.serve_launch import MODES, REPO, LaunchedStack, LaunchPlan
-from bench.serve_load import (LENGTH_DISTS, LengthDist, Progress, arrival_times, check_loopback, error_message,
+from splitserve.bench.serve_launch import MODES, REPO, LaunchedStack, LaunchPlan
+from splitserve.bench.serve_load import (LENGTH_DISTS, LengthDist, Progress, arrival_times, check_loopback, error_message,
                               grpc_sender, make_workload, rest_sender, run_load, url_host)
-from bench.serve_stats import Slo, summarize
-from bench.serve_table import format_run, format_sweep
+from splitserve.bench.serve_stats import Slo, summarize
+from splitserve.bench.serve_table import format_run, format_sweep
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t = p.add_argument_group("target")
     t.add_argument("--api", choices=("grpc", "rest"), default="grpc", help="gateway API to load")
@@ -105,7 +105,7 @@ class Target:
     async def __aenter__(self) -> "Target":
         if self.ns.api == "grpc":
             import grpc
-            from protos import generation_pb2, generation_pb2_grpc
+            from splitserve.protos import generation_pb2, generation_pb2_grpc
 
             options = [("grpc.max_concurrent_streams", 1 << 16)]
             channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.grpc_target, options))
@@ -243,7 +243,7 @@ def run(ns: argparse.Namespace) -> dict:
 
 
 def _plot(result: dict, prefix: str) -> list[str] | str:
-    from bench.serve_plot import plot_sweeps
+    from splitserve.bench.serve_plot import plot_sweeps
 
     plotted = plot_sweeps([result], prefix)
     print(plotted if isinstance(plotted, str) else "plots: " + ", ".join(plotted), file=sys.stderr)
@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(ns)
     except ValueError as exc:
-        print(f"bench.serve: error: {exc}", file=sys.stderr)
+        print(f"splitserve bench serve: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # the stack did not start, or the warm-up failed
-        print(f"bench.serve: {exc}", file=sys.stderr)
+        print(f"splitserve bench serve: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,4 +1,4 @@
-"""Workload and load generation for bench/serve.py: prompts, arrivals, the two clients, the runner.
+"""Workload and load generation for splitserve bench serve: prompts, arrivals, the two clients, the runner.
 
 Everything random comes from one seed: the same seed gives the same prompts, output lengths and
 arrival times, so two setups measured with one seed see the same workload.
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
-from bench.serve_stats import CANCELLED, COMPLETED, FAILED, RequestRecord, token_gaps
+from splitserve.bench.serve_stats import CANCELLED, COMPLETED, FAILED, RequestRecord, token_gaps
 
 LENGTH_DISTS = ("fixed", "uniform", "longtail")
 
@@ -31,7 +31,7 @@ def check_loopback(host: str) -> str:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"--host {host!r} is not a loopback address; bench/serve.py only sends load to "
+        raise ValueError(f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
                          "127.0.0.0/8, localhost or ::1")
     return host
 
@@ -223,7 +223,7 @@ def error_message(exc: BaseException) -> str:
 
 def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
     """Streams `Generation.Generate` with token-id prompts; counts tokens by the token ids streamed."""
-    from protos import common_pb2, generation_pb2
+    from splitserve.protos import common_pb2, generation_pb2
 
     async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
         request = generation_pb2.GenerateRequest(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config_fields import ConfigError, option, validate_fields
-from engine.kv_transfer.io import TRANSPORTS
-from engine.kv_transfer.keepalive import MIN_PERIOD_MS
+from splitserve.common.config_fields import ConfigError, option, validate_fields
+from splitserve.engine.kv_transfer.io import TRANSPORTS
+from splitserve.engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def _current_trace_id() -> str | None:
-    from engine import tracing
+    from splitserve.runtime import tracing
 
     if not tracing.enabled():
         return None

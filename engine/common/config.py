@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config_fields import ConfigError, option, validate_fields
+from splitserve.common.config_fields import ConfigError, option, validate_fields
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float16", "bfloat16", "float32", "float64")
@@ -13,7 +13,7 @@ DEVICES = ("auto", "cpu", "cuda") + tuple(f"cuda:{i}" for i in range(16))
 
 def default_model_dir() -> str:
     """The embedded default model shipped with the package."""
-    from engine.default_model_path import default_model_path
+    from splitserve.common.default_model_path import default_model_path
 
     return str(default_model_path())
 

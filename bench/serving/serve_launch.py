@@ -83,7 +83,7 @@ def launch_commands(plan: LaunchPlan, grpc_port: int, http_port: int, engine_por
     """(name, argv) of every child in start order; the gateway last."""
     if len(engine_ports) != plan.num_engines:
         raise ValueError(f"need {plan.num_engines} engine ports, got {len(engine_ports)}")
-    cli = [sys.executable, "-m", "engine.cli"]
+    cli = [sys.executable, "-m", "splitserve.cli"]
     if plan.mode == "disaggregated":
         roles = ["prefill"] * plan.num_prefill + ["decode"] * plan.num_decode
         names = [f"prefill-{i}" for i in range(plan.num_prefill)] + [f"decode-{i}" for i in range(plan.num_decode)]

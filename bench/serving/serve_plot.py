@@ -1,6 +1,6 @@
-"""Latency-vs-rate and goodput-vs-rate curves from bench/serve.py sweep JSON files.
+"""Latency-vs-rate and goodput-vs-rate curves from splitserve bench serve sweep JSON files.
 
-    python -m bench.serve_plot disagg.json coloc.json --out docs/img/serve_cpu
+    python -m splitserve.bench.serve_plot disagg.json coloc.json --out docs/img/serve_cpu
 
 draws every file's sweep on the same axes (labelled by its mode), writing
 <out>_latency.png (TTFT p50/p99, ITL p99) and <out>_goodput.png (share of requests meeting the
@@ -81,8 +81,8 @@ def _title(sweep: dict, name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve_plot", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", help="JSON files written by bench/serve.py --sweep ... --json")
+    parser = argparse.ArgumentParser(prog="python -m splitserve.bench.serve_plot", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="JSON files written by splitserve bench serve --sweep ... --json")
     parser.add_argument("--out", required=True, help="output path prefix (writes <out>_latency.png, <out>_goodput.png)")
     ns = parser.parse_args(argv)
     sweeps = []

@@ -10,11 +10,11 @@ import time
 
 import grpc
 
-from engine.core_process import EngineClient
-from engine.logs import setup_logging  # noqa: F401  (re-exported for the services)
-from engine.grpc_server import InternalTls, build_server, install_drain, set_serving
-from engine.wire import layout_to_proto
-from protos import common_pb2
+from splitserve.engine.core_process import EngineClient
+from splitserve.runtime.logs import setup_logging
+from splitserve.runtime.grpc_server import InternalTls, build_server, install_drain, set_serving
+from splitserve.common.wire import layout_to_proto
+from splitserve.protos import common_pb2
 
 log = logging.getLogger("splitserve.service")
 
@@ -57,11 +57,11 @@ class ServiceBase:
                       "start_epoch": self.start_unix_ns, "role": engine_config.role,
                       "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults,
                       "link_keepalive_ms": service_config.kv_link_keepalive_ms}
-        self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message)
+        self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging)
         self.metrics = None  # built once the core reports the model id
 
     def _core_message(self, msg) -> None:
-        from engine.core_messages import StepBatch
+        from splitserve.engine.core_messages import StepBatch
 
         if isinstance(msg, StepBatch) and self.metrics is not None:
             self.metrics.observe_engine_stats(msg.stats)
@@ -104,7 +104,7 @@ class ServiceBase:
     async def serve(self, add_servicers) -> int:
         """Start the core and the gRPC server; run until SIGTERM, then drain."""
         await self.client.start()
-        from engine.metrics import Metrics, serve_http
+        from splitserve.runtime.metrics import Metrics, serve_http
 
         self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
         if self.config.metrics_port:

@@ -66,11 +66,13 @@ def _parse(field: dataclasses.Field, raw: str, tp: type) -> Any:
         raise ConfigError(f"{flag}: expected {tp.__name__}, got {raw!r}") from None
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field of the config dataclass `cls` (defaults resolved later)."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: frozenset[str] = frozenset()) -> None:
+    """Add one flag per field of the config dataclass `cls` but those in `exclude` (defaults resolved later)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
         tp, _ = _base_type(hints[field.name])
         meta = field.metadata
         extra = []

@@ -1,4 +1,4 @@
-"""Plain-text tables of bench/serve.py results (one run, and one row per rate of a sweep)."""
+"""Plain-text tables of splitserve bench serve results (one run, and one row per rate of a sweep)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The serving benchmark behind `splitserve bench` (load generator, stats, tables, plots)."""

@@ -1,0 +1,1 @@
+"""Torch-free types shared by the gateway, the services and the engine."""

@@ -1,0 +1,1 @@
+"""The service runtime: gRPC server, service base, metrics, tracing, logs, service config."""
