@@ -48,8 +48,11 @@ def _fill_graph_inputs(runner, batch: int, context: int, vocab: int) -> int:
     bucket = graphs.bucket_for(batch)
     num_blocks = runner.kv_cache.shape[0]
     per_seq = -(-context // runner.block_size)
-    blocks = (torch.randperm(num_blocks)[:batch * per_seq] if batch * per_seq <= num_blocks
-              else torch.arange(batch * per_seq) % num_blocks).view(batch, per_seq)  # (B, M)
+    blocks = (
+        torch.randperm(num_blocks)[: batch * per_seq]
+        if batch * per_seq <= num_blocks
+        else torch.arange(batch * per_seq) % num_blocks
+    ).view(batch, per_seq)  # (B, M)
     graphs.input_ids[:batch].copy_(torch.randint(10, vocab, (batch,)))
     graphs.positions[:batch].fill_(context - 1)
     graphs.slot_mapping.fill_(-1)
@@ -90,8 +93,12 @@ def _host_profile(llm, batch: int, prompt_len: int, vocab: int, steps: int = 12,
     seen = {"n": 0}
 
     def step():
-        decode_only = bool(engine.scheduler.running) and not engine.scheduler.waiting and seen["n"] < steps and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
+        decode_only = (
+            bool(engine.scheduler.running)
+            and not engine.scheduler.waiting
+            and seen["n"] < steps
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
+        )
         if not decode_only:
             return original()
         seen["n"] += 1
@@ -103,8 +110,10 @@ def _host_profile(llm, batch: int, prompt_len: int, vocab: int, steps: int = 12,
 
     engine.step = step
     try:
-        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-            temperature=0, max_tokens=steps + 4, ignore_eos=True))
+        llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True),
+        )
     finally:
         engine.step = original
     buf = io.StringIO()
@@ -114,8 +123,10 @@ def _host_profile(llm, batch: int, prompt_len: int, vocab: int, steps: int = 12,
     entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
     for (file, line, name), (_, calls, own, cum, _) in entries:
         short = "/".join(file.split("/")[-2:])
-        lines.append(f"  {1e3 * own / max(seen['n'], 1):7.3f} ms own {1e3 * cum / max(seen['n'], 1):8.3f} ms cum "
-                     f"{calls // max(seen['n'], 1):6d} calls/step  {short}:{line} {name}")
+        lines.append(
+            f"  {1e3 * own / max(seen['n'], 1):7.3f} ms own {1e3 * cum / max(seen['n'], 1):8.3f} ms cum "
+            f"{calls // max(seen['n'], 1):6d} calls/step  {short}:{line} {name}"
+        )
     return lines
 
 
@@ -123,8 +134,8 @@ def profile_decode(llm, batch: int, context: int, prompt_len: int, vocab: int) -
     """Decompose one decode step of `batch` sequences at `context` tokens (see module doc)."""
     import torch
 
-    from splitserve.engine.sampler import SamplingRow
     from splitserve.common.sampling_params import SamplingParams
+    from splitserve.engine.sampler import SamplingRow
 
     runner = llm.engine.runner
     bucket = _fill_graph_inputs(runner, batch, context, vocab)
@@ -134,8 +145,16 @@ def profile_decode(llm, batch: int, context: int, prompt_len: int, vocab: int) -
     with torch.inference_mode():
         logits_ms = _event_ms(lambda: runner.model.compute_logits(hidden))
         logits = runner.model.compute_logits(hidden)  # (B, V)
-        rows = [SamplingRow(params=SamplingParams(temperature=0, ignore_eos=True), seed=0, output_position=0,
-                            prompt_token_ids=[1], output_token_ids=[]) for _ in range(batch)]
+        rows = [
+            SamplingRow(
+                params=SamplingParams(temperature=0, ignore_eos=True),
+                seed=0,
+                output_position=0,
+                prompt_token_ids=[1],
+                output_token_ids=[],
+            )
+            for _ in range(batch)
+        ]
         torch.cuda.synchronize()
         times = []
         for _ in range(10):
@@ -144,16 +163,24 @@ def profile_decode(llm, batch: int, context: int, prompt_len: int, vocab: int) -
             times.append(1e3 * (time.perf_counter() - start))
     kernels = _kernel_table(graph.replay)
     host = _host_profile(llm, batch, prompt_len, vocab)
-    return {"bucket": bucket, "graph_ms": graph_ms, "logits_ms": logits_ms, "sample_ms": statistics.median(times),
-            "graph_kernels": kernels, "host_profile": host}
+    return {
+        "bucket": bucket,
+        "graph_ms": graph_ms,
+        "logits_ms": logits_ms,
+        "sample_ms": statistics.median(times),
+        "graph_kernels": kernels,
+        "host_profile": host,
+    }
 
 
 def format_profile(row: dict) -> str:
     """Human-readable block for one batch's profile row (printed by the bench)."""
     device = row["graph_ms"] + row["logits_ms"] + row["sample_ms"]
-    lines = [f"batch {row['batch']} (graph bucket {row['bucket']}): step wall {row['decode_step_ms']:.2f} ms = "
-             f"graph {row['graph_ms']:.2f} + lm_head {row['logits_ms']:.2f} + sample {row['sample_ms']:.2f} "
-             f"+ other host/gaps {row['decode_step_ms'] - device:.2f}"]
+    lines = [
+        f"batch {row['batch']} (graph bucket {row['bucket']}): step wall {row['decode_step_ms']:.2f} ms = "
+        f"graph {row['graph_ms']:.2f} + lm_head {row['logits_ms']:.2f} + sample {row['sample_ms']:.2f} "
+        f"+ other host/gaps {row['decode_step_ms'] - device:.2f}"
+    ]
     lines.append("  graph kernels (device ms per replay):")
     lines += [f"    {ms:8.3f}  {name}" for name, ms in row["graph_kernels"]]
     lines.append("  host, decode steps:")

@@ -21,8 +21,8 @@ import ast
 import inspect
 import json
 import random
-import sysconfig
 import sys
+import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,8 +238,7 @@ def encode_stream(tok: Tokenizer, docs: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16)
 
 
-def prepare(out_dir: Path, stdlib_dir: Path | None, model_config: dict, heldout_txt: Path,
-            unigram_json: Path) -> dict:
+def prepare(out_dir: Path, stdlib_dir: Path | None, model_config: dict, heldout_txt: Path, unigram_json: Path) -> dict:
     """Build everything the GPU step needs under out_dir, plus the committed test data.
 
     Writes out_dir/{train.bin, heldout.bin, model_config.json, corpus.json, tokenizer/},
@@ -259,8 +258,9 @@ def prepare(out_dir: Path, stdlib_dir: Path | None, model_config: dict, heldout_
     heldout_txt.parent.mkdir(parents=True, exist_ok=True)
     heldout_txt.write_text(heldout_slice(heldout_files, max_chars=200_000, max_file_chars=40_000))
     counts = np.bincount(train_ids, minlength=tok.get_vocab_size())
-    unigram_json.write_text(json.dumps({"source": "token counts of the training stream (train.bin)",
-                                        "counts": counts.tolist()}) + "\n")
+    unigram_json.write_text(
+        json.dumps({"source": "token counts of the training stream (train.bin)", "counts": counts.tolist()}) + "\n"
+    )
     summary = {
         "python": sys.version.split()[0],
         "stdlib_dir": str(stdlib_dir),

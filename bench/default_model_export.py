@@ -34,13 +34,22 @@ def hf_config(cfg: TinyLlamaConfig):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=True, hidden_act="silu",
-        bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
-        architectures=["LlamaForCausalLM"], dtype="bfloat16",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
     )
 
 
@@ -101,7 +110,7 @@ def heldout_ppl(model, tok, text: str, max_tokens: int, ctx: int) -> tuple[float
     nll, n = 0.0, 0
     with torch.no_grad():
         for s in range(0, ids.numel() - 1, ctx):
-            window = ids[s:s + ctx + 1]
+            window = ids[s : s + ctx + 1]
             logits = model(window[None, :-1]).logits[0].float()  # (T, V)
             nll += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
             n += window.numel() - 1
@@ -120,7 +129,7 @@ def report(run_dir: Path, dest: Path = DEST) -> None:
         print(f"committed held-out slice, first {n} tokens: model ppl {ppl:.3f} (loss {math.log(ppl):.4f})")
     ids = tok(SAMPLE_PROMPT, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=96, do_sample=False)
-    print("greedy ids[:24]:", out[0, ids.shape[1]:ids.shape[1] + 24].tolist())
+    print("greedy ids[:24]:", out[0, ids.shape[1] : ids.shape[1] + 24].tolist())
     print("sample:\n" + tok.decode(out[0]))
     log = json.loads((run_dir / "train_log.json").read_text())
     plot(log, REPO / "docs" / "default-model-loss.png")
@@ -133,13 +142,15 @@ def plot(log: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([s["step"] for s in log["steps"]], [s["loss"] for s in log["steps"]],
-            lw=1, label="train loss (one batch)")
-    ax.plot([e["step"] for e in log["evals"]], [e["heldout_loss"] for e in log["evals"]],
-            "o-", label="held-out loss (all held-out files)")
+    ax.plot([s["step"] for s in log["steps"]], [s["loss"] for s in log["steps"]], lw=1, label="train loss (one batch)")
+    ax.plot(
+        [e["step"] for e in log["evals"]],
+        [e["heldout_loss"] for e in log["evals"]],
+        "o-",
+        label="held-out loss (all held-out files)",
+    )
     if "best_step" in log:
-        ax.axvline(log["best_step"], color="gray", ls="--", lw=1,
-                   label=f"shipped checkpoint (step {log['best_step']})")
+        ax.axvline(log["best_step"], color="gray", ls="--", lw=1, label=f"shipped checkpoint (step {log['best_step']})")
     ax.set_xlabel("step (65,536 tokens each)")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.set_ylim(0, 4 + min(s["loss"] for s in log["steps"]))

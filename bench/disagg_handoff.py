@@ -46,8 +46,15 @@ def free_port() -> int:
 
 def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", command, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=open(log_path, "w"),
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -113,8 +120,12 @@ def start_keeper(args, period_ms: float) -> subprocess.Popen | None:
     keepalive:MS is the decode's own)."""
     if period_ms <= 0:
         return None
-    proc = subprocess.Popen([sys.executable, "-c", KEEPER, args.prefill_device, args.decode_device, str(period_ms)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KEEPER, args.prefill_device, args.decode_device, str(period_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError("the link keeper did not start")
     return proc
@@ -143,11 +154,19 @@ def parse_variant(text: str) -> tuple[str, float]:
         period = float(ms) if ms else 0.0
     except ValueError:
         period = -1.0
-    ok = (kind == "plain" and not ms or kind == "keeper" and 0 < period <= 1000
-          or kind == "keepalive" and MIN_PERIOD_MS <= period <= 1000)  # nan compares False: refused
+    ok = (
+        kind == "plain"
+        and not ms
+        or kind == "keeper"
+        and 0 < period <= 1000
+        or kind == "keepalive"
+        and MIN_PERIOD_MS <= period <= 1000
+    )  # nan compares False: refused
     if not ok:
-        raise SystemExit(f"--variants: {text!r} is not plain, keeper:<ms> (0 < ms <= 1000) or keepalive:<ms> "
-                         f"({MIN_PERIOD_MS} <= ms <= 1000)")
+        raise SystemExit(
+            f"--variants: {text!r} is not plain, keeper:<ms> (0 < ms <= 1000) or keepalive:<ms> "
+            f"({MIN_PERIOD_MS} <= ms <= 1000)"
+        )
     return kind, period
 
 
@@ -161,18 +180,60 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
     decode_extra = ["--kv-link-keepalive-ms", str(ms if kind == "keepalive" else 0)]
 
     p_port, d_port = free_port(), free_port()
-    engine = ["--model", args.config, "--load-format", "dummy", "--dtype", args.dtype, "--max-model-len",
-              str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8",
-              "--block-size", str(args.block_size)]
+    engine = [
+        "--model",
+        args.config,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-num-seqs",
+        "8",
+        "--block-size",
+        str(args.block_size),
+    ]
     name = tag.replace(" ", "-").replace(":", "")
     prefill = decode = keeper = None
     try:
-        prefill = start("prefill", engine + ["--device", args.prefill_device, "--port", str(p_port), "--instance-name",
-                                             f"p-{name}", "--kv-transport", transport], logs / f"p-{name}.log")
-        decode = start("decode", engine + ["--device", args.decode_device, "--port", str(d_port), "--instance-name",
-                                           f"d-{name}", "--kv-transport", transport, "--prefill-peers",
-                                           f"127.0.0.1:{p_port}", "--kv-transfer-timeout-s", "30", *decode_extra],
-                       logs / f"d-{name}.log")
+        prefill = start(
+            "prefill",
+            engine
+            + [
+                "--device",
+                args.prefill_device,
+                "--port",
+                str(p_port),
+                "--instance-name",
+                f"p-{name}",
+                "--kv-transport",
+                transport,
+            ],
+            logs / f"p-{name}.log",
+        )
+        decode = start(
+            "decode",
+            engine
+            + [
+                "--device",
+                args.decode_device,
+                "--port",
+                str(d_port),
+                "--instance-name",
+                f"d-{name}",
+                "--kv-transport",
+                transport,
+                "--prefill-peers",
+                f"127.0.0.1:{p_port}",
+                "--kv-transfer-timeout-s",
+                "30",
+                *decode_extra,
+            ],
+            logs / f"d-{name}.log",
+        )
         keeper = start_keeper(args, keeper_ms)
         p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"))
         d_chan = grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
@@ -208,13 +269,24 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
             p_before = (await p_stub.Describe(common_pb2.DescribeRequest())).counters
             rid = f"{tag}-{i}"
             first_delta[rid], finished[rid] = asyncio.Event(), asyncio.Event()
-            first = await p_stub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                                                    sampling=sampling, seed=i), timeout=300)
+            first = await p_stub.Prefill(
+                prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=i),
+                timeout=300,
+            )
             answered = time.perf_counter()
             tokens[rid] = [first.first_token_id]
-            await inbox.put(decode_pb2.DecodeIn(request=decode_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=i,
-                first_token_id=first.first_token_id, kv=first.kv)))
+            await inbox.put(
+                decode_pb2.DecodeIn(
+                    request=decode_pb2.DecodeRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        seed=i,
+                        first_token_id=first.first_token_id,
+                        kv=first.kv,
+                    )
+                )
+            )
             await asyncio.wait_for(first_delta[rid].wait(), 300)  # the pull is committed before the first delta
             handoff = first_at[rid] - answered
             if args.pacing == "sequential":
@@ -232,17 +304,29 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
                 device_ns = after.get("kv_copy_device_ns", 0) - before.get("kv_copy_device_ns", 0)
             ids = list(first.kv.block_ids)
             src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
-            results.append({"request_id": rid, "handoff_ms": handoff * 1e3, "bytes": moved, "src_block_runs": src_runs,
-                            "transfer_ms": ns / 1e6, "gb_s": moved / ns if ns else 0.0,
-                            "send_ms": send_ns / 1e6, "send_gb_s": moved / send_ns if send_ns else 0.0,
-                            "device_ms": device_ns / 1e6, "device_gb_s": moved / device_ns if device_ns else 0.0})
+            results.append(
+                {
+                    "request_id": rid,
+                    "handoff_ms": handoff * 1e3,
+                    "bytes": moved,
+                    "src_block_runs": src_runs,
+                    "transfer_ms": ns / 1e6,
+                    "gb_s": moved / ns if ns else 0.0,
+                    "send_ms": send_ns / 1e6,
+                    "send_gb_s": moved / send_ns if send_ns else 0.0,
+                    "device_ms": device_ns / 1e6,
+                    "device_gb_s": moved / device_ns if device_ns else 0.0,
+                }
+            )
             print(transport, i, results[-1], flush=True)
         for rid in finished:
             await asyncio.wait_for(finished[rid].wait(), 300)
         for r in results:
             r["tokens"] = tokens[r["request_id"]]
         if keeper is not None and keeper.poll() is not None:
-            raise RuntimeError(f"the link keeper died during the run (exit {keeper.returncode}): variant {variant} is void")
+            raise RuntimeError(
+                f"the link keeper died during the run (exit {keeper.returncode}): variant {variant} is void"
+            )
         await inbox.put(None)
         call.cancel()
         reader.cancel()
@@ -256,9 +340,16 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
 def colocated(args, prompts) -> list[list[int]]:
     from splitserve.engine import LLM, SamplingParams
 
-    llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.prefill_device,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, max_num_seqs=8,
-              block_size=args.block_size)
+    llm = LLM(
+        model=args.config,
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.prefill_device,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=8,
+        block_size=args.block_size,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     del llm
@@ -275,15 +366,22 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--pacing", choices=("sequential", "overlapped"), default="sequential",
-                    help="sequential: each request finishes before the next prefill, so the link idles "
-                         "before every pull; overlapped: the next prefill starts at the "
-                         "previous request's first token, so pulls land while the decode GPU is decoding "
-                         "(use --max-tokens long enough to outlast a prefill)")
-    ap.add_argument("--variants", default="plain",
-                    help="comma list, each run for every transport: plain; keeper:MS (a process of its own copies "
-                         "1 MiB between the two devices every MS ms, traffic that keeps the link awake); "
-                         "keepalive:MS (the decode's --kv-link-keepalive-ms MS)")
+    ap.add_argument(
+        "--pacing",
+        choices=("sequential", "overlapped"),
+        default="sequential",
+        help="sequential: each request finishes before the next prefill, so the link idles "
+        "before every pull; overlapped: the next prefill starts at the "
+        "previous request's first token, so pulls land while the decode GPU is decoding "
+        "(use --max-tokens long enough to outlast a prefill)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="plain",
+        help="comma list, each run for every transport: plain; keeper:MS (a process of its own copies "
+        "1 MiB between the two devices every MS ms, traffic that keeps the link awake); "
+        "keepalive:MS (the decode's --kv-link-keepalive-ms MS)",
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
@@ -320,15 +418,19 @@ def main(argv=None) -> int:
     kv_bytes = max(r["bytes"] for t in report["transports"] for r in t["requests"])
     report["copy_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device)
     report["copy_after_idle_gb_s"] = copy_rate(kv_bytes, args.prefill_device, args.decode_device, idle_s=0.2)
-    print(f"\nprompt {args.prompt_len} tokens, KV {kv_bytes / 2**20:.0f} MiB per request, pacing {args.pacing}; "
-          f"plain copy {args.prefill_device}->{args.decode_device} of that size: {report['copy_gb_s']:.0f} GB/s "
-          f"back to back, {report['copy_after_idle_gb_s']:.0f} GB/s after 200 ms idle (% below: of back to back)")
+    print(
+        f"\nprompt {args.prompt_len} tokens, KV {kv_bytes / 2**20:.0f} MiB per request, pacing {args.pacing}; "
+        f"plain copy {args.prefill_device}->{args.decode_device} of that size: {report['copy_gb_s']:.0f} GB/s "
+        f"back to back, {report['copy_after_idle_gb_s']:.0f} GB/s after 200 ms idle (% below: of back to back)"
+    )
     print("moved = data movement on the device, CUDA events around the copy (cuda_ipc: the pull's copy;")
     print("        nccl: the prefill's send, the decode's receive already posted);")
     print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
     print("send = prefill core's wall time, gather + send (nccl only)")
-    print(f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
-          f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}")
+    print(
+        f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
+        f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}"
+    )
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
         handoffs = [r["handoff_ms"] for r in t["requests"][1:]] or [t["requests"][0]["handoff_ms"]]
@@ -337,10 +439,12 @@ def main(argv=None) -> int:
         t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
         t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
         copy = report["copy_gb_s"]
-        print(f"{t['transport']:<26}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
-              f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
-              f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
-              f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}")
+        print(
+            f"{t['transport']:<26}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
+            f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
+            f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
+            f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}"
+        )
     for failed in report["failed"]:
         print(f"{failed['transport']} {failed['variant']}: FAILED ({failed['error'][:200]})")
     if args.json:

@@ -1,6 +1,7 @@
 """What the gateway costs per streamed token: the real gateway process in front of fake prefill and decode
 services (tests/gateway_fakes: instant prefill, one token per request every --step-ms), loaded by
-splitserve bench serve over gRPC or the REST shim (SSE). Reports the gateway's CPU time per output token (from /proc, so it holds on a
+splitserve bench serve over gRPC or the REST shim (SSE). Reports the gateway's CPU time per output token
+(from /proc, so it holds on a
 busy machine), the fakes' CPU, and what the client saw (ITL p50/p99 against the fixed step, TPOT).
 
     python -m bench.gateway_cost --rate 20 --num-requests 200 --output-len 256 --json out.json
@@ -68,26 +69,76 @@ def measure(args) -> dict:
     me = [sys.executable, "-m", "bench.gateway_cost"]
     with tempfile.TemporaryDirectory() as tmp:
         tok = os.path.join(tmp, "tokenizer")
-        fakes = subprocess.Popen(me + ["--role", "fakes", "--step-ms", str(args.step_ms), "--tokenizer-dir", tok],
-                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
+        fakes = subprocess.Popen(
+            me + ["--role", "fakes", "--step-ms", str(args.step_ms), "--tokenizer-dir", tok],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         gateway = None
         try:
             prefill, decode = fakes.stdout.readline().split()
             grpc_port, http_port = free_port(), free_port()
-            gateway = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "gateway", "--grpc-port", str(grpc_port),
-                                        "--http-port", str(http_port), "--prefill", prefill, "--decode", decode,
-                                        "--model", tok], cwd=REPO, stdout=subprocess.DEVNULL,
-                                       stderr=open(os.path.join(tmp, "gateway.log"), "w"))
+            gateway = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "splitserve.cli",
+                    "gateway",
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--http-port",
+                    str(http_port),
+                    "--prefill",
+                    prefill,
+                    "--decode",
+                    decode,
+                    "--model",
+                    tok,
+                ],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=open(os.path.join(tmp, "gateway.log"), "w"),
+            )
             wait_ready(http_port)
             out_json = os.path.join(tmp, "serve.json")
 
             def load(rate: float, num_requests: int) -> None:
-                subprocess.run([sys.executable, "-m", "splitserve.bench.serve", "--api", args.api, "--grpc-port", str(grpc_port),
-                                "--http-port", str(http_port), "--request-rate",
-                                str(rate), "--num-requests", str(num_requests), "--input-len", "32", "--output-len",
-                                str(args.output_len), "--vocab-size", "200", "--slo-ttft-ms", "1000", "--slo-itl-ms",
-                                str(3 * args.step_ms), "--num-warmup", "0", "--no-progress", "--json", out_json],
-                               cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "splitserve.bench.serve",
+                        "--api",
+                        args.api,
+                        "--grpc-port",
+                        str(grpc_port),
+                        "--http-port",
+                        str(http_port),
+                        "--request-rate",
+                        str(rate),
+                        "--num-requests",
+                        str(num_requests),
+                        "--input-len",
+                        "32",
+                        "--output-len",
+                        str(args.output_len),
+                        "--vocab-size",
+                        "200",
+                        "--slo-ttft-ms",
+                        "1000",
+                        "--slo-itl-ms",
+                        str(3 * args.step_ms),
+                        "--num-warmup",
+                        "0",
+                        "--no-progress",
+                        "--json",
+                        out_json,
+                    ],
+                    cwd=REPO,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
 
             load(50.0, 10)  # warm-up (and the gateway sees both instances up), outside the measurement
             g0, f0 = cpu_s(gateway.pid), cpu_s(fakes.pid)
@@ -95,18 +146,28 @@ def measure(args) -> dict:
             g1, f1 = cpu_s(gateway.pid), cpu_s(fakes.pid)
             summary = json.loads(Path(out_json).read_text())["runs"][0]["summary"]
             if summary["num_completed"] != args.num_requests:
-                raise RuntimeError(f"only {summary['num_completed']} of {args.num_requests} requests completed: "
-                                   f"{summary['errors']}")
+                raise RuntimeError(
+                    f"only {summary['num_completed']} of {args.num_requests} requests completed: {summary['errors']}"
+                )
         finally:
             for proc in (gateway, fakes):
                 if proc is not None:
                     proc.kill()
                     proc.wait()
     tokens = summary["output_tokens_received"]
-    return {"api": args.api, "rate": args.rate, "num_requests": args.num_requests, "output_len": args.output_len,
-            "step_ms": args.step_ms, "tokens": tokens, "gateway_cpu_s": g1 - g0, "fakes_cpu_s": f1 - f0,
-            "gateway_us_per_token": (g1 - g0) / tokens * 1e6, "itl_ms": summary["itl_ms"],
-            "tpot_ms": summary["tpot_ms"]}
+    return {
+        "api": args.api,
+        "rate": args.rate,
+        "num_requests": args.num_requests,
+        "output_len": args.output_len,
+        "step_ms": args.step_ms,
+        "tokens": tokens,
+        "gateway_cpu_s": g1 - g0,
+        "fakes_cpu_s": f1 - f0,
+        "gateway_us_per_token": (g1 - g0) / tokens * 1e6,
+        "itl_ms": summary["itl_ms"],
+        "tpot_ms": summary["tpot_ms"],
+    }
 
 
 def main() -> None:
@@ -123,12 +184,18 @@ def main() -> None:
     if args.role == "fakes":
         return run_fakes(args.step_ms / 1000, args.tokenizer_dir)
     r = measure(args)
-    print(f"{r['tokens']} tokens over {r['api']} ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
-          f"fake decode step {r['step_ms']:g} ms)")
-    print(f"{'gateway CPU us/token':>22} {'gateway CPU s':>14} {'fakes CPU s':>12} {'ITL p50 ms':>11} "
-          f"{'ITL p99 ms':>11} {'TPOT p50 ms':>12}")
-    print(f"{r['gateway_us_per_token']:>22.1f} {r['gateway_cpu_s']:>14.2f} {r['fakes_cpu_s']:>12.2f} "
-          f"{r['itl_ms']['p50']:>11.1f} {r['itl_ms']['p99']:>11.1f} {r['tpot_ms']['p50']:>12.1f}")
+    print(
+        f"{r['tokens']} tokens over {r['api']} ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
+        f"fake decode step {r['step_ms']:g} ms)"
+    )
+    print(
+        f"{'gateway CPU us/token':>22} {'gateway CPU s':>14} {'fakes CPU s':>12} {'ITL p50 ms':>11} "
+        f"{'ITL p99 ms':>11} {'TPOT p50 ms':>12}"
+    )
+    print(
+        f"{r['gateway_us_per_token']:>22.1f} {r['gateway_cpu_s']:>14.2f} {r['fakes_cpu_s']:>12.2f} "
+        f"{r['itl_ms']['p50']:>11.1f} {r['itl_ms']['p99']:>11.1f} {r['tpot_ms']['p50']:>12.1f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
 

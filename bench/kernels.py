@@ -30,26 +30,63 @@ from splitserve.kernels.paged_decode_attention import choose_num_splits, paged_d
 from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
 from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
 
-FULL = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_layers=4, tokens=131072,
-            decode=[(64, 2048), (256, 512), (4, 32768)], prefill=[(1, 8192), (16, 512)],
-            split_shapes=[(4, 32768), (16, 8192), (64, 2048), (1, 8192), (256, 512)],
-            splits=[1, 2, 4, 8, 16, 32], fused_tokens=4096, hidden=4096, ffn=14336)
-SMOKE = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, num_layers=2, tokens=256,
-             decode=[(2, 64), (1, 128)], prefill=[(1, 64), (2, 32)], split_shapes=[(1, 128)],
-             splits=[1, 2], fused_tokens=8, hidden=64, ffn=64)
-DECODE_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
-                  [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 3)]]
-PREFILL_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, SINGLE_LOOP=one) for m, n, w, s, one in
-                   [(128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 4, 2, False),
-                    (128, 128, 8, 3, False), (128, 128, 4, 2, False), (64, 64, 4, 3, False),
-                    (64, 128, 4, 3, False), (64, 64, 4, 4, False), (64, 32, 4, 3, False),
-                    (128, 64, 4, 3, True), (64, 64, 4, 3, True), (64, 64, 4, 4, True)]]
+FULL = dict(
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=16,
+    num_layers=4,
+    tokens=131072,
+    decode=[(64, 2048), (256, 512), (4, 32768)],
+    prefill=[(1, 8192), (16, 512)],
+    split_shapes=[(4, 32768), (16, 8192), (64, 2048), (1, 8192), (256, 512)],
+    splits=[1, 2, 4, 8, 16, 32],
+    fused_tokens=4096,
+    hidden=4096,
+    ffn=14336,
+)
+SMOKE = dict(
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=16,
+    num_layers=2,
+    tokens=256,
+    decode=[(2, 64), (1, 128)],
+    prefill=[(1, 64), (2, 32)],
+    split_shapes=[(1, 128)],
+    splits=[1, 2],
+    fused_tokens=8,
+    hidden=64,
+    ffn=64,
+)
+DECODE_CONFIGS = [
+    dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 3)]
+]
+PREFILL_CONFIGS = [
+    dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, SINGLE_LOOP=one)
+    for m, n, w, s, one in [
+        (128, 64, 4, 3, False),
+        (128, 64, 4, 4, False),
+        (128, 64, 4, 2, False),
+        (128, 128, 8, 3, False),
+        (128, 128, 4, 2, False),
+        (64, 64, 4, 3, False),
+        (64, 128, 4, 3, False),
+        (64, 64, 4, 4, False),
+        (64, 32, 4, 3, False),
+        (128, 64, 4, 3, True),
+        (64, 64, 4, 3, True),
+        (64, 64, 4, 4, True),
+    ]
+]
 
 
 def time_ms(fn) -> float:
     """Median milliseconds of fn() (CUDA events on GPU; wall clock in the CPU smoke mode)."""
     if torch.cuda.is_available():
         import triton.testing
+
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     samples = []
@@ -104,13 +141,25 @@ def bench_decode(p, cache, copy_bw, device, dtype, gen):
         out = run()
         k, v = cache.dense(table)
         qd = q.unsqueeze(2)  # (B, Hq, 1, D)
-        sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale, enable_gqa=True)  # noqa: E731, F821
         err = (out.float() - sdpa().squeeze(2).float()).abs().max().item()
         t, t_sdpa = time_ms(run), time_ms(sdpa)
         nbytes = 2 * batch * ctx * p["num_kv_heads"] * p["head_dim"] * cache.kv.element_size()
-        rows.append(dict(batch=batch, ctx=ctx, num_splits=splits, ms=t, sdpa_ms=t_sdpa, bytes=nbytes,
-                         gbps=nbytes / t / 1e6, sdpa_gbps=nbytes / t_sdpa / 1e6,
-                         pct_copy=100 * nbytes / (t * 1e-3) / copy_bw, pct_sdpa=100 * t_sdpa / t, max_abs_err=err))
+        rows.append(
+            dict(
+                batch=batch,
+                ctx=ctx,
+                num_splits=splits,
+                ms=t,
+                sdpa_ms=t_sdpa,
+                bytes=nbytes,
+                gbps=nbytes / t / 1e6,
+                sdpa_gbps=nbytes / t_sdpa / 1e6,
+                pct_copy=100 * nbytes / (t * 1e-3) / copy_bw,
+                pct_sdpa=100 * t_sdpa / t,
+                max_abs_err=err,
+            )
+        )
         del k, v
     return rows
 
@@ -122,38 +171,58 @@ def sweep_decode(p, cache, device, dtype, gen):
         table = cache.tables(batch, ctx, gen)
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         q = torch.randn(batch, p["num_q_heads"], p["head_dim"], device=device, dtype=dtype)
-        times = {s: time_ms(lambda s=s: paged_decode_attention_triton(
-            q, cache.k_cache, cache.v_cache, table, seq_lens, scale, num_splits=s)) for s in p["splits"]}
+        times = {
+            s: time_ms(
+                lambda s=s: paged_decode_attention_triton(
+                    q, cache.k_cache, cache.v_cache, table, seq_lens, scale, num_splits=s
+                )
+            )
+            for s in p["splits"]
+        }
         split_rows.append(dict(batch=batch, ctx=ctx, ms_by_splits=times, best=min(times, key=times.get)))
         if (batch, ctx) in p["decode"][:1] + p["decode"][-1:]:
             for cfg in DECODE_CONFIGS if device == "cuda" else DECODE_CONFIGS[:1]:
                 for s in sorted({1, min(times, key=times.get)}):
-                    ms = time_ms(lambda: paged_decode_attention_triton(
-                        q, cache.k_cache, cache.v_cache, table, seq_lens, scale, num_splits=s, config=cfg))
+                    ms = time_ms(
+                        lambda: paged_decode_attention_triton(
+                            q, cache.k_cache, cache.v_cache, table, seq_lens, scale, num_splits=s, config=cfg
+                        )
+                    )
                     config_rows.append(dict(batch=batch, ctx=ctx, num_splits=s, **cfg, ms=ms))
     return split_rows, config_rows
 
 
 def bench_prefill(p, cache, device, dtype, gen):
     rows, config_rows, scale = [], [], p["head_dim"] ** -0.5
-    hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+    hq, d = p["num_q_heads"], p["head_dim"]
     for batch, length in p["prefill"]:
         table = cache.tables(batch, length, gen)
         seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
         qsl = (torch.arange(batch + 1, dtype=torch.int32) * length).to(device)
         q = torch.randn(batch * length, hq, d, device=device, dtype=dtype)  # (T, Hq, D)
         run = lambda cfg=None: paged_prefill_attention_triton(  # noqa: E731
-            q, cache.k_cache, cache.v_cache, table, qsl, seq_lens, length, scale, config=cfg)
+            q, cache.k_cache, cache.v_cache, table, qsl, seq_lens, length, scale, config=cfg
+        )
         out = run()
         k, v = cache.dense(table)
         qd = q.view(batch, length, hq, d).transpose(1, 2)  # (B, Hq, L, D)
-        sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale, is_causal=True, enable_gqa=True)  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale, is_causal=True, enable_gqa=True)  # noqa: E731, F821
         ref = sdpa().transpose(1, 2).reshape(batch * length, hq, d)
         err = (out.float() - ref.float()).abs().max().item()
         flops = 4 * batch * hq * d * length * length / 2
         t, t_sdpa = time_ms(run), time_ms(sdpa)
-        rows.append(dict(batch=batch, length=length, ms=t, sdpa_ms=t_sdpa, tflops=flops / t / 1e9,
-                         sdpa_tflops=flops / t_sdpa / 1e9, pct_sdpa=100 * t_sdpa / t, max_abs_err=err))
+        rows.append(
+            dict(
+                batch=batch,
+                length=length,
+                ms=t,
+                sdpa_ms=t_sdpa,
+                tflops=flops / t / 1e9,
+                sdpa_tflops=flops / t_sdpa / 1e9,
+                pct_sdpa=100 * t_sdpa / t,
+                max_abs_err=err,
+            )
+        )
         for cfg in PREFILL_CONFIGS if device == "cuda" else PREFILL_CONFIGS[-1:]:
             try:  # a config may not fit the chip (shared memory, registers): record and go on
                 ms = time_ms(lambda: run(cfg))
@@ -182,22 +251,51 @@ def bench_fused(p, device, dtype):
     slots = torch.randperm(t_tok, device=device)
     el = x.element_size()
     cases = [
-        ("rms_norm+residual", lambda: rms_norm(x, w, 1e-6, residual=res, impl="triton"),
-         lambda: rms_norm(x, w, 1e-6, residual=res, impl="ref"), 5 * x.numel() * el),
-        ("rms_norm", lambda: rms_norm(x, w, 1e-6, impl="triton"), lambda: rms_norm(x, w, 1e-6, impl="ref"),
-         2 * x.numel() * el),
-        ("silu_and_mul", lambda: silu_and_mul(gate_up, impl="triton"), lambda: silu_and_mul(gate_up, impl="ref"),
-         3 * gate_up.numel() // 2 * el),
-        ("rotary", lambda: rotary_embedding(pos, q, k, cos_sin, impl="triton"),
-         lambda: rotary_embedding_ref(pos, q, k, cos_sin), 2 * (q.numel() + k.numel()) * el),
-        ("write_kv", lambda: write_kv(k, k, kc, vc, slots, impl="triton"),
-         lambda: write_kv(k, k, kc, vc, slots, impl="ref"), 4 * k.numel() * el),
+        (
+            "rms_norm+residual",
+            lambda: rms_norm(x, w, 1e-6, residual=res, impl="triton"),
+            lambda: rms_norm(x, w, 1e-6, residual=res, impl="ref"),
+            5 * x.numel() * el,
+        ),
+        (
+            "rms_norm",
+            lambda: rms_norm(x, w, 1e-6, impl="triton"),
+            lambda: rms_norm(x, w, 1e-6, impl="ref"),
+            2 * x.numel() * el,
+        ),
+        (
+            "silu_and_mul",
+            lambda: silu_and_mul(gate_up, impl="triton"),
+            lambda: silu_and_mul(gate_up, impl="ref"),
+            3 * gate_up.numel() // 2 * el,
+        ),
+        (
+            "rotary",
+            lambda: rotary_embedding(pos, q, k, cos_sin, impl="triton"),
+            lambda: rotary_embedding_ref(pos, q, k, cos_sin),
+            2 * (q.numel() + k.numel()) * el,
+        ),
+        (
+            "write_kv",
+            lambda: write_kv(k, k, kc, vc, slots, impl="triton"),
+            lambda: write_kv(k, k, kc, vc, slots, impl="ref"),
+            4 * k.numel() * el,
+        ),
     ]
     rows = []
     for name, fused, unfused, nbytes in cases:
         t_f, t_u = time_ms(fused), time_ms(unfused)
-        rows.append(dict(op=name, tokens=t_tok, ms=t_f, torch_ms=t_u, gbps=nbytes / t_f / 1e6,
-                         torch_gbps=nbytes / t_u / 1e6, speedup=t_u / t_f))
+        rows.append(
+            dict(
+                op=name,
+                tokens=t_tok,
+                ms=t_f,
+                torch_ms=t_u,
+                gbps=nbytes / t_f / 1e6,
+                torch_gbps=nbytes / t_u / 1e6,
+                speedup=t_u / t_f,
+            )
+        )
     return rows
 
 
@@ -206,32 +304,45 @@ def print_tables(r) -> None:
     print("\n| decode (B, ctx) | splits | ms | GB/s | % copy | SDPA ms | SDPA GB/s | % of SDPA rate | max err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for x in r["decode"]:
-        print(f"| ({x['batch']}, {x['ctx']}) | {x['num_splits']} | {x['ms']:.4f} | {x['gbps']:.0f} | "
-              f"{x['pct_copy']:.1f} | {x['sdpa_ms']:.4f} | {x['sdpa_gbps']:.0f} | {x['pct_sdpa']:.1f} | "
-              f"{x['max_abs_err']:.2e} |")
+        print(
+            f"| ({x['batch']}, {x['ctx']}) | {x['num_splits']} | {x['ms']:.4f} | {x['gbps']:.0f} | "
+            f"{x['pct_copy']:.1f} | {x['sdpa_ms']:.4f} | {x['sdpa_gbps']:.0f} | {x['pct_sdpa']:.1f} | "
+            f"{x['max_abs_err']:.2e} |"
+        )
     print("\n| prefill (B x L) | ms | TFLOP/s | SDPA ms | SDPA TFLOP/s | % of SDPA | max err |")
     print("|---|---|---|---|---|---|---|")
     for x in r["prefill"]:
-        print(f"| {x['batch']} x {x['length']} | {x['ms']:.3f} | {x['tflops']:.0f} | {x['sdpa_ms']:.3f} | "
-              f"{x['sdpa_tflops']:.0f} | {x['pct_sdpa']:.1f} | {x['max_abs_err']:.2e} |")
+        print(
+            f"| {x['batch']} x {x['length']} | {x['ms']:.3f} | {x['tflops']:.0f} | {x['sdpa_ms']:.3f} | "
+            f"{x['sdpa_tflops']:.0f} | {x['pct_sdpa']:.1f} | {x['max_abs_err']:.2e} |"
+        )
     print("\n| fused op | tokens | ms | GB/s | torch ms | torch GB/s | speedup |")
     print("|---|---|---|---|---|---|---|")
     for x in r["fused"]:
-        print(f"| {x['op']} | {x['tokens']} | {x['ms']:.4f} | {x['gbps']:.0f} | {x['torch_ms']:.4f} | "
-              f"{x['torch_gbps']:.0f} | {x['speedup']:.2f}x |")
+        print(
+            f"| {x['op']} | {x['tokens']} | {x['ms']:.4f} | {x['gbps']:.0f} | {x['torch_ms']:.4f} | "
+            f"{x['torch_gbps']:.0f} | {x['speedup']:.2f}x |"
+        )
     print("\nsplit sweep (ms by num_splits):")
     for x in r["split_sweep"]:
-        print(f"  ({x['batch']}, {x['ctx']}): " + ", ".join(f"{s}: {ms:.4f}" for s, ms in x["ms_by_splits"].items())
-              + f"  best {x['best']}")
+        print(
+            f"  ({x['batch']}, {x['ctx']}): "
+            + ", ".join(f"{s}: {ms:.4f}" for s, ms in x["ms_by_splits"].items())
+            + f"  best {x['best']}"
+        )
     print("decode configs:")
     for x in r["decode_configs"]:
-        print(f"  ({x['batch']}, {x['ctx']}) splits {x['num_splits']} N{x['BLOCK_N']} w{x['num_warps']} "
-              f"s{x['num_stages']}: {x['ms']:.4f} ms")
+        print(
+            f"  ({x['batch']}, {x['ctx']}) splits {x['num_splits']} N{x['BLOCK_N']} w{x['num_warps']} "
+            f"s{x['num_stages']}: {x['ms']:.4f} ms"
+        )
     print("prefill configs:")
     for x in r["prefill_configs"]:
-        print(f"  {x['batch']} x {x['length']} M{x['BLOCK_M']} N{x['BLOCK_N']} w{x['num_warps']} "
-              f"s{x['num_stages']}{' single-loop' if x['SINGLE_LOOP'] else ''}: {x['ms']:.3f} ms "
-              f"{x['tflops']:.0f} TFLOP/s")
+        print(
+            f"  {x['batch']} x {x['length']} M{x['BLOCK_M']} N{x['BLOCK_N']} w{x['num_warps']} "
+            f"s{x['num_stages']}{' single-loop' if x['SINGLE_LOOP'] else ''}: {x['ms']:.3f} ms "
+            f"{x['tflops']:.0f} TFLOP/s"
+        )
 
 
 def main(argv=None) -> int:
@@ -244,9 +355,14 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    r = dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu", torch=torch.__version__,
-             dtype=str(dtype), params={k: v for k, v in p.items()})
+    r = dict(
+        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        torch=torch.__version__,
+        dtype=str(dtype),
+        params={k: v for k, v in p.items()},
+    )
     import triton
+
     r["triton"] = triton.__version__
     r["copy_gbps"] = copy_bandwidth(device, (2 << 30) if device == "cuda" else (1 << 20)) / 1e9
     cache = PagedCache(p, device, dtype)

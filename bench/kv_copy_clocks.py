@@ -82,12 +82,20 @@ def scenario_names(which: str) -> list[str]:
         names = ["warm", "idle", "src_busy", "dst_busy"]
         for who in ("dst", "src", "both"):
             names += [f"kick_{who}_{ms}ms" for ms in ("0.25", "1", "3")]
-        return names + ["load_dst_hbm", "load_src_hbm", "load_dst_mm", "layers32", "layers32_idle",
-                        "layers32_under_mm"]
+        return names + ["load_dst_hbm", "load_src_hbm", "load_dst_mm", "layers32", "layers32_idle", "layers32_under_mm"]
     if which == "wake":
-        return ["warm", "idle", "wake_same_stream_gap0", "wake_same_stream_gap2", "wake_same_stream_gap10",
-                "wake_other_stream", "wake_reverse", "wake_other_process_gap1", "wake_other_process_gap5",
-                "wake_sm_kernel"]
+        return [
+            "warm",
+            "idle",
+            "wake_same_stream_gap0",
+            "wake_same_stream_gap2",
+            "wake_same_stream_gap10",
+            "wake_other_stream",
+            "wake_reverse",
+            "wake_other_process_gap1",
+            "wake_other_process_gap5",
+            "wake_sm_kernel",
+        ]
     names = [f"same_idle_{ms}ms" for ms in (0, 1, 5, 20, 50, 200)]
     names += ["rotate", "rotate_src", "rotate_dst", "rotate_idle"]
     for size in ("4KiB", "1MiB", "16MiB"):
@@ -110,6 +118,7 @@ def helper() -> None:
         torch.cuda.synchronize(1)
         print("done", flush=True)
 
+
 class Probe:
     """Both GPUs' buffers, the state-setting helpers, and the timed copy of each scenario."""
 
@@ -127,8 +136,10 @@ class Probe:
         self.s0, self.s1 = torch.cuda.current_stream(d0), torch.cuda.current_stream(d1)
         self.side = {d: torch.cuda.Stream(device=d) for d in (d0, d1)}
         self.mats = {d: torch.randn(4096, 4096, dtype=torch.bfloat16, device=d) for d in (d0, d1)}
-        self.hbm = {d: (torch.empty(1 << 30, dtype=torch.uint8, device=d),
-                        torch.empty(1 << 30, dtype=torch.uint8, device=d)) for d in (d0, d1)}
+        self.hbm = {
+            d: (torch.empty(1 << 30, dtype=torch.uint8, device=d), torch.empty(1 << 30, dtype=torch.uint8, device=d))
+            for d in (d0, d1)
+        }
         self.link_src = torch.ones(16 << 20, dtype=torch.uint8, device=d0)
         self.link_dst = torch.empty(16 << 20, dtype=torch.uint8, device=d1)
         self.back0 = torch.empty(1 << 20, dtype=torch.uint8, device=d0)
@@ -155,7 +166,7 @@ class Probe:
         self.torch.cuda.synchronize(self.d1)
 
     def region(self, pool, r: int):
-        return pool[r * self.words:(r + 1) * self.words]
+        return pool[r * self.words : (r + 1) * self.words]
 
     def matmuls(self, d, ms: float, stream=None) -> None:
         with self.torch.cuda.stream(stream or self.torch.cuda.current_stream(d)):
@@ -180,7 +191,7 @@ class Probe:
         elif name == "dst_busy":
             self.busy_for(d1, self.idle)
         elif name.startswith("same_idle_"):
-            time.sleep(float(name[len("same_idle_"):-2]) / 1000)
+            time.sleep(float(name[len("same_idle_") : -2]) / 1000)
         else:
             time.sleep(self.idle)
         if name.startswith("wake_"):
@@ -199,8 +210,8 @@ class Probe:
 
     def wake(self, name: str) -> None:
         """--set wake: a 1 MiB copy by the scenario's means ahead of the timed copy."""
-        torch, d0, d1 = self.torch, self.d0, self.d1
-        small0, small1 = self.link_src[:1 << 20], self.link_dst[:1 << 20]
+        torch, d0 = self.torch, self.d0
+        small0, small1 = self.link_src[: 1 << 20], self.link_dst[: 1 << 20]
         if name.startswith("wake_same_stream"):
             small1.copy_(small0, non_blocking=True)
             torch.cuda.synchronize(d0)
@@ -214,8 +225,12 @@ class Probe:
             self.sync()
         elif name.startswith("wake_other_process"):
             if self.helper_proc is None:
-                self.helper_proc = subprocess.Popen([sys.executable, "-m", "bench.kv_copy_clocks", "--helper"],
-                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                self.helper_proc = subprocess.Popen(
+                    [sys.executable, "-m", "bench.kv_copy_clocks", "--helper"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 assert self.helper_proc.stdout.readline().strip() == "ready"
             self.helper_proc.stdin.write("go\n")
             self.helper_proc.stdin.flush()
@@ -285,8 +300,13 @@ class Probe:
                 if link is not None:
                     link_ms.append(link)
                 clk.append(c)
-        row = {"dst_ms": statistics.median(dev_dst), "src_ms": statistics.median(dev_src),
-               "src_ms_spread": [min(dev_src), max(dev_src)], "clocks_before": clk[len(clk) // 2], "equal": ok}
+        row = {
+            "dst_ms": statistics.median(dev_dst),
+            "src_ms": statistics.median(dev_src),
+            "src_ms_spread": [min(dev_src), max(dev_src)],
+            "clocks_before": clk[len(clk) // 2],
+            "equal": ok,
+        }
         if link_ms:
             row["link_copy_ms"] = statistics.median(link_ms)
         row["dst_GBps"] = self.nbytes / row["dst_ms"] / 1e6 if row["dst_ms"] > 0.01 else None
@@ -301,17 +321,23 @@ class Probe:
 
 def print_table(out: dict) -> None:
     ref = next(iter(out["rows"].values()))["src_GBps"]
-    print(f"\n{out['mib']} MiB cuda:0 -> cuda:1, median of {REPEATS}; idle = {out['idle_ms']:.0f} ms; "
-          f"SM clocks (MHz) read just before the copy; % of the first row")
-    print(f"{'scenario':24} {'dst-stream ms':>13} {'GB/s':>7} {'src-stream ms':>13} {'GB/s':>7} {'%':>7} "
-          f"{'clocks src/dst':>15}")
+    print(
+        f"\n{out['mib']} MiB cuda:0 -> cuda:1, median of {REPEATS}; idle = {out['idle_ms']:.0f} ms; "
+        f"SM clocks (MHz) read just before the copy; % of the first row"
+    )
+    print(
+        f"{'scenario':24} {'dst-stream ms':>13} {'GB/s':>7} {'src-stream ms':>13} {'GB/s':>7} {'%':>7} "
+        f"{'clocks src/dst':>15}"
+    )
     for name, r in out["rows"].items():
         dg = f"{r['dst_GBps']:7.1f}" if r["dst_GBps"] else "      -"
         c = r["clocks_before"]
         extra = f"  (small copy {r['link_copy_ms']:.3f} ms)" if "link_copy_ms" in r else ""
-        print(f"{name:24} {r['dst_ms']:13.3f} {dg} {r['src_ms']:13.3f} {r['src_GBps']:7.1f} "
-              f"{100 * r['src_GBps'] / ref:6.1f}% {str(c[0]) + '/' + str(c[1]) if c else '-':>15}{extra}"
-              f"{'' if r['equal'] else '  CONTENT DIFFERS'}")
+        print(
+            f"{name:24} {r['dst_ms']:13.3f} {dg} {r['src_ms']:13.3f} {r['src_GBps']:7.1f} "
+            f"{100 * r['src_GBps'] / ref:6.1f}% {str(c[0]) + '/' + str(c[1]) if c else '-':>15}{extra}"
+            f"{'' if r['equal'] else '  CONTENT DIFFERS'}"
+        )
 
 
 def main() -> None:

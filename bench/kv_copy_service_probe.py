@@ -24,8 +24,15 @@ import sys
 import time
 
 REPEATS = 8
-SCENARIOS = ("svc_warm", "svc_none", "svc_prefill_wake", "svc_decode_wake", "svc_decode_touch",
-             "svc_decode_ipc_wake", "svc_none_again")
+SCENARIOS = (
+    "svc_warm",
+    "svc_none",
+    "svc_prefill_wake",
+    "svc_decode_wake",
+    "svc_decode_touch",
+    "svc_decode_ipc_wake",
+    "svc_none_again",
+)
 
 
 def prefill_like() -> None:
@@ -67,7 +74,7 @@ def prefill_then_wake(args, proc, name: str, wake_buffer, mine0, pool) -> None:
         with torch.cuda.device(0):
             torch.cuda._sleep(1000)
     elif name == "svc_decode_ipc_wake":
-        wake_buffer.copy_(pool[:1 << 20], non_blocking=True)
+        wake_buffer.copy_(pool[: 1 << 20], non_blocking=True)
     time.sleep(args.lead_ms / 1000)
 
 
@@ -78,8 +85,12 @@ def measure(args) -> dict:
     from splitserve.engine.kv_transfer.ipc_handle import export_cuda_ipc, open_cuda_ipc
 
     d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.kv_copy_service_probe", "--prefill-like"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.kv_copy_service_probe", "--prefill-like"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pool = open_cuda_ipc(proc.stdout.readline().strip())
     wake_buffer = torch.zeros(1 << 20, dtype=torch.uint8, device=d1)
     proc.stdin.write(export_cuda_ipc(wake_buffer) + "\n")
@@ -99,7 +110,7 @@ def measure(args) -> dict:
             off = (i % 3) * nbytes  # a different region of the pool each time, as requests use
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(s1)
-            dst.copy_(pool[off:off + nbytes], non_blocking=True)
+            dst.copy_(pool[off : off + nbytes], non_blocking=True)
             b.record(s1)
             b.synchronize()
             if i >= 2:
@@ -123,8 +134,10 @@ def main() -> None:
     if args.prefill_like:
         return prefill_like()
     rows = measure(args)
-    print(f"\n{args.mib} MiB from an IPC-mapped pool on cuda:0 (another process's) into cuda:1, median of "
-          f"{REPEATS}; before each: {args.idle_ms:.0f} ms idle, ~50 ms prefill compute, {args.lead_ms} ms lead")
+    print(
+        f"\n{args.mib} MiB from an IPC-mapped pool on cuda:0 (another process's) into cuda:1, median of "
+        f"{REPEATS}; before each: {args.idle_ms:.0f} ms idle, ~50 ms prefill compute, {args.lead_ms} ms lead"
+    )
     for name, r in rows.items():
         share = 100 * r["dst_GBps"] / rows["svc_warm"]["dst_GBps"]
         print(f"{name:22} {r['dst_ms']:8.3f} ms {r['dst_GBps']:7.1f} GB/s {share:6.1f}%")

@@ -44,12 +44,24 @@ NCCL_SERVICE_VARIANTS = {
     "200 ms idle, rank 1, bf16": {"PROBE_IDLE_S": "0.2", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
     "pairing message first, rank 1, bf16": {"PROBE_PAIRING": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16"},
     "as the services (async error handling 2, wait timeout, pairing)": {
-        "PROBE_PAIRING": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16", "PROBE_WAIT_TIMEOUT": "1",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"},
-    "service, rank 1, bf16, P2P read": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
-                                        "NCCL_P2P_READ_ENABLE": "1"},
-    "service, rank 1, bf16, CE memcpy": {"PROBE_SERVICE": "1", "PROBE_SWAP": "1", "PROBE_DTYPE": "bfloat16",
-                                         "NCCL_P2P_USE_CUDA_MEMCPY": "1"},
+        "PROBE_PAIRING": "1",
+        "PROBE_SWAP": "1",
+        "PROBE_DTYPE": "bfloat16",
+        "PROBE_WAIT_TIMEOUT": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    },
+    "service, rank 1, bf16, P2P read": {
+        "PROBE_SERVICE": "1",
+        "PROBE_SWAP": "1",
+        "PROBE_DTYPE": "bfloat16",
+        "NCCL_P2P_READ_ENABLE": "1",
+    },
+    "service, rank 1, bf16, CE memcpy": {
+        "PROBE_SERVICE": "1",
+        "PROBE_SWAP": "1",
+        "PROBE_DTYPE": "bfloat16",
+        "NCCL_P2P_USE_CUDA_MEMCPY": "1",
+    },
 }
 
 
@@ -76,8 +88,11 @@ def timed(fn, streams, idle_s: float = 0.0) -> dict:
         if i >= 2:
             walls.append((t1 - t0) * 1e3)
             devs.append(e0.elapsed_time(e1))
-    return {"wall_ms": statistics.median(walls), "device_ms": statistics.median(devs),
-            "wall_spread_ms": [min(walls), max(walls)]}
+    return {
+        "wall_ms": statistics.median(walls),
+        "device_ms": statistics.median(devs),
+        "wall_spread_ms": [min(walls), max(walls)],
+    }
 
 
 def triton_copy():
@@ -122,9 +137,9 @@ def consumer(handle_path: str, mib: int, out_path: str) -> None:
     nbytes = mib << 20
     words = nbytes // 8
     mid = pool.numel() // 2
-    src = pool[mid:mid + words]
+    src = pool[mid : mid + words]
     dst_pool = torch.empty(words * 4, dtype=torch.int64, device="cuda:1")
-    dst = dst_pool[words:2 * words]
+    dst = dst_pool[words : 2 * words]
     native = torch.empty(words, dtype=torch.int64, device="cuda:0")
     native.copy_(src)
     s1 = torch.cuda.current_stream(1)
@@ -147,12 +162,17 @@ def consumer(handle_path: str, mib: int, out_path: str) -> None:
     measure("ipc torch_copy", lambda: dst.copy_(src, non_blocking=True), src)
     for idle in (0.02, 0.2):
         measure(f"ipc torch_copy after {idle * 1e3:.0f} ms idle", lambda: dst.copy_(src, non_blocking=True), src, idle)
-        measure(f"native torch_copy after {idle * 1e3:.0f} ms idle", lambda: dst.copy_(native, non_blocking=True),
-                native, idle)
+        measure(
+            f"native torch_copy after {idle * 1e3:.0f} ms idle",
+            lambda: dst.copy_(native, non_blocking=True),
+            native,
+            idle,
+        )
     for k in (2, 4):
         measure(f"ipc torch_split{k}", lambda k=k: split_copy(k, streams0)(dst, src), src)
     measure("native torch_copy", lambda: dst.copy_(native, non_blocking=True), native)
     copy = triton_copy()  # peer access is on: torch enabled it for the cross-device copies above
+
     def push():
         ready, done = torch.cuda.Event(), torch.cuda.Event()
         ready.record(s1)
@@ -198,7 +218,7 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
     words = (mib << 20) // size
     pool = torch.empty(int(pool_gib * (1 << 30)) // size, dtype=dtype, device="cuda")
     mid = pool.numel() // 2
-    buf = pool[mid:mid + words]
+    buf = pool[mid : mid + words]
     peer = 1 - rank
     mat = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) if service and sender else None
     if os.environ.get("PROBE_PAIRING") == "1":  # the services' pairing: one 1-element message first
@@ -234,10 +254,15 @@ def nccl_side(rank: int, port: int, mib: int, pool_gib: float) -> dict:
         if i >= 2:
             walls.append((t1 - t0) * 1e3)
             devs.append(e0.elapsed_time(e1))
-    return {"rank": rank, "sender": sender, "wall_ms": statistics.median(walls),
-            "device_ms": statistics.median(devs), "device_ms_all": [round(d, 3) for d in devs],
-            "GBps": (mib << 20) / statistics.median(devs) / 1e6,
-            "wall_GBps": (mib << 20) / statistics.median(walls) / 1e6}
+    return {
+        "rank": rank,
+        "sender": sender,
+        "wall_ms": statistics.median(walls),
+        "device_ms": statistics.median(devs),
+        "device_ms_all": [round(d, 3) for d in devs],
+        "GBps": (mib << 20) / statistics.median(devs) / 1e6,
+        "wall_GBps": (mib << 20) / statistics.median(walls) / 1e6,
+    }
 
 
 def main() -> None:
@@ -248,8 +273,12 @@ def main() -> None:
     parser.add_argument("--skip-nccl", action="store_true")
     parser.add_argument("--skip-ipc", action="store_true")
     parser.add_argument("--only-variants", default=None, help="comma-separated indexes into the NCCL set")
-    parser.add_argument("--nccl-set", choices=("settings", "service"), default="settings",
-                        help="settings: NCCL tunables; service: the probe's conditions stepped toward the services'")
+    parser.add_argument(
+        "--nccl-set",
+        choices=("settings", "service"),
+        default="settings",
+        help="settings: NCCL tunables; service: the probe's conditions stepped toward the services'",
+    )
     parser.add_argument("--phase-timeout", type=float, default=90.0, help="seconds for each process group")
     parser.add_argument("--role", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
@@ -259,7 +288,9 @@ def main() -> None:
     if args.role == "consumer":
         return consumer(args.arg[0], args.mib, args.arg[1])
     if args.role == "nccl":
-        print("RESULT " + json.dumps(nccl_side(int(args.arg[0]), int(args.arg[1]), args.mib, args.pool_gib)), flush=True)
+        print(
+            "RESULT " + json.dumps(nccl_side(int(args.arg[0]), int(args.arg[1]), args.mib, args.pool_gib)), flush=True
+        )
         return
 
     me = [sys.executable, "-m", "bench.kv_copy_variants", "--mib", str(args.mib), "--pool-gib", str(args.pool_gib)]
@@ -279,7 +310,9 @@ def main() -> None:
                 time.sleep(0.1)
             ipc_json = os.path.join(tmp, "ipc.json")
             try:
-                subprocess.run(me + ["--role", "consumer", "--arg", handle, "--arg", ipc_json], timeout=args.phase_timeout)
+                subprocess.run(
+                    me + ["--role", "consumer", "--arg", handle, "--arg", ipc_json], timeout=args.phase_timeout
+                )
             except subprocess.TimeoutExpired:
                 print("consumer timed out", flush=True)
             results["ipc"] = json.load(open(ipc_json)) if os.path.exists(ipc_json) else {}
@@ -292,9 +325,16 @@ def main() -> None:
             keep = {int(i) for i in args.only_variants.split(",")}
             variants = {k: v for i, (k, v) in enumerate(variants.items()) if i in keep}
         for port, (name, env) in enumerate(variants.items(), start=29711):
-            procs = [subprocess.Popen(me + ["--role", "nccl", "--arg", str(r), "--arg", str(port)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, **env}) for r in range(2)]
+            procs = [
+                subprocess.Popen(
+                    me + ["--role", "nccl", "--arg", str(r), "--arg", str(port)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**os.environ, **env},
+                )
+                for r in range(2)
+            ]
             sides = []
             for p in procs:
                 try:
@@ -304,8 +344,14 @@ def main() -> None:
                     o, _ = p.communicate()
                 got = [json.loads(l[7:]) for l in o.splitlines() if l.startswith("RESULT ")]
                 if os.environ.get("NCCL_DEBUG"):  # what NCCL chose: transport, channels
-                    print("\n".join(l for l in o.splitlines() if " NCCL INFO " in l and
-                                    ("via" in l or "hannel" in l or "version" in l.lower())), flush=True)
+                    print(
+                        "\n".join(
+                            l
+                            for l in o.splitlines()
+                            if " NCCL INFO " in l and ("via" in l or "hannel" in l or "version" in l.lower())
+                        ),
+                        flush=True,
+                    )
                 sides.append(got[0] if got else {"error": o[-1500:]})
             results["nccl"][name] = sides
             print("NCCL", name, json.dumps(sides)[:600], flush=True)
@@ -313,16 +359,20 @@ def main() -> None:
     print(f"{'variant':44} {'device ms':>10} {'GB/s':>8} {'wall ms':>9} {'wall GB/s':>10}")
     for name, row in results.get("ipc", {}).items():
         if "device_ms" in row:
-            print(f"{name:34} {row['device_ms']:10.3f} {row['GBps']:8.1f} {row['wall_ms']:9.3f} {row['wall_GBps']:10.1f}"
-                  f"  equal={row['content_equal']}")
+            print(
+                f"{name:34} {row['device_ms']:10.3f} {row['GBps']:8.1f} {row['wall_ms']:9.3f} {row['wall_GBps']:10.1f}"
+                f"  equal={row['content_equal']}"
+            )
         else:
             print(f"{name:34} {row}")
     for name, sides in results.get("nccl", {}).items():
         for side in sides:
             if "device_ms" in side:
                 label = f"nccl {name} {'send' if side['sender'] else 'recv'}"
-                print(f"{label:44} {side['device_ms']:10.3f} {side['GBps']:8.1f} {side['wall_ms']:9.3f} "
-                      f"{side['wall_GBps']:10.1f}")
+                print(
+                    f"{label:44} {side['device_ms']:10.3f} {side['GBps']:8.1f} {side['wall_ms']:9.3f} "
+                    f"{side['wall_GBps']:10.1f}"
+                )
             else:
                 print(f"nccl {name}: {str(side)[:300]}")
     if args.json:

@@ -43,9 +43,16 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> list[tuple[list[
 def run_splitserve(config_path: str, requests, dtype: str, device: str, args) -> dict:
     from splitserve.engine import LLM, SamplingParams
 
-    llm = LLM(model=config_path, load_format="dummy", dtype=dtype, device=device,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_fraction)
+    llm = LLM(
+        model=config_path,
+        load_format="dummy",
+        dtype=dtype,
+        device=device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_fraction,
+    )
     llm.generate(prompt_token_ids=[requests[0][0][:16]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
@@ -70,8 +77,14 @@ def run_hf(config_path: str, requests, dtype: str, device: str, args) -> dict:
     mask = torch.tensor([[0] * (max_in - len(p)) + [1] * len(p) for p, _ in requests], device=device)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
-                       do_sample=False, pad_token_id=pad)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_out,
+            min_new_tokens=max_out,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "output_tokens": sum(n for _, n in requests), "padded_tokens": max_out * len(requests)}
 
@@ -87,8 +100,15 @@ def vllm_inner(config_path: str, requests_path: str, dtype: str, out_path: str) 
     requests = json.loads(Path(requests_path).read_text())
     model_dir = Path(tempfile.mkdtemp())
     shutil.copy(config_path, model_dir / "config.json")
-    llm = LLM(model=str(model_dir), load_format="dummy", dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=2048, seed=0)
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype=dtype,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        seed=0,
+    )
     llm.generate([TokensPrompt(prompt_token_ids=requests[0][0][:16])], SamplingParams(max_tokens=4, ignore_eos=True))
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in requests]
@@ -105,7 +125,15 @@ def run_vllm(config_path: str, requests, dtype: str, device: str, args) -> dict:
         req_path.write_text(json.dumps(requests))
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
-        cmd = [args.vllm_python, str(Path(__file__).resolve()), "--vllm-inner", config_path, str(req_path), dtype, str(out_path)]
+        cmd = [
+            args.vllm_python,
+            str(Path(__file__).resolve()),
+            "--vllm-inner",
+            config_path,
+            str(req_path),
+            dtype,
+            str(out_path),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
@@ -142,8 +170,10 @@ def fixed_splitserve(llm, batch: int, prompt_len: int, output_len: int, vocab: i
     try:
         _sync(device)
         start = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-            temperature=0, max_tokens=output_len, ignore_eos=True))
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+        )
         _sync(device)
         total = time.perf_counter() - start
     finally:
@@ -152,11 +182,15 @@ def fixed_splitserve(llm, batch: int, prompt_len: int, output_len: int, vocab: i
     # steps after the last prompt token: decode-only steps of the whole batch
     num_prefill_steps = _num_prefill_steps(prompt_len, batch, llm.config.max_num_batched_tokens)
     decode = sorted(t for _, t in step_times[num_prefill_steps:])
-    return {"batch": batch, "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan"),
-            "decode_step_p10_ms": 1e3 * decode[len(decode) // 10] if decode else float("nan"),
-            "decode_step_p90_ms": 1e3 * decode[(9 * len(decode)) // 10] if decode else float("nan"),
-            "prefill_ms": 1e3 * sum(t for _, t in step_times[:num_prefill_steps]),
-            "seconds": total, "output_tok_s": batch * output_len / total}
+    return {
+        "batch": batch,
+        "decode_step_ms": 1e3 * decode[len(decode) // 2] if decode else float("nan"),
+        "decode_step_p10_ms": 1e3 * decode[len(decode) // 10] if decode else float("nan"),
+        "decode_step_p90_ms": 1e3 * decode[(9 * len(decode)) // 10] if decode else float("nan"),
+        "prefill_ms": 1e3 * sum(t for _, t in step_times[:num_prefill_steps]),
+        "seconds": total,
+        "output_tok_s": batch * output_len / total,
+    }
 
 
 def _num_prefill_steps(prompt_len: int, batch: int, budget: int) -> int:
@@ -175,22 +209,39 @@ def fixed_hf(model, batch: int, prompt_len: int, output_len: int, vocab: int, de
         _sync(device)
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         _sync(device)
         times[n] = time.perf_counter() - start
     step = (times[output_len] - times[1]) / (output_len - 1)
-    return {"batch": batch, "decode_step_ms": 1e3 * step, "prefill_ms": 1e3 * times[1],
-            "seconds": times[output_len], "output_tok_s": batch * output_len / times[output_len]}
+    return {
+        "batch": batch,
+        "decode_step_ms": 1e3 * step,
+        "prefill_ms": 1e3 * times[1],
+        "seconds": times[output_len],
+        "output_tok_s": batch * output_len / times[output_len],
+    }
 
 
 def roofline_ms(config: dict, batch: int, context: int, bytes_per_s: float = 4.28e12, flops: float = 790e12) -> float:
     """PERF.md's decode-step floor for this config (weights + KV read, or matmul FLOPs)."""
-    h, layers, ffn, vocab = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    h, layers, ffn, vocab = (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["intermediate_size"],
+        config["vocab_size"],
+    )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim", h // heads)
     params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * (
-        h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn)
+        h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn
+    )
     kv_bytes = 2 * layers * kv_heads * d * 2
     t_mem = (params * 2 + batch * context * kv_bytes) / bytes_per_s
     t_flop = 2 * params * batch / flops
@@ -206,10 +257,17 @@ def run_fixed(args) -> list[dict]:
     if "splitserve" in args.engines:
         from splitserve.engine import LLM
 
-        llm = LLM(model=args.config, load_format="dummy", dtype=args.dtype, device=args.device,
-                  max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                  kv_cache_memory_fraction=args.kv_fraction)
+        llm = LLM(
+            model=args.config,
+            load_format="dummy",
+            dtype=args.dtype,
+            device=args.device,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            kv_cache_memory_fraction=args.kv_fraction,
+        )
         fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
         for b in batches:
             row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
@@ -242,14 +300,21 @@ def run_fixed(args) -> list[dict]:
             print(rows[-1], flush=True)
         del model
     context = args.prompt_len + args.output_len // 2
-    print(f"\nfixed shapes: prompt {args.prompt_len}, output {args.output_len} forced, config {Path(args.config).name}, "
-          f"{args.dtype}, {args.device}")
-    print(f"{'engine':<12}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}")
+    print(
+        f"\nfixed shapes: prompt {args.prompt_len}, output {args.output_len} forced, config {Path(args.config).name}, "
+        f"{args.dtype}, {args.device}"
+    )
+    print(
+        f"{'engine':<12}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}"
+    )
     for r in rows:
         floor = roofline_ms(config, r["batch"], context)
         r["floor_ms"] = floor
-        print(f"{r['engine']:<12}{r['batch']:>6}{r['decode_step_ms']:>16.2f}{floor:>10.2f}{r['decode_step_ms'] / floor:>9.2f}"
-              f"{r['prefill_ms']:>12.1f}{r['output_tok_s']:>10.0f}")
+        print(
+            f"{r['engine']:<12}{r['batch']:>6}{r['decode_step_ms']:>16.2f}{floor:>10.2f}"
+            f"{r['decode_step_ms'] / floor:>9.2f}"
+            f"{r['prefill_ms']:>12.1f}{r['output_tok_s']:>10.0f}"
+        )
     return rows
 
 
@@ -304,8 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(result)
         print(f"{name}: {result['seconds']:.1f} s, {result['useful_tok_s']:.1f} useful tok/s", flush=True)
     base = {r["engine"]: r["useful_tok_s"] for r in rows}
-    print(f"\nworkload={args.workload} requests={len(requests)} asked_tokens={asked} config={Path(args.config).name} "
-          f"dtype={args.dtype} device={args.device} threads={args.threads}")
+    print(
+        f"\nworkload={args.workload} requests={len(requests)} asked_tokens={asked} config={Path(args.config).name} "
+        f"dtype={args.dtype} device={args.device} threads={args.threads}"
+    )
     print(f"{'engine':<12}{'seconds':>10}{'useful tok/s':>15}{'vs splitserve':>15}")
     for r in rows:
         ratio = base.get("splitserve", r["useful_tok_s"]) / r["useful_tok_s"]

@@ -184,7 +184,7 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, seq_len: int, batch: int) -
     starts = torch.arange(n, device=tokens.device) * seq_len
     total = 0.0
     for i in range(0, n, batch):
-        idx = starts[i:i + batch, None] + torch.arange(seq_len + 1, device=tokens.device)  # (b, T+1)
+        idx = starts[i : i + batch, None] + torch.arange(seq_len + 1, device=tokens.device)  # (b, T+1)
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda):
             total += lm_loss(model, tokens[idx]).item() * idx.shape[0]
     return total / n
@@ -213,22 +213,32 @@ def train(args: argparse.Namespace) -> None:
     print(f"params={num_params} train_tokens={train_tokens.numel()} heldout_tokens={heldout_tokens.numel()}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     gen = torch.Generator(device=device).manual_seed(args.seed)
     offsets = torch.arange(args.seq_len + 1, device=device)
     step_fn = compiled_or_eager(model, train_tokens[offsets].repeat(args.batch, 1), args.compile)
-    log = {"config": asdict(cfg), "args": {k: str(v) for k, v in vars(args).items()},
-           "num_params": num_params, "steps": [], "evals": [], "best_heldout_loss": float("inf")}
+    log = {
+        "config": asdict(cfg),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "num_params": num_params,
+        "steps": [],
+        "evals": [],
+        "best_heldout_loss": float("inf"),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     t0, step, last_eval = time.time(), 0, 0.0
     while (elapsed := time.time() - t0) < args.train_seconds:
         lr = lr_at(elapsed / args.train_seconds, args.lr, args.warmup, args.lr_floor)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, train_tokens.numel() - args.seq_len - 1, (args.batch, 1),
-                               device=device, generator=gen)
+        starts = torch.randint(
+            0, train_tokens.numel() - args.seq_len - 1, (args.batch, 1), device=device, generator=gen
+        )
         window = train_tokens[starts + offsets]  # (B, T+1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = lm_loss(step_fn, window)
@@ -250,8 +260,7 @@ def train(args: argparse.Namespace) -> None:
     log["tokens_seen"] = step * args.batch * args.seq_len
     log["epochs"] = round(log["tokens_seen"] / train_tokens.numel(), 2)
     run_eval(model, heldout_tokens, args, log, step, time.time() - t0)
-    print(f"done: steps={step} train_s={log['train_seconds']} tokens={log['tokens_seen']:,} "
-          f"epochs={log['epochs']}")
+    print(f"done: steps={step} train_s={log['train_seconds']} tokens={log['tokens_seen']:,} epochs={log['epochs']}")
 
 
 def compiled_or_eager(model: nn.Module, sample: torch.Tensor, compile_: bool) -> nn.Module:
@@ -314,8 +323,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root, for `bench.`
         from bench.default_model_data import prepare
 
-        prepare(args.out, args.stdlib, asdict(TinyLlamaConfig(vocab_size=args.vocab_size)),
-                args.heldout_txt, args.unigram_json)
+        prepare(
+            args.out,
+            args.stdlib,
+            asdict(TinyLlamaConfig(vocab_size=args.vocab_size)),
+            args.heldout_txt,
+            args.unigram_json,
+        )
     else:
         train(args)
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
+from splitserve.common.wire import layout_from_proto, logprobs_from_proto
 from splitserve.engine import core_messages as m
+from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.grpc_server import internal_channel
-from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
-from splitserve.common.wire import layout_from_proto, logprobs_from_proto
-from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("splitserve.decode.pulls")
 
@@ -56,8 +56,7 @@ class PullCoordinator:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            self._stubs[address] = prefill_pb2_grpc.PrefillStub(
-                internal_channel(address, self.service.internal_tls))
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(internal_channel(address, self.service.internal_tls))
         return self._stubs[address]
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -84,14 +83,30 @@ class PullCoordinator:
             endpoint = await self._pool_endpoint(req.request_id, handle)
         if req.request_id not in self.pending:
             return  # cancelled while pairing or asking: its lease is released, the core never hears of it
-        spec = m.PullSpec(transport=handle.transport, prefill_instance=handle.prefill_instance,
-                          endpoint=endpoint, block_ids=list(handle.block_ids),
-                          block_hashes=list(handle.block_hashes), num_tokens=handle.num_tokens,
-                          layout=layout_from_proto(handle.layout), request_id=req.request_id,
-                          tag=transfer_tag(handle.lease.epoch))
+        spec = m.PullSpec(
+            transport=handle.transport,
+            prefill_instance=handle.prefill_instance,
+            endpoint=endpoint,
+            block_ids=list(handle.block_ids),
+            block_hashes=list(handle.block_hashes),
+            num_tokens=handle.num_tokens,
+            layout=layout_from_proto(handle.layout),
+            request_id=req.request_id,
+            tag=transfer_tag(handle.lease.epoch),
+        )
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
-        self.service.client.send(m.ImportKv(req.request_id, list(req.prompt_token_ids), params, req.seed,
-                                            req.first_token_id, first_lp, req.priority, spec))
+        self.service.client.send(
+            m.ImportKv(
+                req.request_id,
+                list(req.prompt_token_ids),
+                params,
+                req.seed,
+                req.first_token_id,
+                first_lp,
+                req.priority,
+                spec,
+            )
+        )
 
     async def _pool_endpoint(self, request_id: str, handle) -> dict[str, str]:
         """The pool endpoint the prefill at the handle's address reports in Describe (kept; asked again when
@@ -104,14 +119,18 @@ class PullCoordinator:
         if known == claimed:
             return known
         try:
-            info = await self.stub(address).Describe(common_pb2.DescribeRequest(),
-                                                     timeout=self.service.config.kv_transfer_timeout_s)
+            info = await self.stub(address).Describe(
+                common_pb2.DescribeRequest(), timeout=self.service.config.kv_transfer_timeout_s
+            )
         except Exception as exc:
             return {"error": f"cannot ask {address} for its KV pool: {exc}"}
         known = self._endpoints[address] = dict(info.kv_endpoint)
         if known != claimed:
-            log.warning("request_id=%s: the KV handle names a pool %s does not report; using the one it reports",
-                        request_id, handle.prefill_instance)
+            log.warning(
+                "request_id=%s: the KV handle names a pool %s does not report; using the one it reports",
+                request_id,
+                handle.prefill_instance,
+            )
         return known
 
     def cancel(self, request_id: str) -> None:
@@ -134,10 +153,17 @@ class PullCoordinator:
         span = self.service.spans.get(msg.request_id)
         metadata = tuple(tracing.inject(span).items()) if span is not None else None
         try:
-            await self.stub(h.prefill_address).SendKv(prefill_pb2.SendKvRequest(
-                decode_instance=self.service.name, lease_id=h.lease.lease_id, epoch=h.lease.epoch,
-                block_indices=msg.block_indices), timeout=self.service.config.kv_transfer_timeout_s,
-                metadata=metadata, wait_for_ready=True)
+            await self.stub(h.prefill_address).SendKv(
+                prefill_pb2.SendKvRequest(
+                    decode_instance=self.service.name,
+                    lease_id=h.lease.lease_id,
+                    epoch=h.lease.epoch,
+                    block_indices=msg.block_indices,
+                ),
+                timeout=self.service.config.kv_transfer_timeout_s,
+                metadata=metadata,
+                wait_for_ready=True,
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("request_id=%s SendKv failed: %s", msg.request_id, exc.details())
             return f"the prefill's send failed: {exc.details()}"
@@ -151,7 +177,9 @@ class PullCoordinator:
         try:
             response = await self.stub(handle.prefill_address).ReleaseKv(
                 prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=epoch),
-                timeout=RELEASE_TIMEOUT_S, wait_for_ready=True)
+                timeout=RELEASE_TIMEOUT_S,
+                wait_for_ready=True,
+            )
             return response.released
         except grpc.aio.AioRpcError as exc:
             log.warning("ReleaseKv to %s failed: %s", handle.prefill_address, exc.details())
@@ -163,9 +191,19 @@ class PullCoordinator:
             return  # cancelled; its lease was released by cancel()
         service = self.service
         end_ns = time.time_ns()
-        tracing.record_span("kv.transfer", end_ns - done.transfer_ns, end_ns, service.spans.get(done.request_id), {
-            "kv.transport": pull.handle.transport, "kv.bytes": done.num_bytes, "kv.blocks": done.num_blocks_pulled,
-            "kv.cached_prompt_tokens": done.num_cached_tokens, "kv.ok": done.ok})
+        tracing.record_span(
+            "kv.transfer",
+            end_ns - done.transfer_ns,
+            end_ns,
+            service.spans.get(done.request_id),
+            {
+                "kv.transport": pull.handle.transport,
+                "kv.bytes": done.num_bytes,
+                "kv.blocks": done.num_blocks_pulled,
+                "kv.cached_prompt_tokens": done.num_cached_tokens,
+                "kv.ok": done.ok,
+            },
+        )
         released = await self._release(pull.handle)
         if done.ok and pull.send is not None:  # nccl: the receive ended; did the sender finish its send?
             why = await pull.send
@@ -228,8 +266,12 @@ class PullCoordinator:
                         await self.ensure_pair(name, address, patient=True)
                     elif transport in info.transports and info.kv_endpoint:
                         self._endpoints[address] = dict(info.kv_endpoint)
-                        await self.service.client.call(lambda cid: m.MapPeer(
-                            cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)), timeout_s=60.0)
+                        await self.service.client.call(
+                            lambda cid: m.MapPeer(
+                                cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)
+                            ),
+                            timeout_s=60.0,
+                        )
                         self.service.count("peers_mapped")
                         log.info("mapped %s's KV pool (%s)", name, transport)
                 except Exception as exc:  # its requests will pair or map on their way (or fail by policy)
@@ -265,12 +307,17 @@ class PullCoordinator:
         pair = pair_name(prefill_instance, service.name)
         keepalive = backend == "nccl" and service.config.kv_link_keepalive_ms > 0  # a GPU decode's own link
         peer_gpu = await self._peer_gpu(prefill_address) if keepalive else ""
-        mine = asyncio.create_task(service.client.call(
-            lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0))
+        mine = asyncio.create_task(
+            service.client.call(
+                lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0
+            )
+        )
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
-        await self.stub(prefill_address).PairKv(prefill_pb2.PairKvRequest(
-            decode_instance=service.name, store_host=host, store_port=port, backend=backend),
-            timeout=30.0 if patient else service.config.kv_transfer_timeout_s, wait_for_ready=True)
+        await self.stub(prefill_address).PairKv(
+            prefill_pb2.PairKvRequest(decode_instance=service.name, store_host=host, store_port=port, backend=backend),
+            timeout=30.0 if patient else service.config.kv_transfer_timeout_s,
+            wait_for_ready=True,
+        )
         await mine
         service.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)

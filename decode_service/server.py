@@ -19,14 +19,12 @@ import logging
 import socket
 import time
 
-import grpc
-
+from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator
 from splitserve.engine import core_messages as m
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.service_base import ServiceBase, setup_logging
-from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
-from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.decode")
 
@@ -61,7 +59,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             self._preparing = asyncio.create_task(self.pulls.prepare_peers(peers))
             try:
                 await asyncio.wait_for(asyncio.shield(self._preparing), self.config.kv_transfer_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.info("%s: still preparing prefill peers %s; serving meanwhile", self.name, ", ".join(peers))
 
     # -- core → streams --------------------------------------------------------------------
@@ -125,8 +123,15 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             return
         self.count("requests_failed")
         tracing.end_span(self.spans.pop(request_id, None), error)
-        stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[decode_pb2.TokenDelta(
-            request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error)]))
+        stream.out.put_nowait(
+            decode_pb2.DecodeOut(
+                deltas=[
+                    decode_pb2.TokenDelta(
+                        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error
+                    )
+                ]
+            )
+        )
         self.finish_request(request_id)
 
     # -- gateway → core --------------------------------------------------------------------
@@ -181,14 +186,24 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 raise ValueError(f"request_id {rid!r} is already in use")
             params = sampling_from_proto(req.sampling)
         except ValueError as exc:
-            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[decode_pb2.TokenDelta(
-                request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc))]))
+            stream.out.put_nowait(
+                decode_pb2.DecodeOut(
+                    deltas=[
+                        decode_pb2.TokenDelta(
+                            request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc)
+                        )
+                    ]
+                )
+            )
             return
         self.owner[rid] = stream
         self.timing[rid] = [time.monotonic(), 0.0, 0.0, 0]
         if tracing.enabled():
-            self.spans[rid] = tracing.start_span("decode", tracing.extract(req.trace_context), {
-                "request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")})
+            self.spans[rid] = tracing.start_span(
+                "decode",
+                tracing.extract(req.trace_context),
+                {"request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")},
+            )
         stream.request_ids.add(rid)
         self.inflight += 1
         self.count("requests_received")

@@ -25,7 +25,8 @@ def check_grpc(target: str, service: str, timeout_s: float) -> tuple[bool, str]:
     with grpc.insecure_channel(target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             return False, f"grpc {target} service={service!r}: {exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -48,8 +48,9 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter new keys/values (T, Hkv, D) into the caches (N, bs, Hkv, D) at their slots."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
@@ -91,18 +92,27 @@ def _plan(meta: AttentionMetadata) -> _HostPlan:
     device = meta.seq_lens.device
     groups = []
     for g in range(0, len(decodes), DECODE_GROUP_SIZE):
-        chunk = decodes[g:g + DECODE_GROUP_SIZE]
+        chunk = decodes[g : g + DECODE_GROUP_SIZE]
         seqs = [i for _, i in chunk]
-        groups.append((torch.tensor(seqs, device=device), torch.tensor([n for n, _ in chunk], device=device),
-                       chunk[-1][0]))
+        groups.append(
+            (torch.tensor(seqs, device=device), torch.tensor([n for n, _ in chunk], device=device), chunk[-1][0])
+        )
     decode_seqs = torch.tensor([i for _, i in decodes], device=device) if decodes else None
     plan = _HostPlan(groups, prefills, decode_seqs)
     meta._host_plan = plan
     return plan
 
 
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
     """Batched one-token attention for the sequences `rows`: q (G, Hq, D) -> (G, Hq, D)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
@@ -112,14 +122,25 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = torch.index_select(v_cache, 0, flat).view(len(rows), -1, num_kv_heads, head_dim)
     visible = torch.arange(k.shape[1], device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # (G, L)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),  # (G, H, 1|L, D)
-        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
+        q.unsqueeze(2),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),  # (G, H, 1|L, D)
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
     return out.squeeze(2)  # (G, Hq, D)
 
 
-def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float,
-                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+def attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Paged causal attention in plain torch: q (T, Hq, D) -> (T, Hq, D).
 
     One-token (decode) sequences run batched, in groups of similar length; multi-token
@@ -136,13 +157,15 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if op is not None and plan.decode_seqs is not None:  # a mixed step's one-token rows, in one call
         seqs = plan.decode_seqs
         rows = qsl[seqs].long()
-        out[rows] = op.paged_decode_attention_cpu(q[rows], k_cache, v_cache, meta.block_tables[seqs],
-                                                  meta.seq_lens[seqs], scale)
+        out[rows] = op.paged_decode_attention_cpu(
+            q[rows], k_cache, v_cache, meta.block_tables[seqs], meta.seq_lens[seqs], scale
+        )
     else:
         for rows, seq_lens, max_len in plan.decode_groups:
             token_rows = qsl[rows].long()
-            out[token_rows] = _decode_group(q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens,
-                                            max_len, scale)
+            out[token_rows] = _decode_group(
+                q[token_rows], k_cache, v_cache, rows, meta.block_tables, seq_lens, max_len, scale
+            )
     for i, start, end, seq_len in plan.prefills:
         q_len = end - start
         if seq_len == q_len and k_new is not None:
@@ -166,8 +189,15 @@ def attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D)."""
     if q.is_cuda:
         return _attention_cuda(q, k, v, k_cache, v_cache, meta, scale)
@@ -186,5 +216,6 @@ def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    return kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                           meta.seq_lens, meta.max_query_len, scale)
+    return kernels.paged_prefill_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
+    )

@@ -14,7 +14,7 @@ cached block (dropping its hash). Freeing a hashed block keeps it reusable until
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.engine_core import RequestOutput
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.engine_core import RequestOutput
 
 
 # -- server → core -------------------------------------------------------------------------

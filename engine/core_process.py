@@ -19,7 +19,8 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from splitserve.engine import core_messages as m
 
@@ -96,8 +97,11 @@ class CoreLoop:
 
         ids = set(msg.request_ids)
         self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
-        outs = [RequestOutput(rid, [], finished=True, finish_reason="abort")
-                for rid in msg.request_ids if self.engine.abort(rid)]
+        outs = [
+            RequestOutput(rid, [], finished=True, finish_reason="abort")
+            for rid in msg.request_ids
+            if self.engine.abort(rid)
+        ]
         self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
 
     def on_release(self, msg: m.ReleaseHeld) -> None:
@@ -106,8 +110,15 @@ class CoreLoop:
 
     def on_import(self, msg: m.ImportKv) -> None:
         try:
-            started = self.engine.begin_import(msg.request_id, msg.prompt_token_ids, msg.params, msg.seed,
-                                               msg.first_token_id, msg.first_logprobs, msg.priority)
+            started = self.engine.begin_import(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.seed,
+                msg.first_token_id,
+                msg.first_logprobs,
+                msg.priority,
+            )
         except ValueError as exc:  # a bad request, not a failed pull: it ends here
             from splitserve.engine.engine_core import RequestOutput
 
@@ -134,13 +145,26 @@ class CoreLoop:
             num_bytes = self.kv_io.pull(spec, indices, dst_blocks[num_local:], self)
         except Exception as exc:  # a failed pull fails this request only
             log.warning("request_id=%s KV pull failed: %s", msg.request_id, exc)
-            self.outbox.append(m.ImportDone(msg.request_id, ok=False, num_cached_tokens=num_local * self.engine.config.block_size,
-                                            error=f"KV pull from {spec.prefill_instance} failed: {exc}"))
+            self.outbox.append(
+                m.ImportDone(
+                    msg.request_id,
+                    ok=False,
+                    num_cached_tokens=num_local * self.engine.config.block_size,
+                    error=f"KV pull from {spec.prefill_instance} failed: {exc}",
+                )
+            )
             return
-        self.outbox.append(m.ImportDone(msg.request_id, ok=True, num_blocks_pulled=len(indices),
-                                        num_cached_tokens=num_local * self.engine.config.block_size,
-                                        num_bytes=num_bytes, transfer_ns=time.perf_counter_ns() - start,
-                                        device_ns=self.kv_io.last_device_ns))
+        self.outbox.append(
+            m.ImportDone(
+                msg.request_id,
+                ok=True,
+                num_blocks_pulled=len(indices),
+                num_cached_tokens=num_local * self.engine.config.block_size,
+                num_bytes=num_bytes,
+                transfer_ns=time.perf_counter_ns() - start,
+                device_ns=self.kv_io.last_device_ns,
+            )
+        )
 
     def on_commit(self, msg: m.CommitImport) -> None:
         from splitserve.engine.engine_core import RequestOutput
@@ -154,8 +178,13 @@ class CoreLoop:
             return
         self.engine.fail_import(msg.request_id, recompute=msg.recompute)
         if not msg.recompute:
-            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
-                                error="KV lease was no longer valid after the copy")
+            out = RequestOutput(
+                msg.request_id,
+                [],
+                finished=True,
+                finish_reason="error",
+                error="KV lease was no longer valid after the copy",
+            )
             self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
 
     def on_send(self, msg: m.SendBlocks) -> None:
@@ -171,8 +200,15 @@ class CoreLoop:
 
         def join() -> None:
             try:
-                self.kv_io.pair(msg.pair, msg.rank, msg.store_host, msg.store_port, msg.backend, device,
-                                local_host=msg.local_host or msg.store_host)
+                self.kv_io.pair(
+                    msg.pair,
+                    msg.rank,
+                    msg.store_host,
+                    msg.store_port,
+                    msg.backend,
+                    device,
+                    local_host=msg.local_host or msg.store_host,
+                )
                 self.kv_io.keep_peer_awake(msg.peer_gpu_uuid)
                 self.background_replies.put(m.Reply(msg.call_id, True))
             except Exception as exc:
@@ -210,9 +246,15 @@ class CoreLoop:
 
 
 HANDLERS: dict[type, Callable] = {
-    m.AddRequest: CoreLoop.on_add, m.Abort: CoreLoop.on_abort, m.ReleaseHeld: CoreLoop.on_release,
-    m.ImportKv: CoreLoop.on_import, m.CommitImport: CoreLoop.on_commit, m.SendBlocks: CoreLoop.on_send,
-    m.Pair: CoreLoop.on_pair, m.MapPeer: CoreLoop.on_map_peer, m.Query: CoreLoop.on_query,
+    m.AddRequest: CoreLoop.on_add,
+    m.Abort: CoreLoop.on_abort,
+    m.ReleaseHeld: CoreLoop.on_release,
+    m.ImportKv: CoreLoop.on_import,
+    m.CommitImport: CoreLoop.on_commit,
+    m.SendBlocks: CoreLoop.on_send,
+    m.Pair: CoreLoop.on_pair,
+    m.MapPeer: CoreLoop.on_map_peer,
+    m.Query: CoreLoop.on_query,
     m.Shutdown: CoreLoop.on_shutdown,
 }
 
@@ -258,8 +300,13 @@ class EngineClient:
     outputs go to its queue (`open_stream`), replies to their futures.
     """
 
-    def __init__(self, config, kv_options: dict, on_batch: Callable[[Any], None] | None = None,
-                 process_init: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        kv_options: dict,
+        on_batch: Callable[[Any], None] | None = None,
+        process_init: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.kv_options = kv_options
         self.on_batch = on_batch
@@ -280,8 +327,12 @@ class EngineClient:
         self.loop = asyncio.get_running_loop()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=core_main, args=(self.config, child, self.kv_options, self.process_init),
-                                   name="splitserve-core", daemon=True)
+        self.process = ctx.Process(
+            target=core_main,
+            args=(self.config, child, self.kv_options, self.process_init),
+            name="splitserve-core",
+            daemon=True,
+        )
         self.process.start()
         child.close()
         ready = await asyncio.wait_for(self.loop.run_in_executor(None, self._conn.recv), timeout_s)
@@ -304,9 +355,10 @@ class EngineClient:
         from splitserve.engine.engine_core import RequestOutput
 
         self.dead = True
-        for request_id, queue in list(self.streams.items()):
-            queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error",
-                                           error="engine core process exited"))
+        for request_id, stream in list(self.streams.items()):
+            stream.put_nowait(
+                RequestOutput(request_id, [], finished=True, finish_reason="error", error="engine core process exited")
+            )
         for future in self.futures.values():
             if not future.done():
                 future.set_exception(RuntimeError("engine core process exited"))

@@ -44,10 +44,15 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1,
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            max_query_len=1,
             max_seq_len=self.block_tables.shape[1] * self.kv_cache.shape[3],
-            query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[1] * b)
+            query_start_loc_cpu=list(range(b + 1)),
+            seq_lens_cpu=[1] * b,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -67,8 +72,12 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs), self.buckets,
-                 time.perf_counter() - start)
+        log.info(
+            "captured %d decode graphs (batch %s) in %.1f s",
+            len(self.graphs),
+            self.buckets,
+            time.perf_counter() - start,
+        )
 
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
@@ -76,8 +85,14 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
         """Replay the graph for n = len(input_ids) one-token sequences; returns hidden (n, H)."""
         n = input_ids.shape[0]
         b = self.bucket_for(n)

@@ -15,19 +15,18 @@ from __future__ import annotations
 import logging
 import operator
 import random
-import time
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from splitserve.engine.block_pool import BlockPool
 from splitserve.common.config import EngineConfig, RuntimeInfo
-from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
 from splitserve.common.kv_layout import KvLayout
-from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
-from splitserve.engine.request import Request, RequestStatus
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
+from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
+from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 
 log = logging.getLogger("splitserve.engine")
@@ -123,24 +122,39 @@ class EngineCore:
             keep_freed_memory()
         dtype_name = resolve_dtype(config.dtype, device)
         if model is None:
-            model, model_config = load_model(config.resolved_model(), dtype=dtype_from_name(dtype_name),
-                                             device=device, load_format=config.load_format,
-                                             seed=config.seed, model_id=config.model_id or None)
+            model, model_config = load_model(
+                config.resolved_model(),
+                dtype=dtype_from_name(dtype_name),
+                device=device,
+                load_format=config.load_format,
+                seed=config.seed,
+                model_id=config.model_id or None,
+            )
         self.model_config = model_config
         self.layout: KvLayout = model_config.kv_layout(config.block_size, dtype_name)
         num_blocks = config.num_kv_blocks or self._size_pool(device)
-        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                            model_config.max_position_embeddings)
-        self.info = RuntimeInfo(model_id=model_config.model_id, device=str(device), dtype=dtype_name,
-                                num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                                eos_token_ids=tuple(model_config.eos_token_ids),
-                                vocab_size=model_config.vocab_size)
+        max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        self.info = RuntimeInfo(
+            model_id=model_config.model_id,
+            device=str(device),
+            dtype=dtype_name,
+            num_kv_blocks=num_blocks,
+            max_model_len=max_model_len,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+            vocab_size=model_config.vocab_size,
+        )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
-        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=max_model_len, role=config.role,
-                                   policy=config.scheduling_policy)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            role=config.role,
+            policy=config.scheduling_policy,
+        )
         factory = kv_cache_factory or allocate_kv_cache
         kv_cache = factory(self.layout, num_blocks, device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device)
@@ -150,9 +164,17 @@ class EngineCore:
         self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)
         self.num_steps = 0
-        log.info("engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
-                 self.info.model_id, device, dtype_name, num_blocks, num_blocks * config.block_size,
-                 num_blocks * self.layout.block_nbytes / 2**20, max_model_len, config.role)
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
+            self.info.model_id,
+            device,
+            dtype_name,
+            num_blocks,
+            num_blocks * config.block_size,
+            num_blocks * self.layout.block_nbytes / 2**20,
+            max_model_len,
+            config.role,
+        )
 
     def _size_pool(self, device: torch.device) -> int:
         if device.type == "cuda":
@@ -173,8 +195,14 @@ class EngineCore:
         return num_blocks
 
     # -- requests --------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     priority: int = 0, seed: int | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        seed: int | None = None,
+    ) -> Request:
         """Validate and build a Request (does not queue it)."""
         if request_id in self.scheduler.requests or request_id in self.held or request_id in self.importing:
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -187,21 +215,41 @@ class EngineCore:
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
         if num_prompt >= max_len:
-            raise RequestError(f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate")
+            raise RequestError(
+                f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate"
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
         if num_prompt + max_tokens > max_len:
-            raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds max_model_len {max_len}")
+            raise RequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len {max_len}"
+            )
         need = cdiv(num_prompt + max_tokens, self.config.block_size)
         if need > self.pool.num_blocks:
-            raise RequestError(f"prompt + max_tokens needs {need} KV blocks; the pool has {self.pool.num_blocks} in all")
+            raise RequestError(
+                f"prompt + max_tokens needs {need} KV blocks; the pool has {self.pool.num_blocks} in all"
+            )
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = () if params.ignore_eos else self.info.eos_token_ids
-        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                       seed=seed, max_tokens=max_tokens, eos_token_ids=eos, priority=priority)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            seed=seed,
+            max_tokens=max_tokens,
+            eos_token_ids=eos,
+            priority=priority,
+        )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, seed: int | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        seed: int | None = None,
+    ) -> Request:
         request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
         self.scheduler.add(request)
         return request
@@ -237,12 +285,18 @@ class EngineCore:
             if status == RequestStatus.PREFILLED:
                 self.held[request.request_id] = request
             lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
-            outputs.append(RequestOutput(
-                request_id=request.request_id, new_token_ids=[request.token_ids[-1]], new_logprobs=lp,
-                finished=status.is_finished or status == RequestStatus.PREFILLED,
-                finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
-                stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
-                queue_ns=_queue_ns(request)))
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[request.token_ids[-1]],
+                    new_logprobs=lp,
+                    finished=status.is_finished or status == RequestStatus.PREFILLED,
+                    finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queue_ns=_queue_ns(request),
+                )
+            )
         return outputs
 
     # -- prefill role: held KV -------------------------------------------------------------
@@ -250,7 +304,7 @@ class EngineCore:
         """(block ids, full-block hashes, prompt tokens) of a parked prefill request."""
         request = self.held[request_id]
         hashes = hash_full_blocks(request.prompt_token_ids, self.config.block_size, self.kv.extra_keys)
-        blocks = self.kv.blocks_of(request_id)[:cdiv(request.num_prompt_tokens, self.config.block_size)]
+        blocks = self.kv.blocks_of(request_id)[: cdiv(request.num_prompt_tokens, self.config.block_size)]
         return blocks, hashes, request.num_prompt_tokens
 
     def release_kv(self, request_id: str) -> bool:
@@ -261,9 +315,16 @@ class EngineCore:
         return True
 
     # -- decode role: import ---------------------------------------------------------------
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     seed: int, first_token_id: int, first_logprobs=None, priority: int = 0
-                     ) -> tuple[list[int], int] | None:
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        first_token_id: int,
+        first_logprobs=None,
+        priority: int = 0,
+    ) -> tuple[list[int], int] | None:
         """Allocate blocks for an incoming prompt's KV, reusing locally cached prefix blocks.
 
         Returns (block ids for the whole prompt, number of leading blocks already cached
@@ -290,8 +351,14 @@ class EngineCore:
         if status is not None:
             request.status = status
             self.kv.free(request_id)
-            return RequestOutput(request_id, [], finished=True, finish_reason=status.value,
-                                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens)
+            return RequestOutput(
+                request_id,
+                [],
+                finished=True,
+                finish_reason=status.value,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+            )
         self.scheduler.add_running(request)
         return None
 

@@ -11,8 +11,8 @@ and each request's block hashes.
 
 from __future__ import annotations
 
-from splitserve.engine.block_pool import BlockPool
 from splitserve.common.prefix_hash import hash_full_blocks
+from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.request import Request
 
 
@@ -74,8 +74,9 @@ class KvCacheManager:
     def num_blocks_needed(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> int:
         """New blocks an allocate_slots call would take (cached blocks that are free count too)."""
         held = len(self.req_blocks.get(request.request_id, ())) + len(cached)
-        need = cdiv(request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
-                    self.block_size) - held
+        need = (
+            cdiv(request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens, self.block_size) - held
+        )
         revived = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
         return max(need, 0) + revived
 
@@ -85,8 +86,11 @@ class KvCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         held = self.req_blocks.get(request.request_id)
-        if not cached and held is not None \
-                and len(held) * self.block_size >= request.num_computed_tokens + num_new_tokens:
+        if (
+            not cached
+            and held is not None
+            and len(held) * self.block_size >= request.num_computed_tokens + num_new_tokens
+        ):
             return True  # e.g. a decode step inside its last block: nothing to allocate
         if self.num_blocks_needed(request, num_new_tokens, cached) > self.pool.num_free_blocks:
             return False

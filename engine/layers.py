@@ -32,8 +32,7 @@ def cpu_ops_for(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float3
     return _cpu_ops_module().for_tensor(x, dtypes)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim: weight * x / sqrt(mean(x^2) + eps).
 
     With `residual`, first adds it (x + residual, in x's dtype) and returns
@@ -70,8 +69,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> None:
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Apply neox-style RoPE in place: q (T, Hq, D), k (T, Hkv, D), positions (T,) int64.
 
     cos_sin_cache (max_pos, D) is cat(cos (max_pos, D/2), sin (max_pos, D/2)); the first
@@ -98,7 +96,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    return 1.0 / (base ** exponents)  # (D/2,) float32
+    return 1.0 / (base**exponents)  # (D/2,) float32
 
 
 def _linear_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -126,8 +124,14 @@ _INV_FREQ_SCALERS = {
 }
 
 
-def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: dict | None,
-                        dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+def build_cos_sin_cache(
+    head_dim: int,
+    max_pos: int,
+    base: float,
+    rope_scaling: dict | None,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """(max_pos, head_dim) = cat(cos, sin) of position * inv_freq, stored in `dtype`.
 
     Frequencies are float32 (as transformers computes them); angles and cos/sin are in
@@ -137,8 +141,9 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     inv_freq = _default_inv_freq(head_dim, base)
     if rope_type != "default":
         if rope_type not in _INV_FREQ_SCALERS:
-            raise ValueError(f"rope_type {rope_type!r} is not supported; "
-                             f"supported: default, {', '.join(_INV_FREQ_SCALERS)}")
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(_INV_FREQ_SCALERS)}"
+            )
         inv_freq = _INV_FREQ_SCALERS[rope_type](inv_freq, rope_scaling)
     work = compute_dtype(dtype)
     inv_freq = inv_freq.to(device=device, dtype=work)

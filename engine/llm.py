@@ -1,20 +1,20 @@
 """The offline API, shaped like vLLM's so one benchmark script drives both.
 
-    from splitserve.engine import LLM, SamplingParams
-    llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
-    outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24))
-    outs[0].token_ids, outs[0].text, outs[0].finish_reason
+from splitserve.engine import LLM, SamplingParams
+llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
+outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24))
+outs[0].token_ids, outs[0].text, outs[0].finish_reason
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from splitserve.common.config import EngineConfig
-from splitserve.engine.engine_core import EngineCore
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.engine_core import EngineCore
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GenerationOutput:
     num_cached_tokens: int = 0
 
     @property
-    def outputs(self) -> list["GenerationOutput"]:
+    def outputs(self) -> list[GenerationOutput]:
         return [self]
 
 
@@ -48,15 +48,22 @@ class LLM:
     @staticmethod
     def _load_tokenizer(path: str):
         directory = Path(path)
-        if not directory.is_dir() or not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+        if (
+            not directory.is_dir()
+            or not (directory / "tokenizer.json").exists()
+            and not (directory / "tokenizer_config.json").exists()
+        ):
             return None
         from splitserve.common.tokenizer import load_tokenizer
 
         return load_tokenizer(directory)
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -74,8 +81,9 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
         return self._run([list(p) for p in prompt_token_ids], params_list, prompts)
 
-    def _run(self, token_lists: list[list[int]], params_list: list[SamplingParams],
-             prompts: Sequence[str] | None) -> list[GenerationOutput]:
+    def _run(
+        self, token_lists: list[list[int]], params_list: list[SamplingParams], prompts: Sequence[str] | None
+    ) -> list[GenerationOutput]:
         from splitserve.common.detokenizer import IncrementalDetokenizer
 
         results: dict[str, GenerationOutput] = {}
@@ -85,12 +93,17 @@ class LLM:
             request_id = f"offline-{self._counter}"
             self._counter += 1
             self.engine.add_request(request_id, ids, params)
-            results[request_id] = GenerationOutput(request_id, prompts[i] if prompts else None, ids,
-                                                   logprobs=[] if params.logprobs is not None else None)
+            results[request_id] = GenerationOutput(
+                request_id, prompts[i] if prompts else None, ids, logprobs=[] if params.logprobs is not None else None
+            )
             if self.tokenizer is not None:
                 detoks[request_id] = IncrementalDetokenizer(
-                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids)
+                    self.tokenizer,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    prompt_token_ids=ids,
+                )
             order.append(request_id)
         while self.engine.has_unfinished():
             for out in self.engine.step():

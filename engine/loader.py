@@ -30,9 +30,15 @@ PROGRESS_MIN_BYTES = 1 << 30  # always show the bar above this (and whenever std
 DUMMY_STD = 0.02
 
 
-def load_model(model: str | Path, *, dtype: torch.dtype | str, device: torch.device | str,
-               load_format: str = "auto", seed: int = 0,
-               model_id: str | None = None) -> tuple[nn.Module, ModelConfig]:
+def load_model(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+    model_id: str | None = None,
+) -> tuple[nn.Module, ModelConfig]:
     """Load `model` (a directory; for load_format="dummy" also a config JSON file).
 
     dtype: a torch dtype or its name ("bfloat16", ...), or "auto" for the checkpoint's own
@@ -48,8 +54,9 @@ def load_model(model: str | Path, *, dtype: torch.dtype | str, device: torch.dev
         raise FileNotFoundError(f"no config.json in model directory {path}")
     if load_format == "auto":
         if not path.is_dir():
-            raise FileNotFoundError(f"model path {path} is not a directory "
-                                    f"(a config file alone needs load_format='dummy')")
+            raise FileNotFoundError(
+                f"model path {path} is not a directory (a config file alone needs load_format='dummy')"
+            )
         weight_files = checkpoint_files(path)
     config = ModelConfig.from_pretrained(path, model_id=model_id)
     torch_dtype = resolve_dtype(dtype, config)
@@ -101,12 +108,15 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                     if target is None:
                         if net.is_ignored_checkpoint_tensor(name):
                             continue
-                        raise ValueError(f"unexpected tensor {name!r} in {file.name}: "
-                                         f"{net.config.architecture} has no such weight")
+                        raise ValueError(
+                            f"unexpected tensor {name!r} in {file.name}: {net.config.architecture} has no such weight"
+                        )
                     tensor = reader.get_tensor(name)
                     if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(target.shape)}")
+                        raise ValueError(
+                            f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(target.shape)}"
+                        )
                     target.copy_(tensor)
                     loaded.add(name)
                     progress.advance(tensor.numel() * tensor.element_size())
@@ -157,6 +167,8 @@ class Progress:
     def _draw(self, now: float) -> None:
         frac = min(self.done / self.total, 1.0)
         bar = "#" * int(frac * self.width)
-        sys.stderr.write(f"\r{self.label}: {frac:4.0%} |{bar:<{self.width}}| "
-                         f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {now - self.start:.1f} s")
+        sys.stderr.write(
+            f"\r{self.label}: {frac:4.0%} |{bar:<{self.width}}| "
+            f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB {now - self.start:.1f} s"
+        )
         sys.stderr.flush()

@@ -11,9 +11,10 @@ Architectures differ only in a few traits (`ARCH_TRAITS`, keyed by
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from splitserve.common.kv_layout import KvLayout
 
@@ -41,16 +42,16 @@ class ArchTraits:
 ARCH_TRAITS: dict[str, ArchTraits] = {
     "LlamaForCausalLM": ArchTraits("llama"),
     "MistralForCausalLM": ArchTraits("mistral", bias_rule=lambda hf: (False, False)),
-    "Qwen2ForCausalLM": ArchTraits("qwen2", bias_rule=lambda hf: (True, False),
-                                   sliding_window_flag="use_sliding_window"),
+    "Qwen2ForCausalLM": ArchTraits(
+        "qwen2", bias_rule=lambda hf: (True, False), sliding_window_flag="use_sliding_window"
+    ),
     "Qwen3ForCausalLM": ArchTraits("qwen3", qk_norm=True, sliding_window_flag="use_sliding_window"),
 }
 _ARCH_BY_MODEL_TYPE = {traits.model_type: name for name, traits in ARCH_TRAITS.items()}
 
 
 def unsupported_architecture(name: str) -> ValueError:
-    return ValueError(f"architecture {name!r} is not supported; "
-                      f"supported: {', '.join(sorted(ARCH_TRAITS))}")
+    return ValueError(f"architecture {name!r} is not supported; supported: {', '.join(sorted(ARCH_TRAITS))}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class ModelConfig:
     checkpoint_dtype: str | None = None  # the dtype config.json names, e.g. "bfloat16"
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, model_id: str | None = None) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path, model_id: str | None = None) -> ModelConfig:
         """Read a model directory (config.json, optional generation_config.json) or a config JSON file."""
         from transformers import AutoConfig
 
@@ -102,7 +103,7 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_hf_config(cls, hf: Any, model_id: str | None = None) -> "ModelConfig":
+    def from_hf_config(cls, hf: Any, model_id: str | None = None) -> ModelConfig:
         """Build from a transformers config object (architecture from `architectures[0]`,
         else from `model_type`)."""
         architecture = _architecture_of(hf)
@@ -113,8 +114,7 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
-                             f"num_key_value_heads {num_kv_heads}")
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         rope_theta, rope_scaling = _rope_of(hf)
         qkv_bias, o_bias = traits.bias_rule(hf)
         window = getattr(hf, "sliding_window", None)
@@ -147,9 +147,14 @@ class ModelConfig:
 
     def kv_layout(self, block_size: int, dtype_name: str) -> KvLayout:
         """The KV cache layout this model needs with `block_size` tokens per block."""
-        return KvLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, block_size=block_size, dtype=dtype_name,
-                        model_id=self.model_id)
+        return KvLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            dtype=dtype_name,
+            model_id=self.model_id,
+        )
 
 
 def _architecture_of(hf: Any) -> str:
@@ -197,7 +202,6 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 def _default_model_id(path: Path) -> str:
     path = path.resolve()
     return path.stem if path.is_file() else path.name
-
 
 
 def _dtype_name_of(hf: Any) -> str | None:

@@ -20,14 +20,15 @@ class GenerateConfig:
 
 
 def run(ns, configs) -> int:
-    from splitserve.engine.llm import LLM
     from splitserve.common.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM
 
     engine_config = configs["EngineConfig"]
     gen = configs["GenerateConfig"]
     llm = LLM(**{f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)})
-    params = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_tokens,
-                            seed=gen.request_seed)
+    params = SamplingParams(
+        temperature=gen.temperature, top_p=gen.top_p, max_tokens=gen.max_tokens, seed=gen.request_seed
+    )
     out = llm.generate([gen.prompt], params)[0]
     sys.stdout.write(gen.prompt + out.text + "\n")
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)

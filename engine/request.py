@@ -24,8 +24,12 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
 
 
 @dataclass(eq=False)
@@ -70,7 +74,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -21,14 +21,14 @@ lists that become (B,) tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Sequence
 
 import torch
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.logprobs import TokenLogprobs
+from splitserve.common.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -154,9 +154,7 @@ def apply_min_p(logits: torch.Tensor, min_p: Sequence[float] | torch.Tensor) -> 
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, like: torch.Tensor
-) -> torch.Tensor:
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, like: torch.Tensor) -> torch.Tensor:
     """(B, V) tensor of how often each vocab id occurs in each row's ids (dtype of `like`).
 
     Flattens the rows into one index tensor built on the CPU, moves it once, and

@@ -101,8 +101,16 @@ class WaitingQueue:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens."""
 
-    def __init__(self, kv: KvCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, role: str = "both", policy: str = "fcfs") -> None:
+    def __init__(
+        self,
+        kv: KvCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        role: str = "both",
+        policy: str = "fcfs",
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -210,8 +218,7 @@ class Scheduler:
             budget -= num_new
 
     # -- after the runner ------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]
-                           ) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests. Returns the
         requests that produced a token or finished this step."""
         changed = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from splitserve.gateway.errors import GatewayError
 

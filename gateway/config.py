@@ -43,26 +43,42 @@ class GatewayConfig:
     request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
     max_body_bytes: int = option(1 << 20, "largest REST request body; larger gets HTTP 413", min=1024, max=1 << 30)
     max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
-    max_concurrent_requests: int = option(1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20)
+    max_concurrent_requests: int = option(
+        1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20
+    )
     drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
-    max_waiting_per_decode: int = option(256, "requests waiting at one decode (its Describe num_waiting plus those sent "
-                                         "since) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503",
-                                         min=1, max=1 << 20)
-    metrics_port: int = option(0, "separate HTTP port for /metrics (for a gateway without REST; REST serves /metrics "
-                               "itself); 0 = off", min=0, max=65535)
-    api_keys_file: str = option("", "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
-                                "(comma-separated) every public call needs 'Authorization: Bearer <key>'")
+    max_waiting_per_decode: int = option(
+        256,
+        "requests waiting at one decode (its Describe num_waiting plus those sent "
+        "since) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503",
+        min=1,
+        max=1 << 20,
+    )
+    metrics_port: int = option(
+        0,
+        "separate HTTP port for /metrics (for a gateway without REST; REST serves /metrics itself); 0 = off",
+        min=0,
+        max=65535,
+    )
+    api_keys_file: str = option(
+        "",
+        "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
+        "(comma-separated) every public call needs 'Authorization: Bearer <key>'",
+    )
     internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
     tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
     tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
-    rate_limit_rps: float = option(0.0, "requests per second per API key (token bucket); 0 = no limit",
-                                   min=0.0, max=1e6)
-    rate_limit_burst: int = option(0, "request bucket size per API key; 0 = max(1, ceil(rate_limit_rps))",
-                                   min=0, max=1 << 20)
-    rate_limit_tokens_per_min: int = option(0, "prompt tokens + max_tokens per minute per API key; 0 = no limit",
-                                            min=0, max=1 << 40)
+    rate_limit_rps: float = option(
+        0.0, "requests per second per API key (token bucket); 0 = no limit", min=0.0, max=1e6
+    )
+    rate_limit_burst: int = option(
+        0, "request bucket size per API key; 0 = max(1, ceil(rate_limit_rps))", min=0, max=1 << 20
+    )
+    rate_limit_tokens_per_min: int = option(
+        0, "prompt tokens + max_tokens per minute per API key; 0 = no limit", min=0, max=1 << 40
+    )
 
     @property
     def prefill_addresses(self) -> tuple[str, ...]:
@@ -78,28 +94,52 @@ class UpConfig:
     """Ports and shape of the loopback stack that `splitserve up` starts."""
 
     prefill_port: int = option(50061, "gRPC port of the prefill instance", min=1, max=65535)
-    decode_port: int = option(50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535)
+    decode_port: int = option(
+        50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535
+    )
     grpc_port: int = option(50051, "gateway gRPC port", min=1, max=65535)
     http_port: int = option(8000, "gateway REST port", min=1, max=65535)
     kv_transport: str = option("shm", "KV transport between prefill and decode", choices=KV_TRANSPORTS)
     num_decode: int = option(1, "decode instances", min=1, max=64)
     ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
-    stop_grace_s: float = option(10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0)
+    stop_grace_s: float = option(
+        10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0
+    )
 
 
 # GatewayConfig fields `splitserve up` sets itself (addresses, ports, model) or has no use for on
 # loopback (internal mTLS); every other gateway option `up` takes and passes to its gateway.
-UP_SETS_ITSELF = frozenset({"host", "grpc_port", "http_port", "model", "model_id", "prefill", "decode",
-                            "internal_tls_cert", "internal_tls_key", "internal_tls_ca"})
+UP_SETS_ITSELF = frozenset(
+    {
+        "host",
+        "grpc_port",
+        "http_port",
+        "model",
+        "model_id",
+        "prefill",
+        "decode",
+        "internal_tls_cert",
+        "internal_tls_key",
+        "internal_tls_ca",
+    }
+)
 
 
 def _up_gateway_fields() -> list[tuple[str, type, dataclasses.Field]]:
     hints = typing.get_type_hints(GatewayConfig)
-    return [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
-            for f in dataclasses.fields(GatewayConfig) if f.name not in UP_SETS_ITSELF]
+    return [
+        (f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(GatewayConfig)
+        if f.name not in UP_SETS_ITSELF
+    ]
 
 
 UpGatewayConfig = dataclasses.make_dataclass(
-    "UpGatewayConfig", _up_gateway_fields(), frozen=True,
-    namespace={"__doc__": "The gateway options of `splitserve up` (API keys, TLS, limits), passed to its gateway.",
-               "__module__": __name__})
+    "UpGatewayConfig",
+    _up_gateway_fields(),
+    frozen=True,
+    namespace={
+        "__doc__": "The gateway options of `splitserve up` (API keys, TLS, limits), passed to its gateway.",
+        "__module__": __name__,
+    },
+)

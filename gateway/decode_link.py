@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
@@ -45,8 +45,9 @@ class DecodeLink:
     request's own deadline timer may add request_run's _DEADLINE marker at any point).
     """
 
-    def __init__(self, name: str, channel: grpc.aio.Channel,
-                 on_broken: Callable[["DecodeLink", str], None] | None = None) -> None:
+    def __init__(
+        self, name: str, channel: grpc.aio.Channel, on_broken: Callable[[DecodeLink, str], None] | None = None
+    ) -> None:
         self.name = name  # the instance id, used in client-facing error messages
         self._stub = decode_pb2_grpc.DecodeStub(channel)
         self._on_broken = on_broken
@@ -61,8 +62,10 @@ class DecodeLink:
         """Start the stream and its reader and writer tasks (no round trip is awaited)."""
         self._call = self._stub.Generate()
         self.alive = True
-        self._tasks = [asyncio.create_task(self._write(), name=f"decode-link-writer-{self.name}"),
-                       asyncio.create_task(self._read(), name=f"decode-link-reader-{self.name}")]
+        self._tasks = [
+            asyncio.create_task(self._write(), name=f"decode-link-writer-{self.name}"),
+            asyncio.create_task(self._read(), name=f"decode-link-reader-{self.name}"),
+        ]
 
     @property
     def num_requests(self) -> int:
@@ -96,8 +99,12 @@ class DecodeLink:
         self.alive = False
         self.error = reason
         message = f"decode instance {self.name} failed: {reason}"
-        log.log(logging.WARNING if self._queues else logging.INFO, "%s (%d requests on the stream)",
-                message, len(self._queues))
+        log.log(
+            logging.WARNING if self._queues else logging.INFO,
+            "%s (%d requests on the stream)",
+            message,
+            len(self._queues),
+        )
         for queue in self._queues.values():
             queue.put_nowait(LinkFailure(message))
         self._queues.clear()

@@ -29,8 +29,15 @@ class GatewayError(Exception):
     in trailing metadata, which clients cap at a few KiB).
     """
 
-    def __init__(self, kind: str, message: str, *, param: str | None = None,
-                 code: str | None = None, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         if kind not in ERROR_KINDS:
             raise ValueError(f"unknown error kind {kind!r}")
         if len(message) > MAX_MESSAGE_CHARS:
@@ -53,8 +60,14 @@ class GatewayError(Exception):
 
     def openai_body(self) -> dict:
         """{"error": {"message", "type", "param", "code"}} as OpenAI's API answers."""
-        return {"error": {"message": self.message, "type": ERROR_KINDS[self.kind][2],
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_KINDS[self.kind][2],
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(message: str, param: str | None = None) -> GatewayError:

@@ -7,11 +7,10 @@ of their GatewayError and, when the caller may retry, trailing metadata `retry-a
 
 from __future__ import annotations
 
-from splitserve.runtime import tracing
-
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,8 +19,14 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.gateway.auth import ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
-from splitserve.gateway.service import GatewayService, GenerationInput, build_sampling_params, sampling_values_from_proto
+from splitserve.gateway.service import (
+    GatewayService,
+    GenerationInput,
+    build_sampling_params,
+    sampling_values_from_proto,
+)
 from splitserve.protos import generation_pb2
+from splitserve.runtime import tracing
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -31,12 +36,16 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
     values = sampling_values_from_proto(request.sampling)
     values["stop"] = list(request.stop)
     values["include_stop_str_in_output"] = request.include_stop_str_in_output
-    values["skip_special_tokens"] = (request.skip_special_tokens
-                                     if request.HasField("skip_special_tokens") else True)
+    values["skip_special_tokens"] = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
     params = build_sampling_params(values, max_stop_strings)
     kind = request.WhichOneof("prompt")
-    common = dict(request_id=request.request_id, model=request.model, params=params, priority=request.priority,
-                  max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None)
+    common = dict(
+        request_id=request.request_id,
+        model=request.model,
+        params=params,
+        priority=request.priority,
+        max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None,
+    )
     if kind == "text":
         return GenerationInput(text=request.text, **common)
     if kind == "token_ids":
@@ -56,19 +65,25 @@ class GenerationServicer:
     def __init__(self, service: GatewayService) -> None:
         self._service = service
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                       client_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, client_id: str
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         inp = input_from_proto(request, self._service.max_stop_strings)
-        stream = self._service.generate(inp, timeout_s=context.time_remaining(), client_id=client_id,
-                                         trace_carrier=tracing.metadata_carrier(context.invocation_metadata()))
+        stream = self._service.generate(
+            inp,
+            timeout_s=context.time_remaining(),
+            client_id=client_id,
+            trace_carrier=tracing.metadata_carrier(context.invocation_metadata()),
+        )
         try:
             async for message in stream:
                 yield message
         finally:
             await stream.aclose()  # client gone mid-stream: abort on every hop now
 
-    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext,
-                       client_id: str) -> generation_pb2.TokenizeResponse:
+    async def Tokenize(
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext, client_id: str
+    ) -> generation_pb2.TokenizeResponse:
         self._service.check_model(request.model)
         if request.WhichOneof("input") == "chat":
             ids = self._service.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
@@ -76,10 +91,15 @@ class GenerationServicer:
             ids = self._service.tokenize_text(request.text)
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._service.registry.max_model_len)
 
-    async def ListModels(self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
-                         client_id: str) -> generation_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext, client_id: str
+    ) -> generation_pb2.ListModelsResponse:
         model_id = self._service.model_id
-        models = [generation_pb2.ModelInfo(id=model_id, max_model_len=self._service.registry.max_model_len)] if model_id else []
+        models = (
+            [generation_pb2.ModelInfo(id=model_id, max_model_len=self._service.registry.max_model_len)]
+            if model_id
+            else []
+        )
         return generation_pb2.ListModelsResponse(models=models)
 
 
@@ -99,7 +119,7 @@ def _parse(raw: bytes, request_type: type) -> Any:
 class _Call:
     """Authentication and accounting of one call: `status` ends as the gRPC code name sent."""
 
-    def __init__(self, gate: "_Gate", route: str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, gate: _Gate, route: str, context: grpc.aio.ServicerContext) -> None:
         self.gate, self.route, self.context, self.status = gate, route, context, "UNKNOWN"
 
     def client_id(self) -> str:
@@ -168,14 +188,17 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def generation_handlers(service: GatewayService, api_keys: ApiKeys,
-                        metrics: GatewayMetrics | None) -> grpc.GenericRpcHandler:
+def generation_handlers(
+    service: GatewayService, api_keys: ApiKeys, metrics: GatewayMetrics | None
+) -> grpc.GenericRpcHandler:
     """The Generation service's handlers: requests arrive as bytes and are parsed by us, so a
     malformed message is INVALID_ARGUMENT; every call is authenticated and counted."""
     gate = _Gate(GenerationServicer(service), api_keys, metrics)
-    handlers = {"Generate": gate.streaming("Generate", generation_pb2.GenerateRequest),
-                "Tokenize": gate.unary("Tokenize", generation_pb2.TokenizeRequest),
-                "ListModels": gate.unary("ListModels", generation_pb2.ListModelsRequest)}
+    handlers = {
+        "Generate": gate.streaming("Generate", generation_pb2.GenerateRequest),
+        "Tokenize": gate.unary("Tokenize", generation_pb2.TokenizeRequest),
+        "ListModels": gate.unary("ListModels", generation_pb2.ListModelsRequest),
+    }
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
@@ -198,8 +221,13 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-def add_services(server: grpc.aio.Server, service: GatewayService, health_reporter: HealthReporter,
-                 api_keys: ApiKeys | None = None, metrics: GatewayMetrics | None = None) -> None:
+def add_services(
+    server: grpc.aio.Server,
+    service: GatewayService,
+    health_reporter: HealthReporter,
+    api_keys: ApiKeys | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> None:
     """Register Generation (authenticated when keys are configured), health and reflection (open)."""
     server.add_generic_rpc_handlers((generation_handlers(service, api_keys or ApiKeys(), metrics),))
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)

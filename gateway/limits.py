@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from splitserve.gateway.errors import GatewayError
 
@@ -50,8 +50,9 @@ class RateLimiter:
     tokens_per_min: token bucket size and refill per minute (0 = off).
     """
 
-    def __init__(self, rps: float = 0.0, burst: int = 0, tokens_per_min: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, rps: float = 0.0, burst: int = 0, tokens_per_min: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rps = rps
         self.burst = burst or max(1, math.ceil(rps))
         self.tokens_per_min = tokens_per_min
@@ -68,9 +69,13 @@ class RateLimiter:
             bucket = self._requests[client_id] = TokenBucket(self.burst, self.rps, self._clock)
         wait_s = bucket.take(1)
         if wait_s:
-            raise GatewayError("rate_limited", f"rate limit exceeded: more than {self.rps:g} requests per second "
-                               f"(burst {self.burst}) for this API key; retry after {wait_s} s",
-                               code="rate_limit_exceeded", retry_after_s=wait_s)
+            raise GatewayError(
+                "rate_limited",
+                f"rate limit exceeded: more than {self.rps:g} requests per second "
+                f"(burst {self.burst}) for this API key; retry after {wait_s} s",
+                code="rate_limit_exceeded",
+                retry_after_s=wait_s,
+            )
 
     def take_tokens(self, client_id: str, num_prompt_tokens: int, max_tokens: int, max_tokens_param: str) -> None:
         """Charge prompt + max_tokens to `client_id`; 429 (or 400 if it can never fit) when over."""
@@ -79,15 +84,22 @@ class RateLimiter:
         cost = num_prompt_tokens + max_tokens
         if cost > self.tokens_per_min:
             raise GatewayError(
-                "invalid_argument", f"the request needs {cost} tokens ({num_prompt_tokens} prompt + {max_tokens} "
+                "invalid_argument",
+                f"the request needs {cost} tokens ({num_prompt_tokens} prompt + {max_tokens} "
                 f"{max_tokens_param}), more than this API key may use in a minute (rate_limit_tokens_per_min="
-                f"{self.tokens_per_min}); lower {max_tokens_param} or shorten the prompt", param=max_tokens_param)
+                f"{self.tokens_per_min}); lower {max_tokens_param} or shorten the prompt",
+                param=max_tokens_param,
+            )
         bucket = self._tokens.get(client_id)
         if bucket is None:
-            bucket = self._tokens[client_id] = TokenBucket(self.tokens_per_min, self.tokens_per_min / 60.0,
-                                                           self._clock)
+            bucket = self._tokens[client_id] = TokenBucket(self.tokens_per_min, self.tokens_per_min / 60.0, self._clock)
         wait_s = bucket.take(cost)
         if wait_s:
-            raise GatewayError("rate_limited", f"rate limit exceeded: the request needs {cost} tokens and this API "
-                               f"key has {int(bucket.level())} of its {self.tokens_per_min} tokens per minute left; "
-                               f"retry after {wait_s} s", code="rate_limit_exceeded", retry_after_s=wait_s)
+            raise GatewayError(
+                "rate_limited",
+                f"rate limit exceeded: the request needs {cost} tokens and this API "
+                f"key has {int(bucket.level())} of its {self.tokens_per_min} tokens per minute left; "
+                f"retry after {wait_s} s",
+                code="rate_limit_exceeded",
+                retry_after_s=wait_s,
+            )

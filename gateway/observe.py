@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import time
 
-from splitserve.runtime.metrics import Metrics
 from splitserve.protos import common_pb2, generation_pb2
+from splitserve.runtime.metrics import Metrics
 
-FINISH_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                       common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+FINISH_REASON_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
 
 
 class GatewayMetrics:
@@ -51,7 +55,7 @@ class GatewayMetrics:
     def set_running(self, num_running: int) -> None:
         self.metrics.lab(self.metrics.running).set(num_running)
 
-    def run(self, arrival_s: float) -> "RunObserver":
+    def run(self, arrival_s: float) -> RunObserver:
         """An observer for one admitted request that arrived at `arrival_s` (time.monotonic())."""
         return RunObserver(self.metrics, arrival_s)
 

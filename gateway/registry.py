@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import grpc
 
@@ -102,9 +102,15 @@ class Instance:
 class Registry:
     """Owns the instances, their channels and decode links, and the health loop."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
-                 health_interval_s: float = 0.5, model_id: str = "",
-                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        health_interval_s: float = 0.5,
+        model_id: str = "",
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+    ) -> None:
         factory = channel_factory or (lambda addr: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS))
         self.instances = [Instance(a, "prefill", factory(a)) for a in prefill]
         self.instances += [Instance(a, "decode", factory(a)) for a in decode]
@@ -163,10 +169,14 @@ class Registry:
         inst.num_describe_failures = 0
         inst.pending_requests = inst.pending_tokens = inst.pending_blocks = 0
         if resp.role not in _POOL_ROLES[inst.pool]:
-            inst.error = (f"listed under --{inst.pool} but its role is {resp.role!r} "
-                          f"(expected one of {', '.join(_POOL_ROLES[inst.pool])})")
+            inst.error = (
+                f"listed under --{inst.pool} but its role is {resp.role!r} "
+                f"(expected one of {', '.join(_POOL_ROLES[inst.pool])})"
+            )
         elif inst.pool == "decode" and (inst.link is None or not inst.link.alive):
-            inst.link = DecodeLink(inst.name, inst.channel, on_broken=lambda link, why, i=inst: self._link_broken(i, link, why))
+            inst.link = DecodeLink(
+                inst.name, inst.channel, on_broken=lambda link, why, i=inst: self._link_broken(i, link, why)
+            )
             inst.link.open()
 
     def _describe_failed(self, inst: Instance, reason: str) -> None:
@@ -213,8 +223,8 @@ class Registry:
                 problem = self.pair_problem(p, d)
                 if problem is not None:
                     current[(p.address, d.address)] = (
-                        f"refusing to pair prefill {p.name} ({p.address}) with decode "
-                        f"{d.name} ({d.address}): {problem}")
+                        f"refusing to pair prefill {p.name} ({p.address}) with decode {d.name} ({d.address}): {problem}"
+                    )
         for key, message in current.items():
             if self._mismatches.get(key) != message:
                 log.error("%s", message)
@@ -242,8 +252,14 @@ class Registry:
         return {
             "ready": self.ready(),
             "instances": [
-                {"address": i.address, "pool": i.pool, "instance_id": i.describe.instance_id if i.describe else "",
-                 "role": i.role, "up": i.up, "error": "" if i.up else i.error}
+                {
+                    "address": i.address,
+                    "pool": i.pool,
+                    "instance_id": i.describe.instance_id if i.describe else "",
+                    "role": i.role,
+                    "up": i.up,
+                    "error": "" if i.up else i.error,
+                }
                 for i in self.instances
             ],
             "refused_pairs": self.describe_mismatches(),
@@ -251,8 +267,11 @@ class Registry:
 
     def not_ready_reason(self) -> str:
         """Why no full path exists (names each instance that is not up)."""
-        down = [f"{i.pool} {i.describe.instance_id + ' ' if i.describe else ''}at {i.address}: {i.error}"
-                for i in self.instances if not i.up]
+        down = [
+            f"{i.pool} {i.describe.instance_id + ' ' if i.describe else ''}at {i.address}: {i.error}"
+            for i in self.instances
+            if not i.up
+        ]
         parts = ["no prefill/decode pair with equal KV layouts and no colocated worker is up"]
         if not self.instances:
             parts.append("no instances are configured (use --prefill and --decode)")

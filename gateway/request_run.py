@@ -18,13 +18,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from splitserve.runtime import tracing
 from splitserve.common import wire
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ from splitserve.gateway.decode_link import DecodeLink, LinkDown, LinkFailure
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.registry import Instance
 from splitserve.protos import common_pb2, decode_pb2, generation_pb2, prefill_pb2
+from splitserve.runtime import tracing
 
 if TYPE_CHECKING:
     from splitserve.gateway.registry import Registry
@@ -40,11 +41,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("splitserve.gateway")
 FR = common_pb2.FinishReason
 # Prefill failures that mean "this instance is broken": stop routing to it.
-_MARK_DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DATA_LOSS}
+_MARK_DOWN_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DATA_LOSS,
+}
 # Prefill answers that are about the request itself: the client gets them, no fallback.
-_REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                  grpc.StatusCode.FAILED_PRECONDITION}
+_REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 _RELEASE_TIMEOUT_S = 5.0
 # Put in a run's queue by a timer at its deadline (one timer per request, not one per awaited message).
 _DEADLINE = object()
@@ -54,8 +59,8 @@ _DEADLINE = object()
 class RunDeps:
     """What a request run uses of the gateway: routing, instance health, detokenizing, background tasks."""
 
-    router: "Router"
-    registry: "Registry"
+    router: Router
+    registry: Registry
     tokenizer: Any
     spawn: Callable[[Coroutine], None]  # runs a cleanup coroutine in the background
 
@@ -68,9 +73,20 @@ def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingP
 class RequestRun:
     """State of one request from routing to its single terminal message."""
 
-    def __init__(self, deps: RunDeps, *, request_id: str, params: SamplingParams,
-                 prompt_token_ids: list[int], seed: int, priority: int, arrival_ns: int,
-                 deadline: float, budget_s: float, trace_carrier: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        deps: RunDeps,
+        *,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        seed: int,
+        priority: int,
+        arrival_ns: int,
+        deadline: float,
+        budget_s: float,
+        trace_carrier: dict[str, str] | None = None,
+    ) -> None:
         self._deps = deps
         self.request_id = request_id
         self._params = params
@@ -82,8 +98,12 @@ class RequestRun:
         self._budget_s = budget_s
         self._sampling = sampling_to_proto(params, seed)
         self._detok = IncrementalDetokenizer(
-            deps.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=prompt_token_ids)
+            deps.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            prompt_token_ids=prompt_token_ids,
+        )
         self.num_output_tokens = 0
         self.cached_prompt_tokens = 0
         self.finished = False
@@ -97,8 +117,11 @@ class RequestRun:
         self._stashed: LinkFailure | object | None = None  # a failure or _DEADLINE queued behind merged deltas
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._handed: tuple[Instance, common_pb2.KvHandle] | None = None  # lease given to a decode, unclaimed yet
-        self._span = tracing.start_span("request", tracing.extract(trace_carrier), {
-            "request_id": request_id, "prompt_tokens": len(prompt_token_ids), "max_tokens": params.max_tokens or 0})
+        self._span = tracing.start_span(
+            "request",
+            tracing.extract(trace_carrier),
+            {"request_id": request_id, "prompt_tokens": len(prompt_token_ids), "max_tokens": params.max_tokens or 0},
+        )
         self._first_message_ns = 0
         self._error: str | None = None
 
@@ -125,8 +148,10 @@ class RequestRun:
                 return
             decode = router.pick_decode(router.decode_candidates(prefill), self._prompt)
             if decode is None:
-                yield self._final(FR.FINISH_REASON_ERROR, error=f"no decode instance compatible with prefill "
-                                                                 f"{prefill.name} is up and has room; retry later")
+                yield self._final(
+                    FR.FINISH_REASON_ERROR,
+                    error=f"no decode instance compatible with prefill {prefill.name} is up and has room; retry later",
+                )
                 return
             request = self._decode_request(first)
         else:
@@ -153,22 +178,34 @@ class RequestRun:
         if not up:
             raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
         if not any(router.has_room(d) for d in up):
-            full = ", ".join(f"{d.name} is draining" if d.describe.draining else
-                             f"{d.name} has {router.num_waiting(d)} waiting" for d in up)
-            raise GatewayError("resource_exhausted", f"every decode instance is full ({full}; "
-                               f"max_waiting_per_decode={router.max_waiting_per_decode}); retry later",
-                               retry_after_s=1)
+            full = ", ".join(
+                f"{d.name} is draining" if d.describe.draining else f"{d.name} has {router.num_waiting(d)} waiting"
+                for d in up
+            )
+            raise GatewayError(
+                "resource_exhausted",
+                f"every decode instance is full ({full}; "
+                f"max_waiting_per_decode={router.max_waiting_per_decode}); retry later",
+                retry_after_s=1,
+            )
 
     async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
         """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
         router = self._deps.router
-        request = prefill_pb2.PrefillRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
-                                             sampling=self._sampling, seed=self._seed, priority=self._priority)
+        request = prefill_pb2.PrefillRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self._prompt,
+            sampling=self._sampling,
+            seed=self._seed,
+            priority=self._priority,
+        )
         router.assign(prefill, self._prompt)
-        span = tracing.start_span("gateway.prefill", tracing.context_of(self._span),
-                                  {"prefill": prefill.name}, kind="client")
-        call = prefill.prefill_stub.Prefill(request, timeout=max(0.001, self._remaining_s()),
-                                            metadata=tuple(tracing.inject(span).items()) or None)
+        span = tracing.start_span(
+            "gateway.prefill", tracing.context_of(self._span), {"prefill": prefill.name}, kind="client"
+        )
+        call = prefill.prefill_stub.Prefill(
+            request, timeout=max(0.001, self._remaining_s()), metadata=tuple(tracing.inject(span).items()) or None
+        )
         try:
             response = await call
         except asyncio.CancelledError:
@@ -201,8 +238,13 @@ class RequestRun:
         return None
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
-        request = decode_pb2.DecodeRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
-                                           sampling=self._sampling, seed=self._seed, priority=self._priority)
+        request = decode_pb2.DecodeRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self._prompt,
+            sampling=self._sampling,
+            seed=self._seed,
+            priority=self._priority,
+        )
         if first is not None:
             request.first_token_id = first.first_token_id
             if first.HasField("first_logprobs"):
@@ -282,14 +324,21 @@ class RequestRun:
         ids, lps, text = self._accept(delta.token_ids, delta.logprobs)
         if self._detok.stop_str is not None:
             self._link.abort(self.request_id)
-            return self._final(FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str,
-                               decode_timings=delta.timings)
+            return self._final(
+                FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str, decode_timings=delta.timings
+            )
         if delta.finish_reason:
             self._link.finish(self.request_id)
             text += self._detok.flush()
             if self._detok.stop_str is not None:
-                return self._final(FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str,
-                                   decode_timings=delta.timings)
+                return self._final(
+                    FR.FINISH_REASON_STOP,
+                    ids,
+                    lps,
+                    text,
+                    stop_reason=self._detok.stop_str,
+                    decode_timings=delta.timings,
+                )
             error = f"decode instance {self._decode.name}: {delta.error}" if delta.error else ""
             return self._final(delta.finish_reason, ids, lps, text, error=error, decode_timings=delta.timings)
         message = self._message(ids, lps, text)
@@ -297,8 +346,9 @@ class RequestRun:
             message.timings.CopyFrom(self._timings(None))
         return message
 
-    def _accept(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs]
-                ) -> tuple[list[int], list[common_pb2.TokenLogprobs], str]:
+    def _accept(
+        self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs]
+    ) -> tuple[list[int], list[common_pb2.TokenLogprobs], str]:
         """Detokenize token by token; keep tokens up to the one that completes a stop string."""
         ids: list[int] = []
         pieces: list[str] = []
@@ -313,28 +363,44 @@ class RequestRun:
         kept_logprobs = list(logprobs[: len(ids)]) if len(logprobs) >= len(ids) else list(logprobs)
         return ids, kept_logprobs, "".join(pieces)
 
-    def _message(self, ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs], text: str
-                 ) -> generation_pb2.GenerateResponse:
+    def _message(
+        self, ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs], text: str
+    ) -> generation_pb2.GenerateResponse:
         if ids and not self._first_message_ns:
             self._first_message_ns = time.time_ns()
-        return generation_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids,
-                                               logprobs=logprobs)
+        return generation_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs)
 
-    def _final(self, finish_reason: int, ids: Sequence[int] = (), logprobs: Sequence = (), text: str = "", *,
-               stop_reason: str = "", error: str = "", decode_timings: common_pb2.Timings | None = None
-               ) -> generation_pb2.GenerateResponse:
+    def _final(
+        self,
+        finish_reason: int,
+        ids: Sequence[int] = (),
+        logprobs: Sequence = (),
+        text: str = "",
+        *,
+        stop_reason: str = "",
+        error: str = "",
+        decode_timings: common_pb2.Timings | None = None,
+    ) -> generation_pb2.GenerateResponse:
         """The terminal message: finish_reason, usage, timings, stop_reason or error."""
         self.finished = True
-        if (finish_reason == FR.FINISH_REASON_STOP and not stop_reason and self._last_token is not None
-                and self._last_token in self._params.stop_token_ids):
+        if (
+            finish_reason == FR.FINISH_REASON_STOP
+            and not stop_reason
+            and self._last_token is not None
+            and self._last_token in self._params.stop_token_ids
+        ):
             stop_reason = str(self._last_token)
         message = self._message(ids, logprobs, text)
         message.finish_reason = finish_reason
         message.stop_reason = stop_reason
         message.error = error
-        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self._prompt),
-                                                completion_tokens=self.num_output_tokens,
-                                                cached_prompt_tokens=self.cached_prompt_tokens))
+        message.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=len(self._prompt),
+                completion_tokens=self.num_output_tokens,
+                cached_prompt_tokens=self.cached_prompt_tokens,
+            )
+        )
         message.timings.CopyFrom(self._timings(decode_timings))
         if error:
             log.warning("request_id=%s failed: %s", self.request_id, error)
@@ -359,13 +425,21 @@ class RequestRun:
         return self._deadline - time.monotonic()
 
     def _timeout_message(self) -> str:
-        return f"request {self.request_id} timed out after {self._budget_s:g} s (request_timeout_s or the client's deadline)"
+        return (
+            f"request {self.request_id} timed out after {self._budget_s:g} s "
+            "(request_timeout_s or the client's deadline)"
+        )
 
     def _cleanup(self) -> None:
         """Abort the decode request if it still runs; release a lease nobody claimed; end the trace."""
         if self._first_message_ns:
-            tracing.record_span("gateway.stream", self._first_message_ns, time.time_ns(), self._span,
-                                {"output_tokens": self.num_output_tokens})
+            tracing.record_span(
+                "gateway.stream",
+                self._first_message_ns,
+                time.time_ns(),
+                self._span,
+                {"output_tokens": self.num_output_tokens},
+            )
         tracing.end_span(self._span, self._error)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
@@ -385,9 +459,13 @@ class RequestRun:
 def _merge_deltas(deltas: Sequence[decode_pb2.TokenDelta]) -> decode_pb2.TokenDelta:
     """One delta holding the tokens of consecutive deltas; the end state of the last one."""
     first, last = deltas[0], deltas[-1]
-    merged = decode_pb2.TokenDelta(request_id=first.request_id, cached_prompt_tokens=first.cached_prompt_tokens,
-                                   num_blocks_pulled=first.num_blocks_pulled, finish_reason=last.finish_reason,
-                                   error=last.error)
+    merged = decode_pb2.TokenDelta(
+        request_id=first.request_id,
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        num_blocks_pulled=first.num_blocks_pulled,
+        finish_reason=last.finish_reason,
+        error=last.error,
+    )
     for delta in deltas:
         merged.token_ids.extend(delta.token_ids)
         merged.logprobs.extend(delta.logprobs)
@@ -402,4 +480,6 @@ async def _release_kv(prefill: Instance, kv: common_pb2.KvHandle) -> None:
     try:
         await prefill.prefill_stub.ReleaseKv(request, timeout=_RELEASE_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
-        log.info("ReleaseKv of lease %s on %s failed (it will expire): %s", kv.lease.lease_id, prefill.name, exc.details())
+        log.info(
+            "ReleaseKv of lease %s on %s failed (it will expire): %s", kv.lease.lease_id, prefill.name, exc.details()
+        )

@@ -20,7 +20,8 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,8 +35,12 @@ from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_js
 from splitserve.gateway.service import GatewayService
 from splitserve.protos import common_pb2, generation_pb2
 
-FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -58,15 +63,22 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
     except ValueError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", "body") from None
     except RecursionError:
-        raise invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
-                      f"{MAX_JSON_DEPTH}", "body") from None
+        raise invalid(
+            f"request body nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
+            f"{MAX_JSON_DEPTH}",
+            "body",
+        ) from None
     check_json_tree(body)
     return body
 
 
 def _too_large(size: int, limit: int) -> GatewayError:
-    return GatewayError("too_large", f"request body has more than {limit} bytes (got at least {size}); "
-                        f"the limit is max_body_bytes={limit}", param="body", code="request_too_large")
+    return GatewayError(
+        "too_large",
+        f"request body has more than {limit} bytes (got at least {size}); the limit is max_body_bytes={limit}",
+        param="body",
+        code="request_too_large",
+    )
 
 
 class _Shape:
@@ -79,18 +91,37 @@ class _Shape:
         self._text_offset = 0
 
     def envelope(self, choices: list, object_suffix: str = "") -> dict:
-        return {"id": self.id, "object": self.object + object_suffix, "created": self.created,
-                "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": self.object + object_suffix,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def logprobs(self, message: generation_pb2.GenerateResponse) -> dict | None:
         if self.top is None:
             return None
         entries = [(self._token(lp.token_id), lp) for lp in message.logprobs]
         if self.chat:
-            return {"content": [{"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                                 "top_logprobs": [{"token": self._token(t.token_id), "logprob": t.logprob,
-                                                   "bytes": list(self._token(t.token_id).encode())}
-                                                  for t in lp.top]} for tok, lp in entries]}
+            return {
+                "content": [
+                    {
+                        "token": tok,
+                        "logprob": lp.logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self._token(t.token_id),
+                                "logprob": t.logprob,
+                                "bytes": list(self._token(t.token_id).encode()),
+                            }
+                            for t in lp.top
+                        ],
+                    }
+                    for tok, lp in entries
+                ]
+            }
         # offsets into the output text: tokens of one message share its text span
         start, end = self._text_offset, self._text_offset + len(message.text)
         offsets, position = [], start
@@ -98,18 +129,24 @@ class _Shape:
             offsets.append(min(position, end))
             position += len(tok)
         self._text_offset = end
-        return {"tokens": [tok for tok, _ in entries], "token_logprobs": [lp.logprob for _, lp in entries],
-                "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [tok for tok, _ in entries],
+            "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
+            "text_offset": offsets,
+        }
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def usage_dict(usage: common_pb2.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
 
 
 def _server_error(message: str) -> dict:
@@ -121,12 +158,15 @@ def _merge_logprobs(shape: _Shape, parts: list[dict]) -> dict | None:
         return None
     if shape.chat:
         return {"content": [entry for part in parts for entry in part["content"]]}
-    return {key: [x for part in parts for x in part[key]]
-            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return {
+        key: [x for part in parts for x in part[key]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
 
 
-async def _complete(shape: _Shape, first: generation_pb2.GenerateResponse,
-                    stream: AsyncIterator[generation_pb2.GenerateResponse]) -> JSONResponse:
+async def _complete(
+    shape: _Shape, first: generation_pb2.GenerateResponse, stream: AsyncIterator[generation_pb2.GenerateResponse]
+) -> JSONResponse:
     """Non-streaming answer: every message merged into one choice."""
     texts, logprobs, last = [], [], first
     message = first
@@ -141,9 +181,12 @@ async def _complete(shape: _Shape, first: generation_pb2.GenerateResponse,
     if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
         return JSONResponse(_server_error(last.error), status_code=500)
     text = "".join(texts)
-    choice: dict[str, Any] = {"index": 0, "logprobs": _merge_logprobs(shape, logprobs),
-                              "finish_reason": FINISH_NAMES[last.finish_reason],
-                              "stop_reason": last.stop_reason or None}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": _merge_logprobs(shape, logprobs),
+        "finish_reason": FINISH_NAMES[last.finish_reason],
+        "stop_reason": last.stop_reason or None,
+    }
     if shape.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -153,13 +196,28 @@ async def _complete(shape: _Shape, first: generation_pb2.GenerateResponse,
     return JSONResponse(body)
 
 
-async def _sse(shape: _Shape, req: RestRequest, first: generation_pb2.GenerateResponse,
-               stream: AsyncIterator[generation_pb2.GenerateResponse]) -> AsyncIterator[str]:
+async def _sse(
+    shape: _Shape,
+    req: RestRequest,
+    first: generation_pb2.GenerateResponse,
+    stream: AsyncIterator[generation_pb2.GenerateResponse],
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per message, then usage (if asked) and [DONE]."""
     try:
         if shape.chat:
-            yield _event(shape.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}], ".chunk"))
+            yield _event(
+                shape.envelope(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    ".chunk",
+                )
+            )
         message = first
         while True:
             if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
@@ -191,15 +249,21 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _until_disconnect(request: Request, work: "asyncio.Future") -> None:
+async def _until_disconnect(request: Request, work: asyncio.Future) -> None:
     while not work.done():
         await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
         if not work.done() and await request.is_disconnected():
             work.cancel()
 
 
-def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int | None = None, *,
-               api_keys: ApiKeys | None = None, metrics: GatewayMetrics | None = None) -> FastAPI:
+def create_app(
+    service: GatewayService,
+    max_body_bytes: int,
+    started_unix_s: int | None = None,
+    *,
+    api_keys: ApiKeys | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible endpoints (and /metrics) over `service`."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(GuardMiddleware, api_keys=api_keys or ApiKeys(), metrics=metrics)
@@ -207,8 +271,14 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):  # unknown path, wrong method
-        body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
-                          "type": "invalid_request_error", "param": None, "code": None}}
+        body = {
+            "error": {
+                "message": f"{exc.detail}: {request.method} {request.url.path}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def generate(request: Request, parse: Callable, chat: bool):
@@ -216,16 +286,19 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
         try:
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
-            stream = service.generate(req.inp, client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS),
-                                      trace_carrier={k: v for k, v in request.headers.items()
-                                                     if k in ("traceparent", "tracestate")})
+            stream = service.generate(
+                req.inp,
+                client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS),
+                trace_carrier={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")},
+            )
             first = await stream.__anext__()
         except GatewayError as exc:
             return error_response(exc)
         shape = _Shape(chat, service.tokenizer, req.inp.model or service.model_id, req.inp.request_id, req.logprobs)
         if req.stream:
-            return StreamingResponse(_sse(shape, req, first, stream), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _sse(shape, req, first, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         work = asyncio.ensure_future(_complete(shape, first, stream))
         try:
             await _until_disconnect(request, work)
@@ -249,8 +322,19 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
     @app.get("/v1/models")
     async def models():
         model_id = service.model_id
-        data = [{"id": model_id, "object": "model", "created": created, "owned_by": "splitserve",
-                 "max_model_len": service.registry.max_model_len}] if model_id else []
+        data = (
+            [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "splitserve",
+                    "max_model_len": service.registry.max_model_len,
+                }
+            ]
+            if model_id
+            else []
+        )
         return {"object": "list", "data": data}
 
     @app.get("/metrics")
@@ -271,7 +355,9 @@ def create_app(service: GatewayService, max_body_bytes: int, started_unix_s: int
         if service.draining:
             status["ready"] = False
         if not status["ready"]:
-            status["reason"] = "the gateway is shutting down" if service.draining else service.registry.not_ready_reason()
+            status["reason"] = (
+                "the gateway is shutting down" if service.draining else service.registry.not_ready_reason()
+            )
         return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
     return app

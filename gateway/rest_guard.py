@@ -12,7 +12,8 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 

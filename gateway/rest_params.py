@@ -15,21 +15,43 @@ from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.service import GenerationInput, build_sampling_params
 
 # Request fields passed to SamplingParams under the same name.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "ignore_eos", "min_tokens", "stop_token_ids",
-                    "include_stop_str_in_output", "skip_special_tokens")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 _COMMON_FIELDS = frozenset(_SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "n", "user"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
-_UNSUPPORTED_COMMON = {"logit_bias": ({},), "service_tier": ("auto", "default"), "store": (False,),
-                       "metadata": ({},)}
+_UNSUPPORTED_COMMON = {"logit_bias": ({},), "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
 UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "echo": (False,), "suffix": ("",)}
-UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-                    "function_call": ("none",), "response_format": ({"type": "text"},),
-                    "parallel_tool_calls": (True, False), "audio": (), "modalities": (["text"],),
-                    "prediction": (), "reasoning_effort": (), "web_search_options": ()}
+UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True, False),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
 
 
 MAX_JSON_DEPTH = 32
@@ -43,8 +65,11 @@ def check_json_tree(body: Any) -> None:
     while stack:
         value, field, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise invalid(f"{field} nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
-                          f"{MAX_JSON_DEPTH}", field)
+            raise invalid(
+                f"{field} nests deeper than {MAX_JSON_DEPTH} levels; the request body may have at most "
+                f"{MAX_JSON_DEPTH}",
+                field,
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 _check_string(key, f"{field} has a key that", field)
@@ -59,8 +84,11 @@ def _check_string(value: str, where: str, field: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise invalid(f"{where} contains a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x} at character "
-                      f"{exc.start}); strings must be valid Unicode", field) from None
+        raise invalid(
+            f"{where} contains a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x} at character "
+            f"{exc.start}); strings must be valid Unicode",
+            field,
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -78,15 +106,22 @@ def _check_fields(body: Any, allowed: frozenset[str], unsupported: dict[str, tup
     implement (sent with a value other than its neutral one: null, or the listed defaults)."""
     if not isinstance(body, dict):
         raise invalid(f"request body must be a JSON object, got {type(body).__name__}", "body")
-    unknown = sorted(k for k in body if k not in allowed
-                     and not (k in unsupported and _is_neutral(body[k], unsupported[k])))
+    unknown = sorted(
+        k for k in body if k not in allowed and not (k in unsupported and _is_neutral(body[k], unsupported[k]))
+    )
     if any(k not in unsupported for k in unknown):
-        raise invalid(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
-                      f"allowed: {', '.join(sorted(allowed))}", unknown[0])
+        raise invalid(
+            f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed))}",
+            unknown[0],
+        )
     if unknown:
         name = unknown[0]
-        raise invalid(f"unsupported parameter: {name} (got {body[name]!r}); splitserve does not implement it, "
-                      f"remove it from the request", name)
+        raise invalid(
+            f"unsupported parameter: {name} (got {body[name]!r}); splitserve does not implement it, "
+            f"remove it from the request",
+            name,
+        )
     return body
 
 
@@ -141,7 +176,7 @@ def _params(values: dict[str, Any], max_stop_strings: int, renames: dict[str, st
     except GatewayError as exc:
         theirs = renames.get(exc.param or "")
         if theirs is not None and exc.message.startswith(exc.param):
-            raise invalid(theirs + exc.message[len(exc.param):], theirs) from None
+            raise invalid(theirs + exc.message[len(exc.param) :], theirs) from None
         raise
 
 
@@ -154,8 +189,11 @@ def _prompt(body: dict) -> dict[str, Any]:
         return {"text": prompt}
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise invalid(f"prompt must be one prompt (a string or a list of token ids); a batch of "
-                          f"{len(prompt)} prompts is not supported", "prompt")
+            raise invalid(
+                f"prompt must be one prompt (a string or a list of token ids); a batch of "
+                f"{len(prompt)} prompts is not supported",
+                "prompt",
+            )
         for token_id in prompt:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise invalid(f"prompt token ids must be non-negative integers, got {token_id!r}", "prompt")
@@ -174,8 +212,13 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     if body.get("logprobs") is not None:
         values["logprobs"] = body["logprobs"]
     params = _params(values, max_stop_strings, {})
-    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params,
-                          max_tokens_param="max_tokens" if "max_tokens" in values else None, **_prompt(body))
+    inp = GenerationInput(
+        request_id=request_id,
+        model=body.get("model") or "",
+        params=params,
+        max_tokens_param="max_tokens" if "max_tokens" in values else None,
+        **_prompt(body),
+    )
     return RestRequest(inp, stream, include_usage, params.logprobs)
 
 
@@ -191,16 +234,19 @@ def _messages(body: dict) -> tuple[tuple[str, str], ...]:
         if role not in _CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}", "messages")
         if isinstance(content, list):  # OpenAI content parts: only text parts are served
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise invalid(f"messages[{i}].content parts must be text parts "
-                              "({\"type\": \"text\", \"text\": ...})", "messages")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise invalid(
+                    f'messages[{i}].content parts must be text parts ({{"type": "text", "text": ...}})', "messages"
+                )
             content = "".join(p["text"] for p in content)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
-                          "messages")
+            raise invalid(
+                f"messages[{i}].content must be a string or a list of text parts, got {content!r}", "messages"
+            )
         turns.append((role, content))
     return tuple(turns)
 
@@ -224,7 +270,11 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
     if want_logprobs:
         values["logprobs"] = top or 0
     params = _params(values, max_stop_strings, renames)
-    inp = GenerationInput(request_id=request_id, model=body.get("model") or "", params=params,
-                          chat=_messages(body), max_tokens_param=renames.get("max_tokens", "max_tokens")
-                          if "max_tokens" in values else None)
+    inp = GenerationInput(
+        request_id=request_id,
+        model=body.get("model") or "",
+        params=params,
+        chat=_messages(body),
+        max_tokens_param=renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None,
+    )
     return RestRequest(inp, stream, include_usage, params.logprobs)

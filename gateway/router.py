@@ -23,7 +23,7 @@ the hashes its own prefix cache uses.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.gateway.registry import Instance, Registry
@@ -34,13 +34,16 @@ AFFINITY_CAPACITY = 1 << 16  # block hashes remembered
 class Router:
     """Routing policy over a Registry; owns the local load counters and the affinity LRU."""
 
-    def __init__(self, registry: Registry, affinity_capacity: int = AFFINITY_CAPACITY,
-                 max_waiting_per_decode: int = 256) -> None:
+    def __init__(
+        self, registry: Registry, affinity_capacity: int = AFFINITY_CAPACITY, max_waiting_per_decode: int = 256
+    ) -> None:
         self._registry = registry
         self.max_waiting_per_decode = max_waiting_per_decode
         # per pool: a request's blocks are cached both where it was prefilled and where it decodes
-        self._affinity: dict[str, OrderedDict[bytes, tuple[str, int]]] = {"prefill": OrderedDict(),
-                                                                          "decode": OrderedDict()}
+        self._affinity: dict[str, OrderedDict[bytes, tuple[str, int]]] = {
+            "prefill": OrderedDict(),
+            "decode": OrderedDict(),
+        }
         self._capacity = affinity_capacity
 
     # -- prefill ---------------------------------------------------------------------------
@@ -49,8 +52,11 @@ class Router:
         """The up prefill with the least work ahead (see the module docstring) among those with at
         least one compatible up decode."""
         decodes = [d for d in self._registry.decodes() if d.up]
-        candidates = [p for p in self._registry.prefills()
-                      if p.up and not p.describe.draining and any(self._registry.compatible(p, d) for d in decodes)]
+        candidates = [
+            p
+            for p in self._registry.prefills()
+            if p.up and not p.describe.draining and any(self._registry.compatible(p, d) for d in decodes)
+        ]
         if not candidates:
             return None
         overlaps = self._overlaps(candidates, prompt_token_ids, "prefill") if prompt_token_ids else {}
@@ -64,8 +70,9 @@ class Router:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_candidates(self, prefill: Instance | None, *, colocated_only: bool = False,
-                          with_room: bool = True) -> list[Instance]:
+    def decode_candidates(
+        self, prefill: Instance | None, *, colocated_only: bool = False, with_room: bool = True
+    ) -> list[Instance]:
         """Up decodes that may take a request: compatible with `prefill` when given, else
         colocated workers (colocated_only) or every up decode (local prefill); only those
         with room unless `with_room` is False."""
@@ -97,8 +104,9 @@ class Router:
 
         return max(candidates, key=score)  # max() keeps the first of equal scores
 
-    def _overlaps(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int],
-                  pool: str) -> dict[tuple[str, int], int]:
+    def _overlaps(
+        self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int], pool: str
+    ) -> dict[tuple[str, int], int]:
         """Longest leading-block match (in blocks) per candidate's affinity key."""
         affinity = self._affinity[pool]
         wanted = {d.affinity_key for d in candidates}
@@ -147,4 +155,3 @@ class Router:
 def _hash_params(d: Instance) -> tuple[int, str]:
     layout = d.describe.layout
     return (layout.block_size, layout.model_id or d.describe.model_id)
-

@@ -16,7 +16,8 @@ import socket
 import ssl
 import sys
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
 
@@ -40,8 +41,10 @@ def load_gateway_tokenizer(model: str) -> Any:
         try:
             from splitserve.common.default_model_path import default_model_path
         except ImportError as exc:
-            raise ValueError(f"no --model given and the embedded default model is not available ({exc}); "
-                             "pass --model with a model directory") from None
+            raise ValueError(
+                f"no --model given and the embedded default model is not available ({exc}); "
+                "pass --model with a model directory"
+            ) from None
         model = str(default_model_path())
     if os.path.isfile(model):  # a config.json (load_format dummy): its directory holds the tokenizer
         model = os.path.dirname(model) or "."
@@ -51,8 +54,10 @@ def load_gateway_tokenizer(model: str) -> Any:
 def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
     """(certificate PEM, key PEM) for the public ports, or None; ValueError naming the flag."""
     if bool(config.tls_cert) != bool(config.tls_key):
-        raise ValueError("--tls-cert and --tls-key must be given together (got only "
-                         f"{'--tls-cert' if config.tls_cert else '--tls-key'})")
+        raise ValueError(
+            "--tls-cert and --tls-key must be given together (got only "
+            f"{'--tls-cert' if config.tls_cert else '--tls-key'})"
+        )
     if not config.tls_cert:
         return None
     pems = []
@@ -65,8 +70,10 @@ def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
     except ssl.SSLError as exc:
-        raise ValueError(f"--tls-cert {config.tls_cert!r} and --tls-key {config.tls_key!r} are not a matching "
-                         f"PEM certificate and key: {exc}") from None
+        raise ValueError(
+            f"--tls-cert {config.tls_cert!r} and --tls-key {config.tls_key!r} are not a matching "
+            f"PEM certificate and key: {exc}"
+        ) from None
     return pems[0], pems[1]
 
 
@@ -82,9 +89,16 @@ class _EmbeddedUvicorn:
                 return contextlib.nullcontext()
 
         tls = dict(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key) if config.tls_cert else {}
-        uv_config = uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning",
-                                   access_log=False, lifespan="off", timeout_graceful_shutdown=max(grace_s, 0.1),
-                                   **tls)
+        uv_config = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(grace_s, 0.1),
+            **tls,
+        )
         return Server(uv_config)
 
 
@@ -94,8 +108,14 @@ class GatewayServer:
     `env` (default os.environ) is where SPLITSERVE_API_KEYS is read.
     """
 
-    def __init__(self, config: GatewayConfig, *, tokenizer: Any = None,
-                 http_socket: socket.socket | None = None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        tokenizer: Any = None,
+        http_socket: socket.socket | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = config
         self._tokenizer = tokenizer
         self._http_socket = http_socket
@@ -119,21 +139,33 @@ class GatewayServer:
         from splitserve.runtime.grpc_server import InternalTls, internal_channel
 
         internal_tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
-        self.registry = Registry(config.prefill_addresses, config.decode_addresses,
-                                 health_interval_s=config.health_interval_s, model_id=config.model_id,
-                                 channel_factory=lambda address: internal_channel(address, internal_tls))
+        self.registry = Registry(
+            config.prefill_addresses,
+            config.decode_addresses,
+            health_interval_s=config.health_interval_s,
+            model_id=config.model_id,
+            channel_factory=lambda address: internal_channel(address, internal_tls),
+        )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
         self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         address = f"{config.host}:{config.grpc_port}"
-        self.grpc_port = (self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-                          if tls else self._grpc_server.add_insecure_port(address))
+        self.grpc_port = (
+            self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+            if tls
+            else self._grpc_server.add_insecure_port(address)
+        )
         self.metrics = GatewayMetrics(Metrics(config.model_id, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
         limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min)
-        self.service = GatewayService(self.registry, self.router, tokenizer,
-                                      max_concurrent_requests=config.max_concurrent_requests,
-                                      max_stop_strings=config.max_stop_strings,
-                                      request_timeout_s=config.request_timeout_s, limiter=limiter,
-                                      metrics=self.metrics)
+        self.service = GatewayService(
+            self.registry,
+            self.router,
+            tokenizer,
+            max_concurrent_requests=config.max_concurrent_requests,
+            max_stop_strings=config.max_stop_strings,
+            request_timeout_s=config.request_timeout_s,
+            limiter=limiter,
+            metrics=self.metrics,
+        )
         self.health = HealthReporter()
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
@@ -145,12 +177,17 @@ class GatewayServer:
         if config.metrics_port:
             self._start_metrics_port()
         await self.registry.start()
-        log.info("gateway up: gRPC %s:%d, REST %s, metrics port %s; TLS %s, API keys %d, rate limits %s; ready=%s",
-                 config.host, self.grpc_port,
-                 f"{'https' if tls else 'http'}://{config.host}:{self.http_port}" if self.http_port else "off",
-                 self.metrics_port or "off", "on" if tls else "off", self.api_keys.num_keys,
-                 f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
-                 self.registry.ready())
+        log.info(
+            "gateway up: gRPC %s:%d, REST %s, metrics port %s; TLS %s, API keys %d, rate limits %s; ready=%s",
+            config.host,
+            self.grpc_port,
+            f"{'https' if tls else 'http'}://{config.host}:{self.http_port}" if self.http_port else "off",
+            self.metrics_port or "off",
+            "on" if tls else "off",
+            self.api_keys.num_keys,
+            f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
+            self.registry.ready(),
+        )
 
     def _learn_model(self, ready: bool) -> None:
         if not self.config.model_id and self.registry.model_id:
@@ -162,15 +199,17 @@ class GatewayServer:
         try:
             self._metrics_server = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port)
         except OSError as exc:
-            raise OSError(f"--metrics-port {self.config.metrics_port} cannot be bound on {self.config.host}: "
-                          f"{exc}") from None
+            raise OSError(
+                f"--metrics-port {self.config.metrics_port} cannot be bound on {self.config.host}: {exc}"
+            ) from None
         self.metrics_port = self._metrics_server.server_address[1]
 
     async def _start_rest(self) -> None:
         from splitserve.gateway.rest import create_app
 
-        app = create_app(self.service, self.config.max_body_bytes, int(time.time()),
-                         api_keys=self.api_keys, metrics=self.metrics)
+        app = create_app(
+            self.service, self.config.max_body_bytes, int(time.time()), api_keys=self.api_keys, metrics=self.metrics
+        )
         self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
         sockets = None
         if self._http_socket is not None:
@@ -183,8 +222,9 @@ class GatewayServer:
         while not self._uvicorn.started and not self._rest_task.done():
             await asyncio.sleep(0.01)
         if self._rest_task.done():
-            raise OSError(f"the REST server could not start on {self.config.host}:{self.config.http_port} "
-                          "(port in use?)")
+            raise OSError(
+                f"the REST server could not start on {self.config.host}:{self.config.http_port} (port in use?)"
+            )
         if self._http_socket is not None:
             self.http_port = self._http_socket.getsockname()[1]
         else:

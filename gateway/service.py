@@ -19,9 +19,10 @@ import secrets
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from splitserve.common import wire
 from splitserve.common.sampling_params import MAX_SEED, SamplingParams
@@ -75,8 +76,9 @@ def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> Samp
             try:
                 as_float = float(value)
             except OverflowError:  # an integer beyond any float
-                raise invalid(f"{name} must be a number within its range, got an integer of "
-                              f"{len(str(abs(value)))} digits", name) from None
+                raise invalid(
+                    f"{name} must be a number within its range, got an integer of {len(str(abs(value)))} digits", name
+                ) from None
             try:
                 rounded[name] = struct.unpack("f", struct.pack("f", as_float))[0]
             except OverflowError:  # beyond float32: outside every allowed range, refused below
@@ -110,10 +112,18 @@ class GatewayService:
     Invariant: `num_active` counts generate() calls between admission and their end.
     """
 
-    def __init__(self, registry: Registry, router: Router, tokenizer: Any, *,
-                 max_concurrent_requests: int = 1024, max_stop_strings: int = 16,
-                 request_timeout_s: float = 600.0, limiter: RateLimiter | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        tokenizer: Any,
+        *,
+        max_concurrent_requests: int = 1024,
+        max_stop_strings: int = 16,
+        request_timeout_s: float = 600.0,
+        limiter: RateLimiter | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.registry = registry
         self.router = router
         self.tokenizer = tokenizer
@@ -139,8 +149,12 @@ class GatewayService:
         """NOT_FOUND unless `model` is empty or the served model id."""
         served = self.model_id
         if model and served and model != served:
-            raise GatewayError("not_found", f"model {model!r} is not served here; this gateway serves {served!r}",
-                               param="model", code="model_not_found")
+            raise GatewayError(
+                "not_found",
+                f"model {model!r} is not served here; this gateway serves {served!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def tokenize_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -167,8 +181,11 @@ class GatewayService:
             param = "prompt"
             for token_id in ids:
                 if not 0 <= token_id < self.vocab_size:
-                    raise invalid(f"prompt token id {token_id} is out of range; the vocabulary has "
-                                  f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})", "prompt")
+                    raise invalid(
+                        f"prompt token id {token_id} is out of range; the vocabulary has "
+                        f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})",
+                        "prompt",
+                    )
         else:
             ids = self.tokenize_text(inp.text or "")
             param = "prompt"
@@ -176,21 +193,25 @@ class GatewayService:
             raise invalid(f"{param} must not be empty", param)
         limit = self.registry.max_model_len
         if limit and len(ids) >= limit:
-            raise invalid(f"{param} has {len(ids)} tokens, but the model's context limit (max_model_len) "
-                          f"is {limit} tokens, which must also hold at least one generated token", param)
+            raise invalid(
+                f"{param} has {len(ids)} tokens, but the model's context limit (max_model_len) "
+                f"is {limit} tokens, which must also hold at least one generated token",
+                param,
+            )
         return ids
 
     # -- generation ------------------------------------------------------------------------
 
     def _admit(self) -> None:
         if self.draining:
-            raise GatewayError("unavailable", "the gateway is shutting down; retry on another gateway",
-                               retry_after_s=1)
+            raise GatewayError("unavailable", "the gateway is shutting down; retry on another gateway", retry_after_s=1)
         if self.num_active >= self.max_concurrent_requests:
-            raise GatewayError("resource_exhausted",
-                               f"the gateway already runs {self.num_active} requests "
-                               f"(max_concurrent_requests={self.max_concurrent_requests}); retry later",
-                               retry_after_s=1)
+            raise GatewayError(
+                "resource_exhausted",
+                f"the gateway already runs {self.num_active} requests "
+                f"(max_concurrent_requests={self.max_concurrent_requests}); retry later",
+                retry_after_s=1,
+            )
 
     def check_request_limits(self, inp: GenerationInput, num_prompt_tokens: int) -> None:
         """Values the wire or the context cannot hold: top_k, stop_token_ids, max_tokens."""
@@ -199,13 +220,18 @@ class GatewayService:
             raise invalid(f"top_k must be -1, 0 (off) or at most {MAX_TOP_K}, got {params.top_k}", "top_k")
         for token_id in params.stop_token_ids:
             if token_id >= self.vocab_size:
-                raise invalid(f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, "
-                              f"got {token_id}", "stop_token_ids")
+                raise invalid(
+                    f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, got {token_id}",
+                    "stop_token_ids",
+                )
         param, max_tokens, limit = inp.max_tokens_param or "max_tokens", params.max_tokens, self.registry.max_model_len
         if inp.max_tokens_param and max_tokens is not None and limit and num_prompt_tokens + max_tokens > limit:
-            raise invalid(f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and the model's "
-                          f"context limit (max_model_len) is {limit} tokens: {param} must be at most "
-                          f"{limit - num_prompt_tokens}", param)
+            raise invalid(
+                f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and the model's "
+                f"context limit (max_model_len) is {limit} tokens: {param} must be at most "
+                f"{limit - num_prompt_tokens}",
+                param,
+            )
         if max_tokens is not None and max_tokens > MAX_UINT32:
             raise invalid(f"{param} must be at most {MAX_UINT32}, got {max_tokens}", param)
 
@@ -219,15 +245,25 @@ class GatewayService:
         room = limit - len(prompt_ids)
         if limit and not inp.max_tokens_param and (params.max_tokens is None or params.max_tokens > room):
             if params.min_tokens > room:
-                raise invalid(f"min_tokens is {params.min_tokens}, but the prompt has {len(prompt_ids)} tokens and "
-                              f"the model's context limit (max_model_len) is {limit} tokens: at most {room} tokens "
-                              f"can be generated", "min_tokens")
+                raise invalid(
+                    f"min_tokens is {params.min_tokens}, but the prompt has {len(prompt_ids)} tokens and "
+                    f"the model's context limit (max_model_len) is {limit} tokens: at most {room} tokens "
+                    f"can be generated",
+                    "min_tokens",
+                )
             params = dataclasses.replace(params, max_tokens=room)  # the default, cut to what the context holds
-        self.limiter.take_tokens(client_id, len(prompt_ids), params.max_tokens or 0, inp.max_tokens_param or "max_tokens")
+        self.limiter.take_tokens(
+            client_id, len(prompt_ids), params.max_tokens or 0, inp.max_tokens_param or "max_tokens"
+        )
         return prompt_ids, params
 
-    async def generate(self, inp: GenerationInput, timeout_s: float | None = None, client_id: str = ANONYMOUS,
-                       trace_carrier: dict[str, str] | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(
+        self,
+        inp: GenerationInput,
+        timeout_s: float | None = None,
+        client_id: str = ANONYMOUS,
+        trace_carrier: dict[str, str] | None = None,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Run one request of `client_id`; yield its GenerateResponse messages (the last has finish_reason).
 
         Raises GatewayError before the first message when the request is refused (rate
@@ -239,11 +275,13 @@ class GatewayService:
         self._admit()
         request_id = inp.request_id or f"req-{uuid.uuid4().hex}"
         if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
-                          "request_id")
+            raise invalid(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}", "request_id"
+            )
         if request_id in self._active_ids:
-            raise invalid(f"request_id {request_id!r} is already running on this gateway; use a unique id",
-                          "request_id")
+            raise invalid(
+                f"request_id {request_id!r} is already running on this gateway; use a unique id", "request_id"
+            )
         self._enter(request_id, +1)
         observer = self.metrics.run(arrival_ns / 1e9) if self.metrics is not None else None
         prompt_ids: list[int] = []
@@ -252,10 +290,18 @@ class GatewayService:
             prompt_ids, params = self._prepare(inp, client_id)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
-            run = RequestRun(self._run_deps, request_id=request_id,
-                             params=params, prompt_token_ids=prompt_ids, seed=seed,
-                             priority=inp.priority, arrival_ns=arrival_ns,
-                             deadline=time.monotonic() + budget_s, budget_s=budget_s, trace_carrier=trace_carrier)
+            run = RequestRun(
+                self._run_deps,
+                request_id=request_id,
+                params=params,
+                prompt_token_ids=prompt_ids,
+                seed=seed,
+                priority=inp.priority,
+                arrival_ns=arrival_ns,
+                deadline=time.monotonic() + budget_s,
+                budget_s=budget_s,
+                trace_carrier=trace_carrier,
+            )
             async with aclosing(run.stream()) as messages:
                 async for message in messages:
                     if observer is not None:

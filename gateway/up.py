@@ -19,7 +19,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from splitserve.common.config_fields import flag_name
 from splitserve.gateway.config import UpConfig
@@ -47,8 +48,11 @@ def config_flags(config: Any, skip: frozenset[str] | set[str] = frozenset()) -> 
 
 def check_ports(up: UpConfig) -> str | None:
     """An error naming two roles that would share a port, or None."""
-    ports = {"gateway --grpc-port": up.grpc_port, "gateway --http-port": up.http_port,
-             "prefill --prefill-port": up.prefill_port}
+    ports = {
+        "gateway --grpc-port": up.grpc_port,
+        "gateway --http-port": up.http_port,
+        "prefill --prefill-port": up.prefill_port,
+    }
     ports.update({f"decode-{i} (--decode-port + {i})": up.decode_port + i for i in range(up.num_decode)})
     seen: dict[int, str] = {}
     for name, port in ports.items():
@@ -68,17 +72,36 @@ def stack_commands(engine: Any, up: UpConfig, gateway_options: Any = None) -> li
     prefill_address = f"{HOST}:{up.prefill_port}"
 
     def service(role: str, name: str, port: int) -> list[str]:
-        argv = cli + [role, "--host", HOST, "--port", str(port), "--instance-name", name,
-                      "--kv-transport", up.kv_transport]
+        argv = cli + [
+            role,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--instance-name",
+            name,
+            "--kv-transport",
+            up.kv_transport,
+        ]
         if role == "decode":
             argv += ["--prefill-peers", prefill_address]
         return argv + eflags
 
     commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port))]
     commands += [(f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i)) for i in range(up.num_decode)]
-    gateway = cli + ["gateway", "--host", HOST, "--grpc-port", str(up.grpc_port), "--http-port", str(up.http_port),
-                     "--prefill", prefill_address,
-                     "--decode", ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode))]
+    gateway = cli + [
+        "gateway",
+        "--host",
+        HOST,
+        "--grpc-port",
+        str(up.grpc_port),
+        "--http-port",
+        str(up.http_port),
+        "--prefill",
+        prefill_address,
+        "--decode",
+        ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode)),
+    ]
     if engine.model:
         gateway += ["--model", engine.model]  # a config.json (dummy weights): the gateway uses its directory
     if engine.model_id:
@@ -106,8 +129,7 @@ class LocalStack:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def add(self, name: str, argv: Sequence[str]) -> None:
-        self.procs[name] = subprocess.Popen(list(argv), env=self.env, start_new_session=True,
-                                            preexec_fn=self._preexec)
+        self.procs[name] = subprocess.Popen(list(argv), env=self.env, start_new_session=True, preexec_fn=self._preexec)
 
     def first_exit(self) -> tuple[str, int] | None:
         """(name, exit code) of a child that has exited, if any."""
@@ -144,8 +166,9 @@ def _get(url: str, timeout: float, headers: dict[str, str] | None = None):
     return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout, context=context)
 
 
-def wait_ready(base_url: str, stack: LocalStack, timeout_s: float,
-               should_stop: Callable[[], bool] = lambda: False) -> str | None:
+def wait_ready(
+    base_url: str, stack: LocalStack, timeout_s: float, should_stop: Callable[[], bool] = lambda: False
+) -> str | None:
     """Poll GET /ready until 200; None when ready, else why not (naming what is not up)."""
     deadline = time.monotonic() + timeout_s
     last = "the gateway's REST port did not answer"
@@ -177,11 +200,12 @@ def banner(up: UpConfig, model_id: str, gateway_options: Any = None, keys_requir
     if base.startswith("https:"):
         curl = f"curl -s --cacert {gateway_options.tls_cert} {base}/v1/completions"
     if keys_required:
-        curl += " -H \"Authorization: Bearer $SPLITSERVE_API_KEY\""
+        curl += ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"'
     lines = [
         f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {up.kv_transport}",
         f"  OpenAI REST  {base}/v1",
-        f"  gRPC         {HOST}:{up.grpc_port}  (splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
+        f"  gRPC         {HOST}:{up.grpc_port}  "
+        f"(splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
         f"  readiness    {base}/ready",
         "Try:" if not keys_required else "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
         f"  {curl} -H 'Content-Type: application/json' -d '{body}'",

@@ -40,7 +40,7 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (132 on an H200)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -45,8 +45,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and feat > 0:
         block_f = min(_BLOCK_F, triton.next_power_of_2(feat))
         grid = (x2.shape[0], triton.cdiv(feat, block_f))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), FEAT=feat, BLOCK_F=block_f,
-                                   num_warps=4)
+        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), FEAT=feat, BLOCK_F=block_f, num_warps=4)
     return out.view(*x.shape[:-1], feat)
 
 

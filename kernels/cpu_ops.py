@@ -461,8 +461,14 @@ def _build(build_dir: str):
             os.unlink(lock)
     except OSError:
         pass
-    module = load_inline(name=_NAME, cpp_sources=[_SOURCE], extra_cflags=list(_CFLAGS),  # torch appends to them
-                         extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False)
+    module = load_inline(
+        name=_NAME,
+        cpp_sources=[_SOURCE],
+        extra_cflags=list(_CFLAGS),  # torch appends to them
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=build_dir,
+        verbose=False,
+    )
     tmp = os.path.join(build_dir, f"splitserve.stamp.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(_stamp())
@@ -497,11 +503,23 @@ def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32
     return sys.modules[__name__] if load() is not None else None
 
 
-def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q (B, Hq, D) -> (B, Hq, D) (float32 or float64; call load() first, it must not be None)."""
-    return _module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
-                                seq_lens.to(torch.int32).contiguous(), float(scale))
+    return _module.paged_decode(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+    )
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -524,7 +542,8 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return _module.silu_and_mul(x)
 
 
-def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+def write_kv_cpu(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter key/value (T, Hkv, D) into the caches (N, bs, Hkv, D) at their slots (< 0 skipped)."""
     _module.write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())

@@ -18,13 +18,30 @@ from splitserve.kernels._common import next_pow2, use_triton
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kct, stride_kch, stride_kcd,
-    stride_vcb, stride_vct, stride_vch, stride_vcd,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vcd,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -38,28 +55,31 @@ def _write_kv_kernel(
         v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
         kc = k_cache_ptr + block_id * stride_kcb + offset * stride_kct
         vc = v_cache_ptr + block_id * stride_vcb + offset * stride_vct
-        tl.store(kc + h[:, None] * stride_kch + d[None, :] * stride_kcd,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc + h[:, None] * stride_vch + d[None, :] * stride_vcd,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc + h[:, None] * stride_kch + d[None, :] * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc + h[:, None] * stride_vch + d[None, :] * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(f"write_kv: key and value must both be (T, Hkv, D), got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}")
+        raise ValueError(
+            f"write_kv: key and value must both be (T, Hkv, D), got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv: caches must both be (num_blocks, block_size, Hkv, D), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"write_kv: caches must both be (num_blocks, block_size, Hkv, D), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"write_kv: key heads/dim {tuple(key.shape[1:])} do not match the cache's "
-                         f"{tuple(k_cache.shape[2:])}")
+        raise ValueError(
+            f"write_kv: key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}"
+        )
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"write_kv: slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
 
 
-def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+def write_kv_ref(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Plain-torch reference: scatter key/value (T, Hkv, D) into the caches in place."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0  # (T,)
@@ -69,23 +89,41 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
 
-def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+def write_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Triton kernel: one program per token; padding tokens (slot < 0) write nothing."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     block_h, block_d = next_pow2(num_heads), next_pow2(head_dim)
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1], num_warps=4 if block_h * block_d >= 1024 else 1,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        PAGE=k_cache.shape[1],
+        num_warps=4 if block_h * block_d >= 1024 else 1,
     )
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, impl: str = "auto") -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    impl: str = "auto",
+) -> None:
     """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at
     slot_mapping (T,) int64; negative slots are padding and are skipped. In place."""
     _check(key, value, k_cache, v_cache, slot_mapping)

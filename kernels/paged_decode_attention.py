@@ -35,15 +35,39 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, num_splits,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
     stride_btb,
-    stride_ob, stride_oh, stride_od,
-    group, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    group,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -59,8 +83,11 @@ def _decode_kernel(
     head = kvh * group + g  # (BLOCK_G,) query heads of this KV head
     g_mask = g < group
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D)
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -104,15 +131,26 @@ def _decode_kernel(
     else:
         l = tl.where(l == 0.0, 1.0, l)
         o = acc / l[:, None]
-        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, num_splits,
-    stride_ob, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,14 +160,14 @@ def _merge_splits_kernel(
     row = (b * NUM_HEADS + h).to(tl.int64) * num_splits + s  # (BLOCK_S,)
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :],
-                  mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # (BLOCK_S, BLOCK_D)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0
+    )  # (BLOCK_S, BLOCK_D)
     w = tl.exp2(m - tl.max(m, axis=0))  # (BLOCK_S,)
     denom = tl.sum(w * l, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     o = tl.sum(acc * w[:, None], axis=0) / denom  # (BLOCK_D,)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
@@ -161,18 +199,23 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     if q.dim() != 3:
         raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("paged_decode_attention: caches must both be (num_blocks, block_size, Hkv, D), "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            "paged_decode_attention: caches must both be (num_blocks, block_size, Hkv, D), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"paged_decode_attention: query heads {num_q_heads} must be a multiple of "
-                         f"KV heads {num_kv_heads}")
+        raise ValueError(
+            f"paged_decode_attention: query heads {num_q_heads} must be a multiple of KV heads {num_kv_heads}"
+        )
     if q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"paged_decode_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"paged_decode_attention: block_tables must be ({batch}, max_blocks) and seq_lens "
-                         f"({batch},), got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"paged_decode_attention: block_tables must be ({batch}, max_blocks) and seq_lens "
+            f"({batch},), got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
@@ -196,8 +239,9 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                                  num_splits=None, config=None):
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
+):
     """Triton kernels; `config` overrides decode_config (benchmarks and tests only)."""
     batch, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
@@ -218,26 +262,60 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     else:
         part_acc = part_ml = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
-        scale * LOG2E, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(), group,
-        BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=cfg["BLOCK_N"], IS_SPLIT=is_split, DOT_F32=on_cpu,
-        PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        scale * LOG2E,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        group,
+        BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        BLOCK_N=cfg["BLOCK_N"],
+        IS_SPLIT=is_split,
+        DOT_F32=on_cpu,
+        PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if is_split:
         _merge_splits_kernel[(batch, num_q_heads)](
-            part_acc, part_ml, out, num_splits, *out.stride(),
-            NUM_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4,
+            part_acc,
+            part_ml,
+            out,
+            num_splits,
+            *out.stride(),
+            NUM_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=max(2, next_pow2(num_splits)),
+            num_warps=4,
         )
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, num_splits: int | None = None,
-                           impl: str = "auto") -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """Attention of q (B, Hq, D) over each sequence's first seq_lens[b] cached tokens -> (B, Hq, D).
 
     num_splits: split-K factor (None: choose_num_splits); ignored by the reference.
@@ -245,6 +323,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens)
     if use_triton(impl, q, "paged_decode_attention"):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                             out=out, num_splits=num_splits)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits
+        )
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)

@@ -28,10 +28,35 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_len, qk_scale,
-                 stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+def _attend_tile(
+    acc,
+    l,
+    m,
+    q,
+    k_ptr,
+    v_ptr,
+    bt_row,
+    kv_head,
+    n0,
+    offs_pos,
+    seq_len,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One K/V tile of BLOCK_N tokens starting at n0: online-softmax update of (acc, l, m)."""
     n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     d = tl.arange(0, BLOCK_D)
@@ -75,15 +100,38 @@ def _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_m_tiles,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,
+    num_m_tiles,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
     stride_btb,
-    stride_ot, stride_oh, stride_od,
-    group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    group,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
     SINGLE_LOOP: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -99,8 +147,9 @@ def _prefill_kernel(
         d = tl.arange(0, BLOCK_D)
         row_mask = (offs_m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
-                    mask=row_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd, mask=row_mask, other=0.0
+        )  # (BLOCK_M, BLOCK_D)
         if DOT_F32:
             q = q.to(tl.float32)
         offs_pos = ctx + offs_m  # absolute position of each row
@@ -115,18 +164,71 @@ def _prefill_kernel(
             full_end = 0
         causal_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for n0 in range(0, full_end, BLOCK_N):
-            acc, l, m = _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_len,
-                                     qk_scale, stride_kb, stride_kt, stride_kh, stride_kd,
-                                     stride_vb, stride_vt, stride_vh, stride_vd,
-                                     HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, False, DOT_F32, PREC)
+            acc, l, m = _attend_tile(
+                acc,
+                l,
+                m,
+                q,
+                k_ptr,
+                v_ptr,
+                bt_row,
+                kv_head,
+                n0,
+                offs_pos,
+                seq_len,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_kd,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                stride_vd,
+                HEAD_DIM,
+                BLOCK_D,
+                PAGE,
+                BLOCK_N,
+                False,
+                DOT_F32,
+                PREC,
+            )
         for n0 in range(full_end, causal_end, BLOCK_N):
-            acc, l, m = _attend_tile(acc, l, m, q, k_ptr, v_ptr, bt_row, kv_head, n0, offs_pos, seq_len,
-                                     qk_scale, stride_kb, stride_kt, stride_kh, stride_kd,
-                                     stride_vb, stride_vt, stride_vh, stride_vd,
-                                     HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, True, DOT_F32, PREC)
+            acc, l, m = _attend_tile(
+                acc,
+                l,
+                m,
+                q,
+                k_ptr,
+                v_ptr,
+                bt_row,
+                kv_head,
+                n0,
+                offs_pos,
+                seq_len,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kh,
+                stride_kd,
+                stride_vb,
+                stride_vt,
+                stride_vh,
+                stride_vd,
+                HEAD_DIM,
+                BLOCK_D,
+                PAGE,
+                BLOCK_N,
+                True,
+                DOT_F32,
+                PREC,
+            )
         o = acc / l[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int, on_cpu: bool) -> dict:
@@ -145,22 +247,28 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None
     if q.dim() != 3:
         raise ValueError(f"paged_prefill_attention: q must be (T, Hq, D), got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("paged_prefill_attention: caches must both be (num_blocks, block_size, Hkv, D), "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            "paged_prefill_attention: caches must both be (num_blocks, block_size, Hkv, D), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"paged_prefill_attention: query heads {q.shape[1]} must be a multiple of "
-                         f"KV heads {k_cache.shape[2]}")
+        raise ValueError(
+            f"paged_prefill_attention: query heads {q.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}"
+        )
     if q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"paged_prefill_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     batch = seq_lens.shape[0]
     if query_start_loc.shape != (batch + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"paged_prefill_attention: for {batch} sequences query_start_loc must be "
-                         f"({batch + 1},) and block_tables ({batch}, max_blocks), got "
-                         f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"paged_prefill_attention: for {batch} sequences query_start_loc must be "
+            f"({batch + 1},) and block_tables ({batch}, max_blocks), got "
+            f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
+        )
 
 
-def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                max_query_len, scale, out=None):
+def paged_prefill_attention_ref(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None
+):
     """Plain-torch reference (fp32 math), one sequence at a time."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -184,8 +292,9 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_l
     return out
 
 
-def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                   max_query_len, scale, out=None, config=None):
+def paged_prefill_attention_triton(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None, config=None
+):
     """Triton kernel; `config` overrides prefill_config (benchmarks and tests only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -197,21 +306,47 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
     cfg = dict(prefill_config(head_dim, q.dtype, max_query_len, on_cpu), **(config or {}))
     num_m_tiles = triton.cdiv(max_query_len, cfg["BLOCK_M"])
     _prefill_kernel[(num_q_heads, num_m_tiles, batch)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, num_m_tiles,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        PAGE=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=on_cpu,
-        PREC=dot_precision(q.dtype), SINGLE_LOOP=cfg.get("SINGLE_LOOP", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        num_m_tiles,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        PAGE=block_size,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_F32=on_cpu,
+        PREC=dot_precision(q.dtype),
+        SINGLE_LOOP=cfg.get("SINGLE_LOOP", False),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                            out: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """Causal attention of the new tokens q (T, Hq, D) over their sequences' caches -> (T, Hq, D).
 
     max_query_len: the longest q_len in the batch (sizes the grid; host int, no device sync).
@@ -219,7 +354,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     if use_triton(impl, q, "paged_prefill_attention"):
-        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
-                                              seq_lens, max_query_len, scale, out=out)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                       max_query_len, scale, out=out)
+        return paged_prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
+        )
+    return paged_prefill_attention_ref(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
+    )

@@ -19,9 +19,19 @@ from splitserve.kernels._common import next_pow2, use_triton
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
-    stride_x, stride_res, stride_out, stride_res_out,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -66,17 +76,28 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if rows > 0:
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2, res2, weight.contiguous(), out, res_out, eps,
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            x2,
+            res2,
+            weight.contiguous(),
+            out,
+            res_out,
+            eps,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            HIDDEN=hidden,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             impl: str = "auto"):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, impl: str = "auto"
+):
     """RMSNorm over the last dim of x (..., hidden) with weight (hidden,).
 
     Returns out, or (out, new_residual) when `residual` (same shape as x) is given, where

@@ -24,8 +24,19 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @triton.jit
-def _rotate_heads(x_ptr, t, stride_t, stride_h, stride_d, cos, sin,
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    x_ptr,
+    t,
+    stride_t,
+    stride_h,
+    stride_d,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     h = tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < NUM_HEADS) & (i[None, :] < HALF)  # (BLOCK_H, BLOCK_HALF)
@@ -41,10 +52,23 @@ def _rotate_heads(x_ptr, t, stride_t, stride_h, stride_d, cos, sin,
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cache,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_cache,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -58,8 +82,10 @@ def _rotary_kernel(
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies (D/2,) fp32, with the rope scaling applied."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)  # (D/2,)
-    rope_type = "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    inv_freq = 1.0 / (base**exponents)  # (D/2,)
+    rope_type = (
+        "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    )
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"build_cos_sin_cache: rope_type {rope_type!r} is not supported; choose one of {ROPE_TYPES}")
     if rope_type == "linear":
@@ -84,8 +110,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
     return torch.where(~long_band & ~short_band, smoothed, scaled)
 
 
-def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: dict | None,
-                        dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def build_cos_sin_cache(
+    head_dim: int,
+    max_pos: int,
+    base: float,
+    rope_scaling: dict | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """cos/sin table (max_pos, head_dim) = cat(cos, sin) over positions 0..max_pos-1.
 
     rope_scaling: None, or a dict with "rope_type" (or legacy "type") in ROPE_TYPES plus its
@@ -99,8 +131,9 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
 
 
-def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                         cos_sin_cache: torch.Tensor) -> None:
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
     """Plain-torch reference (fp32 math, one rounding), in place."""
     half = cos_sin_cache.shape[1] // 2
     cos_sin = cos_sin_cache[positions.long()].float()  # (T, D)
@@ -111,32 +144,47 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         x.copy_(rotated.to(x.dtype))
 
 
-def rotary_embedding_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                            cos_sin_cache: torch.Tensor) -> None:
+def rotary_embedding_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
     """Triton kernel: one program per token rotates all its q and k heads."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache, *q.stride(), *k.stride(), cos_sin_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF=half,
-        BLOCK_QH=next_pow2(num_q_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_HALF=next_pow2(half),
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        *q.stride(),
+        *k.stride(),
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=k.shape[1],
+        HALF=half,
+        BLOCK_QH=next_pow2(num_q_heads),
+        BLOCK_KH=next_pow2(k.shape[1]),
+        BLOCK_HALF=next_pow2(half),
         num_warps=4,
     )
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     impl: str = "auto") -> None:
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, impl: str = "auto"
+) -> None:
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by their token's position (T,) (neox style)."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"rotary_embedding: q must be (T, Hq, D) and k (T, Hkv, D), got {tuple(q.shape)} "
-                         f"and {tuple(k.shape)}")
+        raise ValueError(
+            f"rotary_embedding: q must be (T, Hq, D) and k (T, Hkv, D), got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     if positions.shape != (q.shape[0],):
         raise ValueError(f"rotary_embedding: positions must be ({q.shape[0]},), got {tuple(positions.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != q.shape[2] or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"rotary_embedding: cos_sin_cache must be a row-contiguous (max_pos, {q.shape[2]}), "
-                         f"got {tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"rotary_embedding: cos_sin_cache must be a row-contiguous (max_pos, {q.shape[2]}), "
+            f"got {tuple(cos_sin_cache.shape)}"
+        )
     if use_triton(impl, q, "rotary_embedding"):
         rotary_embedding_triton(positions, q, k, cos_sin_cache)
     else:

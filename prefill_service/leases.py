@@ -35,11 +35,19 @@ class LeaseTable:
         self.num_released = 0
         self.num_expired = 0
 
-    def grant(self, request_id: str, block_ids: list[int], block_hashes: list[bytes], num_tokens: int,
-              lease_ms: int = 0) -> Lease:
+    def grant(
+        self, request_id: str, block_ids: list[int], block_hashes: list[bytes], num_tokens: int, lease_ms: int = 0
+    ) -> Lease:
         duration = lease_ms * 1_000_000 if lease_ms else self.lease_ns
-        lease = Lease(uuid.uuid4().hex, next(self._epochs), request_id, block_ids, block_hashes, num_tokens,
-                      time.time_ns() + duration)
+        lease = Lease(
+            uuid.uuid4().hex,
+            next(self._epochs),
+            request_id,
+            block_ids,
+            block_hashes,
+            num_tokens,
+            time.time_ns() + duration,
+        )
         self.active[lease.lease_id] = lease
         self.num_granted += 1
         return lease

@@ -1,10 +1,10 @@
 """The prefill gRPC service.
 
-    Prefill(request) ─▶ core: AddRequest ─▶ step(s) ─▶ first token + HeldKv
-                     ◀─ PrefillResponse{first token, KvHandle(blocks, hashes, lease)}
-    ReleaseKv(lease) ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
-    PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side)
-    every 50 ms: expired leases ─▶ ReleaseHeld, counted
+Prefill(request) ─▶ core: AddRequest ─▶ step(s) ─▶ first token + HeldKv
+                 ◀─ PrefillResponse{first token, KvHandle(blocks, hashes, lease)}
+ReleaseKv(lease) ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
+PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side)
+every 50 ms: expired leases ─▶ ReleaseHeld, counted
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import time
 
 import grpc
 
-from splitserve.engine import core_messages as m
-from splitserve.runtime import tracing
-from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
-from splitserve.runtime.service_base import Refuse, ServiceBase, setup_logging
 from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
+from splitserve.engine import core_messages as m
+from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+from splitserve.runtime import tracing
+from splitserve.runtime.service_base import Refuse, ServiceBase, setup_logging
 
 log = logging.getLogger("splitserve.prefill")
 
@@ -47,16 +47,24 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         while True:
             await asyncio.sleep(0.05)
             for lease in self.leases.pop_expired():
-                log.info("request_id=%s lease %s expired; freeing %d blocks", lease.request_id, lease.lease_id,
-                         len(lease.block_ids))
+                log.info(
+                    "request_id=%s lease %s expired; freeing %d blocks",
+                    lease.request_id,
+                    lease.lease_id,
+                    len(lease.block_ids),
+                )
                 self.client.send(m.ReleaseHeld(lease.request_id))
                 self.count("leases_expired")
                 self.metrics.lab(self.metrics.kv_leases_expired).inc()
 
     async def Prefill(self, request, context):
         parent = tracing.extract(tracing.metadata_carrier(context.invocation_metadata()))
-        with tracing.span("prefill", parent, {"request_id": request.request_id,
-                                              "prompt_tokens": len(request.prompt_token_ids)}, kind="server") as sp:
+        with tracing.span(
+            "prefill",
+            parent,
+            {"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
+            kind="server",
+        ) as sp:
             return await self._prefill(request, context, sp)
 
     async def _prefill(self, request, context, sp):
@@ -73,8 +81,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         queue = self.client.open_stream(rid)
         self.inflight += 1
         try:
-            self.client.send(m.AddRequest(rid, list(request.prompt_token_ids), params, request.priority,
-                                          request.seed))
+            self.client.send(m.AddRequest(rid, list(request.prompt_token_ids), params, request.priority, request.seed))
             out = await queue.get()
         except asyncio.CancelledError:
             self.client.send(m.Abort([rid]))
@@ -87,8 +94,11 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error or "request refused")
         total_ns = time.monotonic_ns() - arrival
         response = prefill_pb2.PrefillResponse(
-            request_id=rid, first_token_id=out.new_token_ids[0], cached_prompt_tokens=out.num_cached_tokens,
-            timings=common_pb2.Timings(prefill_ns=total_ns, total_ns=total_ns))
+            request_id=rid,
+            first_token_id=out.new_token_ids[0],
+            cached_prompt_tokens=out.num_cached_tokens,
+            timings=common_pb2.Timings(prefill_ns=total_ns, total_ns=total_ns),
+        )
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         self.count("prompt_tokens", len(request.prompt_token_ids))
@@ -98,19 +108,33 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         mt.lab(mt.prefill_time).observe(max(total_ns - out.queue_ns, 0) / 1e9)
         response.timings.queue_ns = out.queue_ns
         tracing.record_span("prefill.queue", arrival_wall, arrival_wall + out.queue_ns, sp)
-        tracing.record_span("prefill.compute", arrival_wall + out.queue_ns, arrival_wall + total_ns, sp,
-                            {"cached_prompt_tokens": out.num_cached_tokens})
+        tracing.record_span(
+            "prefill.compute",
+            arrival_wall + out.queue_ns,
+            arrival_wall + total_ns,
+            sp,
+            {"cached_prompt_tokens": out.num_cached_tokens},
+        )
         if out.finish_reason != "prefilled":
             response.finish_reason = FINISH_REASONS[out.finish_reason]
             return response
         held = self.held.pop(rid)
         lease = self.leases.grant(rid, held.block_ids, held.block_hashes, held.num_tokens, request.lease_ms)
-        response.kv.CopyFrom(common_pb2.KvHandle(
-            prefill_instance=self.name, prefill_address=f"{self.config.peer_host}:{self.config.port}",
-            block_ids=held.block_ids, block_hashes=held.block_hashes, num_tokens=held.num_tokens,
-            lease=common_pb2.Lease(lease_id=lease.lease_id, epoch=lease.epoch, expires_unix_ns=lease.expires_unix_ns),
-            transport=self.config.kv_transport, layout=layout_to_proto(self.client.layout),
-            endpoint=self.client.endpoint))
+        response.kv.CopyFrom(
+            common_pb2.KvHandle(
+                prefill_instance=self.name,
+                prefill_address=f"{self.config.peer_host}:{self.config.port}",
+                block_ids=held.block_ids,
+                block_hashes=held.block_hashes,
+                num_tokens=held.num_tokens,
+                lease=common_pb2.Lease(
+                    lease_id=lease.lease_id, epoch=lease.epoch, expires_unix_ns=lease.expires_unix_ns
+                ),
+                transport=self.config.kv_transport,
+                layout=layout_to_proto(self.client.layout),
+                endpoint=self.client.endpoint,
+            )
+        )
         return response
 
     def _release(self, lease_id: str, epoch: int) -> bool:
@@ -126,11 +150,17 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
 
     async def PairKv(self, request, context):
         if request.backend not in ("gloo", "nccl"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"backend must be gloo or nccl, got {request.backend!r}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"backend must be gloo or nccl, got {request.backend!r}"
+            )
         pair = pair_name(self.name, request.decode_instance)
         try:
-            await self.client.call(lambda cid: m.Pair(cid, pair, 1, request.store_host, request.store_port,
-                                                      request.backend, self.config.peer_host), timeout_s=60.0)
+            await self.client.call(
+                lambda cid: m.Pair(
+                    cid, pair, 1, request.store_host, request.store_port, request.backend, self.config.peer_host
+                ),
+                timeout_s=60.0,
+            )
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.count("pairs_created")
@@ -139,23 +169,32 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
     async def SendKv(self, request, context):
         lease = self.leases.get(request.lease_id, request.epoch)
         if lease is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"lease {request.lease_id} epoch {request.epoch} is not active (released or expired)")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lease {request.lease_id} epoch {request.epoch} is not active (released or expired)",
+            )
         bad = [i for i in request.block_indices if i >= len(lease.block_ids)]
         if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block index {bad[0]} is out of range; the lease holds {len(lease.block_ids)} blocks")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block index {bad[0]} is out of range; the lease holds {len(lease.block_ids)} blocks",
+            )
         block_ids = [lease.block_ids[i] for i in request.block_indices]
         pair = pair_name(self.name, request.decode_instance)
         parent = tracing.extract(tracing.metadata_carrier(context.invocation_metadata()))
-        with tracing.span("kv.send", parent, {"request_id": lease.request_id, "kv.blocks": len(block_ids),
-                                              "kv.transport": "nccl"}, kind="server"):
+        with tracing.span(
+            "kv.send",
+            parent,
+            {"request_id": lease.request_id, "kv.blocks": len(block_ids), "kv.transport": "nccl"},
+            kind="server",
+        ):
             return await self._send(context, block_ids, pair, transfer_tag(lease.epoch))
 
     async def _send(self, context, block_ids, pair, tag):
         try:
-            result = await self.client.call(lambda cid: m.SendBlocks(cid, pair, block_ids, tag),
-                                            timeout_s=self.config.kv_transfer_timeout_s + 5)
+            result = await self.client.call(
+                lambda cid: m.SendBlocks(cid, pair, block_ids, tag), timeout_s=self.config.kv_transfer_timeout_s + 5
+            )
         except Exception as exc:
             self.count("kv_send_failures")
             self.metrics.lab(self.metrics.kv_transfer_failures).inc()

@@ -30,8 +30,14 @@ def generate(out_dir: Path) -> list[Path]:
         gen = Path(tmp) / "gen"
         gen.mkdir()
         sources = [f"splitserve/protos/{name}.proto" for name in PROTO_FILES]
-        args = ["protoc", f"-I{Path(tmp) / 'src'}", f"--python_out={gen}", f"--pyi_out={gen}",
-                f"--grpc_python_out={gen}", *sources]
+        args = [
+            "protoc",
+            f"-I{Path(tmp) / 'src'}",
+            f"--python_out={gen}",
+            f"--pyi_out={gen}",
+            f"--grpc_python_out={gen}",
+            *sources,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {sources}")
         written = []

@@ -11,6 +11,8 @@ if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(i
 fi
 bash scripts/install.sh .venv-test --fresh || { echo "install failed"; exit 1; }
 echo "install took $(( $(date +%s) - start )) s"
+bash scripts/lint.sh .venv-test || { echo "lint failed (scripts/lint.sh)"; exit 1; }
+echo "lint passed"
 .venv-test/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 echo "suite finished in $(( $(date +%s) - start )) s (pytest exit code $rc)"

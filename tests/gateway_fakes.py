@@ -18,8 +18,9 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -30,10 +31,19 @@ ROLE_WORDS = ["user", "system", "assistant", "hello", "world"]
 FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)  # 8: ids from here are "w<id>"
 VOCAB_SIZE = 200
 EOS_ID = 1
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant{% endif %}")
-LAYOUT = common_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
-                             model_id="tiny-fake", layout="block_major_v1")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+LAYOUT = common_pb2.KvLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=4,
+    dtype="float32",
+    model_id="tiny-fake",
+    layout="block_major_v1",
+)
 FR = common_pb2.FinishReason
 
 
@@ -71,22 +81,38 @@ def expected_ids(prompt_ids: list[int], n: int) -> list[int]:
 def fake_logprobs(token_id: int, top: int) -> common_pb2.TokenLogprobs:
     """Logprob -token_id/100 for the chosen token; alternatives token_id+1.. at lower logprobs."""
     return common_pb2.TokenLogprobs(
-        token_id=token_id, logprob=-token_id / 100,
-        top=[common_pb2.TopLogprob(token_id=token_id + k, logprob=-(token_id + k) / 100 - k) for k in range(top)])
+        token_id=token_id,
+        logprob=-token_id / 100,
+        top=[common_pb2.TopLogprob(token_id=token_id + k, logprob=-(token_id + k) / 100 - k) for k in range(top)],
+    )
 
 
-def _describe(name: str, role: str, layout: common_pb2.KvLayout, max_model_len: int, load: common_pb2.Load,
-              start_ns: int) -> common_pb2.DescribeResponse:
-    return common_pb2.DescribeResponse(instance_id=name, role=role, model_id=layout.model_id, layout=layout,
-                                       load=load, transports=["shm"], start_unix_ns=start_ns,
-                                       max_model_len=max_model_len)
+def _describe(
+    name: str, role: str, layout: common_pb2.KvLayout, max_model_len: int, load: common_pb2.Load, start_ns: int
+) -> common_pb2.DescribeResponse:
+    return common_pb2.DescribeResponse(
+        instance_id=name,
+        role=role,
+        model_id=layout.model_id,
+        layout=layout,
+        load=load,
+        transports=["shm"],
+        start_unix_ns=start_ns,
+        max_model_len=max_model_len,
+    )
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     """Answers the first token and a KV handle (one block id per started block of the prompt)."""
 
-    def __init__(self, name: str = "prefill-0", *, layout: common_pb2.KvLayout = LAYOUT, max_model_len: int = 64,
-                 cached_prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        name: str = "prefill-0",
+        *,
+        layout: common_pb2.KvLayout = LAYOUT,
+        max_model_len: int = 64,
+        cached_prompt_tokens: int = 0,
+    ) -> None:
         self.name, self.layout, self.max_model_len = name, layout, max_model_len
         self.cached_prompt_tokens = cached_prompt_tokens
         self.requests: list[prefill_pb2.PrefillRequest] = []
@@ -106,8 +132,11 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         first = next_token(request.prompt_token_ids[-1])
         sampling = request.sampling
         response = prefill_pb2.PrefillResponse(
-            request_id=request.request_id, first_token_id=first, cached_prompt_tokens=self.cached_prompt_tokens,
-            timings=common_pb2.Timings(queue_ns=1000, prefill_ns=2000))
+            request_id=request.request_id,
+            first_token_id=first,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            timings=common_pb2.Timings(queue_ns=1000, prefill_ns=2000),
+        )
         if sampling.HasField("logprobs"):
             response.first_logprobs.CopyFrom(fake_logprobs(first, sampling.logprobs))
         if sampling.HasField("max_tokens") and sampling.max_tokens == 1:
@@ -115,10 +144,17 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             return response
         n = len(request.prompt_token_ids)
         bs = self.layout.block_size
-        response.kv.CopyFrom(common_pb2.KvHandle(
-            prefill_instance=self.name, prefill_address=self.address, block_ids=list(range((n + bs - 1) // bs)),
-            num_tokens=n, lease=common_pb2.Lease(lease_id=f"lease-{request.request_id}", epoch=7),
-            transport="shm", layout=self.layout))
+        response.kv.CopyFrom(
+            common_pb2.KvHandle(
+                prefill_instance=self.name,
+                prefill_address=self.address,
+                block_ids=list(range((n + bs - 1) // bs)),
+                num_tokens=n,
+                lease=common_pb2.Lease(lease_id=f"lease-{request.request_id}", epoch=7),
+                transport="shm",
+                layout=self.layout,
+            )
+        )
         return response
 
     async def ReleaseKv(self, request, context):
@@ -142,9 +178,17 @@ class _Running:
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
     """One step every step_s: one token for every running request of a stream, in one DecodeOut."""
 
-    def __init__(self, name: str = "decode-0", *, role: str = "decode", layout: common_pb2.KvLayout = LAYOUT,
-                 max_model_len: int = 64, step_s: float = 0.01, free_blocks: int = 1000,
-                 cached_prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        name: str = "decode-0",
+        *,
+        role: str = "decode",
+        layout: common_pb2.KvLayout = LAYOUT,
+        max_model_len: int = 64,
+        step_s: float = 0.01,
+        free_blocks: int = 1000,
+        cached_prompt_tokens: int = 0,
+    ) -> None:
         self.name, self.role, self.layout, self.max_model_len = name, role, layout, max_model_len
         self.step_s, self.free_blocks = step_s, free_blocks
         self.cached_prompt_tokens = cached_prompt_tokens
@@ -158,8 +202,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.start_ns = time.time_ns()
 
     async def Describe(self, request, context):
-        load = common_pb2.Load(num_free_blocks=self.free_blocks, num_total_blocks=self.free_blocks,
-                               num_running=len(self.running), num_waiting=self.waiting)
+        load = common_pb2.Load(
+            num_free_blocks=self.free_blocks,
+            num_total_blocks=self.free_blocks,
+            num_running=len(self.running),
+            num_waiting=self.waiting,
+        )
         return _describe(self.name, self.role, self.layout, self.max_model_len, load, self.start_ns)
 
     async def Generate(self, request_iterator, context):
@@ -188,10 +236,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 req = message.request
                 self.requests.append(req)
                 local = not req.HasField("first_token_id")
-                limit = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else \
-                    self.max_model_len - len(req.prompt_token_ids)
-                run = _Running(req, req.prompt_token_ids[-1] if local else req.first_token_id,
-                               0 if local else 1, limit)
+                limit = (
+                    req.sampling.max_tokens
+                    if req.sampling.HasField("max_tokens")
+                    else self.max_model_len - len(req.prompt_token_ids)
+                )
+                run = _Running(req, req.prompt_token_ids[-1] if local else req.first_token_id, 0 if local else 1, limit)
                 mine[req.request_id] = self.running[req.request_id] = run
             else:
                 rid = message.abort.request_id
@@ -235,6 +285,7 @@ class LoopThread:
     def call(self, fn: Callable[[], Any]) -> Any:
         async def wrapper():
             return fn()
+
         return self.run(wrapper())
 
     def close(self) -> None:
@@ -280,7 +331,7 @@ class Stack:
     rest: bool = True  # serve the REST shim (on a pre-bound loopback socket)
     env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         from splitserve.gateway.config import GatewayConfig
         from splitserve.gateway.server import GatewayServer
 
@@ -292,9 +343,14 @@ class Stack:
         if self.rest:
             http = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             http.bind(("127.0.0.1", 0))
-        values = dict(grpc_port=0, model=self.tokenizer_dir, health_interval_s=0.1, drain_grace_s=1.0,
-                      prefill=",".join(self.servers[p.name].address for p in self.prefills),
-                      decode=",".join(self.servers[d.name].address for d in self.decodes))
+        values = dict(
+            grpc_port=0,
+            model=self.tokenizer_dir,
+            health_interval_s=0.1,
+            drain_grace_s=1.0,
+            prefill=",".join(self.servers[p.name].address for p in self.prefills),
+            decode=",".join(self.servers[d.name].address for d in self.decodes),
+        )
         values.update(self.overrides)
         values.setdefault("http_port", 0)
         self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http, env=self.env)
@@ -349,4 +405,3 @@ if __name__ == "__main__":  # python -m tests.gateway_fakes prefill|decode PORT 
     import sys
 
     asyncio.run(_serve_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
-

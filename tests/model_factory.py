@@ -26,38 +26,70 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 LINEAR_SCALING = {"rope_type": "linear", "factor": 2.0}
 
 
-def tiny_hf_config(arch: str = "llama", *, num_kv_heads: int = 2, tie: bool = False,
-                   rope_scaling: dict | None = None, vocab_size: int = 503, **overrides):
+def tiny_hf_config(
+    arch: str = "llama",
+    *,
+    num_kv_heads: int = 2,
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    vocab_size: int = 503,
+    **overrides,
+):
     """A transformers config: 2 layers, hidden 64, 4 query heads of 16, FFN 96, 128 positions."""
     from transformers import AutoConfig
 
     rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": 10000.0}
     fields = dict(
-        architectures=[ARCHITECTURES[arch]], vocab_size=vocab_size, hidden_size=64,
-        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=num_kv_heads, head_dim=16, max_position_embeddings=128,
-        rms_norm_eps=1e-6, rope_parameters=rope, tie_word_embeddings=tie,
-        initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        architectures=[ARCHITECTURES[arch]],
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     fields.update(overrides)
     return AutoConfig.for_model(arch, **fields)
 
 
-def make_tiny_model_dir(tmp_path: Path, arch: str = "llama", *, num_kv_heads: int = 2,
-                        tie: bool = False, rope_scaling: dict | None = None, vocab_size: int = 503,
-                        dtype: torch.dtype = torch.float64, seed: int = 0,
-                        max_shard_size: str | None = None, name: str | None = None,
-                        **overrides) -> Path:
+def make_tiny_model_dir(
+    tmp_path: Path,
+    arch: str = "llama",
+    *,
+    num_kv_heads: int = 2,
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    vocab_size: int = 503,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    name: str | None = None,
+    **overrides,
+) -> Path:
     """Save a random tiny `arch` model with transformers; returns the directory."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_hf_config(arch, num_kv_heads=num_kv_heads, tie=tie, rope_scaling=rope_scaling,
-                            vocab_size=vocab_size, **overrides)
+    config = tiny_hf_config(
+        arch, num_kv_heads=num_kv_heads, tie=tie, rope_scaling=rope_scaling, vocab_size=vocab_size, **overrides
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -146,5 +178,6 @@ def build_meta(specs: list[SeqSpec], block_size: int, device: str | torch.device
 
 def step_positions(specs: list[SeqSpec], device: str | torch.device = "cpu") -> torch.Tensor:
     """Positions of this step's tokens (T,) int64, rows in spec order."""
-    return torch.cat([torch.arange(s.num_computed, s.num_computed + s.num_new, dtype=torch.int64)
-                      for s in specs]).to(device)
+    return torch.cat([torch.arange(s.num_computed, s.num_computed + s.num_new, dtype=torch.int64) for s in specs]).to(
+        device
+    )

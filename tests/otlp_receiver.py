@@ -25,15 +25,23 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         with self._lock:
             for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
+                service = next(
+                    (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
+                )
                 for scope in resource_spans.scope_spans:
                     for s in scope.spans:
-                        self.spans.append({
-                            "name": s.name, "service": service, "trace_id": s.trace_id.hex(),
-                            "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                            "attributes": {a.key: _value(a.value) for a in s.attributes},
-                            "start": s.start_time_unix_nano, "end": s.end_time_unix_nano})
+                        self.spans.append(
+                            {
+                                "name": s.name,
+                                "service": service,
+                                "trace_id": s.trace_id.hex(),
+                                "span_id": s.span_id.hex(),
+                                "parent": s.parent_span_id.hex(),
+                                "attributes": {a.key: _value(a.value) for a in s.attributes},
+                                "start": s.start_time_unix_nano,
+                                "end": s.end_time_unix_nano,
+                            }
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def stop(self) -> None:

@@ -75,14 +75,30 @@ async def describe(address: str, stub_cls=None) -> common_pb2.DescribeResponse:
         return await stub.Describe(common_pb2.DescribeRequest(), timeout=10)
 
 
-async def generate_disaggregated(prefill, session: DecodeSession, request_id: str, prompt: list[int],
-                                 sampling: common_pb2.SamplingParams, seed: int = 0):
+async def generate_disaggregated(
+    prefill,
+    session: DecodeSession,
+    request_id: str,
+    prompt: list[int],
+    sampling: common_pb2.SamplingParams,
+    seed: int = 0,
+):
     """Prefill then decode one request; returns (all tokens, prefill response, deltas)."""
-    first = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
-                                                             sampling=sampling, seed=seed), timeout=60)
+    first = await prefill.Prefill(
+        prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, seed=seed),
+        timeout=60,
+    )
     if first.finish_reason:
         return [first.first_token_id], first, []
-    session.submit(decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                            seed=seed, first_token_id=first.first_token_id, kv=first.kv))
+    session.submit(
+        decode_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            seed=seed,
+            first_token_id=first.first_token_id,
+            kv=first.kv,
+        )
+    )
     tokens, deltas = await session.collect(request_id)
     return [first.first_token_id] + tokens, first, deltas

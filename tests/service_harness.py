@@ -42,8 +42,15 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPLITSERVE_LOG_LEVEL": "INFO"}
         self.log = open(self.log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, *args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", command, *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -77,14 +84,28 @@ ENGINE = dict(dtype="float64", block_size=4, num_kv_blocks=512)
 
 
 def engine_args(model_dir: Path, **overrides) -> list[str]:
-    values = {"model": str(model_dir), "dtype": "float64", "device": "cpu", "block-size": "4",
-              "num-kv-blocks": "256", "num-threads": "1", "max-num-batched-tokens": "256"}
+    values = {
+        "model": str(model_dir),
+        "dtype": "float64",
+        "device": "cpu",
+        "block-size": "4",
+        "num-kv-blocks": "256",
+        "num-threads": "1",
+        "max-num-batched-tokens": "256",
+    }
     values.update({k.replace("_", "-"): str(v) for k, v in overrides.items()})
     return [item for key, value in values.items() for item in (f"--{key}", value)]
 
 
-def start_service(command: str, model_dir: Path, log_dir: Path, name: str, port: int | None = None,
-                  service_args: list[str] = (), **engine_overrides) -> tuple[Proc, str]:
+def start_service(
+    command: str,
+    model_dir: Path,
+    log_dir: Path,
+    name: str,
+    port: int | None = None,
+    service_args: list[str] = (),
+    **engine_overrides,
+) -> tuple[Proc, str]:
     port = port or free_port()
     args = engine_args(model_dir, **engine_overrides) + ["--port", str(port), "--instance-name", name, *service_args]
     proc = Proc(command, args, log_dir, name)
@@ -94,8 +115,9 @@ def start_service(command: str, model_dir: Path, log_dir: Path, name: str, port:
 class Stack:
     """gateway + prefill + N decodes on loopback, the default model, float64 (see ENGINE)."""
 
-    def __init__(self, transport: str, logs, num_decode: int = 2, prefill_args: list[str] = (),
-                 decode_args: list[str] = ()):
+    def __init__(
+        self, transport: str, logs, num_decode: int = 2, prefill_args: list[str] = (), decode_args: list[str] = ()
+    ):
         from splitserve.common.default_model_path import default_model_path
 
         model = default_model_path()
@@ -106,15 +128,34 @@ class Stack:
         self.procs["prefill"] = self.prefill[0]
         self.decodes = []
         for i in range(num_decode):
-            proc, addr = start_service("decode", model, logs, f"decode-{i}",
-                                       service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1],
-                                                     *decode_args], **ENGINE)
+            proc, addr = start_service(
+                "decode",
+                model,
+                logs,
+                f"decode-{i}",
+                service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1], *decode_args],
+                **ENGINE,
+            )
             self.procs[f"decode-{i}"] = proc
             self.decodes.append(addr)
         self.grpc_port, self.http_port = free_port(), free_port()
-        self.gateway = Proc("gateway", ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-                                        "--prefill", self.prefill[1], "--decode", ",".join(self.decodes),
-                                        "--health-interval-s", "0.2"], logs, "gateway")
+        self.gateway = Proc(
+            "gateway",
+            [
+                "--grpc-port",
+                str(self.grpc_port),
+                "--http-port",
+                str(self.http_port),
+                "--prefill",
+                self.prefill[1],
+                "--decode",
+                ",".join(self.decodes),
+                "--health-interval-s",
+                "0.2",
+            ],
+            logs,
+            "gateway",
+        )
         self.procs["gateway"] = self.gateway
         for proc in self.procs.values():
             if proc is not self.gateway:
@@ -137,11 +178,11 @@ class Stack:
         for proc in self.procs.values():
             proc.stop()
 
-
     def restart_prefill(self) -> None:
         """Start the prefill again on its old port (after a kill)."""
         port = int(self.prefill[1].rsplit(":", 1)[1])
-        proc, _ = start_service("prefill", self.model, self.logs, "prefill-restarted", port=port,
-                                service_args=self.prefill_args, **ENGINE)
+        proc, _ = start_service(
+            "prefill", self.model, self.logs, "prefill-restarted", port=port, service_args=self.prefill_args, **ENGINE
+        )
         self.procs["prefill"] = proc
         proc.wait_ready()

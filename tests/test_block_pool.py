@@ -2,18 +2,19 @@
 
 import pytest
 
+from splitserve.common.prefix_hash import extra_keys_for, hash_block, hash_full_blocks
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from splitserve.engine.kv_cache_manager import KvCacheManager
-from splitserve.common.prefix_hash import extra_keys_for, hash_block, hash_full_blocks
 from splitserve.engine.request import Request
-from splitserve.common.sampling_params import SamplingParams
 
 EXTRA = extra_keys_for("tiny")
 
 
 def make_request(request_id, tokens):
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(),
-                   seed=0, max_tokens=8)
+    return Request(
+        request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(), seed=0, max_tokens=8
+    )
 
 
 def test_hashes_are_chained_stable_and_model_scoped():
@@ -42,7 +43,7 @@ def test_allocate_free_order_and_errors():
 
 def test_cached_blocks_survive_free_and_are_evicted_lru_after_empty_ones():
     pool = BlockPool(4)
-    b = pool.allocate(2)  # [0, 1]
+    assert pool.allocate(2) == [0, 1]
     assert pool.register_hash(0, b"h0") and pool.register_hash(1, b"h1")
     assert not pool.register_hash(1, b"other")  # already hashed
     pool.free([1, 0])

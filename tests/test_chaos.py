@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from splitserve.engine import LLM, SamplingParams
 from splitserve.common.default_model_path import default_model_path
+from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
 from tests.service_harness import ENGINE, Proc, Stack
@@ -26,8 +26,9 @@ MAX_TOKENS = 12
 def reference():
     llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
     prompts = make_prompts(n=8, seed=3, vocab=8192)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
     return prompts, [o.token_ids for o in outs]
 
 
@@ -36,8 +37,10 @@ async def generate(port, prompt, max_tokens=MAX_TOKENS):
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=(
-                common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+            request = generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=prompt),
+                sampling=(common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)),
+            )
             messages = [m async for m in stub.Generate(request, timeout=60)]
         return [t for m in messages for t in m.token_ids], messages[-1]
     except grpc.aio.AioRpcError as exc:
@@ -49,7 +52,8 @@ async def wait_blocks_free(stack, timeout_s=5.0, skip=()):
     while True:
         loads = {}
         for name, address, stub in [("prefill", stack.prefill[1], None)] + [
-                (f"decode-{i}", a, decode_pb2_grpc.DecodeStub) for i, a in enumerate(stack.decodes)]:
+            (f"decode-{i}", a, decode_pb2_grpc.DecodeStub) for i, a in enumerate(stack.decodes)
+        ]:
             if name in skip:
                 continue
             d = await describe(address, stub)
@@ -59,15 +63,20 @@ async def wait_blocks_free(stack, timeout_s=5.0, skip=()):
         await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("faults, counter, expected", [
-    ("pull_drop=2,pull_delay_ms=200", "kv_pull_failures", 2),
-    ("corrupt_epoch=2", "kv_pull_recomputes", 2),
-])
+@pytest.mark.parametrize(
+    "faults, counter, expected",
+    [
+        ("pull_drop=2,pull_delay_ms=200", "kv_pull_failures", 2),
+        ("corrupt_epoch=2", "kv_pull_recomputes", 2),
+    ],
+)
 def test_transfer_faults_recompute_the_right_tokens(faults, counter, expected, reference, tmp_path):
     prompts, greedy = reference
-    stack = Stack("shm", tmp_path, num_decode=1, decode_args=["--fault-injection", faults],
-                  prefill_args=["--lease-s", "1"])
+    stack = Stack(
+        "shm", tmp_path, num_decode=1, decode_args=["--fault-injection", faults], prefill_args=["--lease-s", "1"]
+    )
     try:
+
         async def main():
             results = await asyncio.gather(*(generate(stack.grpc_port, p) for p in prompts))
             loads = await wait_blocks_free(stack, timeout_s=4.0)  # corrupted releases leave leases to expire
@@ -87,9 +96,15 @@ def test_transfer_faults_recompute_the_right_tokens(faults, counter, expected, r
 
 def test_prefill_killed_mid_send_over_nccl(reference, tmp_path):
     prompts, greedy = reference
-    stack = Stack("nccl", tmp_path, num_decode=1, prefill_args=["--fault-injection", "send_kill_after_blocks=12"],
-                  decode_args=["--kv-transfer-timeout-s", "1"])
+    stack = Stack(
+        "nccl",
+        tmp_path,
+        num_decode=1,
+        prefill_args=["--fault-injection", "send_kill_after_blocks=12"],
+        decode_args=["--kv-transfer-timeout-s", "1"],
+    )
     try:
+
         async def main():
             results = []
             for prompt in prompts[:4]:  # one at a time: the prefill dies inside the 2nd-3rd send
@@ -117,6 +132,7 @@ def test_kill_prefill_and_decode_mid_stream_then_restart(reference, tmp_path):
     # handles given to the decode that dies are never claimed: their leases expire (1 s here)
     stack = Stack("shm", tmp_path, num_decode=2, prefill_args=["--lease-s", "1"])
     try:
+
         async def load_then_kill(victim):
             jobs = [asyncio.create_task(generate(stack.grpc_port, p, max_tokens=MAX_TOKENS)) for p in prompts]
             await asyncio.sleep(0.3)
@@ -146,11 +162,19 @@ def test_kill_prefill_and_decode_mid_stream_then_restart(reference, tmp_path):
         port = int(stack.decodes[1].rsplit(":", 1)[1])
         from tests.service_harness import start_service
 
-        proc, _ = start_service("decode", stack.model, tmp_path, "decode-1-restarted", port=port,
-                                service_args=["--kv-transport", "shm"], **ENGINE)  # same port as before
+        proc, _ = start_service(
+            "decode",
+            stack.model,
+            tmp_path,
+            "decode-1-restarted",
+            port=port,
+            service_args=["--kv-transport", "shm"],
+            **ENGINE,
+        )  # same port as before
         stack.procs["decode-1"] = proc
         proc.wait_ready()
         stack.wait_ready()
+
         async def all_prompts():
             return await asyncio.gather(*(generate(stack.grpc_port, p) for p in prompts))
 
@@ -166,6 +190,7 @@ def test_kill_gateway_mid_stream_frees_everything_then_restart(reference, tmp_pa
     prompts, greedy = reference
     stack = Stack("shm", tmp_path, num_decode=1)
     try:
+
         async def main():
             jobs = [asyncio.create_task(generate(stack.grpc_port, p, max_tokens=200)) for p in prompts]
             await asyncio.sleep(1.0)
@@ -179,10 +204,23 @@ def test_kill_gateway_mid_stream_frees_everything_then_restart(reference, tmp_pa
         assert all(tokens is None and msg.startswith("UNAVAILABLE") for tokens, msg in results)
         assert all(f == t and leases == 0 for f, t, leases in loads.values()), loads
         assert freed_after < 2.0  # the decode aborted the broken stream's requests at once
-        stack.procs["gateway"] = Proc("gateway", ["--grpc-port", str(stack.grpc_port), "--http-port",
-                                                  str(stack.http_port), "--prefill", stack.prefill[1], "--decode",
-                                                  ",".join(stack.decodes), "--health-interval-s", "0.2"],
-                                      tmp_path, "gateway-restarted")
+        stack.procs["gateway"] = Proc(
+            "gateway",
+            [
+                "--grpc-port",
+                str(stack.grpc_port),
+                "--http-port",
+                str(stack.http_port),
+                "--prefill",
+                stack.prefill[1],
+                "--decode",
+                ",".join(stack.decodes),
+                "--health-interval-s",
+                "0.2",
+            ],
+            tmp_path,
+            "gateway-restarted",
+        )
         stack.wait_ready()
         assert asyncio.run(generate(stack.grpc_port, prompts[2]))[0] == greedy[2]
     finally:

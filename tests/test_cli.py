@@ -65,8 +65,10 @@ def test_bench_names_the_serving_benchmark_on_an_unknown_name(capsys):
 def test_bench_points_repository_benchmarks_to_the_checkout(capsys):
     assert main(["bench", "kernels"]) == 2
     err = capsys.readouterr().err
-    assert err == ("splitserve bench: unknown benchmark 'kernels'; choose one of: serve; "
-                   "kernels runs from a checkout: python -m bench.kernels\n")
+    assert err == (
+        "splitserve bench: unknown benchmark 'kernels'; choose one of: serve; "
+        "kernels runs from a checkout: python -m bench.kernels\n"
+    )
 
 
 def test_bench_runs_a_benchmark_with_its_own_arguments(capsys):
@@ -78,7 +80,9 @@ def test_bench_runs_a_benchmark_with_its_own_arguments(capsys):
 
 def test_help_imports_nothing_of_the_stack():
     """`splitserve --help` loads no subcommand's modules (nor torch)."""
-    code = ("import sys\nfrom splitserve.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'splitserve.engine', 'splitserve.gateway'))))")
+    code = (
+        "import sys\nfrom splitserve.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'splitserve.engine', 'splitserve.gateway'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

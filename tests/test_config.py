@@ -1,6 +1,7 @@
 """Config: flags, SPLITSERVE_* variables, validation messages."""
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -30,22 +31,45 @@ def test_flags_override_env_which_overrides_defaults():
 
 def test_config_is_frozen():
     config = parse([])
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.block_size = 32
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["--block-size", "0"], {}, "--block-size=0 is out of range; allowed [1, 256]"),
-    (["--max-num-seqs", "5000"], {}, "--max-num-seqs=5000 is out of range; allowed [1, 4096]"),
-    (["--kv-cache-memory-fraction", "0"], {}, "--kv-cache-memory-fraction=0.0 is out of range; allowed (0.0, 0.98]"),
-    (["--dtype", "int8"], {}, "--dtype='int8' is not allowed; choose one of auto, float16, bfloat16, float32, float64"),
-    (["--role", "router"], {}, "--role='router' is not allowed; choose one of both, prefill, decode"),
-    (["--block-size", "big"], {}, "--block-size: expected int, got 'big'"),
-    ([], {"SPLITSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "--enable-prefix-caching: expected true or false, got 'maybe'"),
-    ([], {"SPLITSERVE_NUM_KV_BLOCKS": "-3"}, "--num-kv-blocks=-3 is out of range; allowed [1, 10000000]"),
-    (["--kv-cache-memory-fraction", "nan"], {}, "--kv-cache-memory-fraction=nan is not a number; allowed (0.0, 0.98]"),
-    (["--kv-cache-memory-fraction", "inf"], {}, "--kv-cache-memory-fraction=inf is out of range; allowed (0.0, 0.98]"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--block-size", "0"], {}, "--block-size=0 is out of range; allowed [1, 256]"),
+        (["--max-num-seqs", "5000"], {}, "--max-num-seqs=5000 is out of range; allowed [1, 4096]"),
+        (
+            ["--kv-cache-memory-fraction", "0"],
+            {},
+            "--kv-cache-memory-fraction=0.0 is out of range; allowed (0.0, 0.98]",
+        ),
+        (
+            ["--dtype", "int8"],
+            {},
+            "--dtype='int8' is not allowed; choose one of auto, float16, bfloat16, float32, float64",
+        ),
+        (["--role", "router"], {}, "--role='router' is not allowed; choose one of both, prefill, decode"),
+        (["--block-size", "big"], {}, "--block-size: expected int, got 'big'"),
+        (
+            [],
+            {"SPLITSERVE_ENABLE_PREFIX_CACHING": "maybe"},
+            "--enable-prefix-caching: expected true or false, got 'maybe'",
+        ),
+        ([], {"SPLITSERVE_NUM_KV_BLOCKS": "-3"}, "--num-kv-blocks=-3 is out of range; allowed [1, 10000000]"),
+        (
+            ["--kv-cache-memory-fraction", "nan"],
+            {},
+            "--kv-cache-memory-fraction=nan is not a number; allowed (0.0, 0.98]",
+        ),
+        (
+            ["--kv-cache-memory-fraction", "inf"],
+            {},
+            "--kv-cache-memory-fraction=inf is out of range; allowed (0.0, 0.98]",
+        ),
+    ],
+)
 def test_validation_errors_name_flag_value_and_range(argv, env, message):
     with pytest.raises(ConfigError) as info:
         parse(argv, env)

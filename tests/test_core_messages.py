@@ -8,12 +8,17 @@ from splitserve.engine.engine_core import RequestOutput
 
 
 def test_a_step_batch_crosses_a_pipe_with_every_output_field_intact():
-    outputs = [RequestOutput("a", [5, 6], [{"5": -0.1}], True, "stop", "</s>", 32, None, 1234),
-               RequestOutput("b", [], finished=True, finish_reason="error", error="KV pull failed: x"),
-               RequestOutput("c", [9])]
+    outputs = [
+        RequestOutput("a", [5, 6], [{"5": -0.1}], True, "stop", "</s>", 32, None, 1234),
+        RequestOutput("b", [], finished=True, finish_reason="error", error="KV pull failed: x"),
+        RequestOutput("c", [9]),
+    ]
     defaults = RequestOutput("a", [])
-    assert all(getattr(outputs[0], f.name) != getattr(defaults, f.name) for f in fields(RequestOutput)
-               if f.name not in ("request_id", "error"))  # every field but error set (error: the second one)
+    assert all(
+        getattr(outputs[0], f.name) != getattr(defaults, f.name)
+        for f in fields(RequestOutput)
+        if f.name not in ("request_id", "error")
+    )  # every field but error set (error: the second one)
     batch = m.StepBatch(outputs, [m.HeldKv("a", [3, 4], [b"h"], 20)], {"num_running": 2}, 777)
     here, there = multiprocessing.Pipe()
     here.send([batch])

@@ -1,7 +1,5 @@
 """MKL-packed linear weights (float32 on CPU) give the same logits and tokens as plain F.linear."""
 
-import os
-
 import torch
 
 from splitserve.engine import LLM, SamplingParams
@@ -28,9 +26,11 @@ def test_float32_engine_tokens_with_and_without_packing(tmp_path, monkeypatch):
     prompts = [[5, 9, 13, 200, 7], list(range(30, 70))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     args = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
-    with_packing = [o.token_ids for o in LLM(model=str(path), **args).generate(prompt_token_ids=prompts,
-                                                                              sampling_params=params)]
+    with_packing = [
+        o.token_ids for o in LLM(model=str(path), **args).generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
     monkeypatch.setenv("SPLITSERVE_CPU_PACKED", "0")
-    without = [o.token_ids for o in LLM(model=str(path), **args).generate(prompt_token_ids=prompts,
-                                                                         sampling_params=params)]
+    without = [
+        o.token_ids for o in LLM(model=str(path), **args).generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
     assert with_packing == without

@@ -35,15 +35,25 @@ class SlowPrefill:
 
 
 def request(rid: str) -> decode_pb2.DecodeRequest:
-    kv = common_pb2.KvHandle(prefill_instance="p0", prefill_address="127.0.0.1:1", block_ids=[0, 1], num_tokens=8,
-                             transport="shm", endpoint=ENDPOINT, lease=common_pb2.Lease(lease_id=f"l-{rid}", epoch=3))
+    kv = common_pb2.KvHandle(
+        prefill_instance="p0",
+        prefill_address="127.0.0.1:1",
+        block_ids=[0, 1],
+        num_tokens=8,
+        transport="shm",
+        endpoint=ENDPOINT,
+        lease=common_pb2.Lease(lease_id=f"l-{rid}", epoch=3),
+    )
     return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=list(range(8)), first_token_id=5, kv=kv)
 
 
 def test_a_request_cancelled_while_the_decode_asks_its_prefill_never_reaches_the_core():
     sent = []
-    service = SimpleNamespace(config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute"),
-                              client=SimpleNamespace(send=sent.append), faults={})
+    service = SimpleNamespace(
+        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute"),
+        client=SimpleNamespace(send=sent.append),
+        faults={},
+    )
     prefill = SlowPrefill()
 
     async def main():
@@ -86,10 +96,19 @@ def pair_messages(keepalive_ms: float, prefill: PairingPrefill, device: str = "c
         calls.append(make_msg(1))
         return True
 
-    config = SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute", kv_link_keepalive_ms=keepalive_ms,
-                             peer_host="127.0.0.1", host="127.0.0.1")
-    service = SimpleNamespace(config=config, name="d0", count=lambda *a: None,
-                              client=SimpleNamespace(call=call, info=SimpleNamespace(device=device)))
+    config = SimpleNamespace(
+        kv_transfer_timeout_s=2.0,
+        kv_load_failure_policy="recompute",
+        kv_link_keepalive_ms=keepalive_ms,
+        peer_host="127.0.0.1",
+        host="127.0.0.1",
+    )
+    service = SimpleNamespace(
+        config=config,
+        name="d0",
+        count=lambda *a: None,
+        client=SimpleNamespace(call=call, info=SimpleNamespace(device=device)),
+    )
 
     async def main():
         pulls = PullCoordinator(service)
@@ -133,8 +152,9 @@ class SendingPrefill:
     async def SendKv(self, request, timeout=None, metadata=None, wait_for_ready=None):
         self.sends.append(list(request.block_indices))
         if self.send_error is not None:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details=self.send_error)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=self.send_error
+            )
         return prefill_pb2.SendKvResponse(num_bytes=64)
 
     async def ReleaseKv(self, request, timeout=None, wait_for_ready=None):
@@ -146,11 +166,22 @@ def finish_nccl_pull(send_error: str | None) -> tuple[list, list, SendingPrefill
     sent, failed = [], []
     metric = SimpleNamespace(inc=lambda *a: None, observe=lambda *a: None)
     service = SimpleNamespace(
-        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"), name="d0",
-        client=SimpleNamespace(send=sent.append), faults={}, spans={}, owner={}, count=lambda *a: None,
-        metrics=SimpleNamespace(lab=lambda metric_family: metric, kv_transfer_bytes=0, kv_transfer_blocks=0,
-                                kv_transfer_time=0, kv_transfer_failures=0),
-        fail_request=lambda rid, reason: failed.append((rid, reason)))
+        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"),
+        name="d0",
+        client=SimpleNamespace(send=sent.append),
+        faults={},
+        spans={},
+        owner={},
+        count=lambda *a: None,
+        metrics=SimpleNamespace(
+            lab=lambda metric_family: metric,
+            kv_transfer_bytes=0,
+            kv_transfer_blocks=0,
+            kv_transfer_time=0,
+            kv_transfer_failures=0,
+        ),
+        fail_request=lambda rid, reason: failed.append((rid, reason)),
+    )
     prefill = SendingPrefill(send_error)
 
     async def main():

@@ -1,4 +1,5 @@
-"""The embedded default model (engine/common/default_model, splitserve.common.default_model_path): loads, tokenizes exactly, has learned
+"""The embedded default model (engine/common/default_model, splitserve.common.default_model_path): loads,
+tokenizes exactly, has learned
 its corpus, and splitserve's engine reproduces transformers' greedy output on it.
 
 Expected numbers were recorded from the committed weights in float32 on CPU
@@ -21,8 +22,32 @@ PROMPT = "def fibonacci(n):"
 PROMPT_IDS = [555, 886, 69, 273, 733, 661, 11, 81, 296]
 # transformers greedy, 24 tokens, float32 CPU; the smallest top-1/top-2 logit margin
 # along the way is 0.094, far above float32 noise.
-FIB_IDS = [265, 279, 17, 351, 11, 270, 17, 440, 376, 1843, 17, 390,
-           11, 270, 17, 440, 376, 1843, 361, 998, 1076, 68, 317, 284]
+FIB_IDS = [
+    265,
+    279,
+    17,
+    351,
+    11,
+    270,
+    17,
+    440,
+    376,
+    1843,
+    17,
+    390,
+    11,
+    270,
+    17,
+    440,
+    376,
+    1843,
+    361,
+    998,
+    1076,
+    68,
+    317,
+    284,
+]
 FIB_TEXT = "\n        self.assertEqual(self.fixtures.get(self.fixtures),\n                         ['a', '"
 NUM_EVAL_TOKENS = 4096
 MODEL_PPL = 9.6074  # model perplexity on the first NUM_EVAL_TOKENS of heldout.txt
@@ -40,8 +65,13 @@ def model():
 
 def test_directory_is_a_small_llama_with_gqa_and_tied_embeddings(model):
     files = {p.name: p.stat().st_size for p in default_model_path().iterdir()}
-    assert sorted(files) == ["config.json", "generation_config.json", "model.safetensors",
-                             "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(files) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sum(files.values()) <= 16_000_000
     cfg = model.config
     assert (cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads) == ("llama", 8, 2)
@@ -69,8 +99,7 @@ def test_tokenizer_round_trips_and_has_the_chat_template(tokenizer):
 
 def unigram_perplexity(targets: torch.Tensor) -> float:
     """Add-one-smoothed unigram model fitted on the *training* token stream (not the held-out)."""
-    counts = torch.tensor(json.loads((DATA / "unigram_counts.json").read_text())["counts"],
-                          dtype=torch.float64)  # (V,)
+    counts = torch.tensor(json.loads((DATA / "unigram_counts.json").read_text())["counts"], dtype=torch.float64)  # (V,)
     log_p = ((counts + 1) / (counts.sum() + counts.numel())).log()  # (V,)
     return math.exp(-log_p[targets].mean().item())
 
@@ -80,7 +109,7 @@ def test_heldout_perplexity_is_far_below_unigram(tokenizer, model):
     nll = 0.0
     with torch.no_grad():
         for start in range(0, NUM_EVAL_TOKENS, 1024):  # independent 1024-token contexts
-            window = ids[start:start + 1025]  # (1025,)
+            window = ids[start : start + 1025]  # (1025,)
             logits = model(window[None, :-1]).logits[0]  # (1024, V)
             nll += torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum").item()
     model_ppl = math.exp(nll / NUM_EVAL_TOKENS)
@@ -92,7 +121,7 @@ def test_heldout_perplexity_is_far_below_unigram(tokenizer, model):
 
 def test_greedy_completion_reads_like_python(tokenizer, model):
     ids = torch.tensor([PROMPT_IDS])
-    out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, len(PROMPT_IDS):]
+    out = model.generate(ids, max_new_tokens=24, do_sample=False)[0, len(PROMPT_IDS) :]
     assert out.tolist() == FIB_IDS
     assert tokenizer.decode(out) == FIB_TEXT
 
@@ -101,7 +130,7 @@ ENGINE_PROMPTS = [
     PROMPT,
     "import os\n\n\ndef ",
     "<|user|>\nWhat does `json.dumps` do?<|endoftext|>\n<|assistant|>\n",
-    "class Stack:\n    \"\"\"A last-in, first-out list.\"\"\"\n\n    def push(self, item):\n",
+    'class Stack:\n    """A last-in, first-out list."""\n\n    def push(self, item):\n',
 ]
 
 
@@ -113,6 +142,6 @@ def test_engine_greedy_equals_transformers(tokenizer, model):
     assert (outs[0].token_ids, outs[0].text) == (FIB_IDS, FIB_TEXT)
     for prompt, out in zip(ENGINE_PROMPTS, outs):
         ids = tokenizer.encode(prompt)
-        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
         assert out.prompt_token_ids == ids
         assert out.token_ids == want.tolist(), prompt

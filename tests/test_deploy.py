@@ -54,6 +54,7 @@ def compose(tmp_path_factory):
     def run(*args):
         p = subprocess.run([*base, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         return p.returncode, p.stdout, p.stderr
+
     return run
 
 
@@ -91,10 +92,16 @@ def dashboard_queries(templating: bool = True) -> list[str]:
 def test_compose_config_passes_and_publishes_only_the_gateway(config):
     services = config["services"]
     assert set(services) == ALL_SERVICES
-    published = {name: [(p.get("host_ip", ""), p["published"], p["target"]) for p in s.get("ports", [])]
-                 for name, s in services.items() if s.get("ports")}
-    assert published == {"gateway": [("", "8000", 8000), ("", "50051", 50051)],
-                         "grafana": [("127.0.0.1", "3000", 3000)], "jaeger": [("127.0.0.1", "16686", 16686)]}
+    published = {
+        name: [(p.get("host_ip", ""), p["published"], p["target"]) for p in s.get("ports", [])]
+        for name, s in services.items()
+        if s.get("ports")
+    }
+    assert published == {
+        "gateway": [("", "8000", 8000), ("", "50051", 50051)],
+        "grafana": [("127.0.0.1", "3000", 3000)],
+        "jaeger": [("127.0.0.1", "16686", 16686)],
+    }
 
 
 def test_compose_wires_health_checks_drain_and_shared_memory(config):
@@ -110,7 +117,10 @@ def test_compose_wires_health_checks_drain_and_shared_memory(config):
     assert command_option(gateway, "--prefill") == "prefill:50061"
     assert command_option(gateway, "--decode") == "decode-0:50071,decode-1:50071"
     assert {k: v["condition"] for k, v in gateway["depends_on"].items()} == {
-        "prefill": "service_healthy", "decode-0": "service_healthy", "decode-1": "service_healthy"}
+        "prefill": "service_healthy",
+        "decode-0": "service_healthy",
+        "decode-1": "service_healthy",
+    }
     kv_bytes = int(services["prefill"]["environment"]["SPLITSERVE_KV_CACHE_CPU_BYTES"])
     assert services["prefill"]["ipc"] == "shareable"
     assert int(services["prefill"]["shm_size"]) >= 2 * kv_bytes > 64 * 2**20  # Docker's default is 64 MB
@@ -125,11 +135,12 @@ def test_compose_wires_health_checks_drain_and_shared_memory(config):
 
 
 def test_compose_environment_names_real_options(config):
+    import dataclasses
+
     from splitserve.common.config import EngineConfig
     from splitserve.common.config_fields import env_name
-    from splitserve.runtime.service_config import ServiceConfig
     from splitserve.gateway.config import GatewayConfig
-    import dataclasses
+    from splitserve.runtime.service_config import ServiceConfig
 
     known = {env_name(f.name) for cls in (EngineConfig, ServiceConfig, GatewayConfig) for f in dataclasses.fields(cls)}
     assert "SPLITSERVE_TRACING" in (REPO / "engine/runtime/tracing.py").read_text()  # read there, not a config field
@@ -148,14 +159,19 @@ def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
         s = services[name]
         assert command_option(s, "--kv-transport") == "cuda_ipc" and command_option(s, "--device") == device
         assert s["deploy"]["resources"]["reservations"]["devices"] == [
-            {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]
+            {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}
+        ]
         assert s["build"]["args"] == {"VARIANT": "cuda"}
     assert services["decode-0"]["pid"] == services["decode-1"]["pid"] == "service:prefill"
 
 
 def test_mounted_files_and_copy_sources_exist(config):
-    binds = [(v["source"], v["target"]) for s in config["services"].values() for v in s.get("volumes", [])
-             if v["type"] == "bind"]
+    binds = [
+        (v["source"], v["target"])
+        for s in config["services"].values()
+        for v in s.get("volumes", [])
+        if v["type"] == "bind"
+    ]
     assert len(binds) == 5
     for source, target in binds:
         assert Path(source).exists(), f"{source} (mounted at {target}) does not exist"
@@ -163,11 +179,30 @@ def test_mounted_files_and_copy_sources_exist(config):
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
         if line.startswith("COPY ") and "--from=" not in line:
             copies += line.split()[1:-1]
-    sources = ["pyproject.toml", "README.md", "protos", "engine", "kernels", "prefill_service", "decode_service",
-               "gateway", "bench"]
-    assert copies == ["deploy/build-extra/", *sources,  # the full image
-                      "deploy/build-extra/", *sources[:2], "deploy/gateway_requirements.py", *sources[2:],  # gateway
-                      "deploy/healthcheck.py", "deploy/healthcheck.py"]
+    sources = [
+        "pyproject.toml",
+        "README.md",
+        "protos",
+        "engine",
+        "kernels",
+        "prefill_service",
+        "decode_service",
+        "gateway",
+        "bench",
+    ]
+    assert (
+        copies
+        == [
+            "deploy/build-extra/",
+            *sources,  # the full image
+            "deploy/build-extra/",
+            *sources[:2],
+            "deploy/gateway_requirements.py",
+            *sources[2:],  # gateway
+            "deploy/healthcheck.py",
+            "deploy/healthcheck.py",
+        ]
+    )
     for source in copies:
         assert (REPO / source).exists(), source
 
@@ -201,10 +236,14 @@ def test_gateway_requirements_are_the_dependencies_less_the_engine():
 # -- Prometheus, Grafana, collector ------------------------------------------------------------
 def test_prometheus_targets_are_compose_services(config):
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
-               for job in prom["scrape_configs"]}
-    assert targets == {"splitserve-gateway": ["gateway:8000"], "splitserve-prefill": ["prefill:9100"],
-                       "splitserve-decode": ["decode-0:9100", "decode-1:9100"]}
+    targets = {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]] for job in prom["scrape_configs"]
+    }
+    assert targets == {
+        "splitserve-gateway": ["gateway:8000"],
+        "splitserve-prefill": ["prefill:9100"],
+        "splitserve-decode": ["decode-0:9100", "decode-1:9100"],
+    }
     for job in prom["scrape_configs"]:
         assert job["honor_labels"] is True  # keep the processes' own `instance` label
         for target in [t for sc in job["static_configs"] for t in sc["targets"]]:
@@ -231,7 +270,8 @@ def test_dashboard_queries_name_exported_metrics_and_shipped_jobs():
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard(config):
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"]
     assert [(d["uid"], d["type"], d["url"]) for d in ds] == [
-        ("splitserve-prometheus", "prometheus", "http://prometheus:9090")]
+        ("splitserve-prometheus", "prometheus", "http://prometheus:9090")
+    ]
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/splitserve.yaml").read_text())["providers"][0]
     mounts = {v["target"]: v["source"] for v in config["services"]["grafana"]["volumes"]}
     assert Path(mounts[provider["options"]["path"]]) == DEPLOY / "grafana/dashboards"
@@ -239,11 +279,23 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard(config):
     uids = {t["datasource"]["uid"] for p in board["panels"] for t in p.get("targets", [])}
     assert uids == {"splitserve-prometheus"}
     titles = [p["title"] for p in board["panels"] if p["type"] == "timeseries"]
-    assert titles == ["Time to first token", "Inter-token latency", "Time per output token", "End-to-end latency",
-                      "Requests finished / s", "Tokens / s", "Queue and prefill compute (p90)",
-                      "Running and waiting requests", "KV cache usage", "Prefix cache hit rate and preemptions",
-                      "KV transfer rate", "KV transfer duration", "Transfer failures and expired leases",
-                      "Requests ending in error or abort", "Gateway responses by HTTP status"]
+    assert titles == [
+        "Time to first token",
+        "Inter-token latency",
+        "Time per output token",
+        "End-to-end latency",
+        "Requests finished / s",
+        "Tokens / s",
+        "Queue and prefill compute (p90)",
+        "Running and waiting requests",
+        "KV cache usage",
+        "Prefix cache hit rate and preemptions",
+        "KV transfer rate",
+        "KV transfer duration",
+        "Transfer failures and expired leases",
+        "Requests ending in error or abort",
+        "Gateway responses by HTTP status",
+    ]
 
 
 def test_collector_receives_otlp_grpc_and_exports_to_jaeger():
@@ -251,7 +303,10 @@ def test_collector_receives_otlp_grpc_and_exports_to_jaeger():
     assert otel["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
     assert otel["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
     assert otel["service"]["pipelines"]["traces"] == {
-        "receivers": ["otlp"], "processors": ["memory_limiter", "batch"], "exporters": ["otlp/jaeger", "debug"]}
+        "receivers": ["otlp"],
+        "processors": ["memory_limiter", "batch"],
+        "exporters": ["otlp/jaeger", "debug"],
+    }
 
 
 # -- Kubernetes --------------------------------------------------------------------------------
@@ -261,10 +316,17 @@ def test_k8s_manifests_have_gpus_probes_and_settings():
         for doc in yaml.safe_load_all(path.read_text()):
             docs.setdefault(doc["kind"], {})[doc.get("metadata", {}).get("name", path.name)] = doc
     assert {k: sorted(v) for k, v in docs.items()} == {
-        "ConfigMap": ["splitserve-config"], "Deployment": ["decode-0", "decode-1", "gateway", "prefill-0"],
-        "Kustomization": ["kustomization.yaml"], "Service": ["decode-0", "decode-1", "gateway", "prefill-0"]}
+        "ConfigMap": ["splitserve-config"],
+        "Deployment": ["decode-0", "decode-1", "gateway", "prefill-0"],
+        "Kustomization": ["kustomization.yaml"],
+        "Service": ["decode-0", "decode-1", "gateway", "prefill-0"],
+    }
     assert sorted(docs["Kustomization"]["kustomization.yaml"]["resources"]) == [
-        "configmap.yaml", "decode.yaml", "gateway.yaml", "prefill.yaml"]
+        "configmap.yaml",
+        "decode.yaml",
+        "gateway.yaml",
+        "prefill.yaml",
+    ]
     settings = docs["ConfigMap"]["splitserve-config"]["data"]
     assert settings["SPLITSERVE_KV_TRANSPORT"] == "nccl"
     assert settings["SPLITSERVE_PREFILL"] == settings["SPLITSERVE_PREFILL_PEERS"] == "prefill-0:50061"
@@ -317,20 +379,36 @@ def metrics_stack(tmp_path_factory):
     model, engine = default_model_path(), dict(dtype="float32", block_size=16, num_kv_blocks=64)
     procs, addresses = {}, {}
     prefill_metrics = free_port()
-    procs["prefill"], prefill = start_service("prefill", model, logs, "prefill-0",
-                                              service_args=["--metrics-port", str(prefill_metrics)], **engine)
+    procs["prefill"], prefill = start_service(
+        "prefill", model, logs, "prefill-0", service_args=["--metrics-port", str(prefill_metrics)], **engine
+    )
     addresses["prefill:9100"] = f"127.0.0.1:{prefill_metrics}"
     decodes = []
     for i in range(2):
         port = free_port()
-        procs[f"decode-{i}"], address = start_service("decode", model, logs, f"decode-{i}",
-                                                      service_args=["--metrics-port", str(port)], **engine)
+        procs[f"decode-{i}"], address = start_service(
+            "decode", model, logs, f"decode-{i}", service_args=["--metrics-port", str(port)], **engine
+        )
         decodes.append(address)
         addresses[f"decode-{i}:9100"] = f"127.0.0.1:{port}"
     http_port = free_port()
-    procs["gateway"] = Proc("gateway", ["--grpc-port", str(free_port()), "--http-port", str(http_port), "--prefill",
-                                        prefill, "--decode", ",".join(decodes), "--health-interval-s", "0.2"],
-                            logs, "gateway")
+    procs["gateway"] = Proc(
+        "gateway",
+        [
+            "--grpc-port",
+            str(free_port()),
+            "--http-port",
+            str(http_port),
+            "--prefill",
+            prefill,
+            "--decode",
+            ",".join(decodes),
+            "--health-interval-s",
+            "0.2",
+        ],
+        logs,
+        "gateway",
+    )
     addresses["gateway:8000"] = f"127.0.0.1:{http_port}"
     try:
         for name, proc in procs.items():
@@ -370,9 +448,16 @@ def start_prometheus(tmp_path: Path, targets: dict[str, str]) -> tuple[subproces
     assert swapped == set(targets.values())  # the shipped targets are exactly the stack's processes
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    proc = subprocess.Popen([prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    proc = subprocess.Popen(
+        [
+            prometheus_binary(),
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "w"),
+    )
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 20
     while True:  # the query API answers 503 (not JSON) until the TSDB is open
         try:
@@ -408,7 +493,7 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
     proc, prom = start_prometheus(tmp_path, metrics_stack["targets"])
     ttft_count = 'sum(splitserve:time_to_first_token_seconds_count{job="splitserve-gateway"})'
     try:
-        wait_for(prom, 'count(up == 1)', lambda v: v == 4, log)
+        wait_for(prom, "count(up == 1)", lambda v: v == 4, log)
         # two batches with a scrape between them, so the dashboard's rate() windows see an increase
         answers = [complete(http, p) for p in ("def fibonacci(n):", "import os\n")]
         wait_for(prom, ttft_count, lambda v: v == 2, log)
@@ -416,8 +501,10 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
         done_s = time.time()
         wait_for(prom, "min(timestamp(up))", lambda v: v > done_s + 1.0, log)  # two scrapes of every target
         escaped = {r["metric"]["job"] for r in query(prom, 'count by (job) ({__name__=~"splitserve_.+"})')}
-        assert escaped == set(), (f"{sorted(escaped)}: series stored as splitserve_* (colons escaped): the /metrics "
-                                  "handler answered Prometheus' OpenMetrics Accept with escaping=underscores")
+        assert escaped == set(), (
+            f"{sorted(escaped)}: series stored as splitserve_* (colons escaped): the /metrics "
+            "handler answered Prometheus' OpenMetrics Accept with escaping=underscores"
+        )
         prompt_tokens = sum(a["prompt_tokens"] for a in answers)
         completion_tokens = sum(a["completion_tokens"] for a in answers)
         assert scalar(prom, ttft_count) == len(answers)
@@ -425,20 +512,34 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
         assert scalar(prom, 'sum(splitserve:prompt_tokens_total{job="splitserve-prefill"})') == prompt_tokens
         # decodes count the tokens they sample; each request's first token is sampled by the prefill
         assert scalar(prom, 'sum(splitserve:generation_tokens_total{job="splitserve-decode"})') == (
-            completion_tokens - len(answers))
-        assert scalar(prom, 'sum(splitserve:requests_total{job="splitserve-gateway", route="/v1/completions", '
-                            'status="200"})') == len(answers)
+            completion_tokens - len(answers)
+        )
+        assert scalar(
+            prom, 'sum(splitserve:requests_total{job="splitserve-gateway", route="/v1/completions", status="200"})'
+        ) == len(answers)
         # honor_labels kept the processes' own instance names; a decode the router never picked exports no series
-        served = {name.split(":")[0] for name, address in metrics_stack["targets"].items() if name.startswith("decode")
-                  and "splitserve:request_success_total{" in httpx.get(f"http://{address}/metrics").text}
-        instances = {r["metric"]["instance"] for r in query(prom, 'splitserve:prompt_tokens_total{job="splitserve-prefill"}'
-                                                            ' or splitserve:request_success_total{job="splitserve-decode"}')}
+        served = {
+            name.split(":")[0]
+            for name, address in metrics_stack["targets"].items()
+            if name.startswith("decode")
+            and "splitserve:request_success_total{" in httpx.get(f"http://{address}/metrics").text
+        }
+        instances = {
+            r["metric"]["instance"]
+            for r in query(
+                prom,
+                'splitserve:prompt_tokens_total{job="splitserve-prefill"}'
+                ' or splitserve:request_success_total{job="splitserve-decode"}',
+            )
+        }
         assert instances == {"prefill-0"} | served and served
-        results = [query(prom, q.replace("$__rate_interval", "1m").replace("$model", ".*"))
-                   for q in dashboard_queries(templating=False)]  # every panel's PromQL evaluates
+        results = [
+            query(prom, q.replace("$__rate_interval", "1m").replace("$model", ".*"))
+            for q in dashboard_queries(templating=False)
+        ]  # every panel's PromQL evaluates
         ttft_p50 = results[0]
         assert len(ttft_p50) == 1 and 0 < float(ttft_p50[0]["value"][1]) < 40, ttft_p50
-        (variable,) = dashboard_queries()[len(results):]  # Grafana's label_values(metric, label)
+        (variable,) = dashboard_queries()[len(results) :]  # Grafana's label_values(metric, label)
         metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", variable).groups()
         values = httpx.get(f"{prom}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=5).json()
         assert values == {"status": "success", "data": ["default_model"]}
@@ -449,8 +550,13 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
 
 def test_container_healthcheck_script(metrics_stack):
     def check(*args):
-        p = subprocess.run([sys.executable, str(DEPLOY / "healthcheck.py"), "--timeout", "2", *args],
-                           capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
+        p = subprocess.run(
+            [sys.executable, str(DEPLOY / "healthcheck.py"), "--timeout", "2", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         return p.returncode, p.stdout.strip()
 
     prefill = metrics_stack["prefill"]

@@ -39,16 +39,13 @@ def metaspace():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(["hello world again", "the cat sat on the mat"] * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def decode(tokenizer, ids, skip_special_tokens=True):
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                            clean_up_tokenization_spaces=False)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 def stream(detok, ids, chunk=1):
@@ -102,10 +99,11 @@ def test_stop_string_across_token_boundaries(byte_bpe):
     ids = byte_bpe.encode(TEXT, add_special_tokens=False)
     pieces = [decode(byte_bpe, [i]) for i in ids]
     assert "stop" not in pieces and " here" not in pieces  # the stop spans several tokens
-    for include, expected in [(False, "the café 😀 serves 中文 crème. "),
-                              (True, "the café 😀 serves 中文 crème. stop here")]:
-        detok = IncrementalDetokenizer(byte_bpe, stop=["stop here", "never"],
-                                       include_stop_str_in_output=include)
+    for include, expected in [
+        (False, "the café 😀 serves 中文 crème. "),
+        (True, "the café 😀 serves 中文 crème. stop here"),
+    ]:
+        detok = IncrementalDetokenizer(byte_bpe, stop=["stop here", "never"], include_stop_str_in_output=include)
         deltas = [detok.push([i]) for i in ids]
         assert "".join(d.text for d in deltas) == expected == detok.output_text
         first_stop = next(n for n, d in enumerate(deltas) if d.stop_str)
@@ -157,8 +155,7 @@ def test_each_push_decodes_a_bounded_window(byte_bpe):
 def test_load_tokenizer_and_chat_template(byte_bpe, tmp_path):
     byte_bpe.save_pretrained(tmp_path)
     loaded = load_tokenizer(tmp_path)
-    assert loaded.encode(TEXT, add_special_tokens=False) == byte_bpe.encode(
-        TEXT, add_special_tokens=False)
+    assert loaded.encode(TEXT, add_special_tokens=False) == byte_bpe.encode(TEXT, add_special_tokens=False)
     with pytest.raises(ValueError) as excinfo:
         apply_chat_template(loaded, [{"role": "user", "content": "hi"}])
     assert "has no chat template; use a completion request" in str(excinfo.value)
@@ -167,8 +164,7 @@ def test_load_tokenizer_and_chat_template(byte_bpe, tmp_path):
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
     ids = apply_chat_template(loaded, [{"role": "user", "content": "café 😀"}])
-    assert ids == [loaded.bos_token_id] + loaded.encode("user: café 😀\nassistant:",
-                                                        add_special_tokens=False)
+    assert ids == [loaded.bos_token_id] + loaded.encode("user: café 😀\nassistant:", add_special_tokens=False)
 
 
 def test_load_tokenizer_missing_directory(tmp_path):

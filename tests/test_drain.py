@@ -16,9 +16,12 @@ pytestmark = pytest.mark.slow
 def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
     stack = Stack("shm", tmp_path, num_decode=2)
     try:
+
         async def main():
-            jobs = [asyncio.create_task(generate(stack.grpc_port, list(range(50 + i, 80 + i)), max_tokens=120))
-                    for i in range(4)]
+            jobs = [
+                asyncio.create_task(generate(stack.grpc_port, list(range(50 + i, 80 + i)), max_tokens=120))
+                for i in range(4)
+            ]
             await asyncio.sleep(1.0)  # all are decoding, on both decodes
             stack.procs["decode-1"].popen.send_signal(signal.SIGTERM)  # the service process only, as k8s does
             results = await asyncio.gather(*jobs)
@@ -26,8 +29,10 @@ def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
             return results, after
 
         results, after = asyncio.run(main())
-        assert all(tokens is not None and len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-                   for tokens, last in results)  # nothing in flight was lost
+        assert all(
+            tokens is not None and len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            for tokens, last in results
+        )  # nothing in flight was lost
         assert after[1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # served by the other decode
         proc = stack.procs["decode-1"].popen
         proc.wait(timeout=20)
@@ -39,6 +44,7 @@ def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
 def test_sigterm_on_the_gateway_lets_streams_finish(tmp_path):
     stack = Stack("shm", tmp_path, num_decode=1)
     try:
+
         async def main():
             job = asyncio.create_task(generate(stack.grpc_port, list(range(60, 90)), max_tokens=100))
             await asyncio.sleep(1.0)

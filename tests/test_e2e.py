@@ -2,16 +2,15 @@
 model in float64, per KV transport. Tokens through the gateway equal the in-process engine's."""
 
 import asyncio
-import json
 import time
 
 import grpc
 import httpx
 import pytest
 
-from splitserve.engine import LLM, SamplingParams
 from splitserve.common.default_model_path import default_model_path
-from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from splitserve.engine import LLM, SamplingParams
+from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
 from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service
 from tests.test_engine_exact import make_prompts
@@ -24,11 +23,23 @@ MAX_TOKENS = 8
 def reference():
     llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
     prompts = make_prompts(vocab=8192)
-    greedy = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    seeded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[:4], sampling_params=[
-        SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-        for i in range(4)])]
+    greedy = [
+        o.token_ids
+        for o in llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
+    ]
+    seeded = [
+        o.token_ids
+        for o in llm.generate(
+            prompt_token_ids=prompts[:4],
+            sampling_params=[
+                SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+                for i in range(4)
+            ],
+        )
+    ]
     return prompts, greedy, seeded
 
 
@@ -43,8 +54,9 @@ async def generate(port, prompt_ids, **sampling):
     """All token ids of one request through the gateway's gRPC API, and every message."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt_ids),
-                                                 sampling=common_pb2.SamplingParams(**sampling))
+        request = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=prompt_ids), sampling=common_pb2.SamplingParams(**sampling)
+        )
         messages = [m async for m in stub.Generate(request, timeout=120)]
     return [t for m in messages for t in m.token_ids], messages
 
@@ -52,17 +64,22 @@ async def generate(port, prompt_ids, **sampling):
 async def total_free(stack):
     p = await describe(stack.prefill[1])
     ds = [await describe(a, decode_pb2_grpc.DecodeStub) for a in stack.decodes]
-    return [(p.load.num_free_blocks, p.load.num_total_blocks)] + [(d.load.num_free_blocks, d.load.num_total_blocks) for d in ds], ds
+    return [(p.load.num_free_blocks, p.load.num_total_blocks)] + [
+        (d.load.num_free_blocks, d.load.num_total_blocks) for d in ds
+    ], ds
 
 
 def test_concurrent_requests_equal_the_in_process_engine(stack, reference):
     prompts, greedy, seeded = reference
 
     async def main():
-        greedy_jobs = [generate(stack.grpc_port, p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-                       for p in prompts]
-        seeded_jobs = [generate(stack.grpc_port, p, temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS,
-                                ignore_eos=True) for i, p in enumerate(prompts[:4])]
+        greedy_jobs = [
+            generate(stack.grpc_port, p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts
+        ]
+        seeded_jobs = [
+            generate(stack.grpc_port, p, temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+            for i, p in enumerate(prompts[:4])
+        ]
         results = await asyncio.gather(*greedy_jobs, *seeded_jobs)
         await asyncio.sleep(0.3)
         return results, await total_free(stack)
@@ -78,8 +95,9 @@ def test_concurrent_requests_equal_the_in_process_engine(stack, reference):
 
 def test_first_token_streams_before_the_rest(stack, reference):
     prompts, greedy, _ = reference
-    tokens, messages = asyncio.run(generate(stack.grpc_port, prompts[3], temperature=0, max_tokens=MAX_TOKENS,
-                                            ignore_eos=True))
+    tokens, messages = asyncio.run(
+        generate(stack.grpc_port, prompts[3], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
     # the prefill's token goes to the client alone, before decode has produced anything
     assert list(messages[0].token_ids) == greedy[3][:1]
     assert len(messages) > 2 and tokens == greedy[3]
@@ -92,8 +110,11 @@ def test_openai_client_through_the_real_stack(stack):
     out = client.completions.create(model="default_model", prompt="def fibonacci(n):", max_tokens=12, temperature=0)
     assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
     llm_text = out.choices[0].text
-    chunks = list(client.completions.create(model="default_model", prompt="def fibonacci(n):", max_tokens=12,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="default_model", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == llm_text
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="default_model", prompt="x", max_tokens=4, temperature=-1)
@@ -119,9 +140,16 @@ def test_killing_a_decode_fails_only_its_requests(tmp_path, reference):
     prompts, greedy, _ = reference
     stack = Stack("shm", tmp_path)
     try:
+
         async def main():
-            jobs = [asyncio.create_task(generate(stack.grpc_port, list(range(100 + i, 140 + i)), temperature=0,
-                                                 max_tokens=300, ignore_eos=True)) for i in range(4)]
+            jobs = [
+                asyncio.create_task(
+                    generate(
+                        stack.grpc_port, list(range(100 + i, 140 + i)), temperature=0, max_tokens=300, ignore_eos=True
+                    )
+                )
+                for i in range(4)
+            ]
             await asyncio.sleep(1.5)  # all four are decoding, spread over both decodes
             stack.procs["decode-1"].kill()
             done = await asyncio.gather(*jobs, return_exceptions=True)
@@ -146,8 +174,12 @@ def test_layout_mismatch_is_refused_before_serving(tmp_path):
     prefill, p_addr = start_service("prefill", model, tmp_path, "prefill", **ENGINE)
     decode, d_addr = start_service("decode", model, tmp_path, "decode", **{**ENGINE, "block_size": 8})
     http = free_port()
-    gateway = Proc("gateway", ["--grpc-port", "0", "--http-port", str(http), "--prefill", p_addr, "--decode", d_addr],
-                   tmp_path, "gateway")
+    gateway = Proc(
+        "gateway",
+        ["--grpc-port", "0", "--http-port", str(http), "--prefill", p_addr, "--decode", d_addr],
+        tmp_path,
+        "gateway",
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()

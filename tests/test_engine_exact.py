@@ -37,9 +37,10 @@ def hf_greedy(model_dir, prompts, max_new=MAX_NEW):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
-                                 min_new_tokens=max_new, pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new, pad_token_id=0
+            )
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
@@ -87,8 +88,9 @@ def test_greedy_batch_equals_transformers(name, model_dirs, prompts, expected):
 
 
 def test_chunked_prefill_gives_the_same_tokens(model_dirs, prompts, expected):
-    got, llm = engine_greedy(model_dirs["llama-gqa2"], prompts, num_kv_blocks=256,
-                             max_num_batched_tokens=7, enable_prefix_caching=False)
+    got, llm = engine_greedy(
+        model_dirs["llama-gqa2"], prompts, num_kv_blocks=256, max_num_batched_tokens=7, enable_prefix_caching=False
+    )
     assert got == expected["llama-gqa2"]
     assert llm.engine.num_steps > sum(len(p) for p in prompts) // 7  # prompts were chunked
 
@@ -110,8 +112,9 @@ def test_prefix_cache_computes_only_new_tokens(model_dirs):
     follow = base + [40, 41, 42]
     second = llm.generate(prompt_token_ids=[follow], sampling_params=params)[0]
     assert second.num_cached_tokens == 20  # 5 cached blocks; only 3 new prompt tokens computed
-    fresh = LLM(model=str(path), dtype="float64", device="cpu", block_size=4, num_kv_blocks=64,
-                enable_prefix_caching=False)
+    fresh = LLM(
+        model=str(path), dtype="float64", device="cpu", block_size=4, num_kv_blocks=64, enable_prefix_caching=False
+    )
     assert fresh.generate(prompt_token_ids=[follow], sampling_params=params)[0].token_ids == second.token_ids
     assert llm.engine.num_free_blocks == 64
 
@@ -119,11 +122,19 @@ def test_prefix_cache_computes_only_new_tokens(model_dirs):
 def test_refuses_requests_that_can_never_fit(model_dirs):
     from splitserve.engine.engine_core import RequestError
 
-    llm = LLM(model=str(model_dirs["llama-gqa2"]), dtype="float64", device="cpu", block_size=4,
-              num_kv_blocks=8, max_model_len=40)
+    llm = LLM(
+        model=str(model_dirs["llama-gqa2"]),
+        dtype="float64",
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=8,
+        max_model_len=40,
+    )
     with pytest.raises(RequestError, match=r"^prompt has 40 tokens; max_model_len is 40, leaving no room to generate$"):
         llm.generate(prompt_token_ids=[[5] * 40])
-    with pytest.raises(RequestError, match=r"^prompt \(30 tokens\) \+ max_tokens \(20\) = 50 exceeds max_model_len 40$"):
+    with pytest.raises(
+        RequestError, match=r"^prompt \(30 tokens\) \+ max_tokens \(20\) = 50 exceeds max_model_len 40$"
+    ):
         llm.generate(prompt_token_ids=[[5] * 30], sampling_params=SamplingParams(max_tokens=20))
     with pytest.raises(RequestError, match=r"^prompt \+ max_tokens needs 9 KV blocks; the pool has 8 in all$"):
         llm.generate(prompt_token_ids=[[5] * 30], sampling_params=SamplingParams(max_tokens=4))

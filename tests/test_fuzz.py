@@ -25,8 +25,13 @@ from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_d
 
 MODEL = "tiny-fake"
 GENERATE = "/splitserve.v1.Generation/Generate"
-FUZZ = settings(max_examples=1000, deadline=None, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=1000,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 RAW = settings(FUZZ, max_examples=200)
 COUNTS = {"rest": 0, "grpc": 0}
 OUTCOMES: dict[str, int] = {}  # "rest 200", "grpc INVALID_ARGUMENT", ...
@@ -34,22 +39,60 @@ OUTCOMES: dict[str, int] = {}  # "rest 200", "grpc INVALID_ARGUMENT", ...
 
 def seen(outcome: str) -> None:
     OUTCOMES[outcome] = OUTCOMES.get(outcome, 0) + 1
+
+
 # gRPC codes that mean the server failed (the 5xx of gRPC); a refusal must be none of them
-SERVER_FAILURES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
-                   grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                   grpc.StatusCode.RESOURCE_EXHAUSTED}
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "user",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-          "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "best_of", "echo", "tools"]
+SERVER_FAILURES = {
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "best_of",
+    "echo",
+    "tools",
+]
 WORDS = ["hello", "world", "user", "w9", "w20", "w150", "w199", "<s>", "</s>", "zzz", " ", "\n", "é", "😀"]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tokenizer_dir = make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
-    stack = Stack(tokenizer_dir, [FakePrefill(max_model_len=16)], [FakeDecode(max_model_len=16, step_s=0.002)],
-                  {"max_body_bytes": 64 << 10}).start()
+    stack = Stack(
+        tokenizer_dir,
+        [FakePrefill(max_model_len=16)],
+        [FakeDecode(max_model_len=16, step_s=0.002)],
+        {"max_body_bytes": 64 << 10},
+    ).start()
     stack.http = httpx.Client(base_url=stack.base_url, timeout=10)
     stack.channel = grpc.insecure_channel(stack.grpc_target)
     stack.stub = generation_pb2_grpc.GenerationStub(stack.channel)
@@ -61,49 +104,101 @@ def stack(tmp_path_factory):
 # -- strategies --------------------------------------------------------------------------------
 
 any_text = st.text(st.characters(exclude_categories=()), max_size=20)  # lone surrogates included
-json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)
-                | st.floats(allow_nan=True, allow_infinity=True) | any_text)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(any_text, inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | any_text
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
+    max_leaves=12,
+)
 words = st.lists(st.sampled_from(WORDS), max_size=20).map(" ".join)
 small_ints = st.integers(-3, 40)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
-                                           "content": words | st.none() | json_values}), max_size=3)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "robot"]), "content": words | st.none() | json_values}
+    ),
+    max_size=3,
+)
 
 
 def plausible(field):
     """Values of the right kind, with ranges wide enough to cross every limit."""
     return {
-        "model": st.sampled_from(["", MODEL, "other"]), "prompt": words | st.lists(st.integers(-1, 210), max_size=20),
-        "messages": messages, "max_tokens": small_ints, "max_completion_tokens": small_ints,
-        "temperature": st.floats(-1, 3), "top_p": st.floats(-0.1, 1.2), "top_k": small_ints,
-        "min_p": st.floats(-0.1, 1.1), "seed": st.integers(-1, 2**64), "stop": st.lists(words, max_size=18) | words,
-        "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-        "logprobs": st.integers(0, 22) | st.booleans(), "top_logprobs": st.integers(-1, 22),
-        "n": st.integers(0, 2), "user": words, "min_tokens": small_ints,
-        "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
-        "repetition_penalty": st.floats(-1, 11), "stop_token_ids": st.lists(st.integers(-1, 205), max_size=3),
-        "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(),
-        "skip_special_tokens": st.booleans(), "best_of": st.integers(0, 2), "echo": st.booleans(),
+        "model": st.sampled_from(["", MODEL, "other"]),
+        "prompt": words | st.lists(st.integers(-1, 210), max_size=20),
+        "messages": messages,
+        "max_tokens": small_ints,
+        "max_completion_tokens": small_ints,
+        "temperature": st.floats(-1, 3),
+        "top_p": st.floats(-0.1, 1.2),
+        "top_k": small_ints,
+        "min_p": st.floats(-0.1, 1.1),
+        "seed": st.integers(-1, 2**64),
+        "stop": st.lists(words, max_size=18) | words,
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "logprobs": st.integers(0, 22) | st.booleans(),
+        "top_logprobs": st.integers(-1, 22),
+        "n": st.integers(0, 2),
+        "user": words,
+        "min_tokens": small_ints,
+        "presence_penalty": st.floats(-3, 3),
+        "frequency_penalty": st.floats(-3, 3),
+        "repetition_penalty": st.floats(-1, 11),
+        "stop_token_ids": st.lists(st.integers(-1, 205), max_size=3),
+        "ignore_eos": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "best_of": st.integers(0, 2),
+        "echo": st.booleans(),
         "tools": st.just([]) | json_values,
     }[field]
 
 
 field_mixes = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
 plausible_bodies = st.sets(st.sampled_from(FIELDS), max_size=10).flatmap(
-    lambda keys: st.fixed_dictionaries({k: plausible(k) for k in sorted(keys)}))
+    lambda keys: st.fixed_dictionaries({k: plausible(k) for k in sorted(keys)})
+)
 good_completions = st.fixed_dictionaries(
     {"model": st.just(MODEL), "prompt": words.filter(str.strip)},
-    optional={"max_tokens": st.integers(1, 8), "stream": st.booleans(), "temperature": st.floats(0, 2),
-              "stop": st.lists(st.sampled_from(["w2", "1 w", "x"]), max_size=2), "logprobs": st.integers(0, 3)})
+    optional={
+        "max_tokens": st.integers(1, 8),
+        "stream": st.booleans(),
+        "temperature": st.floats(0, 2),
+        "stop": st.lists(st.sampled_from(["w2", "1 w", "x"]), max_size=2),
+        "logprobs": st.integers(0, 3),
+    },
+)
 good_chats = st.fixed_dictionaries(
-    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": words}),
-                          min_size=1, max_size=2)},
-    optional={"model": st.just(MODEL), "max_tokens": st.integers(1, 6), "stream": st.booleans(),
-              "logprobs": st.booleans(), "seed": st.integers(0, 99), "stop": st.sampled_from(["w", "hello", None])})
-rest_bodies = st.one_of([strategy.map(lambda v: json.dumps(v).encode()) for strategy in
-                         (json_values, field_mixes, plausible_bodies, good_completions, good_chats, good_completions)]
-                        + [st.binary(max_size=300)])
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": words}),
+            min_size=1,
+            max_size=2,
+        )
+    },
+    optional={
+        "model": st.just(MODEL),
+        "max_tokens": st.integers(1, 6),
+        "stream": st.booleans(),
+        "logprobs": st.booleans(),
+        "seed": st.integers(0, 99),
+        "stop": st.sampled_from(["w", "hello", None]),
+    },
+)
+rest_bodies = st.one_of(
+    [
+        strategy.map(lambda v: json.dumps(v).encode())
+        for strategy in (json_values, field_mixes, plausible_bodies, good_completions, good_chats, good_completions)
+    ]
+    + [st.binary(max_size=300)]
+)
 
 
 # -- properties --------------------------------------------------------------------------------
@@ -136,33 +231,51 @@ def _sampling(plausible: bool):
         floats, big = st.floats(0.05, 1.0), st.integers(1, 12)
     else:
         floats, big = st.floats(width=32, allow_nan=True, allow_infinity=True), st.integers(0, 2**32 - 1)
-    return st.fixed_dictionaries({}, optional={
-        "temperature": floats, "top_p": floats, "top_k": st.integers(-2, 50) | st.integers(-2**31, 2**31 - 1),
-        "min_p": floats, "seed": st.integers(0, 2**64 - 1), "repetition_penalty": floats,
-        "presence_penalty": floats, "frequency_penalty": floats, "max_tokens": st.integers(0, 12) | big,
-        "min_tokens": st.integers(0, 1) | big, "logprobs": st.integers(0, 20 if plausible else 25),
-        "stop_token_ids": st.lists(big | st.integers(0, 210), max_size=3),
-        "ignore_eos": st.booleans()}).map(lambda kw: common_pb2.SamplingParams(**kw))
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": floats,
+            "top_p": floats,
+            "top_k": st.integers(-2, 50) | st.integers(-(2**31), 2**31 - 1),
+            "min_p": floats,
+            "seed": st.integers(0, 2**64 - 1),
+            "repetition_penalty": floats,
+            "presence_penalty": floats,
+            "frequency_penalty": floats,
+            "max_tokens": st.integers(0, 12) | big,
+            "min_tokens": st.integers(0, 1) | big,
+            "logprobs": st.integers(0, 20 if plausible else 25),
+            "stop_token_ids": st.lists(big | st.integers(0, 210), max_size=3),
+            "ignore_eos": st.booleans(),
+        },
+    ).map(lambda kw: common_pb2.SamplingParams(**kw))
 
 
 def _prompt(plausible: bool):
     text = words.filter(str.strip) if plausible else (words | st.text(max_size=40))
     ids = st.lists(st.integers(0, 210) | st.integers(0, 2**32 - 1), min_size=int(plausible), max_size=20).map(
-        lambda v: {"token_ids": generation_pb2.TokenIds(ids=v)})
-    chat = st.lists(st.builds(generation_pb2.ChatMessage, role=st.sampled_from(["user", "system", "x", ""]),
-                              content=text), min_size=int(plausible), max_size=3).map(
-        lambda v: {"chat": generation_pb2.ChatMessages(messages=v)})
+        lambda v: {"token_ids": generation_pb2.TokenIds(ids=v)}
+    )
+    chat = st.lists(
+        st.builds(generation_pb2.ChatMessage, role=st.sampled_from(["user", "system", "x", ""]), content=text),
+        min_size=int(plausible),
+        max_size=3,
+    ).map(lambda v: {"chat": generation_pb2.ChatMessages(messages=v)})
     return st.one_of(text.map(lambda t: {"text": t}), ids, chat, *([] if plausible else [st.just({})]))
 
 
 def _grpc_requests(plausible: bool):
     return st.builds(
         lambda prompt, **kw: generation_pb2.GenerateRequest(**prompt, **kw),
-        _prompt(plausible), request_id=st.just("") | st.text(max_size=300),
-        model=st.sampled_from(["", MODEL] + ([] if plausible else ["x"])), sampling=_sampling(plausible),
+        _prompt(plausible),
+        request_id=st.just("") | st.text(max_size=300),
+        model=st.sampled_from(["", MODEL] + ([] if plausible else ["x"])),
+        sampling=_sampling(plausible),
         stop=st.lists(words.filter(bool) if plausible else st.text(max_size=300), max_size=3 if plausible else 18),
-        include_stop_str_in_output=st.booleans(), skip_special_tokens=st.none() | st.booleans(),
-        priority=st.integers(-2**31, 2**31 - 1))
+        include_stop_str_in_output=st.booleans(),
+        skip_special_tokens=st.none() | st.booleans(),
+        priority=st.integers(-(2**31), 2**31 - 1),
+    )
 
 
 grpc_requests = st.one_of(_grpc_requests(False), _grpc_requests(True), _grpc_requests(True))
@@ -193,8 +306,9 @@ def test_grpc_random_messages(stack, request):
 @RAW
 @given(raw=st.binary(max_size=200))
 def test_grpc_random_bytes(stack, raw):
-    call = stack.channel.unary_stream(GENERATE, request_serializer=None,
-                                      response_deserializer=generation_pb2.GenerateResponse.FromString)
+    call = stack.channel.unary_stream(
+        GENERATE, request_serializer=None, response_deserializer=generation_pb2.GenerateResponse.FromString
+    )
     check_grpc_call(call(raw, timeout=10))
 
 
@@ -204,9 +318,14 @@ def test_after_the_fuzz_the_gateway_serves_and_holds_nothing(stack):
     assert OUTCOMES["rest 200"] >= 100 and OUTCOMES["grpc OK"] >= 100, OUTCOMES  # generation was reached
     r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello world w9", "max_tokens": 3})
     assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w10 w11 w12")
-    out = list(stack.stub.Generate(generation_pb2.GenerateRequest(
-        text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
+    out = list(
+        stack.stub.Generate(
+            generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10
+        )
+    )
     assert [t for m in out for t in m.token_ids] == [21, 22]
     (decode,) = [s.servicer for s in stack.servers.values() if isinstance(s.servicer, FakeDecode)]
-    stack.wait_for(lambda: stack.gateway.service.num_active == 0 and not decode.running,
-                   what="no request left at the gateway or the decode")
+    stack.wait_for(
+        lambda: stack.gateway.service.num_active == 0 and not decode.running,
+        what="no request left at the gateway or the decode",
+    )

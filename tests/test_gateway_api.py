@@ -33,56 +33,89 @@ def channel(stack):
 
 
 def generate(channel, **kwargs):
-    return list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(**kwargs), timeout=5))
+    return list(
+        generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(**kwargs), timeout=5)
+    )
 
 
 def test_tokenize_and_list_models(channel):
     stub = generation_pb2_grpc.GenerationStub(channel)
-    assert stub.Tokenize(generation_pb2.TokenizeRequest(text="hello world w20")) == \
-        generation_pb2.TokenizeResponse(token_ids=[6, 7, 20], max_model_len=64)
+    assert stub.Tokenize(generation_pb2.TokenizeRequest(text="hello world w20")) == generation_pb2.TokenizeResponse(
+        token_ids=[6, 7, 20], max_model_len=64
+    )
     chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="hello w30")])
     assert list(stub.Tokenize(generation_pb2.TokenizeRequest(chat=chat)).token_ids) == [3, 6, 30, 5]
     assert stub.ListModels(generation_pb2.ListModelsRequest()) == generation_pb2.ListModelsResponse(
-        models=[generation_pb2.ModelInfo(id="tiny-fake", max_model_len=64)])
+        models=[generation_pb2.ModelInfo(id="tiny-fake", max_model_len=64)]
+    )
 
 
 def test_chat_and_token_id_prompts(channel):
     chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="hello w30")])
     out = generate(channel, chat=chat, sampling=common_pb2.SamplingParams(max_tokens=3))
     assert "".join(m.text for m in out) == " hello world w8" and out[-1].usage.prompt_tokens == 4
-    out = generate(channel, token_ids=generation_pb2.TokenIds(ids=[40, 41]), sampling=common_pb2.SamplingParams(max_tokens=2))
+    out = generate(
+        channel, token_ids=generation_pb2.TokenIds(ids=[40, 41]), sampling=common_pb2.SamplingParams(max_tokens=2)
+    )
     assert [t for m in out for t in m.token_ids] == [42, 43]
 
 
 def test_health_serving_and_reflection(channel):
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "splitserve.v1.Generation"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
     (answer,) = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     assert sorted(s.name for s in answer.list_services_response.service) == [
-        "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "splitserve.v1.Generation"]
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "splitserve.v1.Generation",
+    ]
 
 
 REFUSALS = [
-    (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
-     "temperature must be >= 0 and <= 100, got -1.0"),
-    (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
-     "max_tokens must be >= 1 or None, got 0"),
-    (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=2, min_tokens=3)), grpc.StatusCode.INVALID_ARGUMENT,
-     "min_tokens must be >= 0 and <= max_tokens (2), got 3"),
-    (dict(text="hi", stop=["a", "b", "c"]), grpc.StatusCode.INVALID_ARGUMENT, "stop must have at most 2 strings, got 3"),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature must be >= 0 and <= 100, got -1.0",
+    ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens must be >= 1 or None, got 0",
+    ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=2, min_tokens=3)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "min_tokens must be >= 0 and <= max_tokens (2), got 3",
+    ),
+    (
+        dict(text="hi", stop=["a", "b", "c"]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "stop must have at most 2 strings, got 3",
+    ),
     (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt must be set (text, token_ids or chat)"),
     (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"),
     (dict(chat=generation_pb2.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty"),
-    (dict(token_ids=generation_pb2.TokenIds(ids=[5, 200])), grpc.StatusCode.INVALID_ARGUMENT,
-     "prompt token id 200 is out of range; the vocabulary has 200 tokens (ids 0..199)"),
-    (dict(text="hi", model="other"), grpc.StatusCode.NOT_FOUND,
-     "model 'other' is not served here; this gateway serves 'tiny-fake'"),
+    (
+        dict(token_ids=generation_pb2.TokenIds(ids=[5, 200])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt token id 200 is out of range; the vocabulary has 200 tokens (ids 0..199)",
+    ),
+    (
+        dict(text="hi", model="other"),
+        grpc.StatusCode.NOT_FOUND,
+        "model 'other' is not served here; this gateway serves 'tiny-fake'",
+    ),
 ]
 
 
-@pytest.mark.parametrize("kwargs,code,message", REFUSALS, ids=[r[2].split(" ")[0] + str(i) for i, r in enumerate(REFUSALS)])
+@pytest.mark.parametrize(
+    "kwargs,code,message", REFUSALS, ids=[r[2].split(" ")[0] + str(i) for i, r in enumerate(REFUSALS)]
+)
 def test_refusals_have_exact_codes_and_messages(channel, kwargs, code, message):
     with pytest.raises(grpc.RpcError) as info:
         generate(channel, **kwargs)
@@ -101,7 +134,8 @@ def test_over_max_concurrent_requests_is_resource_exhausted(tokenizer_dir):
             list(stub.Generate(generation_pb2.GenerateRequest(text="w20"), timeout=5))
         assert (info.value.code(), info.value.details()) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "the gateway already runs 1 requests (max_concurrent_requests=1); retry later")
+            "the gateway already runs 1 requests (max_concurrent_requests=1); retry later",
+        )
         assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
         held.cancel()
     finally:
@@ -113,8 +147,9 @@ def test_stop_drains_in_flight_requests_and_refuses_new_ones(tokenizer_dir):
     stack = Stack(tokenizer_dir, [FakePrefill()], [decode]).start()
     try:
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
-        running = stub.Generate(generation_pb2.GenerateRequest(
-            text="w20", sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=10)
+        running = stub.Generate(
+            generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=10
+        )
         first = next(running)
         stopping = asyncio.run_coroutine_threadsafe(stack.gateway.stop(5.0), stack.loop.loop)
         stack.wait_for(lambda: stack.gateway.service.draining, what="draining")

@@ -22,10 +22,17 @@ from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_d
 
 MODEL = "tiny-fake"
 KEY_A, KEY_B, KEY_ENV = "sk-alpha-1", "sk-beta-2", "sk-env-3"
-MISSING = {"error": {"message": "missing API key: send the header 'Authorization: Bearer <key>'",
-                     "type": "invalid_request_error", "param": None, "code": "missing_api_key"}}
-WRONG = {"error": {"message": "invalid API key", "type": "invalid_request_error", "param": None,
-                   "code": "invalid_api_key"}}
+MISSING = {
+    "error": {
+        "message": "missing API key: send the header 'Authorization: Bearer <key>'",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "missing_api_key",
+    }
+}
+WRONG = {
+    "error": {"message": "invalid API key", "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+}
 BODY = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 2}
 
 
@@ -43,8 +50,13 @@ def keys_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tokenizer_dir, keys_file):
-    stack = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()], {"api_keys_file": keys_file},
-                  env={"SPLITSERVE_API_KEYS": f" {KEY_ENV} ,,"}).start()
+    stack = Stack(
+        tokenizer_dir,
+        [FakePrefill()],
+        [FakeDecode()],
+        {"api_keys_file": keys_file},
+        env={"SPLITSERVE_API_KEYS": f" {KEY_ENV} ,,"},
+    ).start()
     yield stack
     stack.stop()
 
@@ -64,12 +76,21 @@ def test_keys_come_from_the_file_and_the_environment(keys_file, tmp_path):
 
 def test_authenticate_exact_outcomes():
     keys = ApiKeys([KEY_A, KEY_B])
-    assert keys.authenticate(f"Bearer {KEY_B}") == client_id_of(KEY_B) == \
-        "key-" + hashlib.sha256(KEY_B.encode()).hexdigest()[:12]
+    assert (
+        keys.authenticate(f"Bearer {KEY_B}")
+        == client_id_of(KEY_B)
+        == "key-" + hashlib.sha256(KEY_B.encode()).hexdigest()[:12]
+    )
     assert keys.authenticate(f"bearer   {KEY_A}  ".encode()) == client_id_of(KEY_A)
-    for value, code in ((None, "missing_api_key"), ("", "missing_api_key"), (KEY_A, "missing_api_key"),
-                        (f"Basic {KEY_A}", "missing_api_key"), ("Bearer ", "missing_api_key"),
-                        ("Bearer sk-alpha", "invalid_api_key"), (f"Bearer {KEY_A}x", "invalid_api_key")):
+    for value, code in (
+        (None, "missing_api_key"),
+        ("", "missing_api_key"),
+        (KEY_A, "missing_api_key"),
+        (f"Basic {KEY_A}", "missing_api_key"),
+        ("Bearer ", "missing_api_key"),
+        ("Bearer sk-alpha", "invalid_api_key"),
+        (f"Bearer {KEY_A}x", "invalid_api_key"),
+    ):
         with pytest.raises(GatewayError) as info:
             keys.authenticate(value)
         assert (info.value.kind, info.value.code, info.value.http_status) == ("unauthenticated", code, 401)
@@ -91,8 +112,11 @@ def test_every_key_is_compared_even_after_a_match(monkeypatch):
 
 def test_rest_refuses_missing_and_wrong_keys_with_exact_bodies(stack):
     url = stack.base_url + "/v1/completions"
-    for headers, body in (({}, MISSING), ({"Authorization": "Bearer sk-nope"}, WRONG),
-                          ({"Authorization": KEY_A}, MISSING)):
+    for headers, body in (
+        ({}, MISSING),
+        ({"Authorization": "Bearer sk-nope"}, WRONG),
+        ({"Authorization": KEY_A}, MISSING),
+    ):
         r = httpx.post(url, json=BODY, headers=headers, timeout=5)
         assert (r.status_code, r.headers["www-authenticate"], r.json()) == (401, "Bearer", body)
     r = httpx.get(stack.base_url + "/v1/models", timeout=5)
@@ -115,8 +139,11 @@ def test_health_ready_and_metrics_stay_open(stack):
     assert httpx.get(stack.base_url + "/health").json() == {"status": "ok"}
     assert httpx.get(stack.base_url + "/ready").status_code == 200
     metrics = parse_metrics(httpx.get(stack.base_url + "/metrics").text)
-    refused = {dict(labels)["route"]: value for (name, labels), value in metrics.items()
-               if name == "splitserve:requests_total" and dict(labels)["status"] == "401"}
+    refused = {
+        dict(labels)["route"]: value
+        for (name, labels), value in metrics.items()
+        if name == "splitserve:requests_total" and dict(labels)["status"] == "401"
+    }
     assert refused["/v1/completions"] >= 3  # every refusal above is counted with its status
     channel = grpc.insecure_channel(stack.grpc_target)
     check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
@@ -129,19 +156,28 @@ def _grpc_call(stack, method, request, metadata):
     return list(call) if method == "Generate" else call
 
 
-@pytest.mark.parametrize("method,request_", [
-    ("Generate", generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2))),
-    ("Tokenize", generation_pb2.TokenizeRequest(text="w20")),
-    ("ListModels", generation_pb2.ListModelsRequest())])
+@pytest.mark.parametrize(
+    "method,request_",
+    [
+        ("Generate", generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2))),
+        ("Tokenize", generation_pb2.TokenizeRequest(text="w20")),
+        ("ListModels", generation_pb2.ListModelsRequest()),
+    ],
+)
 def test_grpc_needs_a_key_in_metadata(stack, method, request_):
-    for metadata, details in (((), MISSING["error"]["message"]), ((("authorization", "Bearer sk-nope"),), "invalid API key")):
+    for metadata, details in (
+        ((), MISSING["error"]["message"]),
+        ((("authorization", "Bearer sk-nope"),), "invalid API key"),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             _grpc_call(stack, method, request_, metadata)
         assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, details)
     answer = _grpc_call(stack, method, request_, (("authorization", f"Bearer {KEY_B}"),))
-    expected = {"Generate": lambda a: [t for m in a for t in m.token_ids] == [21, 22],
-                "Tokenize": lambda a: list(a.token_ids) == [20],
-                "ListModels": lambda a: [m.id for m in a.models] == [MODEL]}
+    expected = {
+        "Generate": lambda a: [t for m in a for t in m.token_ids] == [21, 22],
+        "Tokenize": lambda a: list(a.token_ids) == [20],
+        "ListModels": lambda a: [m.id for m in a.models] == [MODEL],
+    }
     assert expected[method](answer)
 
 
@@ -150,32 +186,68 @@ def test_grpc_needs_a_key_in_metadata(stack, method, request_):
 
 def _self_signed(tmp_path, name):
     cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)
 
 
 def test_tls_on_grpc_and_rest(tokenizer_dir, tmp_path):
     cert, key = _self_signed(tmp_path, "gateway")
-    stack = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()], {"tls_cert": cert, "tls_key": key},
-                  env={"SPLITSERVE_API_KEYS": KEY_A}).start()
+    stack = Stack(
+        tokenizer_dir,
+        [FakePrefill()],
+        [FakeDecode()],
+        {"tls_cert": cert, "tls_key": key},
+        env={"SPLITSERVE_API_KEYS": KEY_A},
+    ).start()
     try:
         with open(cert, "rb") as f:
             creds = grpc.ssl_channel_credentials(root_certificates=f.read())
         channel = grpc.secure_channel(stack.grpc_target, creds)
-        out = list(generation_pb2_grpc.GenerationStub(channel).Generate(
-            generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)),
-            metadata=(("authorization", f"Bearer {KEY_A}"),), timeout=5))
+        out = list(
+            generation_pb2_grpc.GenerationStub(channel).Generate(
+                generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)),
+                metadata=(("authorization", f"Bearer {KEY_A}"),),
+                timeout=5,
+            )
+        )
         assert [t for m in out for t in m.token_ids] == [21, 22]
         with pytest.raises(grpc.RpcError) as info:  # plaintext to the TLS port
             generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target)).ListModels(
-                generation_pb2.ListModelsRequest(), timeout=2)
+                generation_pb2.ListModelsRequest(), timeout=2
+            )
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert stack.base_url.startswith("https://")
         verify = ssl.create_default_context(cafile=cert)
-        r = httpx.post(stack.base_url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {KEY_A}"},
-                       verify=verify, timeout=5)
+        r = httpx.post(
+            stack.base_url + "/v1/completions",
+            json=BODY,
+            headers={"Authorization": f"Bearer {KEY_A}"},
+            verify=verify,
+            timeout=5,
+        )
         assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w21 w22")
         with pytest.raises(httpx.ConnectError):  # an unknown issuer is refused by a verifying client
             httpx.get(stack.base_url + "/health", timeout=5)
@@ -197,7 +269,8 @@ def test_tls_flags_are_checked_at_start(tmp_path):
     assert str(info.value).startswith(f"--tls-key '{tmp_path / 'none.key'}' cannot be read: [Errno 2]")
     with pytest.raises(ValueError) as info:
         load_tls(GatewayConfig(tls_cert=other_cert, tls_key=key))
-    assert str(info.value).startswith(f"--tls-cert '{other_cert}' and --tls-key '{key}' are not a matching "
-                                      "PEM certificate and key: ")
+    assert str(info.value).startswith(
+        f"--tls-cert '{other_cert}' and --tls-key '{key}' are not a matching PEM certificate and key: "
+    )
     pems = load_tls(GatewayConfig(tls_cert=cert, tls_key=key))
     assert pems[0].startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE KEY-----" in pems[1]

@@ -50,59 +50,141 @@ def error(message, param, code=None):
 
 
 def context_message(param, value, prompt_tokens):
-    return (f"{param} is {value}, but the prompt has {prompt_tokens} tokens and the model's context limit "
-            f"(max_model_len) is 64 tokens: {param} must be at most {64 - prompt_tokens}")
+    return (
+        f"{param} is {value}, but the prompt has {prompt_tokens} tokens and the model's context limit "
+        f"(max_model_len) is 64 tokens: {param} must be at most {64 - prompt_tokens}"
+    )
 
 
 REST_CASES = [
     # missing fields
     ("/v1/completions", {"model": MODEL}, 400, error("prompt is required", "prompt")),
-    ("/v1/chat/completions", {"model": MODEL}, 400,
-     error("messages must be a non-empty list of {role, content} objects", "messages")),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL},
+        400,
+        error("messages must be a non-empty list of {role, content} objects", "messages"),
+    ),
     # wrong types
-    ("/v1/completions", {**PROMPT, "max_tokens": "5"}, 400, error("max_tokens must be an integer, got '5'", "max_tokens")),
-    ("/v1/completions", {**PROMPT, "prompt": {"text": "hi"}}, 400,
-     error("prompt must be a string or a list of token ids, got dict", "prompt")),
+    (
+        "/v1/completions",
+        {**PROMPT, "max_tokens": "5"},
+        400,
+        error("max_tokens must be an integer, got '5'", "max_tokens"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "prompt": {"text": "hi"}},
+        400,
+        error("prompt must be a string or a list of token ids, got dict", "prompt"),
+    ),
     ("/v1/completions", {**PROMPT, "model": 7}, 400, error("model must be a string, got 7", "model")),
     ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, error("logprobs must be a boolean, got 1", "logprobs")),
     # max_tokens beyond the context (vLLM refuses these too)
     ("/v1/completions", {**PROMPT, "max_tokens": 62}, 400, error(context_message("max_tokens", 62, 3), "max_tokens")),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 61}, 400,
-     error(context_message("max_completion_tokens", 61, 4), "max_completion_tokens")),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 100}, 400, error(context_message("max_tokens", 100, 4), "max_tokens")),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 61},
+        400,
+        error(context_message("max_completion_tokens", 61, 4), "max_completion_tokens"),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": 100},
+        400,
+        error(context_message("max_tokens", 100, 4), "max_tokens"),
+    ),
     # unsupported OpenAI parameters are named (their neutral values are accepted: see below)
-    ("/v1/completions", {**PROMPT, "best_of": 2}, 400, error(
-        "unsupported parameter: best_of (got 2); splitserve does not implement it, remove it from the request",
-        "best_of")),
-    ("/v1/completions", {**PROMPT, "echo": True}, 400, error(
-        "unsupported parameter: echo (got True); splitserve does not implement it, remove it from the request", "echo")),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, error(
-        "unsupported parameter: tools (got [{'type': 'function'}]); splitserve does not implement it, remove it "
-        "from the request", "tools")),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, error(
-        "unsupported parameter: response_format (got {'type': 'json_object'}); splitserve does not implement it, "
-        "remove it from the request", "response_format")),
+    (
+        "/v1/completions",
+        {**PROMPT, "best_of": 2},
+        400,
+        error(
+            "unsupported parameter: best_of (got 2); splitserve does not implement it, remove it from the request",
+            "best_of",
+        ),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "echo": True},
+        400,
+        error(
+            "unsupported parameter: echo (got True); splitserve does not implement it, remove it from the request",
+            "echo",
+        ),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function"}]},
+        400,
+        error(
+            "unsupported parameter: tools (got [{'type': 'function'}]); splitserve does not implement it, remove it "
+            "from the request",
+            "tools",
+        ),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+        400,
+        error(
+            "unsupported parameter: response_format (got {'type': 'json_object'}); splitserve does not implement it, "
+            "remove it from the request",
+            "response_format",
+        ),
+    ),
     # out-of-range values, including those only the wire's types cannot carry
-    ("/v1/completions", {**PROMPT, "top_p": 1e-50}, 400, error(
-        "top_p must be > 0 and <= 1, got 0.0 (the request's value rounded to float32, as it is sent on)", "top_p")),
-    ("/v1/completions", {**PROMPT, "temperature": 10**400}, 400, error(
-        "temperature must be a number within its range, got an integer of 401 digits", "temperature")),
-    ("/v1/completions", {**PROMPT, "top_k": 2**31}, 400, error(
-        "top_k must be -1, 0 (off) or at most 2147483647, got 2147483648", "top_k")),
-    ("/v1/completions", {**PROMPT, "stop_token_ids": [3, 200]}, 400, error(
-        "stop_token_ids must be token ids below the vocabulary size 200, got 200", "stop_token_ids")),
-    ("/v1/completions", {**PROMPT, "frequency_penalty": float("nan")}, 400, error(
-        "frequency_penalty must be >= -2 and <= 2, got nan", "frequency_penalty")),
-    ("/v1/completions", {**PROMPT, "stop": ["x" * 257]}, 400, error(
-        "stop strings must be at most 256 characters, got one of 257", "stop")),
+    (
+        "/v1/completions",
+        {**PROMPT, "top_p": 1e-50},
+        400,
+        error(
+            "top_p must be > 0 and <= 1, got 0.0 (the request's value rounded to float32, as it is sent on)", "top_p"
+        ),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "temperature": 10**400},
+        400,
+        error("temperature must be a number within its range, got an integer of 401 digits", "temperature"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "top_k": 2**31},
+        400,
+        error("top_k must be -1, 0 (off) or at most 2147483647, got 2147483648", "top_k"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "stop_token_ids": [3, 200]},
+        400,
+        error("stop_token_ids must be token ids below the vocabulary size 200, got 200", "stop_token_ids"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "frequency_penalty": float("nan")},
+        400,
+        error("frequency_penalty must be >= -2 and <= 2, got nan", "frequency_penalty"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "stop": ["x" * 257]},
+        400,
+        error("stop strings must be at most 256 characters, got one of 257", "stop"),
+    ),
     # unknown model
-    ("/v1/chat/completions", {**CHAT, "model": "llama"}, 404, error(
-        "model 'llama' is not served here; this gateway serves 'tiny-fake'", "model", "model_not_found")),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "model": "llama"},
+        404,
+        error("model 'llama' is not served here; this gateway serves 'tiny-fake'", "model", "model_not_found"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,answer", REST_CASES,
-                         ids=[f"{c[3]['error']['param']}-{i}" for i, c in enumerate(REST_CASES)])
+@pytest.mark.parametrize(
+    "path,body,status,answer", REST_CASES, ids=[f"{c[3]['error']['param']}-{i}" for i, c in enumerate(REST_CASES)]
+)
 def test_rest_bad_input_is_refused_naming_the_field(stack, path, body, status, answer):
     r = post(stack, path, body)
     assert (r.status_code, r.json()) == (status, answer)
@@ -116,42 +198,87 @@ def test_max_tokens_up_to_the_context_is_served(stack):
 def test_default_max_tokens_is_cut_to_the_context(stack):
     prompt = " ".join(["w9"] * 60)  # 60 tokens: 4 fit in the context of 64, fewer than the default 16
     r = post(stack, "/v1/completions", {"model": MODEL, "prompt": prompt})
-    assert (r.status_code, r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == \
-        (200, 4, "length")
+    assert (r.status_code, r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (
+        200,
+        4,
+        "length",
+    )
     r = post(stack, "/v1/completions", {"model": MODEL, "prompt": prompt, "min_tokens": 5})
-    assert (r.status_code, r.json()) == (400, error(
-        "min_tokens is 5, but the prompt has 60 tokens and the model's context limit (max_model_len) is 64 tokens: "
-        "at most 4 tokens can be generated", "min_tokens"))
+    assert (r.status_code, r.json()) == (
+        400,
+        error(
+            "min_tokens is 5, but the prompt has 60 tokens and the model's context limit (max_model_len) is 64 tokens: "
+            "at most 4 tokens can be generated",
+            "min_tokens",
+        ),
+    )
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(stack):
-    r = post(stack, "/v1/completions", {**PROMPT, "max_tokens": 2, "best_of": 1, "echo": False, "suffix": None,
-                                        "logit_bias": {}, "store": False})
+    r = post(
+        stack,
+        "/v1/completions",
+        {**PROMPT, "max_tokens": 2, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {}, "store": False},
+    )
     assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w21 w22")
-    r = post(stack, "/v1/chat/completions", {**CHAT, "max_tokens": 1, "tools": [], "tool_choice": "none",
-                                             "response_format": {"type": "text"}, "parallel_tool_calls": True})
+    r = post(
+        stack,
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "max_tokens": 1,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "parallel_tool_calls": True,
+        },
+    )
     assert (r.status_code, r.json()["choices"][0]["message"]["content"]) == (200, " hello")
 
 
 RAW_CASES = [
-    (b'{"prompt": "a\\ud800b"}', error(
-        "prompt contains a lone UTF-16 surrogate (\\ud800 at character 1); strings must be valid Unicode", "prompt")),
-    (b'{"model": "tiny-fake", "messages": [{"role": "user", "content": "\\udfff"}]}', error(
-        "messages contains a lone UTF-16 surrogate (\\udfff at character 0); strings must be valid Unicode",
-        "messages")),
-    (b'{"prompt": "hi", "\\ud83d": 1}', error(
-        "body has a key that contains a lone UTF-16 surrogate (\\ud83d at character 0); strings must be valid "
-        "Unicode", "body")),
-    (b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}", error(
-        "prompt nests deeper than 32 levels; the request body may have at most 32", "prompt")),
+    (
+        b'{"prompt": "a\\ud800b"}',
+        error(
+            "prompt contains a lone UTF-16 surrogate (\\ud800 at character 1); strings must be valid Unicode", "prompt"
+        ),
+    ),
+    (
+        b'{"model": "tiny-fake", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        error(
+            "messages contains a lone UTF-16 surrogate (\\udfff at character 0); strings must be valid Unicode",
+            "messages",
+        ),
+    ),
+    (
+        b'{"prompt": "hi", "\\ud83d": 1}',
+        error(
+            "body has a key that contains a lone UTF-16 surrogate (\\ud83d at character 0); strings must be valid "
+            "Unicode",
+            "body",
+        ),
+    ),
+    (
+        b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}",
+        error("prompt nests deeper than 32 levels; the request body may have at most 32", "prompt"),
+    ),
     (b"[" * 3000, error("request body nests deeper than 32 levels; the request body may have at most 32", "body")),
-    (b'{"prompt": "\xff"}', error(
-        "request body is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte",
-        "body")),
+    (
+        b'{"prompt": "\xff"}',
+        error(
+            "request body is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte",
+            "body",
+        ),
+    ),
     (b"", error("request body is not valid JSON: Expecting value: line 1 column 1 (char 0)", "body")),
-    (b'{"prompt": "hi",}', error(
-        "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 17 "
-        "(char 16)", "body")),
+    (
+        b'{"prompt": "hi",}',
+        error(
+            "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 17 "
+            "(char 16)",
+            "body",
+        ),
+    ),
     (b"null", error("request body must be a JSON object, got NoneType", "body")),
     (b'"hello"', error("request body must be a JSON object, got str", "body")),
 ]
@@ -181,7 +308,8 @@ def test_oversize_body_without_content_length_is_cut_at_the_limit(stack):
     message = r.json()["error"]["message"]
     seen = int(message.split("(got at least ")[1].split(")")[0])  # however the server grouped the chunks
     assert MAX_BODY < seen <= 10_000 and message == (
-        f"request body has more than {MAX_BODY} bytes (got at least {seen}); the limit is max_body_bytes={MAX_BODY}")
+        f"request body has more than {MAX_BODY} bytes (got at least {seen}); the limit is max_body_bytes={MAX_BODY}"
+    )
 
 
 def _stub(stack):
@@ -195,40 +323,56 @@ def _refusal(call):
 
 
 GRPC_CASES = [
-    (dict(text="hello world w20", sampling=common_pb2.SamplingParams(max_tokens=62)), context_message("max_tokens", 62, 3)),
-    (dict(text="hello world w20", sampling=common_pb2.SamplingParams(max_tokens=4_000_000_000)),
-     context_message("max_tokens", 4_000_000_000, 3)),
-    (dict(text=" ".join(["w9"] * 70)), "prompt has 70 tokens, but the model's context limit (max_model_len) is 64 "
-                                       "tokens, which must also hold at least one generated token"),
+    (
+        dict(text="hello world w20", sampling=common_pb2.SamplingParams(max_tokens=62)),
+        context_message("max_tokens", 62, 3),
+    ),
+    (
+        dict(text="hello world w20", sampling=common_pb2.SamplingParams(max_tokens=4_000_000_000)),
+        context_message("max_tokens", 4_000_000_000, 3),
+    ),
+    (
+        dict(text=" ".join(["w9"] * 70)),
+        "prompt has 70 tokens, but the model's context limit (max_model_len) is 64 "
+        "tokens, which must also hold at least one generated token",
+    ),
     (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=float("inf"))), "top_p must be > 0 and <= 1, got inf"),
-    (dict(text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[7, 4_000_000])),
-     "stop_token_ids must be token ids below the vocabulary size 200, got 4000000"),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[7, 4_000_000])),
+        "stop_token_ids must be token ids below the vocabulary size 200, got 4000000",
+    ),
     (dict(text="hi", request_id="r" * 300), "request_id must be at most 256 characters, got 300"),
     (dict(text="hi", stop=[""]), "stop strings must be non-empty strings, got ''"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,message", GRPC_CASES, ids=[c[1].split(" ")[0] + str(i) for i, c in enumerate(GRPC_CASES)])
+@pytest.mark.parametrize(
+    "kwargs,message", GRPC_CASES, ids=[c[1].split(" ")[0] + str(i) for i, c in enumerate(GRPC_CASES)]
+)
 def test_grpc_bad_input_is_invalid_argument(stack, kwargs, message):
     request = generation_pb2.GenerateRequest(**kwargs)
     assert _refusal(lambda: _stub(stack).Generate(request, timeout=5)) == (grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-@pytest.mark.parametrize("raw,detail", [
-    (b"\xff\xff", "Wire format was corrupt"),
-    (b"\x1a\x02\xff\xfe", "String field had bad UTF-8")])
+@pytest.mark.parametrize(
+    "raw,detail", [(b"\xff\xff", "Wire format was corrupt"), (b"\x1a\x02\xff\xfe", "String field had bad UTF-8")]
+)
 def test_grpc_malformed_message_is_invalid_argument_not_internal(stack, raw, detail):
     channel = grpc.insecure_channel(stack.grpc_target)
     call = channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
     assert _refusal(lambda: call(raw, timeout=5)) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         f"request is not a valid splitserve.v1.GenerateRequest: Error parsing message with type "
-        f"'splitserve.v1.GenerateRequest': {detail}")
+        f"'splitserve.v1.GenerateRequest': {detail}",
+    )
 
 
 def test_a_long_echoed_value_is_cut_in_the_grpc_status(stack):
-    code, details = _refusal(lambda: _stub(stack).Generate(generation_pb2.GenerateRequest(text="hi", model="m" * 100_000),
-                                                           timeout=5))
+    code, details = _refusal(
+        lambda: _stub(stack).Generate(generation_pb2.GenerateRequest(text="hi", model="m" * 100_000), timeout=5)
+    )
     assert code == grpc.StatusCode.NOT_FOUND and len(details) < 1100
-    assert details.startswith("model 'mmm") and details.endswith("m' is not served here; this gateway serves 'tiny-fake'")
+    assert details.startswith("model 'mmm") and details.endswith(
+        "m' is not served here; this gateway serves 'tiny-fake'"
+    )
     assert " characters cut]... " in details

@@ -32,8 +32,9 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def post(stack, key, body=BODY):
-    return httpx.post(stack.base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=10)
+    return httpx.post(
+        stack.base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10
+    )
 
 
 def test_token_bucket_refills_continuously():
@@ -57,8 +58,11 @@ def test_rate_limiter_requests_and_tokens_exact_refusals():
     with pytest.raises(GatewayError) as info:
         limiter.take_request("a")
     assert (info.value.kind, info.value.retry_after_s, info.value.http_status, info.value.message) == (
-        "rate_limited", 2, 429,
-        "rate limit exceeded: more than 0.5 requests per second (burst 2) for this API key; retry after 2 s")
+        "rate_limited",
+        2,
+        429,
+        "rate limit exceeded: more than 0.5 requests per second (burst 2) for this API key; retry after 2 s",
+    )
     limiter.take_request("b")  # keys are independent
     clock.now += 2.0
     limiter.take_request("a")
@@ -66,14 +70,18 @@ def test_rate_limiter_requests_and_tokens_exact_refusals():
     with pytest.raises(GatewayError) as info:
         limiter.take_tokens("a", 20, 10, "max_tokens")  # needs 30, has 20: 10 more at 2/s
     assert (info.value.retry_after_s, info.value.message) == (
-        5, "rate limit exceeded: the request needs 30 tokens and this API key has 20 of its 120 tokens per "
-           "minute left; retry after 5 s")
+        5,
+        "rate limit exceeded: the request needs 30 tokens and this API key has 20 of its 120 tokens per "
+        "minute left; retry after 5 s",
+    )
     with pytest.raises(GatewayError) as info:
         limiter.take_tokens("a", 20, 101, "max_completion_tokens")
     assert (info.value.kind, info.value.param, info.value.message) == (
-        "invalid_argument", "max_completion_tokens",
+        "invalid_argument",
+        "max_completion_tokens",
         "the request needs 121 tokens (20 prompt + 101 max_completion_tokens), more than this API key may use "
-        "in a minute (rate_limit_tokens_per_min=120); lower max_completion_tokens or shorten the prompt")
+        "in a minute (rate_limit_tokens_per_min=120); lower max_completion_tokens or shorten the prompt",
+    )
     RateLimiter().take_request("a")  # no limits configured: nothing is refused
     assert RateLimiter(rps=2.5).burst == 3
 
@@ -83,8 +91,9 @@ RPS_LIMIT = {"rate_limit_rps": 0.01, "rate_limit_burst": 3}  # 3 at once, then 1
 
 @pytest.fixture
 def limited(tokenizer_dir):
-    stack = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()], RPS_LIMIT,
-                  env={"SPLITSERVE_API_KEYS": f"{KEY_A},{KEY_B}"}).start()
+    stack = Stack(
+        tokenizer_dir, [FakePrefill()], [FakeDecode()], RPS_LIMIT, env={"SPLITSERVE_API_KEYS": f"{KEY_A},{KEY_B}"}
+    ).start()
     yield stack
     stack.stop()
 
@@ -99,10 +108,15 @@ def test_burst_over_the_limit_gets_429_and_the_rest_are_served(limited):
             assert r.json()["choices"][0]["text"] == " w21 w22"
         else:  # the bucket refills 0.01 per second: a whole request takes 100 s (less what already refilled)
             assert r.headers["retry-after"] in ("100", "99")
-            assert r.json() == {"error": {
-                "message": f"rate limit exceeded: more than 0.01 requests per second (burst 3) for this API key; "
-                           f"retry after {r.headers['retry-after']} s",
-                "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}}
+            assert r.json() == {
+                "error": {
+                    "message": f"rate limit exceeded: more than 0.01 requests per second (burst 3) for this API key; "
+                    f"retry after {r.headers['retry-after']} s",
+                    "type": "rate_limit_error",
+                    "param": None,
+                    "code": "rate_limit_exceeded",
+                }
+            }
     assert [post(limited, KEY_B).status_code for _ in range(4)] == [200, 200, 200, 429]  # B has its own bucket
     metrics = parse_metrics(httpx.get(limited.base_url + "/metrics").text)
     assert metrics[("splitserve:requests_total", (("route", "/v1/completions"), ("status", "200")))] == 6
@@ -120,7 +134,8 @@ def test_grpc_over_the_limit_is_resource_exhausted_with_retry_after(limited):
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     retry = dict(info.value.trailing_metadata())["retry-after"]
     assert retry in ("100", "99") and info.value.details() == (
-        f"rate limit exceeded: more than 0.01 requests per second (burst 3) for this API key; retry after {retry} s")
+        f"rate limit exceeded: more than 0.01 requests per second (burst 3) for this API key; retry after {retry} s"
+    )
 
 
 def test_wrong_or_missing_key_is_refused_before_the_limit(limited):
@@ -140,12 +155,19 @@ def test_tokens_per_minute(tokenizer_dir):
         retry = int(r.headers["retry-after"])  # 4 of 30 left; 9 more at 0.5 per second
         assert retry in (18, 17) and r.json()["error"]["message"] == (
             f"rate limit exceeded: the request needs 13 tokens and this API key has 4 of its 30 tokens per minute "
-            f"left; retry after {retry} s")
+            f"left; retry after {retry} s"
+        )
         r = post(stack, "none", {**BODY, "max_tokens": 40})
-        assert (r.status_code, r.json()["error"]) == (400, {
-            "message": "the request needs 43 tokens (3 prompt + 40 max_tokens), more than this API key may use in "
-                       "a minute (rate_limit_tokens_per_min=30); lower max_tokens or shorten the prompt",
-            "type": "invalid_request_error", "param": "max_tokens", "code": None})
+        assert (r.status_code, r.json()["error"]) == (
+            400,
+            {
+                "message": "the request needs 43 tokens (3 prompt + 40 max_tokens), more than this API key may use in "
+                "a minute (rate_limit_tokens_per_min=30); lower max_tokens or shorten the prompt",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": None,
+            },
+        )
     finally:
         stack.stop()
 
@@ -158,8 +180,12 @@ def test_every_decode_full_is_503_with_retry_after(tokenizer_dir):
         message = "every decode instance is full (decode-0 has 4 waiting; max_waiting_per_decode=4); retry later"
         r = post(stack, "none")
         assert (r.status_code, r.headers["retry-after"]) == (503, "1")
-        assert r.json()["error"] == {"message": message, "type": "service_unavailable_error", "param": None,
-                                     "code": None}
+        assert r.json()["error"] == {
+            "message": message,
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": None,
+        }
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(generation_pb2.GenerateRequest(text="w20"), timeout=5))
@@ -167,8 +193,10 @@ def test_every_decode_full_is_503_with_retry_after(tokenizer_dir):
         assert dict(info.value.trailing_metadata())["retry-after"] == "1"
         assert decode.requests == []
         stack.loop.call(lambda: setattr(decode, "waiting", 3))
-        stack.wait_for(lambda: stack.gateway.router.has_room(stack.gateway.registry.decodes()[0]),
-                       what="the decode's next Describe")
+        stack.wait_for(
+            lambda: stack.gateway.router.has_room(stack.gateway.registry.decodes()[0]),
+            what="the decode's next Describe",
+        )
         r = post(stack, "none")
         assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w21 w22")
     finally:

@@ -49,16 +49,23 @@ def test_counts_tokens_and_latencies_match_the_batch(stack):
     completion = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 5}
     usages = [post(stack, "/v1/completions", completion).json()["usage"] for _ in range(3)]
     usages.append(post(stack, "/v1/completions", {**completion, "max_tokens": 1}).json()["usage"])
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello w30"}], "max_tokens": 3,
-            "stream": True, "stream_options": {"include_usage": True}}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello w30"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", stack.base_url + "/v1/chat/completions", json=chat, timeout=10) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     usages.append(events[-1]["usage"])
     for _ in range(2):
-        out = grpc_generate(stack, token_ids=generation_pb2.TokenIds(ids=[40, 41]),
-                            sampling=common_pb2.SamplingParams(max_tokens=4))
-        usages.append({"prompt_tokens": out[-1].usage.prompt_tokens,
-                       "completion_tokens": sum(len(m.token_ids) for m in out)})
+        out = grpc_generate(
+            stack, token_ids=generation_pb2.TokenIds(ids=[40, 41]), sampling=common_pb2.SamplingParams(max_tokens=4)
+        )
+        usages.append(
+            {"prompt_tokens": out[-1].usage.prompt_tokens, "completion_tokens": sum(len(m.token_ids) for m in out)}
+        )
     assert post(stack, "/v1/completions", {**completion, "n": 2}).status_code == 400
     assert post(stack, "/v1/completions", b"{oops").status_code == 400
     assert post(stack, "/v1/completions", {**completion, "model": "gpt-4"}).status_code == 404
@@ -70,11 +77,21 @@ def test_counts_tokens_and_latencies_match_the_batch(stack):
 
     text, m = scrape(stack.base_url + "/metrics")
     assert f'model_name="{MODEL}"' in text and f'instance="gateway@127.0.0.1:{stack.gateway.grpc_port}"' in text
-    requests = {dict(labels)["route"] + " " + dict(labels)["status"]: value
-                for (name, labels), value in m.items() if name == "splitserve:requests_total"}
-    assert requests == {"/v1/completions 200": 4, "/v1/completions 400": 2, "/v1/completions 404": 1,
-                        "/v1/chat/completions 200": 1, "/v1/models 200": 1, "/health 200": 1,
-                        f"{GENERATE} OK": 2, f"{GENERATE} INVALID_ARGUMENT": 1}
+    requests = {
+        dict(labels)["route"] + " " + dict(labels)["status"]: value
+        for (name, labels), value in m.items()
+        if name == "splitserve:requests_total"
+    }
+    assert requests == {
+        "/v1/completions 200": 4,
+        "/v1/completions 400": 2,
+        "/v1/completions 404": 1,
+        "/v1/chat/completions 200": 1,
+        "/v1/models 200": 1,
+        "/health 200": 1,
+        f"{GENERATE} OK": 2,
+        f"{GENERATE} INVALID_ARGUMENT": 1,
+    }
     prompt_tokens = sum(u["prompt_tokens"] for u in usages)
     generation_tokens = sum(u["completion_tokens"] for u in usages)
     assert (prompt_tokens, generation_tokens) == (3 * 4 + 4 + 2 * 2, 5 * 3 + 1 + 3 + 4 * 2)
@@ -97,7 +114,9 @@ def test_stop_abort_and_error_endings_are_counted_by_reason(tokenizer_dir):
     decode = FakeDecode()
     stack = Stack(tokenizer_dir, [FakePrefill()], [decode]).start()
     try:
-        out = grpc_generate(stack, text="hello world w20", stop=["w22"], sampling=common_pb2.SamplingParams(max_tokens=9))
+        out = grpc_generate(
+            stack, text="hello world w20", stop=["w22"], sampling=common_pb2.SamplingParams(max_tokens=9)
+        )
         assert [t for msg in out for t in msg.token_ids] == [21, 22]
         body = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 50, "stream": True}
         with httpx.stream("POST", stack.base_url + "/v1/completions", json=body, timeout=10) as r:
@@ -111,14 +130,20 @@ def test_stop_abort_and_error_endings_are_counted_by_reason(tokenizer_dir):
         last = list(held)[-1]
         assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
         _, m = scrape(stack.base_url + "/metrics")
-        reasons = {dict(labels)["finished_reason"]: value for (name, labels), value in m.items()
-                   if name == "splitserve:request_success_total"}
+        reasons = {
+            dict(labels)["finished_reason"]: value
+            for (name, labels), value in m.items()
+            if name == "splitserve:request_success_total"
+        }
         assert reasons == {"stop": 1, "abort": 1, "error": 1}
         assert m[("splitserve:prompt_tokens_total", ())] == 3 + 3 + 1
         assert m[("splitserve:e2e_request_latency_seconds_count", ())] == 3
         assert m[("splitserve:time_to_first_token_seconds_count", ())] == 3
-        requests = {dict(labels)["route"] + " " + dict(labels)["status"]: value
-                    for (name, labels), value in m.items() if name == "splitserve:requests_total"}
+        requests = {
+            dict(labels)["route"] + " " + dict(labels)["status"]: value
+            for (name, labels), value in m.items()
+            if name == "splitserve:requests_total"
+        }
         assert requests == {f"{GENERATE} OK": 2, "/v1/completions 200": 1}
     finally:
         stack.stop()
@@ -159,6 +184,7 @@ def test_metric_children_follow_a_label_change():
     metrics.lab(metrics.requests, route="/ready", status="200").inc()
     metrics.lab(metrics.requests, route="/ready", status="200").inc()
     text = generate_latest(metrics.registry).decode()
-    assert ('splitserve:requests_total{instance="gw-test",model_name="",route="/ready",status="200"} 1.0' in text)
-    assert ('splitserve:requests_total{instance="gw-test",model_name="late-model",route="/ready",status="200"} 2.0'
-            in text)
+    assert 'splitserve:requests_total{instance="gw-test",model_name="",route="/ready",status="200"} 1.0' in text
+    assert (
+        'splitserve:requests_total{instance="gw-test",model_name="late-model",route="/ready",status="200"} 2.0' in text
+    )

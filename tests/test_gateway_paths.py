@@ -41,8 +41,9 @@ def stub(stack):
 def request(text=PROMPT, **sampling):
     stop = sampling.pop("stop", ())
     include = sampling.pop("include_stop_str_in_output", False)
-    return generation_pb2.GenerateRequest(text=text, sampling=common_pb2.SamplingParams(**sampling),
-                                          stop=stop, include_stop_str_in_output=include)
+    return generation_pb2.GenerateRequest(
+        text=text, sampling=common_pb2.SamplingParams(**sampling), stop=stop, include_stop_str_in_output=include
+    )
 
 
 def generate(stack, req):
@@ -53,8 +54,13 @@ def summary(messages):
     """(token ids, text, finish reason, stop_reason, error) of a whole stream."""
     last = messages[-1]
     assert all(not m.finish_reason for m in messages[:-1])
-    return ([t for m in messages for t in m.token_ids], "".join(m.text for m in messages),
-            last.finish_reason, last.stop_reason, last.error)
+    return (
+        [t for m in messages for t in m.token_ids],
+        "".join(m.text for m in messages),
+        last.finish_reason,
+        last.stop_reason,
+        last.error,
+    )
 
 
 def test_disaggregated_path_streams_prefill_token_then_decode_tokens(make_stack):
@@ -245,8 +251,13 @@ def test_deadline_ends_the_request_and_aborts_it(make_stack):
     stack = make_stack([FakePrefill()], [decode], request_timeout_s=0.3)
     messages = generate(stack, request(max_tokens=5))
     rid = messages[0].request_id
-    assert summary(messages) == ([21], " w21", FR.FINISH_REASON_ERROR, "",
-                                 f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)")
+    assert summary(messages) == (
+        [21],
+        " w21",
+        FR.FINISH_REASON_ERROR,
+        "",
+        f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)",
+    )
     stack.wait_for(lambda: decode.aborts == [rid], what="AbortRequest after the deadline")
 
 
@@ -261,7 +272,9 @@ def test_a_request_id_already_running_is_refused(make_stack):
     with pytest.raises(grpc.RpcError) as info:
         generate(stack, req)
     assert (info.value.code(), info.value.details()) == (
-        grpc.StatusCode.INVALID_ARGUMENT, "request_id 'dup' is already running on this gateway; use a unique id")
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "request_id 'dup' is already running on this gateway; use a unique id",
+    )
     held.cancel()
 
 
@@ -288,8 +301,17 @@ def _run_with_queue(tokenizer_dir, items, **params):
 
     # this run is past routing: it never asks the router or the registry
     deps = RunDeps(router=None, registry=None, tokenizer=load_tokenizer(tokenizer_dir), spawn=lambda coro: coro.close())
-    run = RequestRun(deps, request_id="r", params=SamplingParams(**params), prompt_token_ids=[20, 21], seed=1,
-                     priority=0, arrival_ns=time.monotonic_ns(), deadline=time.monotonic() + 5, budget_s=5)
+    run = RequestRun(
+        deps,
+        request_id="r",
+        params=SamplingParams(**params),
+        prompt_token_ids=[20, 21],
+        seed=1,
+        priority=0,
+        arrival_ns=time.monotonic_ns(),
+        deadline=time.monotonic() + 5,
+        budget_s=5,
+    )
     run._decode, run._link, run._local_prefill = SimpleNamespace(name="decode-x"), _RecordingLink(), True
     run._queue = asyncio.Queue()
     for item in items:
@@ -303,8 +325,10 @@ def test_queued_deltas_merge_into_one_message_and_a_stop_string_cuts_the_tokens(
     from splitserve.gateway.decode_link import LinkFailure
     from splitserve.protos import decode_pb2
 
-    deltas = [decode_pb2.TokenDelta(request_id="r", token_ids=[t], cached_prompt_tokens=4 if t == 22 else 0)
-              for t in (22, 23, 24, 25)]
+    deltas = [
+        decode_pb2.TokenDelta(request_id="r", token_ids=[t], cached_prompt_tokens=4 if t == 22 else 0)
+        for t in (22, 23, 24, 25)
+    ]
     failure = LinkFailure("decode instance decode-x failed: gone")
 
     async def scenario():
@@ -331,8 +355,10 @@ def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix(make_stack):
     assert len(first.requests) == 1 and not other.requests
     first.queued_tokens = 11  # 11 tokens busier than the other, but it holds the 12 leading ones
     inst = next(i for i in stack.gateway.registry.prefills() if i.describe.instance_id.startswith(first.name))
-    stack.wait_for(lambda: inst.describe.load.num_queued_tokens == 11 and inst.pending_tokens == 0,
-                   what="a Describe after the first turn")
+    stack.wait_for(
+        lambda: inst.describe.load.num_queued_tokens == 11 and inst.pending_tokens == 0,
+        what="a Describe after the first turn",
+    )
     generate(stack, request(turn + " w40 w41", max_tokens=2, temperature=0.0))
     assert len(first.requests) == 2 and not other.requests
     assert list(first.requests[1].prompt_token_ids)[:12] == list(first.requests[0].prompt_token_ids)

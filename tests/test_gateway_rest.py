@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
+from splitserve.protos import generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
 
 MODEL = "tiny-fake"
@@ -39,8 +39,9 @@ def client(stack):
 
 def post(stack, path, body, **kwargs):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(stack.base_url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=10, **kwargs)
+    return httpx.post(
+        stack.base_url + path, content=content, headers={"content-type": "application/json"}, timeout=10, **kwargs
+    )
 
 
 def test_completion(client):
@@ -57,24 +58,34 @@ def test_completion_from_token_ids_with_stop(client):
 
 
 def test_completion_stream(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="hello world w20", max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="hello world w20", max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert [c.choices[0].text for c in chunks[:-1]] == [" w21", " w22", " w23", " w24"]
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, None, "length"]
     assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 4)
 
 
 def test_chat(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello w30"}],
-                                       max_completion_tokens=4)
-    assert (r.object, r.choices[0].message.role, r.choices[0].message.content) == \
-        ("chat.completion", "assistant", " hello world w8 w9")
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello w30"}], max_completion_tokens=4
+    )
+    assert (r.object, r.choices[0].message.role, r.choices[0].message.content) == (
+        "chat.completion",
+        "assistant",
+        " hello world w8 w9",
+    )
     assert (r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens) == ("length", 4, 4)
 
 
 def test_chat_stream(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello w30"}],
-                                                 max_tokens=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello w30"}], max_tokens=3, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].delta.content for c in chunks[1:]] == [" hello", " world", " w8"]
     assert [c.choices[0].finish_reason for c in chunks] == [None, None, None, "length"]
@@ -90,12 +101,15 @@ def test_completion_logprobs(client):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w40"}], max_tokens=1,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w40"}], max_tokens=1, logprobs=True, top_logprobs=2
+    )
     (entry,) = r.choices[0].logprobs.content  # prompt "user w40 assistant": first token 6 "hello"
     assert (entry.token, entry.logprob) == ("hello", pytest.approx(-0.06))
-    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [("hello", pytest.approx(-0.06)),
-                                                                  ("world", pytest.approx(-1.07))]
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+        ("hello", pytest.approx(-0.06)),
+        ("world", pytest.approx(-1.07)),
+    ]
 
 
 def test_models_health_ready(client, stack):
@@ -109,8 +123,12 @@ def test_openai_client_sees_400_naming_n(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hello", n=2)
     assert info.value.status_code == 400
-    assert info.value.body == {"message": "n must be 1 (one choice per request is supported), got 2",
-                               "type": "invalid_request_error", "param": "n", "code": None}
+    assert info.value.body == {
+        "message": "n must be 1 (one choice per request is supported), got 2",
+        "type": "invalid_request_error",
+        "param": "n",
+        "code": None,
+    }
 
 
 COMPLETION_ERRORS = [
@@ -123,16 +141,29 @@ COMPLETION_ERRORS = [
     ({"stop": 5}, "stop", "stop must be a list of strings, got 5"),
     ({"seed": -1}, "seed", "seed must be >= 0 and <= 2**63-1, got -1"),
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
-    ({"prompt": ["a", "b"]}, "prompt",
-     "prompt must be one prompt (a string or a list of token ids); a batch of 2 prompts is not supported"),
+    (
+        {"prompt": ["a", "b"]},
+        "prompt",
+        "prompt must be one prompt (a string or a list of token ids); a batch of 2 prompts is not supported",
+    ),
     ({"prompt": [1, 500]}, "prompt", "prompt token id 500 is out of range; the vocabulary has 200 tokens (ids 0..199)"),
-    ({"prompt": " ".join(["w9"] * 64)}, "prompt", "prompt has 64 tokens, but the model's context limit "
-     "(max_model_len) is 64 tokens, which must also hold at least one generated token"),
-    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed when stream is true"),
+    (
+        {"prompt": " ".join(["w9"] * 64)},
+        "prompt",
+        "prompt has 64 tokens, but the model's context limit "
+        "(max_model_len) is 64 tokens, which must also hold at least one generated token",
+    ),
+    (
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
 ]
 
 
-@pytest.mark.parametrize("change,param,message", COMPLETION_ERRORS, ids=[c[1] + str(i) for i, c in enumerate(COMPLETION_ERRORS)])
+@pytest.mark.parametrize(
+    "change,param,message", COMPLETION_ERRORS, ids=[c[1] + str(i) for i, c in enumerate(COMPLETION_ERRORS)]
+)
 def test_completion_bad_parameters_get_400_naming_the_field(stack, change, param, message):
     r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello", **change})
     assert r.status_code == 400
@@ -141,10 +172,16 @@ def test_completion_bad_parameters_get_400_naming_the_field(stack, change, param
 
 CHAT_ERRORS = [
     ({"messages": []}, "messages", "messages must be a non-empty list of {role, content} objects"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages",
-     "messages[0].role must be one of system, user, assistant, developer, tool, got 'robot'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages",
-     "messages[0].content must be a string or a list of text parts, got 3"),
+    (
+        {"messages": [{"role": "robot", "content": "x"}]},
+        "messages",
+        "messages[0].role must be one of system, user, assistant, developer, tool, got 'robot'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": 3}]},
+        "messages",
+        "messages[0].content must be a string or a list of text parts, got 3",
+    ),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs to be true"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be >= -2 and <= 2, got 3.0"),
@@ -169,24 +206,34 @@ def test_unknown_fields_are_named(stack):
 
 def test_body_errors(stack):
     r = post(stack, "/v1/completions", b"{not json")
-    assert (r.status_code, r.json()["error"]["message"]) == \
-        (400, "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400,
+        "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+    )
     r = post(stack, "/v1/completions", b'{"prompt": "\xff"}')
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("request body is not valid UTF-8: ")
     r = post(stack, "/v1/completions", [1, 2])
     assert (r.status_code, r.json()["error"]["message"]) == (400, "request body must be a JSON object, got list")
     r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "w9 " * MAX_BODY})
     assert r.status_code == 413
-    assert r.json()["error"] == {"message": f"request body has more than {MAX_BODY} bytes (got at least {len(r.request.content)}); "
-                                            f"the limit is max_body_bytes={MAX_BODY}",
-                                 "type": "invalid_request_error", "param": "body", "code": "request_too_large"}
+    assert r.json()["error"] == {
+        "message": f"request body has more than {MAX_BODY} bytes (got at least {len(r.request.content)}); "
+        f"the limit is max_body_bytes={MAX_BODY}",
+        "type": "invalid_request_error",
+        "param": "body",
+        "code": "request_too_large",
+    }
 
 
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="hello")
-    assert info.value.body == {"message": "model 'gpt-4' is not served here; this gateway serves 'tiny-fake'",
-                               "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert info.value.body == {
+        "message": "model 'gpt-4' is not served here; this gateway serves 'tiny-fake'",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def test_streaming_client_that_leaves_aborts_the_request(stack):
@@ -194,7 +241,7 @@ def test_streaming_client_that_leaves_aborts_the_request(stack):
     body = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 60, "stream": True}
     with httpx.stream("POST", stack.base_url + "/v1/completions", json=body, timeout=10) as r:
         lines = r.iter_lines()
-        chunk = json.loads(next(line for line in lines if line)[len("data: "):])
+        chunk = json.loads(next(line for line in lines if line)[len("data: ") :])
         assert chunk["choices"][0]["text"] == " w21"
         rid = chunk["id"]  # the REST id is the request id on every hop
     stack.wait_for(lambda: rid in decode.aborts, what="AbortRequest after the client left")
@@ -209,16 +256,23 @@ def test_no_decode_up_is_503_with_retry_after(tokenizer_dir):
         stack.wait_for(lambda: not inst.up, what="the decode to be down")
         r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello"})
         assert (r.status_code, r.headers["retry-after"]) == (503, "1")
-        assert r.json()["error"] == {"message": "no decode instance is up; retry later",
-                                     "type": "service_unavailable_error", "param": None, "code": None}
+        assert r.json()["error"] == {
+            "message": "no decode instance is up; retry later",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": None,
+        }
         ready = httpx.get(stack.base_url + "/ready")
         assert ready.status_code == 503 and ready.json()["reason"].startswith(
-            "no prefill/decode pair with equal KV layouts and no colocated worker is up; decode decode-0 at 127.0.0.1:")
+            "no prefill/decode pair with equal KV layouts and no colocated worker is up; decode decode-0 at 127.0.0.1:"
+        )
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(generation_pb2.GenerateRequest(text="hello"), timeout=5))
-        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                             "no decode instance is up; retry later")
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "no decode instance is up; retry later",
+        )
         assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
     finally:
         stack.stop()
@@ -232,15 +286,17 @@ def test_a_decode_failing_mid_request_reaches_rest_clients(tokenizer_dir):
     stack = Stack(tokenizer_dir, [FakePrefill()], [decode]).start()
     try:
         body = {"model": MODEL, "prompt": "hello world w20", "max_tokens": 5}
-        with ThreadPoolExecutor(1) as pool, \
-                httpx.stream("POST", stack.base_url + "/v1/completions", json={**body, "stream": True}, timeout=10) as sse:
+        with (
+            ThreadPoolExecutor(1) as pool,
+            httpx.stream("POST", stack.base_url + "/v1/completions", json={**body, "stream": True}, timeout=10) as sse,
+        ):
             plain = pool.submit(post, stack, "/v1/completions", body)
             lines = sse.iter_lines()
-            assert json.loads(next(line for line in lines if line)[len("data: "):])["choices"][0]["text"] == " w21"
+            assert json.loads(next(line for line in lines if line)[len("data: ") :])["choices"][0]["text"] == " w21"
             stack.wait_for(lambda: len(decode.requests) == 2, what="both requests at the decode")
             stack.loop.run(stack.servers["decode-0"].stop())
             events = [line for line in lines if line]
-            error = json.loads(events[0][len("data: "):])["error"]
+            error = json.loads(events[0][len("data: ") :])["error"]
             assert error["type"] == "server_error" and error["message"].startswith("decode instance decode-0 failed: ")
             assert events[1:] == ["data: [DONE]"]
             response = plain.result(10)

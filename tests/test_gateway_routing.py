@@ -5,7 +5,6 @@ import logging
 
 import grpc
 import httpx
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.kv_layout import KvLayout
@@ -14,8 +13,9 @@ from splitserve.gateway.router import Router
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, make_tokenizer_dir
 
-LAYOUT_TEXT = ("num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, "
-               "model_id=tiny-fake, layout=block_major_v1")
+LAYOUT_TEXT = (
+    "num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, model_id=tiny-fake, layout=block_major_v1"
+)
 
 
 def layout(**changes):
@@ -32,11 +32,19 @@ class _Link:
 
 def instance(address, pool, role=None, *, lay=LAYOUT, free=1000, running=0, waiting=0, queued=0, start=1):
     role = role or pool
-    load = common_pb2.Load(num_free_blocks=free, num_total_blocks=free, num_running=running,
-                           num_waiting=waiting, num_queued_tokens=queued)
-    describe = common_pb2.DescribeResponse(instance_id=f"{pool}@{address}", role=role, model_id=lay.model_id,
-                                           layout=lay, load=load, transports=["shm"], start_unix_ns=start,
-                                           max_model_len=64)
+    load = common_pb2.Load(
+        num_free_blocks=free, num_total_blocks=free, num_running=running, num_waiting=waiting, num_queued_tokens=queued
+    )
+    describe = common_pb2.DescribeResponse(
+        instance_id=f"{pool}@{address}",
+        role=role,
+        model_id=lay.model_id,
+        layout=lay,
+        load=load,
+        transports=["shm"],
+        start_unix_ns=start,
+        max_model_len=64,
+    )
     inst = Instance(address, pool, channel=None, describe=describe, reachable=True, error="")
     if pool == "decode":
         inst.link = _Link()
@@ -52,8 +60,9 @@ def registry_of(*instances):
 
 def test_layout_text_matches_engine_kv_layout():
     a, b = layout(), layout(block_size=8)
-    engine = [KvLayout(l.num_layers, l.num_kv_heads, l.head_dim, l.block_size, l.dtype, l.model_id, l.layout)
-              for l in (a, b)]
+    engine = [
+        KvLayout(l.num_layers, l.num_kv_heads, l.head_dim, l.block_size, l.dtype, l.model_id, l.layout) for l in (a, b)
+    ]
     assert describe_layout(a) == engine[0].describe() == LAYOUT_TEXT.format(4)
     assert layout_mismatch(a, b) == engine[0].mismatch(engine[1])
     assert layout_mismatch(a, layout()) is None
@@ -64,7 +73,8 @@ def test_mismatched_pair_is_refused_and_not_ready():
     registry = registry_of(p, d)
     assert registry.describe_mismatches() == [
         f"refusing to pair prefill prefill@p:1 (p:1) with decode decode@d:1 (d:1): KV layouts differ: "
-        f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]"]
+        f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]"
+    ]
     assert not registry.ready() and Router(registry).pick_prefill() is None
     assert Router(registry).decode_candidates(p) == []
 
@@ -90,8 +100,11 @@ def test_no_common_transport_is_refused():
 
 def test_prefill_with_fewest_queued_tokens_then_fewest_waiting():
     d = instance("d:1", "decode")
-    p1, p2, p3 = (instance("p:1", "prefill", queued=50, waiting=1), instance("p:2", "prefill", queued=20, waiting=3),
-                  instance("p:3", "prefill", queued=20, waiting=2))
+    p1, p2, p3 = (
+        instance("p:1", "prefill", queued=50, waiting=1),
+        instance("p:2", "prefill", queued=20, waiting=3),
+        instance("p:3", "prefill", queued=20, waiting=2),
+    )
     router = Router(registry_of(p1, p2, p3, d))
     assert router.pick_prefill() is p3
     router.assign(p3, list(range(40)))  # 40 tokens sent since its last Describe
@@ -166,8 +179,10 @@ def test_layout_mismatch_end_to_end(tmp_path, caplog):
     stack = Stack(make_tokenizer_dir(str(tmp_path)), [prefill], [decode]).start()
     try:
         p, d = stack.servers["prefill-0"].address, stack.servers["decode-0"].address
-        message = (f"refusing to pair prefill prefill-0 ({p}) with decode decode-0 ({d}): KV layouts differ: "
-                   f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]")
+        message = (
+            f"refusing to pair prefill prefill-0 ({p}) with decode decode-0 ({d}): KV layouts differ: "
+            f"[{LAYOUT_TEXT.format(4)}] vs [{LAYOUT_TEXT.format(8)}]"
+        )
         assert stack.gateway.registry.describe_mismatches() == [message]
         assert [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()] == [message]
         ready = httpx.get(stack.base_url + "/ready")
@@ -178,8 +193,11 @@ def test_layout_mismatch_end_to_end(tmp_path, caplog):
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         # never through the mismatched pair: the decode prefills locally
         stub = generation_pb2_grpc.GenerationStub(channel)
-        out = list(stub.Generate(generation_pb2.GenerateRequest(
-            text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=5))
+        out = list(
+            stub.Generate(
+                generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=5
+            )
+        )
         assert [t for m in out for t in m.token_ids] == [21, 22]
         assert prefill.requests == [] and not decode.requests[0].HasField("kv")
     finally:

@@ -56,15 +56,40 @@ def test_stack_commands_forward_non_default_engine_flags():
     eflags = ["--block-size", "8", "--num-kv-blocks", "64", "--enforce-eager"]  # role is never forwarded
 
     def service(role, name, port):
-        return CLI + [role, "--host", "127.0.0.1", "--port", str(port), "--instance-name", name, "--kv-transport", "shm"]
+        return CLI + [
+            role,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--instance-name",
+            name,
+            "--kv-transport",
+            "shm",
+        ]
 
     peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
     assert commands == [
         ("prefill-0", service("prefill", "prefill-0", 50061) + eflags),
         ("decode-0", service("decode", "decode-0", 50071) + peers + eflags),
         ("decode-1", service("decode", "decode-1", 50072) + peers + eflags),
-        ("gateway", CLI + ["gateway", "--host", "127.0.0.1", "--grpc-port", "50051", "--http-port", "8000",
-                           "--prefill", "127.0.0.1:50061", "--decode", "127.0.0.1:50071,127.0.0.1:50072"]),
+        (
+            "gateway",
+            CLI
+            + [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                "50051",
+                "--http-port",
+                "8000",
+                "--prefill",
+                "127.0.0.1:50061",
+                "--decode",
+                "127.0.0.1:50071,127.0.0.1:50072",
+            ],
+        ),
     ]
     for _, argv in commands:  # every flag is one the CLI accepts
         parse_args(argv[3:])
@@ -72,17 +97,39 @@ def test_stack_commands_forward_non_default_engine_flags():
 
 def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
     commands = dict(stack_commands(EngineConfig(model="/models/x", model_id="x"), UpConfig(kv_transport="nccl")))
-    assert commands["decode-0"] == CLI + ["decode", "--host", "127.0.0.1", "--port", "50071", "--instance-name",
-                                          "decode-0", "--kv-transport", "nccl", "--prefill-peers", "127.0.0.1:50061",
-                                          "--model", "/models/x", "--model-id", "x"]
+    assert commands["decode-0"] == CLI + [
+        "decode",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "50071",
+        "--instance-name",
+        "decode-0",
+        "--kv-transport",
+        "nccl",
+        "--prefill-peers",
+        "127.0.0.1:50061",
+        "--model",
+        "/models/x",
+        "--model-id",
+        "x",
+    ]
     assert commands["gateway"][-4:] == ["--model", "/models/x", "--model-id", "x"]
 
 
 def test_gateway_options_go_to_the_gateway_only():
     options = UpGatewayConfig(api_keys_file="/etc/keys", tls_cert="/c.pem", tls_key="/k.pem", rate_limit_rps=5.0)
     commands = dict(stack_commands(EngineConfig(), UpConfig(), options))
-    assert commands["gateway"][-8:] == ["--api-keys-file", "/etc/keys", "--tls-cert", "/c.pem", "--tls-key", "/k.pem",
-                                        "--rate-limit-rps", "5.0"]
+    assert commands["gateway"][-8:] == [
+        "--api-keys-file",
+        "/etc/keys",
+        "--tls-cert",
+        "/c.pem",
+        "--tls-key",
+        "/k.pem",
+        "--rate-limit-rps",
+        "5.0",
+    ]
     assert "--tls-cert" not in commands["prefill-0"] and "--api-keys-file" not in commands["decode-0"]
     assert dict(stack_commands(EngineConfig(), UpConfig(), UpGatewayConfig()))["gateway"] == commands["gateway"][:-8]
     parse_args(commands["gateway"][3:])
@@ -98,7 +145,8 @@ def test_banner_with_tls_and_api_keys():
         "  gRPC         127.0.0.1:50051  (splitserve.v1.Generation, reflection on, TLS)",
         "  readiness    https://127.0.0.1:8000/ready",
         "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
-        f"  curl -s --cacert /c.pem https://127.0.0.1:8000/v1/completions -H \"Authorization: Bearer $SPLITSERVE_API_KEY\""
+        "  curl -s --cacert /c.pem https://127.0.0.1:8000/v1/completions "
+        '-H "Authorization: Bearer $SPLITSERVE_API_KEY"'
         f" -H 'Content-Type: application/json' -d '{body}'",
         "Press Ctrl-C to stop.",
     ]
@@ -108,14 +156,20 @@ def test_an_unreadable_keys_file_stops_up_before_anything_starts(tmp_path):
     missing = tmp_path / "nope"
     proc = subprocess.run(CLI + ["up", "--api-keys-file", str(missing)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"splitserve up: error: --api-keys-file '{missing}' cannot be read: [Errno 2] No such file or directory")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"splitserve up: error: --api-keys-file '{missing}' cannot be read: [Errno 2] No such file or directory"
+        )
+    )
 
 
 def test_port_collisions_are_named():
     assert check_ports(UpConfig()) is None
     assert check_ports(UpConfig(decode_port=50050, num_decode=2)) == (
-        "gateway --grpc-port and decode-1 (--decode-port + 1) would both use port 50051; choose distinct ports")
+        "gateway --grpc-port and decode-1 (--decode-port + 1) would both use port 50051; choose distinct ports"
+    )
 
 
 def test_a_child_that_exits_early_is_reported():
@@ -123,7 +177,8 @@ def test_a_child_that_exits_early_is_reported():
     stack.add("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"])
     try:
         assert wait_ready("http://127.0.0.1:9", stack, timeout_s=10) == (
-            "decode-0 exited with code 3 before the stack was ready (see its log above)")
+            "decode-0 exited with code 3 before the stack was ready (see its log above)"
+        )
     finally:
         stack.stop(1.0)
 
@@ -133,9 +188,25 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
     base = f"http://127.0.0.1:{http_port}"
     stack = LocalStack(die_with_parent=False)
     stack.add("decode-0", FAKE + ["decode", str(decode), "decode-0"])
-    stack.add("gateway", CLI + ["gateway", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                                "--prefill", f"127.0.0.1:{prefill}", "--decode", f"127.0.0.1:{decode}",
-                                "--model", tokenizer_dir, "--health-interval-s", "0.1"])
+    stack.add(
+        "gateway",
+        CLI
+        + [
+            "gateway",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--prefill",
+            f"127.0.0.1:{prefill}",
+            "--decode",
+            f"127.0.0.1:{decode}",
+            "--model",
+            tokenizer_dir,
+            "--health-interval-s",
+            "0.1",
+        ],
+    )
     try:
         end = time.monotonic() + 30
         while time.monotonic() < end and stack.first_exit() is None:
@@ -145,8 +216,10 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
             except httpx.TransportError:
                 time.sleep(0.1)
         message = wait_ready(base, stack, timeout_s=0.5)
-        assert message.startswith("not ready after 0.5 s: no prefill/decode pair with equal KV layouts and no "
-                                  f"colocated worker is up; prefill at 127.0.0.1:{prefill}: Describe failed: UNAVAILABLE")
+        assert message.startswith(
+            "not ready after 0.5 s: no prefill/decode pair with equal KV layouts and no "
+            f"colocated worker is up; prefill at 127.0.0.1:{prefill}: Describe failed: UNAVAILABLE"
+        )
         stack.add("prefill-0", FAKE + ["prefill", str(prefill), "prefill-0"])
         assert wait_ready(base, stack, timeout_s=20) is None
         r = httpx.post(base + "/v1/completions", json={"prompt": "w20", "max_tokens": 2}, timeout=10)
@@ -177,8 +250,23 @@ def running_up(tokenizer_dir, *flags):
     """`splitserve up` (fake prefill/decode, real gateway) until its banner: yields (banner lines, http
     port); on leaving, Ctrl-C must stop it with exit code 0 and every port must be closed."""
     prefill, decode, grpc_port, http_port = free_ports(4)
-    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir, "--prefill-port", str(prefill),
-            "--decode-port", str(decode), "--grpc-port", str(grpc_port), "--http-port", str(http_port), *flags]
+    argv = [
+        sys.executable,
+        "-c",
+        UP_SCRIPT,
+        "up",
+        "--model",
+        tokenizer_dir,
+        "--prefill-port",
+        str(prefill),
+        "--decode-port",
+        str(decode),
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        *flags,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines = []
@@ -216,20 +304,48 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
 
 def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tmp_path):
     cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     keys = tmp_path / "keys"
     keys.write_text("# the up test's key\nup-test-key-1\n")
     flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--api-keys-file", str(keys)]
     with running_up(tokenizer_dir, *flags) as (lines, _, http_port):
         base = f"https://127.0.0.1:{http_port}"
-        assert lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"  # id asked with the key
+        assert (
+            lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"
+        )  # id asked with the key
         assert lines[1] == f"  OpenAI REST  {base}/v1"
         assert f"--cacert {cert} {base}/v1/completions" in lines[5]
         body = {"model": "tiny-fake", "prompt": "hello", "max_tokens": 2, "temperature": 0}
         ca = ssl.create_default_context(cafile=str(cert))
         assert httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10).status_code == 401
-        ok = httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10,
-                        headers={"Authorization": "Bearer up-test-key-1"})
+        ok = httpx.post(
+            base + "/v1/completions",
+            json=body,
+            verify=ca,
+            timeout=10,
+            headers={"Authorization": "Bearer up-test-key-1"},
+        )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

@@ -24,9 +24,14 @@ def hf_greedy(path, prompts, dtype, max_new):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_new, min_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
@@ -35,10 +40,18 @@ def test_fp32_greedy_equals_transformers(name, eager, tmp_path):
     path = make_tiny_model_dir(tmp_path, dtype=torch.float32, **ARCHS[name])
     prompts = make_prompts()
     expected = hf_greedy(path, prompts, torch.float32, 8)
-    llm = LLM(model=str(path), dtype="float32", device="cuda", block_size=16, num_kv_blocks=128,
-              max_num_seqs=16, enforce_eager=eager)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=8,
-                                                                                 ignore_eos=True))
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        device="cuda",
+        block_size=16,
+        num_kv_blocks=128,
+        max_num_seqs=16,
+        enforce_eager=eager,
+    )
+    outs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.num_free_blocks == 128
 
@@ -49,12 +62,34 @@ def test_bf16_default_model_matches_transformers_on_most_prompts():
     path = default_model_path()
     llm = LLM(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16, num_kv_blocks=256)
     tok = llm.tokenizer
-    texts = [f"def {name}(" for name in ("fibonacci", "parse_args", "main", "read_file", "sort_items", "merge",
-                                         "validate", "connect", "encode", "decode", "tokenize", "flatten",
-                                         "unique", "chunks", "retry", "timer")]
+    texts = [
+        f"def {name}("
+        for name in (
+            "fibonacci",
+            "parse_args",
+            "main",
+            "read_file",
+            "sort_items",
+            "merge",
+            "validate",
+            "connect",
+            "encode",
+            "decode",
+            "tokenize",
+            "flatten",
+            "unique",
+            "chunks",
+            "retry",
+            "timer",
+        )
+    ]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     expected = hf_greedy(path, prompts, torch.bfloat16, 32)
-    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        temperature=0, max_tokens=32, ignore_eos=True))]
+    got = [
+        o.token_ids
+        for o in llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        )
+    ]
     same = sum(a == b for a, b in zip(got, expected))
     assert same >= 14, f"only {same} of 16 prompts match transformers in bf16"

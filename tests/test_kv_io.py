@@ -55,8 +55,11 @@ def test_block_runs_split_where_either_side_stops_advancing_by_one():
     assert block_runs([], []) == []
 
 
-@pytest.mark.parametrize("src_ids, gathered", [([3, 4, 5, 6, 10, 11], False), (list(range(0, 40, 2)), True)],
-                         ids=["two runs copied directly", "20 runs gathered and scattered"])
+@pytest.mark.parametrize(
+    "src_ids, gathered",
+    [([3, 4, 5, 6, 10, 11], False), (list(range(0, 40, 2)), True)],
+    ids=["two runs copied directly", "20 runs gathered and scattered"],
+)
 def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids, gathered, monkeypatch):
     import splitserve.engine.kv_transfer.io as kv_io
 
@@ -108,8 +111,23 @@ def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch
 
 # what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
 SHAPE = (4, 2, 16)
-TORCH_ARGS = (torch.Tensor, torch.Size(SHAPE), (32, 16, 1), 0, torch.storage.TypedStorage, torch.bfloat16, 0,
-              b"c" + b"\x01" * 64, 256, 4096, False, b"/torch_123_4567_8", 8, b"\x02" * 64, True)
+TORCH_ARGS = (
+    torch.Tensor,
+    torch.Size(SHAPE),
+    (32, 16, 1),
+    0,
+    torch.storage.TypedStorage,
+    torch.bfloat16,
+    0,
+    b"c" + b"\x01" * 64,
+    256,
+    4096,
+    False,
+    b"/torch_123_4567_8",
+    8,
+    b"\x02" * 64,
+    True,
+)
 
 
 def encode(value) -> str:
@@ -130,8 +148,21 @@ def refusal(text: str) -> str:
 
 def test_a_cuda_ipc_handle_round_trips_as_plain_data():
     plain = plain_args(TORCH_ARGS)
-    assert plain == (SHAPE, (32, 16, 1), 0, "bfloat16", 0, b"c" + b"\x01" * 64, 256, 4096, False,
-                     b"/torch_123_4567_8", 8, b"\x02" * 64, True)
+    assert plain == (
+        SHAPE,
+        (32, 16, 1),
+        0,
+        "bfloat16",
+        0,
+        b"c" + b"\x01" * 64,
+        256,
+        4096,
+        False,
+        b"/torch_123_4567_8",
+        8,
+        b"\x02" * 64,
+        True,
+    )
     back = load_cuda_ipc(encode(plain))
     assert back == TORCH_ARGS and type(back[1]) is torch.Size
     with pytest.raises(ValueError) as err:
@@ -151,13 +182,15 @@ class _Touch:
 
 def test_a_handle_naming_code_or_malformed_is_refused_before_anything_runs(tmp_path):
     marker = tmp_path / "ran"
-    assert refusal(encode(_Touch(marker))) == ("endpoint.cuda_ipc is not a CUDA IPC handle: a CUDA IPC handle "
-                                               "holds plain data only, not io.open")
+    assert refusal(encode(_Touch(marker))) == (
+        "endpoint.cuda_ipc is not a CUDA IPC handle: a CUDA IPC handle holds plain data only, not io.open"
+    )
     assert not marker.exists()
     plain = plain_args(TORCH_ARGS)
     assert refusal("not base64!") == "endpoint.cuda_ipc is not a CUDA IPC handle: not base64 text"
     assert refusal(base64.b64encode(pickle.dumps(plain)[:20]).decode()) == (
-        "endpoint.cuda_ipc is not a CUDA IPC handle: pickle data was truncated")
+        "endpoint.cuda_ipc is not a CUDA IPC handle: pickle data was truncated"
+    )
     assert refusal("A" * 20000) == "endpoint.cuda_ipc is not a CUDA IPC handle: over 16384 characters"
     assert refusal(encode(plain[:5])) == "endpoint.cuda_ipc must hold 13 fields, got 5"
     assert refusal(with_field(4, 1.5)) == "endpoint.cuda_ipc field device must be int, got 1.5"
@@ -192,24 +225,29 @@ def test_values_that_torch_would_trust_are_checked():
         message = refusal(text)
         assert message.startswith(f"endpoint.cuda_ipc field {field} "), message
         assert "out of range" in message
-    assert refusal(with_field(10, 10000)) == ("endpoint.cuda_ipc field ref_counter_handle (b'/torch_123_4567_8', "
-                                              "10000) is out of range: /torch_<pid>_<n>_<n> and a slot in [0, 10000)")
+    assert refusal(with_field(10, 10000)) == (
+        "endpoint.cuda_ipc field ref_counter_handle (b'/torch_123_4567_8', "
+        "10000) is out of range: /torch_<pid>_<n>_<n> and a slot in [0, 10000)"
+    )
 
 
 def test_a_pool_handle_must_be_exactly_the_pool_its_layout_gives():
     args = load_cuda_ipc(encode(plain_args(TORCH_ARGS)))
     with pytest.raises(ValueError) as err:
         check_shape(args, (8, 2, 16), torch.bfloat16)
-    assert str(err.value) == ("endpoint.cuda_ipc describes a torch.bfloat16 tensor of size (4, 2, 16) (stride (32, 16, 1), "
-                              "offset 0, 256 bytes), not the contiguous torch.bfloat16 pool of size (8, 2, 16) "
-                              "(512 bytes) its layout and num_blocks give")
+    assert str(err.value) == (
+        "endpoint.cuda_ipc describes a torch.bfloat16 tensor of size (4, 2, 16) (stride (32, 16, 1), "
+        "offset 0, 256 bytes), not the contiguous torch.bfloat16 pool of size (8, 2, 16) "
+        "(512 bytes) its layout and num_blocks give"
+    )
     with pytest.raises(ValueError) as err:
         check_shape(args, SHAPE, torch.float32)
     assert "not the contiguous torch.float32 pool of size (4, 2, 16) (512 bytes)" in str(err.value)
     with pytest.raises(ValueError) as err:  # the right pool, on a device this (CPU) process does not see
         check_shape(args, SHAPE, torch.bfloat16)
-    assert str(err.value) == ("endpoint.cuda_ipc field device 0 is out of range: this process sees "
-                              f"{torch.cuda.device_count()} CUDA devices")
+    assert str(err.value) == (
+        f"endpoint.cuda_ipc field device 0 is out of range: this process sees {torch.cuda.device_count()} CUDA devices"
+    )
 
 
 OWNER = """
@@ -268,8 +306,9 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         io = KvIo({"transport": "nccl", "instance": "d", "timeout_s": 2})
         io.pair("p->d", 0, "127.0.0.1", port, "nccl", torch.device("cuda:1"))
@@ -387,8 +426,11 @@ def test_a_cuda_transfer_that_never_ends_times_out(monkeypatch):
     import time
 
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"^KV transfer of 2048 bytes did not finish within the transfer "
-                                           r"timeout \(0\.3 s\)$"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"^KV transfer of 2048 bytes did not finish within the transfer "
+        r"timeout \(0\.3 s\)$",
+    ):
         finish_with(monkeypatch, FakeWork(completes_after=10**9), ends_after=10**9)
     assert 0.3 <= time.monotonic() - started < 1.5
 

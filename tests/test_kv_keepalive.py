@@ -102,8 +102,10 @@ def test_periods_under_half_a_millisecond_are_refused():
 def test_the_flag_is_range_checked():
     parser = argparse.ArgumentParser()
     add_arguments(parser, ServiceConfig)
-    for value, message in (("5000", "--kv-link-keepalive-ms=5000.0 is out of range; allowed [0.0, 1000.0]"),
-                           ("0.1", "--kv-link-keepalive-ms=0.1 is out of range; allowed 0 (off) or [0.5, 1000.0]")):
+    for value, message in (
+        ("5000", "--kv-link-keepalive-ms=5000.0 is out of range; allowed [0.0, 1000.0]"),
+        ("0.1", "--kv-link-keepalive-ms=0.1 is out of range; allowed 0 (off) or [0.5, 1000.0]"),
+    ):
         with pytest.raises(ConfigError) as err:
             from_namespace(ServiceConfig, parser.parse_args(["--kv-link-keepalive-ms", value]), env={})
         assert str(err.value) == message

@@ -7,17 +7,30 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 import httpx
+import pytest
 
 from tests.service_harness import REPO, Proc, free_port, wait_until
 
 
 @pytest.mark.slow
 def test_the_wheel_holds_one_top_level_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(REPO)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     (wheel,) = tmp_path.glob("splitserve-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -26,9 +39,23 @@ def test_the_wheel_holds_one_top_level_package(tmp_path):
     assert top_level.split() == ["splitserve"]
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"splitserve"}
     packages = {n.rsplit("/", 1)[0] for n in names if n.endswith(".py")}
-    assert packages == {"splitserve/" + p for p in (
-        "protos", "common", "runtime", "engine", "engine/kv_transfer", "engine/models", "kernels",
-        "prefill_service", "decode_service", "gateway", "cli", "bench")}
+    assert packages == {
+        "splitserve/" + p
+        for p in (
+            "protos",
+            "common",
+            "runtime",
+            "engine",
+            "engine/kv_transfer",
+            "engine/models",
+            "kernels",
+            "prefill_service",
+            "decode_service",
+            "gateway",
+            "cli",
+            "bench",
+        )
+    }
     # each mapped folder ships once, under its own name; the GPU probes and training stay in the repository
     assert "splitserve/engine/common/wire.py" not in names and "splitserve/common/wire.py" in names
     assert "splitserve/bench/serve.py" in names and "splitserve/bench/kernels.py" not in names
@@ -40,10 +67,23 @@ def test_the_wheel_holds_one_top_level_package(tmp_path):
 def test_a_running_gateway_has_loaded_no_torch(tmp_path):
     """`splitserve gateway` starts, loads its tokenizer, serves /health, and no torch library is mapped."""
     http_port = free_port()
-    proc = Proc("gateway", ["--grpc-port", str(free_port()), "--http-port", str(http_port),
-                            "--prefill", f"127.0.0.1:{free_port()}", "--decode", f"127.0.0.1:{free_port()}"],
-                tmp_path, "gateway")
+    proc = Proc(
+        "gateway",
+        [
+            "--grpc-port",
+            str(free_port()),
+            "--http-port",
+            str(http_port),
+            "--prefill",
+            f"127.0.0.1:{free_port()}",
+            "--decode",
+            f"127.0.0.1:{free_port()}",
+        ],
+        tmp_path,
+        "gateway",
+    )
     try:
+
         def answers() -> bool:
             assert proc.popen.poll() is None, proc.log_path.read_text()
             try:
@@ -61,10 +101,12 @@ def test_a_running_gateway_has_loaded_no_torch(tmp_path):
 
 
 def test_importing_the_gateway_loads_no_torch():
-    code = ("import sys\nimport splitserve.gateway.server, splitserve.gateway.rest, splitserve.gateway.up\n"
-            "from splitserve.common.tokenizer import load_tokenizer\n"
-            "from splitserve.common.default_model_path import default_model_path\n"
-            "load_tokenizer(str(default_model_path()))\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'safetensors')))")
+    code = (
+        "import sys\nimport splitserve.gateway.server, splitserve.gateway.rest, splitserve.gateway.up\n"
+        "from splitserve.common.tokenizer import load_tokenizer\n"
+        "from splitserve.common.default_model_path import default_model_path\n"
+        "load_tokenizer(str(default_model_path()))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'safetensors')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

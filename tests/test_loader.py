@@ -54,8 +54,9 @@ def test_sharded_checkpoint_fills_fused_rows_exactly(tmp_path):
     assert torch.equal(attn.qkv_proj.weight, torch.cat([hf[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
     assert torch.equal(attn.qkv_proj.bias, torch.cat([hf[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"]))
     assert attn.o_proj.bias is None
-    assert torch.equal(mlp.gate_up_proj.weight,
-                       torch.cat([hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]]))
+    assert torch.equal(
+        mlp.gate_up_proj.weight, torch.cat([hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]])
+    )
     assert torch.equal(net.lm_head.weight, hf["lm_head.weight"])
     assert torch.equal(net.model.norm.weight, hf["model.norm.weight"])
     assert config.model_id == path.name
@@ -79,7 +80,9 @@ def test_tied_checkpoint_may_also_hold_lm_head_and_rotary_buffers(tmp_path):
 
     _edit_weights(path, add_redundant)
     net, _ = load_model(path, dtype=torch.float64, device="cpu")
-    assert torch.equal(net.model.embed_tokens.weight, load_file(path / "model.safetensors")["model.embed_tokens.weight"])
+    assert torch.equal(
+        net.model.embed_tokens.weight, load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    )
 
 
 def test_dtype_selection(llama_dir):
@@ -108,8 +111,9 @@ def test_missing_directory_config_and_weights(tmp_path):
     (empty / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     assert _load_error(empty) == f"no *.safetensors files in model directory {empty}"
     config_file = empty / "config.json"
-    assert _load_error(config_file) == (f"model path {config_file} is not a directory "
-                                        "(a config file alone needs load_format='dummy')")
+    assert _load_error(config_file) == (
+        f"model path {config_file} is not a directory (a config file alone needs load_format='dummy')"
+    )
     assert _load_error(empty, load_format="pt") == "load_format 'pt' is not supported; choose 'auto' or 'dummy'"
 
 
@@ -125,8 +129,9 @@ def test_unsupported_architecture(tmp_path, llama_dir):
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["LlamaForSequenceClassification"]
     (path / "config.json").write_text(json.dumps(config))
-    assert _load_error(path) == (f"architecture 'LlamaForSequenceClassification' is not supported; "
-                                 f"supported: {SUPPORTED}")
+    assert _load_error(path) == (
+        f"architecture 'LlamaForSequenceClassification' is not supported; supported: {SUPPORTED}"
+    )
 
 
 def test_missing_tensors(tmp_path, llama_dir):
@@ -140,22 +145,33 @@ def test_missing_tensors(tmp_path, llama_dir):
 def test_unexpected_tensor(tmp_path, llama_dir):
     path = _copy_dir(llama_dir, tmp_path / "m")
     _edit_weights(path, lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(16)))
-    assert _load_error(path) == ("unexpected tensor 'model.layers.0.self_attn.q_norm.weight' in "
-                                 "model.safetensors: LlamaForCausalLM has no such weight")
+    assert _load_error(path) == (
+        "unexpected tensor 'model.layers.0.self_attn.q_norm.weight' in "
+        "model.safetensors: LlamaForCausalLM has no such weight"
+    )
 
 
 def test_shape_mismatch(tmp_path, llama_dir):
     path = _copy_dir(llama_dir, tmp_path / "m")
     _edit_weights(path, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.ones(16, 64)))
-    assert _load_error(path) == ("tensor 'model.layers.0.self_attn.k_proj.weight' in model.safetensors "
-                                 "has shape (16, 64), expected (32, 64)")
+    assert _load_error(path) == (
+        "tensor 'model.layers.0.self_attn.k_proj.weight' in model.safetensors has shape (16, 64), expected (32, 64)"
+    )
 
 
 BENCH_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
 }
 
 
@@ -186,8 +202,9 @@ def test_dummy_load_from_config_json(tmp_path):
 
 
 def test_dummy_load_from_directory_without_weights(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**BENCH_CONFIG, "architectures": ["Qwen3ForCausalLM"],
-                                                      "model_type": "qwen3", "head_dim": 64}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**BENCH_CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64})
+    )
     net, config = load_model(tmp_path, dtype=torch.float32, device="cpu", load_format="dummy")
     assert config.qk_norm and net.model.layers[0].self_attn.qkv_proj.weight.shape == (4 * 64 + 2 * 2 * 64, 128)
 

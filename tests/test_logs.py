@@ -7,8 +7,15 @@ from splitserve.runtime.logs import JsonFormatter
 
 
 def test_json_lines_carry_level_logger_message_and_request_id():
-    record = logging.LogRecord("splitserve.decode.pulls", logging.WARNING, __file__, 1,
-                               "request_id=%s KV pull failed: %s", ("req-7", "boom"), None)
+    record = logging.LogRecord(
+        "splitserve.decode.pulls",
+        logging.WARNING,
+        __file__,
+        1,
+        "request_id=%s KV pull failed: %s",
+        ("req-7", "boom"),
+        None,
+    )
     line = json.loads(JsonFormatter().format(record))
     assert line["level"] == "WARNING" and line["logger"] == "splitserve.decode.pulls"
     assert line["msg"] == "request_id=req-7 KV pull failed: boom"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -15,8 +15,16 @@ def request(rid: str, prompt: list[int], output: list[int] = ()) -> Request:
     return r
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
 def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables(device):
     runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, device=torch.device(device))
     decoding = request("d", [5, 6, 7, 8, 9], output=[10])  # 6 tokens, 5 computed: one new token at position 5
@@ -30,6 +38,8 @@ def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables(devi
     assert inputs.meta.block_tables.dtype == torch.int32 and inputs.meta.block_tables.device.type == device
     assert inputs.meta.block_tables.tolist() == [[7, 3], [4, 9]]
     assert inputs.logits_indices.tolist() == [0] and inputs.sampling_request_ids == ["d"]
-    ragged = runner.prepare_inputs(SchedulerOutput([ScheduledRequest(decoding, 1, 5), ScheduledRequest(chunk, 3, 2)]),
-                                   {"d": [7, 3], "p": [4, 9, 11, 12, 13]})
+    ragged = runner.prepare_inputs(
+        SchedulerOutput([ScheduledRequest(decoding, 1, 5), ScheduledRequest(chunk, 3, 2)]),
+        {"d": [7, 3], "p": [4, 9, 11, 12, 13]},
+    )
     assert ragged.meta.block_tables.tolist() == [[7, 3, 0, 0, 0], [4, 9, 11, 12, 13]]

@@ -18,8 +18,17 @@ from splitserve.engine.layers import build_cos_sin_cache, rms_norm, rotary_embed
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import ARCH_TRAITS, ModelConfig
 from splitserve.engine.models import MODEL_REGISTRY, DecoderForCausalLM, model_class
-from tests.model_factory import (LINEAR_SCALING, LLAMA3_SCALING, SeqSpec, build_meta, hf_logits,
-                                 load_hf_reference, make_tiny_model_dir, step_positions, tiny_hf_config)
+from tests.model_factory import (
+    LINEAR_SCALING,
+    LLAMA3_SCALING,
+    SeqSpec,
+    build_meta,
+    hf_logits,
+    load_hf_reference,
+    make_tiny_model_dir,
+    step_positions,
+    tiny_hf_config,
+)
 
 BLOCK_SIZE = 4
 SEQ_A = [7, 300, 41, 502, 9, 88, 120, 3, 64, 250, 17, 401, 5, 6]  # 11 prompt + 3 fed as decodes
@@ -31,8 +40,11 @@ BLOCKS_B = (1, 12, 7)
 CASES = [
     ("llama-mha-untied", "llama", dict(num_kv_heads=4)),
     ("llama-gqa2-tied-llama3", "llama", dict(num_kv_heads=2, tie=True, rope_scaling=LLAMA3_SCALING)),
-    ("llama-mqa-linear-bias", "llama", dict(num_kv_heads=1, rope_scaling=LINEAR_SCALING,
-                                            attention_bias=True, mlp_bias=True)),
+    (
+        "llama-mqa-linear-bias",
+        "llama",
+        dict(num_kv_heads=1, rope_scaling=LINEAR_SCALING, attention_bias=True, mlp_bias=True),
+    ),
     ("mistral-gqa2", "mistral", dict(num_kv_heads=2)),
     ("qwen2-gqa2-tied", "qwen2", dict(num_kv_heads=2, tie=True)),
     ("qwen3-gqa4-headdim32", "qwen3", dict(num_kv_heads=1, head_dim=32)),
@@ -41,8 +53,10 @@ CASES = [
 
 def _schedule() -> list[list[tuple[str, SeqSpec]]]:
     """Steps of (sequence, spec): A chunked 6 + 5 with B's prefill then decode, then decodes."""
-    steps = [[("A", SeqSpec(0, 6, BLOCKS_A)), ("B", SeqSpec(0, 7, BLOCKS_B))],
-             [("B", SeqSpec(7, 1, BLOCKS_B)), ("A", SeqSpec(6, 5, BLOCKS_A))]]
+    steps = [
+        [("A", SeqSpec(0, 6, BLOCKS_A)), ("B", SeqSpec(0, 7, BLOCKS_B))],
+        [("B", SeqSpec(7, 1, BLOCKS_B)), ("A", SeqSpec(6, 5, BLOCKS_A))],
+    ]
     for i in range(2):
         steps.append([("A", SeqSpec(11 + i, 1, BLOCKS_A)), ("B", SeqSpec(8 + i, 1, BLOCKS_B))])
     steps.append([("A", SeqSpec(13, 1, BLOCKS_A))])
@@ -57,12 +71,12 @@ def run_engine(net: DecoderForCausalLM, config: ModelConfig, dtype: torch.dtype)
     with torch.inference_mode():
         for step in _schedule():
             specs = [spec for _, spec in step]
-            ids = torch.tensor([t for name, s in step for t in seqs[name][s.num_computed:s.num_computed + s.num_new]])
+            ids = torch.tensor([t for name, s in step for t in seqs[name][s.num_computed : s.num_computed + s.num_new]])
             hidden = net(ids, step_positions(specs), kv_cache, build_meta(specs, BLOCK_SIZE))  # (T, H)
             logits = net.compute_logits(hidden)  # (T, V)
             start = 0
             for name, spec in step:
-                rows[name].append(logits[start:start + spec.num_new])
+                rows[name].append(logits[start : start + spec.num_new])
                 start += spec.num_new
     return {name: torch.cat(parts) for name, parts in rows.items()}
 
@@ -83,8 +97,7 @@ def test_logits_equal_transformers_float64(tmp_path, name, arch, kwargs):
 
 def test_float32_matches_unmodified_transformers(tmp_path):
     """In float32 transformers runs unpatched (float32 norm/rotary): same logits up to float32 rounding."""
-    path = make_tiny_model_dir(tmp_path, "llama", num_kv_heads=2, rope_scaling=LLAMA3_SCALING,
-                               dtype=torch.float32)
+    path = make_tiny_model_dir(tmp_path, "llama", num_kv_heads=2, rope_scaling=LLAMA3_SCALING, dtype=torch.float32)
     net, config = load_model(path, dtype=torch.float32, device="cpu")
     reference = load_hf_reference(path, torch.float32)
     ours = run_engine(net, config, torch.float32)
@@ -104,15 +117,20 @@ def test_bfloat16_logits_are_float32(tmp_path):
 
 
 def test_registry_maps_every_architecture_to_the_one_decoder():
-    assert sorted(MODEL_REGISTRY) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                      "Qwen3ForCausalLM"]
+    assert sorted(MODEL_REGISTRY) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
     assert set(MODEL_REGISTRY.values()) == {DecoderForCausalLM}
     assert set(ARCH_TRAITS) == set(MODEL_REGISTRY)
 
 
-@pytest.mark.parametrize("arch,qkv_bias,o_bias,qk_norm", [
-    ("llama", False, False, False), ("mistral", False, False, False),
-    ("qwen2", True, False, False), ("qwen3", False, False, True)])
+@pytest.mark.parametrize(
+    "arch,qkv_bias,o_bias,qk_norm",
+    [
+        ("llama", False, False, False),
+        ("mistral", False, False, False),
+        ("qwen2", True, False, False),
+        ("qwen3", False, False, True),
+    ],
+)
 def test_config_traits_per_architecture(arch, qkv_bias, o_bias, qk_norm):
     config = ModelConfig.from_hf_config(tiny_hf_config(arch), model_id="m")
     assert (config.attention_bias, config.o_proj_bias, config.qk_norm) == (qkv_bias, o_bias, qk_norm)
@@ -120,20 +138,44 @@ def test_config_traits_per_architecture(arch, qkv_bias, o_bias, qk_norm):
 
 
 def test_config_fields_from_hf_config():
-    hf = tiny_hf_config("llama", num_kv_heads=1, tie=True, rope_scaling=LLAMA3_SCALING,
-                        attention_bias=True, eos_token_id=[2, 9])
+    hf = tiny_hf_config(
+        "llama", num_kv_heads=1, tie=True, rope_scaling=LLAMA3_SCALING, attention_bias=True, eos_token_id=[2, 9]
+    )
     config = ModelConfig.from_hf_config(hf, model_id="tiny")
     assert config == ModelConfig(
-        model_id="tiny", architecture="LlamaForCausalLM", vocab_size=503, hidden_size=64,
-        intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=LLAMA3_SCALING,
-        max_position_embeddings=128, tie_word_embeddings=True, attention_bias=True, qk_norm=False,
-        eos_token_ids=(2, 9), bos_token_id=1, o_proj_bias=True, mlp_bias=False, sliding_window=None,
-        checkpoint_dtype=None)
+        model_id="tiny",
+        architecture="LlamaForCausalLM",
+        vocab_size=503,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=LLAMA3_SCALING,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        qk_norm=False,
+        eos_token_ids=(2, 9),
+        bos_token_id=1,
+        o_proj_bias=True,
+        mlp_bias=False,
+        sliding_window=None,
+        checkpoint_dtype=None,
+    )
     assert hash(config) == hash(ModelConfig.from_hf_config(hf, model_id="tiny"))  # usable as a dict key
     layout = config.kv_layout(16, "bfloat16")
-    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
-            layout.dtype, layout.model_id) == (2, 1, 16, 16, "bfloat16", "tiny")
+    assert (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.block_size,
+        layout.dtype,
+        layout.model_id,
+    ) == (2, 1, 16, 16, "bfloat16", "tiny")
 
 
 def test_config_reads_transformers4_style_rope_and_sliding_window(tmp_path):
@@ -141,7 +183,8 @@ def test_config_reads_transformers4_style_rope_and_sliding_window(tmp_path):
         '{"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,'
         ' "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,'
         ' "num_key_value_heads": 2, "vocab_size": 503, "rope_theta": 500000.0,'
-        ' "rope_scaling": {"type": "linear", "factor": 4.0}, "sliding_window": 64}')
+        ' "rope_scaling": {"type": "linear", "factor": 4.0}, "sliding_window": 64}'
+    )
     config = ModelConfig.from_pretrained(tmp_path)
     assert (config.rope_theta, config.rope_scaling) == (500000.0, {"rope_type": "linear", "factor": 4.0})
     assert config.sliding_window == 64 and config.model_id == tmp_path.name

@@ -8,8 +8,8 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.runtime.grpc_server import InternalTls
 from splitserve.protos import common_pb2, prefill_pb2_grpc
+from splitserve.runtime.grpc_server import InternalTls
 from tests.service_harness import ENGINE, Proc, free_port, start_service
 
 pytestmark = pytest.mark.slow
@@ -23,18 +23,51 @@ def openssl(*args, cwd):
 def certs(tmp_path_factory):
     """A CA and one certificate (server and client use, SAN 127.0.0.1/localhost) signed by it."""
     d = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=splitserve-test-ca", cwd=d)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=splitserve-test-ca",
+        cwd=d,
+    )
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", "/CN=svc", cwd=d)
-    openssl("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-            "svc.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "svc.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "svc.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        cwd=d,
+    )
     return d
 
 
 def test_partial_mtls_flags_are_refused_naming_the_missing_ones():
-    with pytest.raises(ValueError, match=r"^internal mTLS needs all of --internal-tls-cert, --internal-tls-key "
-                                         r"and --internal-tls-ca; missing --internal-tls-key, --internal-tls-ca$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^internal mTLS needs all of --internal-tls-cert, --internal-tls-key "
+        r"and --internal-tls-ca; missing --internal-tls-key, --internal-tls-ca$",
+    ):
         InternalTls.from_files("cert.pem", "", "")
     assert InternalTls.from_files("", "", "") is None
 
@@ -42,14 +75,36 @@ def test_partial_mtls_flags_are_refused_naming_the_missing_ones():
 def test_stack_over_mtls_serves_and_refuses_plaintext(certs, tmp_path):
     from splitserve.common.default_model_path import default_model_path
 
-    tls = ["--internal-tls-cert", str(certs / "svc.pem"), "--internal-tls-key", str(certs / "svc.key"),
-           "--internal-tls-ca", str(certs / "ca.pem")]
+    tls = [
+        "--internal-tls-cert",
+        str(certs / "svc.pem"),
+        "--internal-tls-key",
+        str(certs / "svc.key"),
+        "--internal-tls-ca",
+        str(certs / "ca.pem"),
+    ]
     model = default_model_path()
     prefill, p_addr = start_service("prefill", model, tmp_path, "prefill", service_args=tls, **ENGINE)
     decode, d_addr = start_service("decode", model, tmp_path, "decode", service_args=tls, **ENGINE)
     http = free_port()
-    gateway = Proc("gateway", ["--grpc-port", "0", "--http-port", str(http), "--prefill", p_addr, "--decode", d_addr,
-                               "--health-interval-s", "0.2", *tls], tmp_path, "gateway")
+    gateway = Proc(
+        "gateway",
+        [
+            "--grpc-port",
+            "0",
+            "--http-port",
+            str(http),
+            "--prefill",
+            p_addr,
+            "--decode",
+            d_addr,
+            "--health-interval-s",
+            "0.2",
+            *tls,
+        ],
+        tmp_path,
+        "gateway",
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -63,8 +118,11 @@ def test_stack_over_mtls_serves_and_refuses_plaintext(certs, tmp_path):
             import time
 
             time.sleep(0.2)
-        out = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=30,
-                         json={"prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0})
+        out = httpx.post(
+            f"http://127.0.0.1:{http}/v1/completions",
+            timeout=30,
+            json={"prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0},
+        )
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 6
 
         async def plaintext_and_anonymous():

@@ -1,8 +1,7 @@
 """The wire contract: stubs are fresh, import, and every element is commented."""
 
-import re
 import filecmp
-from pathlib import Path
+import re
 
 import pytest
 
@@ -35,15 +34,18 @@ def test_descriptors_are_registered_under_the_package_path():
 def test_messages_round_trip():
     from splitserve.protos import common_pb2, prefill_pb2
 
-    handle = common_pb2.KvHandle(prefill_instance="p0", block_ids=[3, 1, 2], num_tokens=40,
-                                 lease=common_pb2.Lease(lease_id="l1", epoch=7))
+    handle = common_pb2.KvHandle(
+        prefill_instance="p0", block_ids=[3, 1, 2], num_tokens=40, lease=common_pb2.Lease(lease_id="l1", epoch=7)
+    )
     resp = prefill_pb2.PrefillResponse(request_id="r", first_token_id=5, kv=handle)
     back = prefill_pb2.PrefillResponse.FromString(resp.SerializeToString())
     assert list(back.kv.block_ids) == [3, 1, 2]
     assert back.kv.lease.epoch == 7
 
 
-ELEMENT = re.compile(r"^\s*((optional|repeated)\s+)?[\w.<>, ]+\s+\w+\s*=\s*\d+;|^\s*(message|service|enum|rpc|oneof)\s+\w+")
+ELEMENT = re.compile(
+    r"^\s*((optional|repeated)\s+)?[\w.<>, ]+\s+\w+\s*=\s*\d+;|^\s*(message|service|enum|rpc|oneof)\s+\w+"
+)
 
 
 @pytest.mark.parametrize("name", PROTO_FILES)

@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.sampler import (
-    _mix64,
     Sampler,
     SamplingRow,
+    _mix64,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -16,7 +17,6 @@ from splitserve.engine.sampler import (
     random_uniform,
     row_key,
 )
-from splitserve.common.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
@@ -205,8 +205,7 @@ def test_sampled_tokens_stay_inside_the_masks():
     params = SamplingParams(temperature=1.5, top_k=10, top_p=0.8, min_p=0.1)
     rows = [make_row(params, seed=1, position=p) for p in range(300)]
     tokens = Sampler()(logits, rows).token_ids
-    allowed = apply_min_p(apply_top_p(apply_top_k(logits / 1.5, [10] * 300), [0.8] * 300),
-                          [0.1] * 300)
+    allowed = apply_min_p(apply_top_p(apply_top_k(logits / 1.5, [10] * 300), [0.8] * 300), [0.1] * 300)
     assert all(allowed[i, t].item() > NEG_INF for i, t in enumerate(tokens))
 
 
@@ -228,8 +227,7 @@ def test_penalties_equal_a_reference_loop():
     outputs = [[3, 3, 3, 7], [8, 9, 8], []]
     rep, pres, freq = [1.3, 1.0, 0.7], [0.5, -0.25, 2.0], [0.2, 1.5, -1.0]
     out = apply_penalties(logits.clone(), prompts, outputs, rep, pres, freq)
-    expected = [ref_penalties(*args) for args in zip(logits.tolist(), prompts, outputs, rep,
-                                                     pres, freq)]
+    expected = [ref_penalties(*args) for args in zip(logits.tolist(), prompts, outputs, rep, pres, freq)]
     assert torch.allclose(out, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
     assert out[0, 0].item() == logits[0, 0].item()  # unseen tokens untouched
 
@@ -282,8 +280,7 @@ def test_logprobs_equal_log_softmax_of_raw_logits():
     top = ref[0].topk(5)
     assert first.top == list(zip(top.indices.tolist(), top.values.tolist()))
     second = out.logprobs[1]
-    assert (second.token_id, second.logprob, second.top) == (
-        out.token_ids[1], ref[1, out.token_ids[1]].item(), [])
+    assert (second.token_id, second.logprob, second.top) == (out.token_ids[1], ref[1, out.token_ids[1]].item(), [])
     assert out.logprobs[2] is None
 
 
@@ -305,16 +302,19 @@ def test_row_count_mismatch_is_an_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_matches_cpu():
     logits = seeded_logits(64, 5000, seed=10)
-    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02,
-                             repetition_penalty=1.2, logprobs=2), SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.2, logprobs=2),
+        SamplingParams(temperature=0),
+    ]
     rows = [make_row(params[i % 2], seed=i, position=3 * i, prompt=range(i)) for i in range(64)]
     cpu = Sampler()(logits, rows).token_ids
     assert Sampler()(logits.cuda(), rows).token_ids == cpu
-    assert torch.equal(random_uniform([1, 2**64 - 1], 5000, torch.device("cuda")).cpu(),
-                       random_uniform([1, 2**64 - 1], 5000, torch.device("cpu")))
+    assert torch.equal(
+        random_uniform([1, 2**64 - 1], 5000, torch.device("cuda")).cpu(),
+        random_uniform([1, 2**64 - 1], 5000, torch.device("cpu")),
+    )
 
 
 def test_math_reference_for_uniform_range():
     assert _py_uniform(0, 0) > 0 and _py_uniform(0, 0) < 1
-    assert math.isclose(sum(_py_uniform(row_key(1, 1), v) for v in range(20000)) / 20000, 0.5,
-                        abs_tol=0.01)
+    assert math.isclose(sum(_py_uniform(row_key(1, 1), v) for v in range(20000)) / 20000, 0.5, abs_tol=0.01)

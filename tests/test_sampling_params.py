@@ -80,16 +80,26 @@ def test_validation_messages(kwargs, message):
 
 def test_boundaries_accepted():
     p = SamplingParams(
-        temperature=100, top_p=1e-9, top_k=-1, min_p=1.0, seed=2**63 - 1,
-        repetition_penalty=10, presence_penalty=-2, frequency_penalty=2,
-        max_tokens=None, min_tokens=1000, logprobs=20, stop=["y" * 256] * 16,
+        temperature=100,
+        top_p=1e-9,
+        top_k=-1,
+        min_p=1.0,
+        seed=2**63 - 1,
+        repetition_penalty=10,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        max_tokens=None,
+        min_tokens=1000,
+        logprobs=20,
+        stop=["y" * 256] * 16,
     )
     assert p.top_k == -1 and p.max_tokens is None and p.logprobs == 20
 
 
 def test_dict_round_trip_through_json():
-    p = SamplingParams(temperature=0.7, top_k=40, seed=7, stop=["\n\n"], stop_token_ids=[2],
-                       logprobs=3, max_tokens=None)
+    p = SamplingParams(
+        temperature=0.7, top_k=40, seed=7, stop=["\n\n"], stop_token_ids=[2], logprobs=3, max_tokens=None
+    )
     d = json.loads(json.dumps(p.to_dict()))
     assert d["stop"] == ["\n\n"] and d["stop_token_ids"] == [2]
     assert SamplingParams.from_dict(d) == p

@@ -1,23 +1,29 @@
 """Scheduler: token budget, chunked prefill, sequence cap, preemption, roles — exact."""
 
+from splitserve.common.prefix_hash import extra_keys_for
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.kv_cache_manager import KvCacheManager
-from splitserve.common.prefix_hash import extra_keys_for
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 
 
 def setup(num_blocks=16, block_size=4, budget=8, max_seqs=4, role="both", policy="fcfs"):
     kv = KvCacheManager(BlockPool(num_blocks), block_size, extra_keys_for("t"))
-    return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                     role=role, policy=policy)
+    return Scheduler(
+        kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, role=role, policy=policy
+    )
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, first=0):
-    return Request(request_id=rid, prompt_token_ids=list(range(first, first + n_prompt)),
-                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0,
-                   max_tokens=max_tokens, priority=priority)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(first, first + n_prompt)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        seed=0,
+        max_tokens=max_tokens,
+        priority=priority,
+    )
 
 
 def run_step(sched, token=7):
@@ -59,8 +65,8 @@ def test_finished_requests_free_every_block():
 
 def test_preemption_by_recompute_when_blocks_run_out():
     sched = setup(num_blocks=4, budget=64)
-    sched.add(req("old", 7, max_tokens=8))   # 2 blocks
-    sched.add(req("new", 7, max_tokens=8, first=100))   # 2 blocks
+    sched.add(req("old", 7, max_tokens=8))  # 2 blocks
+    sched.add(req("new", 7, max_tokens=8, first=100))  # 2 blocks
     run_step(sched)  # both prefill: 7 tokens computed each, 4 blocks used
     assert run_step(sched)[0] == [("old", 7, 1), ("new", 7, 1)]  # position 7 still fits
     assert sched.kv.pool.num_free_blocks == 0

@@ -10,13 +10,20 @@ import pytest
 
 from splitserve.bench import serve
 from splitserve.bench.serve_launch import LaunchPlan, launch_commands
-from splitserve.bench.serve_load import (LengthDist, Progress, RequestSpec, arrival_times, check_loopback, make_workload,
-                              run_load)
+from splitserve.bench.serve_load import (
+    LengthDist,
+    Progress,
+    RequestSpec,
+    arrival_times,
+    check_loopback,
+    make_workload,
+    run_load,
+)
 from splitserve.bench.serve_stats import COMPLETED, RequestRecord, Slo, describe, percentile, summarize, token_gaps
 from tests.service_harness import free_port
 
-
 # -- statistics ---------------------------------------------------------------------------------
+
 
 def test_percentile_interpolates_between_closest_ranks():
     assert percentile([4, 1, 3, 2], 50) == 2.5
@@ -54,25 +61,37 @@ def _record(index, ttft, itls, received=4, asked=4, status=COMPLETED, prompt=10,
 
 def test_summarize_accounts_for_every_request_and_goodput():
     records = [
-        _record(0, 0.125, [0.25, 0.25, 0.25]),       # TTFT ok, ITL p99 250 ms: misses ITL 200
-        _record(1, 0.125, [0.125, 0.125, 0.125]),    # meets both
-        _record(2, 0.5, [0.125, 0.125, 0.125]),      # TTFT 500 ms: misses
-        _record(3, 0.125, [0.125], received=2),      # short: 2 of 4 tokens
+        _record(0, 0.125, [0.25, 0.25, 0.25]),  # TTFT ok, ITL p99 250 ms: misses ITL 200
+        _record(1, 0.125, [0.125, 0.125, 0.125]),  # meets both
+        _record(2, 0.5, [0.125, 0.125, 0.125]),  # TTFT 500 ms: misses
+        _record(3, 0.125, [0.125], received=2),  # short: 2 of 4 tokens
         _record(4, 0, [], status="failed", error="gRPC UNAVAILABLE: down"),
         _record(5, 0, [], status="failed", error="gRPC UNAVAILABLE: down"),
         _record(6, 0, [], status="cancelled", error="cancelled at --max-seconds=5"),
-        RequestRecord(7, 10, 4, 9.0),                # never sent
+        RequestRecord(7, 10, 4, 9.0),  # never sent
     ]
     s = summarize(records, 4.0, Slo(ttft_ms=200, itl_ms=200))
     assert [r.meets_slo for r in records] == [False, True, False, False, False, False, False, False]
-    assert (s["num_planned"], s["num_sent"], s["num_completed"], s["num_failed"], s["num_cancelled"],
-            s["num_not_sent"]) == (8, 7, 4, 2, 1, 1)
+    assert (
+        s["num_planned"],
+        s["num_sent"],
+        s["num_completed"],
+        s["num_failed"],
+        s["num_cancelled"],
+        s["num_not_sent"],
+    ) == (8, 7, 4, 2, 1, 1)
     assert s["errors"] == {"gRPC UNAVAILABLE: down": 2, "cancelled at --max-seconds=5": 1}
     assert (s["output_tokens_asked"], s["output_tokens_received"], s["num_token_mismatch"]) == (28, 14, 1)
     assert (s["completed_prompt_tokens"], s["completed_output_tokens"]) == (40, 14)
     assert (s["request_throughput"], s["output_token_throughput"], s["total_token_throughput"]) == (1.0, 3.5, 13.5)
-    assert s["goodput"] == {"slo_ttft_ms": 200, "slo_itl_ms": 200, "slo_tpot_ms": None, "num_met": 1,
-                            "share": 1 / 7, "rate": 0.25}
+    assert s["goodput"] == {
+        "slo_ttft_ms": 200,
+        "slo_itl_ms": 200,
+        "slo_tpot_ms": None,
+        "num_met": 1,
+        "share": 1 / 7,
+        "rate": 0.25,
+    }
     assert s["ttft_ms"]["count"] == 4 and s["itl_ms"]["count"] == 10 and s["tpot_ms"]["count"] == 4
     assert records[0].tpot_s == 0.25 and records[3].tpot_s == 0.125
 
@@ -87,6 +106,7 @@ def test_tpot_slo_replaces_the_itl_check():
 
 # -- workload, targets, launch commands ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "localhost", "::1", "[::1]"])
 def test_loopback_hosts_are_accepted(host):
     assert check_loopback(host) == host
@@ -96,21 +116,27 @@ def test_loopback_hosts_are_accepted(host):
 def test_other_hosts_are_refused(host):
     with pytest.raises(ValueError) as info:
         check_loopback(host)
-    assert str(info.value) == (f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
-                               "127.0.0.0/8, localhost or ::1")
+    assert str(info.value) == (
+        f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
+        "127.0.0.0/8, localhost or ::1"
+    )
 
 
 def test_cli_refuses_a_remote_host(capsys):
     assert serve.main(["--host", "10.1.2.3", "--num-requests", "1"]) == 2
-    assert capsys.readouterr().err == ("splitserve bench serve: error: --host '10.1.2.3' is not a loopback address; "
-                                       "splitserve bench serve only sends load to 127.0.0.0/8, localhost or ::1\n")
+    assert capsys.readouterr().err == (
+        "splitserve bench serve: error: --host '10.1.2.3' is not a loopback address; "
+        "splitserve bench serve only sends load to 127.0.0.0/8, localhost or ::1\n"
+    )
 
 
 def test_cli_names_an_unreachable_gateway(capsys):
     port = free_port()  # nothing listens there
     assert serve.main(["--api", "rest", "--http-port", str(port), "--num-requests", "1"]) == 1
-    assert capsys.readouterr().err == (f"splitserve bench serve: cannot reach the gateway's REST API at http://127.0.0.1:{port}: "
-                                       "ConnectError: All connection attempts failed\n")
+    assert capsys.readouterr().err == (
+        f"splitserve bench serve: cannot reach the gateway's REST API at http://127.0.0.1:{port}: "
+        "ConnectError: All connection attempts failed\n"
+    )
 
 
 def test_workload_is_seeded_and_fits_the_context():
@@ -142,19 +168,81 @@ def test_poisson_arrivals():
 
 
 def test_launch_commands_per_mode():
-    plan = LaunchPlan("disaggregated", ("--num-threads", "1", "--model", "/m"), ("--health-interval-s", "0.2"),
-                      ("cuda:0", "cuda:1"), kv_transport="nccl")
+    plan = LaunchPlan(
+        "disaggregated",
+        ("--num-threads", "1", "--model", "/m"),
+        ("--health-interval-s", "0.2"),
+        ("cuda:0", "cuda:1"),
+        kv_transport="nccl",
+    )
     cmds = launch_commands(plan, 7000, 7001, [7010, 7011])
     cli = [sys.executable, "-m", "splitserve.cli"]
     assert cmds == [
-        ("prefill-0", cli + ["prefill", "--host", "127.0.0.1", "--port", "7010", "--instance-name", "prefill-0",
-                             "--num-threads", "1", "--model", "/m", "--kv-transport", "nccl", "--device", "cuda:0"]),
-        ("decode-0", cli + ["decode", "--host", "127.0.0.1", "--port", "7011", "--instance-name", "decode-0",
-                            "--num-threads", "1", "--model", "/m", "--kv-transport", "nccl",
-                            "--prefill-peers", "127.0.0.1:7010", "--device", "cuda:1"]),
-        ("gateway", cli + ["gateway", "--host", "127.0.0.1", "--grpc-port", "7000", "--http-port", "7001",
-                           "--prefill", "127.0.0.1:7010", "--decode", "127.0.0.1:7011", "--model", "/m",
-                           "--health-interval-s", "0.2"]),
+        (
+            "prefill-0",
+            cli
+            + [
+                "prefill",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "7010",
+                "--instance-name",
+                "prefill-0",
+                "--num-threads",
+                "1",
+                "--model",
+                "/m",
+                "--kv-transport",
+                "nccl",
+                "--device",
+                "cuda:0",
+            ],
+        ),
+        (
+            "decode-0",
+            cli
+            + [
+                "decode",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "7011",
+                "--instance-name",
+                "decode-0",
+                "--num-threads",
+                "1",
+                "--model",
+                "/m",
+                "--kv-transport",
+                "nccl",
+                "--prefill-peers",
+                "127.0.0.1:7010",
+                "--device",
+                "cuda:1",
+            ],
+        ),
+        (
+            "gateway",
+            cli
+            + [
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                "7000",
+                "--http-port",
+                "7001",
+                "--prefill",
+                "127.0.0.1:7010",
+                "--decode",
+                "127.0.0.1:7011",
+                "--model",
+                "/m",
+                "--health-interval-s",
+                "0.2",
+            ],
+        ),
     ]
     colo = launch_commands(LaunchPlan("colocated", num_workers=2), 7000, 7001, [7010, 7011])
     assert [name for name, _ in colo] == ["worker-0", "worker-1", "gateway"]
@@ -166,6 +254,7 @@ def test_launch_commands_per_mode():
 
 # -- the runner's accounting, with a fake sender ----------------------------------------------------
 
+
 def test_run_load_counts_failed_cancelled_and_unsent(capsys):
     async def send(spec, record, clock):
         record.sent_s = clock()
@@ -175,8 +264,16 @@ def test_run_load_counts_failed_cancelled_and_unsent(capsys):
         record.ttft_s, record.e2e_s, record.num_received, record.status = 0.01, 0.01, 1, COMPLETED
 
     specs = [RequestSpec(i, (1, 2), 1) for i in range(4)]
-    records, duration = asyncio.run(run_load(specs, [0.0, 0.0, 0.0, 5.0], send, concurrency=None, max_seconds=0.3,
-                                             progress=Progress(4, "t", interval_s=0)))
+    records, duration = asyncio.run(
+        run_load(
+            specs,
+            [0.0, 0.0, 0.0, 5.0],
+            send,
+            concurrency=None,
+            max_seconds=0.3,
+            progress=Progress(4, "t", interval_s=0),
+        )
+    )
     assert [r.status for r in records] == ["completed", "failed", "cancelled", "not_sent"]
     assert [r.error for r in records] == ["", "ConnectionError: refused", "cancelled at --max-seconds=0.3", ""]
     # the deadline is kept by the event loop's clock and the duration read from perf_counter: allow 1 ms
@@ -193,8 +290,15 @@ SLO_TTFT_MS, SLO_ITL_MS = 60.0, 40.0
 def _check_run(run, asked_lengths, finish):
     s, reqs = run["summary"], run["requests"]
     n = len(asked_lengths)
-    assert (s["num_planned"], s["num_sent"], s["num_completed"], s["num_failed"], s["num_cancelled"],
-            s["num_not_sent"], s["errors"]) == (n, n, n, 0, 0, 0, {})
+    assert (
+        s["num_planned"],
+        s["num_sent"],
+        s["num_completed"],
+        s["num_failed"],
+        s["num_cancelled"],
+        s["num_not_sent"],
+        s["errors"],
+    ) == (n, n, n, 0, 0, 0, {})
     assert [r["output_len"] for r in reqs] == asked_lengths
     assert [r["num_received"] for r in reqs] == asked_lengths  # every token asked for came back
     assert all(r["prompt_tokens_reported"] == r["prompt_len"] and r["finish_reason"] == finish for r in reqs)
@@ -222,6 +326,7 @@ def _check_run(run, asked_lengths, finish):
 def _strict_json(path):
     def refuse(name):
         raise AssertionError(f"non-standard JSON constant {name}")
+
     with open(path) as f:
         return json.load(f, parse_constant=refuse)
 
@@ -230,17 +335,50 @@ def _strict_json(path):
 @pytest.mark.parametrize("mode,api,rates", [("disaggregated", "grpc", "6,12"), ("colocated", "rest", "")])
 def test_launch_measures_a_real_stack_consistently(mode, api, rates, tmp_path, capsys):
     out = tmp_path / "result.json"
-    argv = ["--launch", mode, "--engine-args", ENGINE_ARGS, "--api", api, "--num-requests", "12",
-            "--input-dist", "uniform", "--input-len", "24", "--output-dist", "uniform", "--output-len", "6",
-            "--num-warmup", "1", "--seed", "5", "--max-seconds", "60", "--slo-ttft-ms", str(SLO_TTFT_MS),
-            "--slo-itl-ms", str(SLO_ITL_MS), "--json", str(out), "--log-dir", str(tmp_path / "logs")]
+    argv = [
+        "--launch",
+        mode,
+        "--engine-args",
+        ENGINE_ARGS,
+        "--api",
+        api,
+        "--num-requests",
+        "12",
+        "--input-dist",
+        "uniform",
+        "--input-len",
+        "24",
+        "--output-dist",
+        "uniform",
+        "--output-len",
+        "6",
+        "--num-warmup",
+        "1",
+        "--seed",
+        "5",
+        "--max-seconds",
+        "60",
+        "--slo-ttft-ms",
+        str(SLO_TTFT_MS),
+        "--slo-itl-ms",
+        str(SLO_ITL_MS),
+        "--json",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     argv += ["--sweep", rates, "--plot-prefix", str(tmp_path / "sweep")] if rates else ["--request-rate", "8"]
     assert serve.main(argv) == 0
     result = _strict_json(out)
-    expected = make_workload(12, LengthDist("uniform", 24, 0.5), LengthDist("uniform", 6, 0.5), 8192,
-                             result["max_model_len"], seed=5)
+    expected = make_workload(
+        12, LengthDist("uniform", 24, 0.5), LengthDist("uniform", 6, 0.5), 8192, result["max_model_len"], seed=5
+    )
     assert (result["mode"], result["api"], result["model_id"], result["max_model_len"]) == (
-        mode, api, "default_model", 1024)
+        mode,
+        api,
+        "default_model",
+        1024,
+    )
     assert [r["request_rate"] for r in result["runs"]] == ([6.0, 12.0] if rates else [8.0])
     finish = "FINISH_REASON_LENGTH" if api == "grpc" else "length"
     for salt, run in enumerate(result["runs"]):

@@ -26,11 +26,23 @@ def model_dir(tmp_path_factory):
 def expected(model_dir):
     llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=4, num_kv_blocks=256)
     prompts = make_prompts()
-    greedy = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    seeded = [o.token_ids for o in llm.generate(prompt_token_ids=prompts[:6], sampling_params=[
-        SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-        for i in range(6)])]
+    greedy = [
+        o.token_ids
+        for o in llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
+    ]
+    seeded = [
+        o.token_ids
+        for o in llm.generate(
+            prompt_token_ids=prompts[:6],
+            sampling_params=[
+                SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+                for i in range(6)
+            ],
+        )
+    ]
     return prompts, greedy, seeded
 
 
@@ -38,12 +50,20 @@ def expected(model_dir):
 def stack(request, model_dir, tmp_path_factory):
     transport = request.param
     logs = tmp_path_factory.mktemp(f"logs-{transport}")
-    prefill, p_addr = start_service("prefill", model_dir, logs, f"p-{transport}",
-                                    service_args=["--kv-transport", transport, "--lease-s", "1.0",
-                                                  "--kv-transfer-timeout-s", "2"])
-    decode, d_addr = start_service("decode", model_dir, logs, f"d-{transport}",
-                                   service_args=["--kv-transport", transport, "--prefill-peers", p_addr,
-                                                 "--kv-transfer-timeout-s", "2"])
+    prefill, p_addr = start_service(
+        "prefill",
+        model_dir,
+        logs,
+        f"p-{transport}",
+        service_args=["--kv-transport", transport, "--lease-s", "1.0", "--kv-transfer-timeout-s", "2"],
+    )
+    decode, d_addr = start_service(
+        "decode",
+        model_dir,
+        logs,
+        f"d-{transport}",
+        service_args=["--kv-transport", transport, "--prefill-peers", p_addr, "--kv-transfer-timeout-s", "2"],
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -85,9 +105,12 @@ def test_concurrent_batch_equals_in_process_engine(stack, expected):
         prefill = prefill_stub(stack["prefill"])
         session = DecodeSession(stack["decode"])
         jobs = [generate_disaggregated(prefill, session, f"g{i}", p, sampling()) for i, p in enumerate(prompts)]
-        jobs += [generate_disaggregated(prefill, session, f"s{i}", p,
-                                        sampling(temperature=0.8, top_p=0.9, seed=100 + i), seed=100 + i)
-                 for i, p in enumerate(prompts[:6])]
+        jobs += [
+            generate_disaggregated(
+                prefill, session, f"s{i}", p, sampling(temperature=0.8, top_p=0.9, seed=100 + i), seed=100 + i
+            )
+            for i, p in enumerate(prompts[:6])
+        ]
         results = await asyncio.gather(*jobs)
         await session.close()
         # one DecodeOut per step carried several requests' tokens
@@ -107,8 +130,8 @@ def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
     (nccl maps no pool: its handles' endpoints are ignored alike)."""
     import torch
 
-    from splitserve.engine.kv_transfer.shm import SharedKvPool
     from splitserve.common.wire import layout_from_proto
+    from splitserve.engine.kv_transfer.shm import SharedKvPool
     from splitserve.protos import prefill_pb2
 
     prompts, greedy, _ = expected
@@ -116,16 +139,27 @@ def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
     async def main():
         prefill = prefill_stub(stack["prefill"])
         session = DecodeSession(stack["decode"])
-        first = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="forged", prompt_token_ids=prompts[3],
-                                                                 sampling=sampling()), timeout=60)
-        decoy = SharedKvPool.create(f"splitserve-decoy-{stack['transport']}", layout_from_proto(first.kv.layout),
-                                    int(first.kv.endpoint.get("num_blocks", "64")))
+        first = await prefill.Prefill(
+            prefill_pb2.PrefillRequest(request_id="forged", prompt_token_ids=prompts[3], sampling=sampling()),
+            timeout=60,
+        )
+        decoy = SharedKvPool.create(
+            f"splitserve-decoy-{stack['transport']}",
+            layout_from_proto(first.kv.layout),
+            int(first.kv.endpoint.get("num_blocks", "64")),
+        )
         try:
             decoy.tensor.copy_(torch.randn_like(decoy.tensor) * 100)
             first.kv.endpoint["shm_name"] = decoy.shm.name
-            session.submit(decode_pb2.DecodeRequest(request_id="forged", prompt_token_ids=prompts[3],
-                                                    sampling=sampling(), first_token_id=first.first_token_id,
-                                                    kv=first.kv))
+            session.submit(
+                decode_pb2.DecodeRequest(
+                    request_id="forged",
+                    prompt_token_ids=prompts[3],
+                    sampling=sampling(),
+                    first_token_id=first.first_token_id,
+                    kv=first.kv,
+                )
+            )
             tokens, _ = await session.collect("forged")
         finally:
             decoy.close()
@@ -158,8 +192,9 @@ def test_unclaimed_lease_expires_and_frees_blocks(stack):
         before = (await describe(stack["prefill"])).counters.get("leases_expired", 0)
         from splitserve.protos import prefill_pb2
 
-        r = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(300, 317)),
-                                                             sampling=sampling()))
+        r = await prefill.Prefill(
+            prefill_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(300, 317)), sampling=sampling())
+        )
         held = await describe(stack["prefill"])
         await asyncio.sleep(1.5)  # lease_s = 1.0
         after = await describe(stack["prefill"])
@@ -180,11 +215,18 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
         from splitserve.protos import prefill_pb2
 
         prompt = list(range(400, 420))
-        first = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="c1", prompt_token_ids=prompt,
-                                                                 sampling=sampling(max_tokens=100)))
-        queue = session.submit(decode_pb2.DecodeRequest(request_id="c1", prompt_token_ids=prompt,
-                                                        sampling=sampling(max_tokens=100),
-                                                        first_token_id=first.first_token_id, kv=first.kv))
+        first = await prefill.Prefill(
+            prefill_pb2.PrefillRequest(request_id="c1", prompt_token_ids=prompt, sampling=sampling(max_tokens=100))
+        )
+        queue = session.submit(
+            decode_pb2.DecodeRequest(
+                request_id="c1",
+                prompt_token_ids=prompt,
+                sampling=sampling(max_tokens=100),
+                first_token_id=first.first_token_id,
+                kv=first.kv,
+            )
+        )
         await asyncio.wait_for(queue.get(), 30)  # first decode delta arrived: the request is running
         session.abort("c1")
         tokens, deltas = await session.collect("c1")
@@ -200,11 +242,25 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
 @pytest.mark.parametrize("transport, policy", [("shm", "recompute"), ("nccl", "fail")])
 def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, tmp_path):
     prompts, greedy, _ = expected
-    prefill, p_addr = start_service("prefill", model_dir, tmp_path, "p-dead",
-                                    service_args=["--kv-transport", transport])
-    decode, d_addr = start_service("decode", model_dir, tmp_path, "d-live",
-                                   service_args=["--kv-transport", transport, "--kv-load-failure-policy", policy,
-                                                 "--prefill-peers", p_addr, "--kv-transfer-timeout-s", "1"])
+    prefill, p_addr = start_service(
+        "prefill", model_dir, tmp_path, "p-dead", service_args=["--kv-transport", transport]
+    )
+    decode, d_addr = start_service(
+        "decode",
+        model_dir,
+        tmp_path,
+        "d-live",
+        service_args=[
+            "--kv-transport",
+            transport,
+            "--kv-load-failure-policy",
+            policy,
+            "--prefill-peers",
+            p_addr,
+            "--kv-transfer-timeout-s",
+            "1",
+        ],
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -212,13 +268,21 @@ def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, 
         async def main():
             from splitserve.protos import prefill_pb2
 
-            first = await prefill_stub(p_addr).Prefill(prefill_pb2.PrefillRequest(
-                request_id="k1", prompt_token_ids=prompts[0], sampling=sampling()))
+            first = await prefill_stub(p_addr).Prefill(
+                prefill_pb2.PrefillRequest(request_id="k1", prompt_token_ids=prompts[0], sampling=sampling())
+            )
             await asyncio.sleep(0.5)  # let the nccl pair form before the prefill dies
             prefill.kill()
             session = DecodeSession(d_addr)
-            session.submit(decode_pb2.DecodeRequest(request_id="k1", prompt_token_ids=prompts[0], sampling=sampling(),
-                                                    first_token_id=first.first_token_id, kv=first.kv))
+            session.submit(
+                decode_pb2.DecodeRequest(
+                    request_id="k1",
+                    prompt_token_ids=prompts[0],
+                    sampling=sampling(),
+                    first_token_id=first.first_token_id,
+                    kv=first.kv,
+                )
+            )
             started = time.monotonic()
             tokens, deltas = await session.collect("k1")
             elapsed = time.monotonic() - started

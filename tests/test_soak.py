@@ -2,7 +2,6 @@
 mid-stream, random lengths. Every request ends exactly once, nothing leaks, memory is stable."""
 
 import asyncio
-import os
 import random
 import time
 from pathlib import Path
@@ -33,17 +32,18 @@ def process_tree(pid: int) -> list[int]:
 
 
 def memory(stack) -> dict[str, int]:
-    return {f"{name}:{pid}": rss_kib(pid) for name, proc in stack.procs.items()
-            for pid in process_tree(proc.popen.pid)}
+    return {f"{name}:{pid}": rss_kib(pid) for name, proc in stack.procs.items() for pid in process_tree(proc.popen.pid)}
 
 
 async def one(stub, rng: random.Random, index: int, outcome: dict) -> None:
     prompt = [rng.randrange(3, 8192) for _ in range(rng.randint(4, 64))]
     max_tokens = rng.randint(1, 24)
     cancel_after = rng.randint(1, 3) if rng.random() < 0.10 else None
-    request = generation_pb2.GenerateRequest(request_id=f"soak-{index}", token_ids=generation_pb2.TokenIds(ids=prompt),
-                                             sampling=common_pb2.SamplingParams(temperature=0.8, seed=index,
-                                                                                max_tokens=max_tokens, ignore_eos=True))
+    request = generation_pb2.GenerateRequest(
+        request_id=f"soak-{index}",
+        token_ids=generation_pb2.TokenIds(ids=prompt),
+        sampling=common_pb2.SamplingParams(temperature=0.8, seed=index, max_tokens=max_tokens, ignore_eos=True),
+    )
     call = stub.Generate(request, timeout=60)
     tokens, messages = 0, 0
     try:
@@ -69,6 +69,7 @@ async def one(stub, rng: random.Random, index: int, outcome: dict) -> None:
 def test_soak_2000_requests_with_cancellations(tmp_path):
     stack = Stack("shm", tmp_path, num_decode=1)
     try:
+
         async def main():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
@@ -106,8 +107,11 @@ def test_soak_2000_requests_with_cancellations(tmp_path):
         deadline = time.monotonic() + 5
         while True:
             p, d = asyncio.run(accounting())
-            if (p.load.num_free_blocks == p.load.num_total_blocks and d.load.num_free_blocks == d.load.num_total_blocks
-                    and p.counters["leases_active"] == 0) or time.monotonic() > deadline:
+            if (
+                p.load.num_free_blocks == p.load.num_total_blocks
+                and d.load.num_free_blocks == d.load.num_total_blocks
+                and p.counters["leases_active"] == 0
+            ) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert p.load.num_free_blocks == p.load.num_total_blocks  # zero leaked blocks

@@ -25,9 +25,12 @@ def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
     os.environ.update(env)
     try:
-        prefill, p_addr = start_service("prefill", model, tmp_path, "p-traced", service_args=["--kv-transport", transport])
-        decode, d_addr = start_service("decode", model, tmp_path, "d-traced",
-                                       service_args=["--kv-transport", transport, "--prefill-peers", p_addr])
+        prefill, p_addr = start_service(
+            "prefill", model, tmp_path, "p-traced", service_args=["--kv-transport", transport]
+        )
+        decode, d_addr = start_service(
+            "decode", model, tmp_path, "d-traced", service_args=["--kv-transport", transport, "--prefill-peers", p_addr]
+        )
     finally:
         for key in env:
             os.environ.pop(key)
@@ -40,11 +43,19 @@ def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp
             prompt = list(range(10, 31))
             first = await prefill_stub(p_addr).Prefill(
                 prefill_pb2.PrefillRequest(request_id="t1", prompt_token_ids=prompt, sampling=sampling),
-                metadata=(("traceparent", TRACEPARENT),))
+                metadata=(("traceparent", TRACEPARENT),),
+            )
             session = DecodeSession(d_addr)
-            session.submit(decode_pb2.DecodeRequest(request_id="t1", prompt_token_ids=prompt, sampling=sampling,
-                                                    first_token_id=first.first_token_id, kv=first.kv,
-                                                    trace_context={"traceparent": TRACEPARENT}))
+            session.submit(
+                decode_pb2.DecodeRequest(
+                    request_id="t1",
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    first_token_id=first.first_token_id,
+                    kv=first.kv,
+                    trace_context={"traceparent": TRACEPARENT},
+                )
+            )
             await session.collect("t1")
             await session.close()
 
@@ -88,11 +99,23 @@ def test_rest_request_is_one_trace_from_gateway_to_decode(tmp_path):
         for key in env:
             os.environ.pop(key)
     try:
-        r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions", headers={"traceparent": TRACEPARENT},
-                       json={"prompt": "def fibonacci(n):", "max_tokens": 5, "temperature": 0}, timeout=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{stack.http_port}/v1/completions",
+            headers={"traceparent": TRACEPARENT},
+            json={"prompt": "def fibonacci(n):", "max_tokens": 5, "temperature": 0},
+            timeout=30,
+        )
         assert r.status_code == 200
-        wanted = {"request", "gateway.prefill", "gateway.stream", "prefill", "prefill.queue", "prefill.compute",
-                  "decode", "kv.transfer"}
+        wanted = {
+            "request",
+            "gateway.prefill",
+            "gateway.stream",
+            "prefill",
+            "prefill.queue",
+            "prefill.compute",
+            "decode",
+            "kv.transfer",
+        }
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not wanted <= {s["name"] for s in receiver.spans}:
             time.sleep(0.1)

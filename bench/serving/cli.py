@@ -16,7 +16,7 @@ IN_REPOSITORY = ("offline_throughput", "kernels", "disagg_handoff", "decode_prof
 def run(ns, configs) -> int:
     name = ns.benchmark
     if name != "serve":
-        where = (f"; {name} runs from a checkout: python -m bench.{name}" if name in IN_REPOSITORY else "")
+        where = f"; {name} runs from a checkout: python -m bench.{name}" if name in IN_REPOSITORY else ""
         print(f"splitserve bench: unknown benchmark {name!r}; choose one of: serve{where}", file=sys.stderr)
         return 2
     sys.argv = [f"splitserve bench {name}", *ns.args]

@@ -25,24 +25,41 @@ import sys
 import time
 
 from splitserve.bench.serve_launch import MODES, REPO, LaunchedStack, LaunchPlan
-from splitserve.bench.serve_load import (LENGTH_DISTS, LengthDist, Progress, arrival_times, check_loopback, error_message,
-                              grpc_sender, make_workload, rest_sender, run_load, url_host)
+from splitserve.bench.serve_load import (
+    LENGTH_DISTS,
+    LengthDist,
+    Progress,
+    arrival_times,
+    check_loopback,
+    error_message,
+    grpc_sender,
+    make_workload,
+    rest_sender,
+    run_load,
+    url_host,
+)
 from splitserve.bench.serve_stats import Slo, summarize
 from splitserve.bench.serve_table import format_run, format_sweep
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="splitserve bench serve",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     t = p.add_argument_group("target")
     t.add_argument("--api", choices=("grpc", "rest"), default="grpc", help="gateway API to load")
     t.add_argument("--host", default="127.0.0.1", help="gateway host (loopback only)")
     t.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     t.add_argument("--http-port", type=int, default=8000, help="gateway REST port")
     t.add_argument("--mode", default="", help="label for the output (disaggregated, colocated, ...)")
-    t.add_argument("--rest-logprobs", action=argparse.BooleanOptionalAction, default=True,
-                   help="REST: ask logprobs: 0 so each chunk lists its tokens (exact ITLs); "
-                        "off: each SSE chunk is one ITL sample")
+    t.add_argument(
+        "--rest-logprobs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="REST: ask logprobs: 0 so each chunk lists its tokens (exact ITLs); off: each SSE chunk is one ITL sample",
+    )
     t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
     s = p.add_argument_group("launch (start the stack for this run)")
     s.add_argument("--launch", choices=MODES, help="start this setup on free loopback ports, stop it at the end")
@@ -52,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-prefill", type=int, default=1, help="disaggregated: prefill processes")
     s.add_argument("--num-decode", type=int, default=1, help="disaggregated: decode processes")
     s.add_argument("--num-workers", type=int, default=2, help="colocated: worker processes")
-    s.add_argument("--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl"), help="disaggregated KV transport")
+    s.add_argument(
+        "--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl"), help="disaggregated KV transport"
+    )
     s.add_argument("--log-dir", default="", help="children's logs (default: a new temp dir)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0, help="how long the stack may take to start")
     w = p.add_argument_group("workload")
@@ -102,9 +121,10 @@ class Target:
         self.model_id, self.max_model_len = "", None
         self._stack = contextlib.AsyncExitStack()
 
-    async def __aenter__(self) -> "Target":
+    async def __aenter__(self) -> Target:
         if self.ns.api == "grpc":
             import grpc
+
             from splitserve.protos import generation_pb2, generation_pb2_grpc
 
             options = [("grpc.max_concurrent_streams", 1 << 16)]
@@ -113,21 +133,26 @@ class Target:
             try:
                 models = await stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
             except grpc.aio.AioRpcError as exc:
-                raise RuntimeError(f"cannot reach the gateway's gRPC API at {self.grpc_target}: "
-                                   f"{error_message(exc)}") from None
+                raise RuntimeError(
+                    f"cannot reach the gateway's gRPC API at {self.grpc_target}: {error_message(exc)}"
+                ) from None
             self.model_id, self.max_model_len = models.models[0].id, models.models[0].max_model_len or None
             self.send = grpc_sender(stub, self.ns.temperature, self.ns.request_timeout_s)
         else:
             import httpx
 
-            client = await self._stack.enter_async_context(httpx.AsyncClient(
-                timeout=httpx.Timeout(self.ns.request_timeout_s, connect=30),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
+            client = await self._stack.enter_async_context(
+                httpx.AsyncClient(
+                    timeout=httpx.Timeout(self.ns.request_timeout_s, connect=30),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                )
+            )
             try:
                 data = (await client.get(f"{self.base_url}/v1/models")).raise_for_status().json()["data"]
             except httpx.HTTPError as exc:
-                raise RuntimeError(f"cannot reach the gateway's REST API at {self.base_url}: "
-                                   f"{error_message(exc)}") from None
+                raise RuntimeError(
+                    f"cannot reach the gateway's REST API at {self.base_url}: {error_message(exc)}"
+                ) from None
             self.model_id, self.max_model_len = data[0]["id"], data[0].get("max_model_len") or None
             self.send = rest_sender(client, self.base_url, self.model_id, self.ns.temperature, self.ns.rest_logprobs)
         return self
@@ -136,17 +161,23 @@ class Target:
         await self._stack.aclose()
 
 
-async def warm_up(ns: argparse.Namespace, target: Target, prompts: LengthDist, outputs: LengthDist,
-                  rate: float) -> None:
+async def warm_up(
+    ns: argparse.Namespace, target: Target, prompts: LengthDist, outputs: LengthDist, rate: float
+) -> None:
     """--num-warmup requests of the same length distributions at the first rate, not measured: a fresh
     stack's first batches of each shape run slower (on CPU the first run after start measured
     TTFT p50 ~3x the next runs' with one-at-a-time warm-up). Every warm-up request must complete."""
     if ns.num_warmup == 0:
         return
     specs = make_workload(ns.num_warmup, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed + 7919)
-    records, _ = await run_load(specs, arrival_times(len(specs), rate, ns.seed + 7919), target.send,
-                                concurrency=ns.concurrency, max_seconds=ns.request_timeout_s,
-                                progress=Progress(len(specs), "warm-up", enabled=not ns.no_progress))
+    records, _ = await run_load(
+        specs,
+        arrival_times(len(specs), rate, ns.seed + 7919),
+        target.send,
+        concurrency=ns.concurrency,
+        max_seconds=ns.request_timeout_s,
+        progress=Progress(len(specs), "warm-up", enabled=not ns.no_progress),
+    )
     failed = [r for r in records if r.status != "completed"]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(records)} warm-up requests failed, e.g. {failed[0].error}")
@@ -161,24 +192,36 @@ async def measure(ns: argparse.Namespace, host: str, grpc_port: int, http_port: 
         await warm_up(ns, target, prompts, outputs, rates[0])
         runs = []
         for salt, rate in enumerate(rates):  # fresh prompts per run: no prefix-cache hits from an earlier run
-            specs = make_workload(ns.num_requests, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed,
-                                  salt)
+            specs = make_workload(ns.num_requests, prompts, outputs, ns.vocab_size, target.max_model_len, ns.seed, salt)
             label = f"rate {rate:g}" + (f", conc {ns.concurrency}" if ns.concurrency else "")
             arrivals = arrival_times(len(specs), rate, ns.seed)
-            records, duration = await run_load(specs, arrivals, target.send, concurrency=ns.concurrency,
-                                               max_seconds=ns.max_seconds,
-                                               progress=Progress(len(specs), label, enabled=not ns.no_progress))
+            records, duration = await run_load(
+                specs,
+                arrivals,
+                target.send,
+                concurrency=ns.concurrency,
+                max_seconds=ns.max_seconds,
+                progress=Progress(len(specs), label, enabled=not ns.no_progress),
+            )
             summary = summarize(records, duration, slo)
-            runs.append({"request_rate": rate, "concurrency": ns.concurrency, "workload_salt": salt, "summary": summary,
-                         "requests": [r.to_json() for r in records]})
+            runs.append(
+                {
+                    "request_rate": rate,
+                    "concurrency": ns.concurrency,
+                    "workload_salt": salt,
+                    "summary": summary,
+                    "requests": [r.to_json() for r in records],
+                }
+            )
             print(format_run(runs[-1], ns.mode or "-", ns.api), flush=True)
         return {"model_id": target.model_id, "max_model_len": target.max_model_len, "runs": runs}
 
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -216,20 +259,38 @@ def run(ns: argparse.Namespace) -> dict:
     rates = check_args(ns)
     if ns.launch:
         ns.mode = ns.mode or ns.launch
-    result = {"mode": ns.mode, "api": ns.api, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
-              "config": {k: v for k, v in vars(ns).items() if k not in ("json", "no_progress")}}
+    result = {
+        "mode": ns.mode,
+        "api": ns.api,
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "config": {k: v for k, v in vars(ns).items() if k not in ("json", "no_progress")},
+    }
     with contextlib.ExitStack() as stack:
         host, grpc_port, http_port = ns.host, ns.grpc_port, ns.http_port
         if ns.launch:
-            plan = LaunchPlan.from_strings(ns.launch, ns.engine_args, ns.gateway_args, ns.devices,
-                                           num_prefill=ns.num_prefill, num_decode=ns.num_decode,
-                                           num_workers=ns.num_workers, kv_transport=ns.kv_transport)
+            plan = LaunchPlan.from_strings(
+                ns.launch,
+                ns.engine_args,
+                ns.gateway_args,
+                ns.devices,
+                num_prefill=ns.num_prefill,
+                num_decode=ns.num_decode,
+                num_workers=ns.num_workers,
+                kv_transport=ns.kv_transport,
+            )
             launched = stack.enter_context(LaunchedStack(plan, ns.log_dir or None, ns.ready_timeout_s))
             host, grpc_port, http_port = "127.0.0.1", launched.grpc_port, launched.http_port
-            result["launch"] = {"num_engines": plan.num_engines, "ready_s": launched.ready_s,
-                                "log_dir": str(launched.log_dir)}
-            print(f"{ns.launch} stack ready in {launched.ready_s:.1f} s (logs in {launched.log_dir})",
-                  file=sys.stderr, flush=True)
+            result["launch"] = {
+                "num_engines": plan.num_engines,
+                "ready_s": launched.ready_s,
+                "log_dir": str(launched.log_dir),
+            }
+            print(
+                f"{ns.launch} stack ready in {launched.ready_s:.1f} s (logs in {launched.log_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
         result.update(asyncio.run(measure(ns, host, grpc_port, http_port, rates)))
     if len(rates) > 1:
         print(format_sweep(result), flush=True)

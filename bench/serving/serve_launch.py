@@ -54,17 +54,24 @@ class LaunchPlan:
         if min(self.num_prefill, self.num_decode, self.num_workers) < 1:
             raise ValueError("--num-prefill, --num-decode and --num-workers must be >= 1")
         if self.devices and len(self.devices) != self.num_engines:
-            raise ValueError(f"--devices lists {len(self.devices)} devices but {self.mode} starts "
-                             f"{self.num_engines} engine processes; give one device per process")
+            raise ValueError(
+                f"--devices lists {len(self.devices)} devices but {self.mode} starts "
+                f"{self.num_engines} engine processes; give one device per process"
+            )
 
     @property
     def num_engines(self) -> int:
         return self.num_prefill + self.num_decode if self.mode == "disaggregated" else self.num_workers
 
     @classmethod
-    def from_strings(cls, mode: str, engine_args: str, gateway_args: str, devices: str, **counts) -> "LaunchPlan":
-        return cls(mode, tuple(shlex.split(engine_args)), tuple(shlex.split(gateway_args)),
-                   tuple(d.strip() for d in devices.split(",") if d.strip()), **counts)
+    def from_strings(cls, mode: str, engine_args: str, gateway_args: str, devices: str, **counts) -> LaunchPlan:
+        return cls(
+            mode,
+            tuple(shlex.split(engine_args)),
+            tuple(shlex.split(gateway_args)),
+            tuple(d.strip() for d in devices.split(",") if d.strip()),
+            **counts,
+        )
 
 
 def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
@@ -74,12 +81,13 @@ def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
         if arg == flag and i + 1 < len(args):
             value = args[i + 1]
         elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1 :]
     return value
 
 
-def launch_commands(plan: LaunchPlan, grpc_port: int, http_port: int, engine_ports: list[int]
-                    ) -> list[tuple[str, list[str]]]:
+def launch_commands(
+    plan: LaunchPlan, grpc_port: int, http_port: int, engine_ports: list[int]
+) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child in start order; the gateway last."""
     if len(engine_ports) != plan.num_engines:
         raise ValueError(f"need {plan.num_engines} engine ports, got {len(engine_ports)}")
@@ -101,9 +109,19 @@ def launch_commands(plan: LaunchPlan, grpc_port: int, http_port: int, engine_por
         if plan.devices:
             argv += ["--device", plan.devices[i]]  # after engine_args: one device per process wins
         commands.append((name, argv))
-    gateway = cli + ["gateway", "--host", HOST, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                     "--prefill", ",".join(prefills),
-                     "--decode", ",".join(a for a, r in zip(addresses, roles) if r != "prefill")]
+    gateway = cli + [
+        "gateway",
+        "--host",
+        HOST,
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--prefill",
+        ",".join(prefills),
+        "--decode",
+        ",".join(a for a, r in zip(addresses, roles) if r != "prefill"),
+    ]
     for flag in ("--model", "--model-id"):
         value = _flag_value(plan.engine_args, flag)
         if value:
@@ -114,8 +132,9 @@ def launch_commands(plan: LaunchPlan, grpc_port: int, http_port: int, engine_por
 class LaunchedStack:
     """The stack's processes; `grpc_port`/`http_port` are the gateway's. Use as a context manager."""
 
-    def __init__(self, plan: LaunchPlan, log_dir: str | None = None, ready_timeout_s: float = 300.0,
-                 stop_grace_s: float = 15.0) -> None:
+    def __init__(
+        self, plan: LaunchPlan, log_dir: str | None = None, ready_timeout_s: float = 300.0, stop_grace_s: float = 15.0
+    ) -> None:
         self.plan, self.ready_timeout_s, self.stop_grace_s = plan, ready_timeout_s, stop_grace_s
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="splitserve-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +143,7 @@ class LaunchedStack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready_s: float | None = None
 
-    def __enter__(self) -> "LaunchedStack":
+    def __enter__(self) -> LaunchedStack:
         try:
             self.start()
         except BaseException:
@@ -141,8 +160,15 @@ class LaunchedStack:
         started = time.monotonic()
         for name, argv in launch_commands(self.plan, self.grpc_port, self.http_port, self.engine_ports):
             with open(self.log_dir / f"{name}.log", "w") as log:
-                self.procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                self.procs[name] = subprocess.Popen(
+                    argv,
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         self._wait_ready()
         self.ready_s = time.monotonic() - started
 
@@ -152,8 +178,10 @@ class LaunchedStack:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} before the stack was ready; "
-                                       f"{self.log_dir / (name + '.log')}:\n{self.log_tail(name)}")
+                    raise RuntimeError(
+                        f"{name} exited with code {proc.returncode} before the stack was ready; "
+                        f"{self.log_dir / (name + '.log')}:\n{self.log_tail(name)}"
+                    )
             try:
                 with urllib.request.urlopen(f"http://{HOST}:{self.http_port}/ready", timeout=2) as r:
                     status = json.loads(r.read())
@@ -166,8 +194,10 @@ class LaunchedStack:
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the {self.plan.mode} stack was not ready after {self.ready_timeout_s:g} s: {last} "
-                           f"(logs in {self.log_dir})")
+        raise RuntimeError(
+            f"the {self.plan.mode} stack was not ready after {self.ready_timeout_s:g} s: {last} "
+            f"(logs in {self.log_dir})"
+        )
 
     def log_tail(self, name: str, num_chars: int = 3000) -> str:
         path = self.log_dir / f"{name}.log"

@@ -13,8 +13,8 @@ import math
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
 from splitserve.bench.serve_stats import CANCELLED, COMPLETED, FAILED, RequestRecord, token_gaps
 
@@ -31,8 +31,10 @@ def check_loopback(host: str) -> str:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
-                         "127.0.0.0/8, localhost or ::1")
+        raise ValueError(
+            f"--host {host!r} is not a loopback address; splitserve bench serve only sends load to "
+            "127.0.0.0/8, localhost or ::1"
+        )
     return host
 
 
@@ -56,7 +58,9 @@ class LengthDist:
         if self.mean < 1:
             raise ValueError(f"length must be >= 1, got {self.mean}")
         if self.spread < 0 or (self.kind == "uniform" and self.spread >= 1):
-            raise ValueError(f"{self.kind} spread must be in [0, 1) for uniform and >= 0 for longtail, got {self.spread}")
+            raise ValueError(
+                f"{self.kind} spread must be in [0, 1) for uniform and >= 0 for longtail, got {self.spread}"
+            )
 
     def sample(self, rng: random.Random, limit: int | None) -> int:
         """One length; longtail draws are clipped to [1, limit], other kinds must fit in limit."""
@@ -68,8 +72,10 @@ class LengthDist:
             n = max(1, round(rng.lognormvariate(math.log(self.mean), self.spread)))
             return min(n, limit) if limit else n
         if limit is not None and n > limit:
-            raise ValueError(f"a {self.kind} length of {n} tokens exceeds the {limit} allowed "
-                             "(context limit minus the output length); lower the length")
+            raise ValueError(
+                f"a {self.kind} length of {n} tokens exceeds the {limit} allowed "
+                "(context limit minus the output length); lower the length"
+            )
         return n
 
 
@@ -82,8 +88,15 @@ class RequestSpec:
     output_len: int
 
 
-def make_workload(num_requests: int, prompts: LengthDist, outputs: LengthDist, vocab_size: int,
-                  max_model_len: int | None, seed: int, salt: int = 0) -> list[RequestSpec]:
+def make_workload(
+    num_requests: int,
+    prompts: LengthDist,
+    outputs: LengthDist,
+    vocab_size: int,
+    max_model_len: int | None,
+    seed: int,
+    salt: int = 0,
+) -> list[RequestSpec]:
     """Seeded random prompts (token ids in [1, vocab_size)) and output lengths; prompt + output fits
     in max_model_len. Lengths depend on `seed` only; token ids on `seed` and `salt`, so the runs of a
     sweep (one salt each) share lengths but never a prompt (no prefix-cache hits between runs)."""
@@ -131,8 +144,10 @@ class Progress:
         in_flight = self.dispatched - done
         width = 30
         filled = width * done // max(1, self.total)
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done, "
-                          f"{in_flight} in flight, {failed} failed, {now - self.started:.1f} s ")
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done, "
+            f"{in_flight} in flight, {failed} failed, {now - self.started:.1f} s "
+        )
         self.stream.flush()
 
     def close(self, records: Sequence[RequestRecord]) -> None:
@@ -145,8 +160,15 @@ class Progress:
 Sender = Callable[[RequestSpec, RequestRecord, Callable[[], float]], Awaitable[None]]
 
 
-async def run_load(specs: Sequence[RequestSpec], arrivals: Sequence[float], send: Sender, *,
-                   concurrency: int | None, max_seconds: float, progress: Progress) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    specs: Sequence[RequestSpec],
+    arrivals: Sequence[float],
+    send: Sender,
+    *,
+    concurrency: int | None,
+    max_seconds: float,
+    progress: Progress,
+) -> tuple[list[RequestRecord], float]:
     """Send each spec at its arrival time (at most `concurrency` in flight); stop sending at
     max_seconds and cancel what is still running then. Returns the records and the duration
     (run start to the last request's end, or to the deadline)."""
@@ -181,7 +203,7 @@ async def run_load(specs: Sequence[RequestSpec], arrivals: Sequence[float], send
         if gate is not None:
             try:
                 await asyncio.wait_for(gate.acquire(), timeout=max(0.0, deadline - time.perf_counter()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         tasks.append(asyncio.create_task(one(spec, record)))
         progress.dispatched += 1
@@ -228,7 +250,8 @@ def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
     async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
         request = generation_pb2.GenerateRequest(
             token_ids=generation_pb2.TokenIds(ids=spec.prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=temperature))
+            sampling=common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=temperature),
+        )
         events: list[tuple[float, int]] = []
         record.sent_s = sent = clock()
         async for message in stub.Generate(request, timeout=timeout_s):
@@ -251,8 +274,15 @@ def rest_sender(client, base_url: str, model: str, temperature: float, logprobs:
     ITL sample and the usage chunk gives the token count."""
 
     async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
-        body = {"model": model, "prompt": list(spec.prompt), "max_tokens": spec.output_len, "ignore_eos": True,
-                "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": list(spec.prompt),
+            "max_tokens": spec.output_len,
+            "ignore_eos": True,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if logprobs:
             body["logprobs"] = 0
         events: list[tuple[float, int]] = []

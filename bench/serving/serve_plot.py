@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _points(sweep: dict, path: Sequence[str]) -> tuple[list[float], list[float]]:
@@ -31,6 +31,7 @@ def plot_sweeps(sweeps: Sequence[dict], out_prefix: str) -> list[str] | str:
     """Write the two PNGs; their paths, or a message saying why nothing was drawn."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -40,10 +41,14 @@ def plot_sweeps(sweeps: Sequence[dict], out_prefix: str) -> list[str] | str:
     styles = ("-o", "--s", ":^", "-.d")
     paths = []
     panels = {
-        "latency": [("TTFT (ms)", [(("ttft_ms", "p50"), "TTFT p50"), (("ttft_ms", "p99"), "TTFT p99")]),
-                    ("ITL (ms)", [(("itl_ms", "p50"), "ITL p50"), (("itl_ms", "p99"), "ITL p99")])],
-        "goodput": [("requests meeting the SLO (%)", [(("goodput", "share"), "share")]),
-                    ("goodput (req/s)", [(("goodput", "rate"), "goodput")])],
+        "latency": [
+            ("TTFT (ms)", [(("ttft_ms", "p50"), "TTFT p50"), (("ttft_ms", "p99"), "TTFT p99")]),
+            ("ITL (ms)", [(("itl_ms", "p50"), "ITL p50"), (("itl_ms", "p99"), "ITL p99")]),
+        ],
+        "goodput": [
+            ("requests meeting the SLO (%)", [(("goodput", "share"), "share")]),
+            ("goodput (req/s)", [(("goodput", "rate"), "goodput")]),
+        ],
     }
     for name, axes_spec in panels.items():
         fig, axes = plt.subplots(1, len(axes_spec), figsize=(5.5 * len(axes_spec), 4))
@@ -53,8 +58,13 @@ def plot_sweeps(sweeps: Sequence[dict], out_prefix: str) -> list[str] | str:
                     rates, values = _points(sweep, path)
                     if path == ("goodput", "share"):
                         values = [100 * v for v in values]
-                    ax.plot(rates, values, styles[j % len(styles)], color=f"C{i}",
-                            label=f"{sweep.get('label') or sweep.get('mode') or f'run {i}'}: {label}")
+                    ax.plot(
+                        rates,
+                        values,
+                        styles[j % len(styles)],
+                        color=f"C{i}",
+                        label=f"{sweep.get('label') or sweep.get('mode') or f'run {i}'}: {label}",
+                    )
             if name == "goodput" and ylabel.startswith("goodput"):
                 top = max(r["request_rate"] for s in sweeps for r in s["runs"])
                 ax.plot([0, top], [0, top], color="0.7", linewidth=0.8, label="offered rate")
@@ -73,9 +83,11 @@ def plot_sweeps(sweeps: Sequence[dict], out_prefix: str) -> list[str] | str:
 
 def _title(sweep: dict, name: str) -> str:
     slo = sweep["runs"][0]["summary"]["goodput"]
-    targets = [f"TTFT ≤ {slo['slo_ttft_ms']:g} ms" if slo["slo_ttft_ms"] is not None else "",
-               f"ITL p99 ≤ {slo['slo_itl_ms']:g} ms" if slo["slo_itl_ms"] is not None else "",
-               f"TPOT ≤ {slo['slo_tpot_ms']:g} ms" if slo["slo_tpot_ms"] is not None else ""]
+    targets = [
+        f"TTFT ≤ {slo['slo_ttft_ms']:g} ms" if slo["slo_ttft_ms"] is not None else "",
+        f"ITL p99 ≤ {slo['slo_itl_ms']:g} ms" if slo["slo_itl_ms"] is not None else "",
+        f"TPOT ≤ {slo['slo_tpot_ms']:g} ms" if slo["slo_tpot_ms"] is not None else "",
+    ]
     what = "latency vs request rate" if name == "latency" else "goodput vs request rate"
     return f"{what} ({', '.join(t for t in targets if t) or 'no SLO'})"
 

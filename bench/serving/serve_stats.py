@@ -17,8 +17,8 @@ closest ranks (numpy's default).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 PERCENTILES = (50, 90, 99)
 COMPLETED, FAILED, CANCELLED, NOT_SENT = "completed", "failed", "cancelled", "not_sent"
@@ -91,14 +91,25 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.num_received - 1)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "status": self.status, "prompt_len": self.prompt_len,
-                "output_len": self.output_len, "num_received": self.num_received,
-                "prompt_tokens_reported": self.prompt_tokens_reported,
-                "cached_prompt_tokens": self.cached_prompt_tokens, "finish_reason": self.finish_reason,
-                "error": self.error, "scheduled_s": self.scheduled_s, "sent_s": self.sent_s,
-                "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
-                "itl_p99_s": percentile(self.itl_s, 99) if self.itl_s else None,
-                "num_itl": len(self.itl_s), "meets_slo": self.meets_slo}
+        return {
+            "index": self.index,
+            "status": self.status,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+            "num_received": self.num_received,
+            "prompt_tokens_reported": self.prompt_tokens_reported,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "scheduled_s": self.scheduled_s,
+            "sent_s": self.sent_s,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "tpot_s": self.tpot_s,
+            "itl_p99_s": percentile(self.itl_s, 99) if self.itl_s else None,
+            "num_itl": len(self.itl_s),
+            "meets_slo": self.meets_slo,
+        }
 
 
 @dataclass(frozen=True)
@@ -137,13 +148,18 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
     output_tokens = sum(r.num_received for r in done)
     prompt_tokens = sum(r.prompt_len for r in done)
     return {
-        "num_planned": len(records), "num_sent": num_sent, "num_completed": len(done),
-        "num_failed": len(by_status[FAILED]), "num_cancelled": len(by_status[CANCELLED]),
-        "num_not_sent": len(by_status[NOT_SENT]), "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+        "num_planned": len(records),
+        "num_sent": num_sent,
+        "num_completed": len(done),
+        "num_failed": len(by_status[FAILED]),
+        "num_cancelled": len(by_status[CANCELLED]),
+        "num_not_sent": len(by_status[NOT_SENT]),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
         "output_tokens_asked": sum(r.output_len for r in records if r.status != NOT_SENT),
         "output_tokens_received": sum(r.num_received for r in records),
         "num_token_mismatch": sum(r.num_received != r.output_len for r in done),
-        "completed_prompt_tokens": prompt_tokens, "completed_output_tokens": output_tokens,
+        "completed_prompt_tokens": prompt_tokens,
+        "completed_output_tokens": output_tokens,
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in done),
         "duration_s": duration_s,
         "request_throughput": len(done) / duration_s,
@@ -153,7 +169,12 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         "itl_ms": describe([x for r in done for x in r.itl_s]),
         "tpot_ms": describe([r.tpot_s for r in done if r.tpot_s is not None]),
         "e2e_ms": describe([r.e2e_s for r in done]),
-        "goodput": {"slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms, "slo_tpot_ms": slo.tpot_ms,
-                    "num_met": num_met, "share": num_met / num_sent if num_sent else 0.0,
-                    "rate": num_met / duration_s},
+        "goodput": {
+            "slo_ttft_ms": slo.ttft_ms,
+            "slo_itl_ms": slo.itl_ms,
+            "slo_tpot_ms": slo.tpot_ms,
+            "num_met": num_met,
+            "share": num_met / num_sent if num_sent else 0.0,
+            "rate": num_met / duration_s,
+        },
     }

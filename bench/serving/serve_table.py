@@ -16,9 +16,11 @@ def _ms(value: float) -> str:
 
 
 def slo_text(goodput: dict) -> str:
-    parts = [f"TTFT <= {goodput['slo_ttft_ms']:g} ms" if goodput["slo_ttft_ms"] is not None else "",
-             f"ITL p99 <= {goodput['slo_itl_ms']:g} ms" if goodput["slo_itl_ms"] is not None else "",
-             f"TPOT <= {goodput['slo_tpot_ms']:g} ms" if goodput["slo_tpot_ms"] is not None else ""]
+    parts = [
+        f"TTFT <= {goodput['slo_ttft_ms']:g} ms" if goodput["slo_ttft_ms"] is not None else "",
+        f"ITL p99 <= {goodput['slo_itl_ms']:g} ms" if goodput["slo_itl_ms"] is not None else "",
+        f"TPOT <= {goodput['slo_tpot_ms']:g} ms" if goodput["slo_tpot_ms"] is not None else "",
+    ]
     return ", ".join(p for p in parts if p) or "no latency SLO: every complete request counts"
 
 
@@ -42,8 +44,9 @@ def format_run(run: dict, mode: str, api: str) -> str:
     ]
     for name, key in METRICS:
         d = s[key]
-        lines.append(f"{name:<6}" + "".join(f"{_ms(d[k]):>9}" for k in ("mean", "p50", "p90", "p99", "max"))
-                     + f"{d['count']:>8}")
+        lines.append(
+            f"{name:<6}" + "".join(f"{_ms(d[k]):>9}" for k in ("mean", "p50", "p90", "p99", "max")) + f"{d['count']:>8}"
+        )
     for message, count in s["errors"].items():
         lines.append(f"error x{count}: {message}")
     return "\n".join(lines)
@@ -51,15 +54,23 @@ def format_run(run: dict, mode: str, api: str) -> str:
 
 def format_sweep(result: dict) -> str:
     """One row per rate (markdown, so it pastes into docs/perf.md)."""
-    head = ("| rate (req/s) | done/sent | req/s | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
-            "| TPOT p50 | E2E p50 | goodput | goodput req/s |")
-    lines = [f"mode {result['mode'] or '-'}, api {result['api']}; latencies in ms; "
-             f"SLO: {slo_text(result['runs'][0]['summary']['goodput'])}", head, "|" + "---|" * 12]
+    head = (
+        "| rate (req/s) | done/sent | req/s | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+        "| TPOT p50 | E2E p50 | goodput | goodput req/s |"
+    )
+    lines = [
+        f"mode {result['mode'] or '-'}, api {result['api']}; latencies in ms; "
+        f"SLO: {slo_text(result['runs'][0]['summary']['goodput'])}",
+        head,
+        "|" + "---|" * 12,
+    ]
     for run in result["runs"]:
         s = run["summary"]
-        lines.append(f"| {_rate(run['request_rate'])} | {s['num_completed']}/{s['num_sent']} "
-                     f"| {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} "
-                     f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['itl_ms']['p50'])} "
-                     f"| {_ms(s['itl_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} | {_ms(s['e2e_ms']['p50'])} "
-                     f"| {100 * s['goodput']['share']:.0f}% | {s['goodput']['rate']:.2f} |")
+        lines.append(
+            f"| {_rate(run['request_rate'])} | {s['num_completed']}/{s['num_sent']} "
+            f"| {s['request_throughput']:.2f} | {s['output_token_throughput']:.1f} "
+            f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms']['p99'])} | {_ms(s['itl_ms']['p50'])} "
+            f"| {_ms(s['itl_ms']['p99'])} | {_ms(s['tpot_ms']['p50'])} | {_ms(s['e2e_ms']['p50'])} "
+            f"| {100 * s['goodput']['share']:.0f}% | {s['goodput']['rate']:.2f} |"
+        )
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from splitserve.common.config_fields import ConfigError, add_arguments, describe, from_namespace
 
@@ -87,7 +87,9 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], Loaded]]] = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description="LLM serving with disaggregated prefill and decode.")
+    parser = argparse.ArgumentParser(
+        prog="splitserve", description="LLM serving with disaggregated prefill and decode."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)

@@ -26,15 +26,23 @@ class EngineConfig:
     live in `RuntimeInfo`, never written back here.
     """
 
-    model: str = option("", "model directory (Hugging Face layout) or, with --load-format dummy, a config.json; empty = the embedded default model")
+    model: str = option(
+        "",
+        "model directory (Hugging Face layout) or, with --load-format dummy, a config.json; "
+        "empty = the embedded default model",
+    )
     model_id: str = option("", "id the model is served under; empty = the directory name")
     dtype: str = option("auto", "weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     device: str = option("auto", "where to run; auto = cuda when available", choices=DEVICES)
     load_format: str = option("auto", "auto reads safetensors; dummy makes random weights", choices=("auto", "dummy"))
     block_size: int = option(16, "tokens per KV block", min=1, max=256)
     num_kv_blocks: int | None = option(None, "KV blocks in the pool; unset = sized from memory", min=1, max=10_000_000)
-    kv_cache_memory_fraction: float = option(0.9, "share of free device memory for weights+KV on CUDA", min=0.0, max=0.98, min_exclusive=True)
-    kv_cache_cpu_bytes: int = option(1 << 30, "KV pool size on CPU when --num-kv-blocks is unset", min=1 << 16, max=1 << 40)
+    kv_cache_memory_fraction: float = option(
+        0.9, "share of free device memory for weights+KV on CUDA", min=0.0, max=0.98, min_exclusive=True
+    )
+    kv_cache_cpu_bytes: int = option(
+        1 << 30, "KV pool size on CPU when --num-kv-blocks is unset", min=1 << 16, max=1 << 40
+    )
     max_num_seqs: int = option(256, "most requests in the running batch", min=1, max=4096)
     max_num_batched_tokens: int = option(2048, "token budget of one step (chunks long prompts)", min=1, max=1 << 20)
     max_model_len: int | None = option(None, "context limit in tokens; unset = the model's", min=1, max=1 << 22)

@@ -14,7 +14,8 @@ import dataclasses
 import os
 import types
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ENV_PREFIX = "SPLITSERVE_"
 
@@ -23,8 +24,15 @@ class ConfigError(ValueError):
     """A configuration value is out of range or malformed."""
 
 
-def option(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-           choices: tuple | None = None, min_exclusive: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple | None = None,
+    min_exclusive: bool = False,
+) -> Any:
     """A dataclass field with its help text and allowed range or choices."""
     meta = {"help": help, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive}
     if isinstance(default, (list, dict, set)):
@@ -83,15 +91,30 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: frozenset
         help_text = f"{meta.get('help', '')} (default: {field.default}; env {env_name(field.name)}"
         help_text += "; " + "; ".join(extra) + ")" if extra else ")"
         if tp is bool:
-            group.add_argument(flag_name(field.name), dest=field.name, default=None,
-                               action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(
+                flag_name(field.name),
+                dest=field.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
         else:
-            group.add_argument(flag_name(field.name), dest=field.name, default=None, type=str,
-                               metavar=tp.__name__.upper(), help=help_text)
+            group.add_argument(
+                flag_name(field.name),
+                dest=field.name,
+                default=None,
+                type=str,
+                metavar=tp.__name__.upper(),
+                help=help_text,
+            )
 
 
-def from_namespace(cls: type, ns: argparse.Namespace | Mapping[str, Any] | None = None,
-                   env: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+def from_namespace(
+    cls: type,
+    ns: argparse.Namespace | Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Any:
     """Build and validate `cls`: overrides > flags > SPLITSERVE_* env > defaults."""
     values = vars(ns) if isinstance(ns, argparse.Namespace) else dict(ns or {})
     env = os.environ if env is None else env

@@ -23,8 +23,9 @@ pushes) the text is cut there and every later push is ignored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 6  # prompt tokens kept as decoding context for the first output
@@ -42,12 +43,17 @@ def fast_decode(tokenizer: Any, skip_special_tokens: bool) -> Any:
         PreTrainedTokenizerBase = TokenizersBackend = None
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
-    if (TokenizersBackend is not None and backend is not None and hasattr(backend, "decode")
-            and getattr(cls, "_decode", None) is TokenizersBackend._decode
-            and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode):
+    if (
+        TokenizersBackend is not None
+        and backend is not None
+        and hasattr(backend, "decode")
+        and getattr(cls, "_decode", None) is TokenizersBackend._decode
+        and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode
+    ):
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                        clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class IncrementalDetokenizer:
     Invariants: the concatenation of every returned text plus `flush()` equals
     `tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
     when no stop string matches (without prompt context; with it, a SentencePiece leading
-    space of the first output token is kept, as in decode(prompt + output)), or that text cut at the first stop string (with the stop
+    space of the first output token is kept, as in decode(prompt + output)), or that text cut at the first stop
+    string (with the stop
     string kept when include_stop_str_in_output) when one does. No returned text ends in
     the middle of a character.
     """
@@ -107,7 +114,7 @@ class IncrementalDetokenizer:
         """End of output: return everything still held back (including an incomplete char)."""
         if self.finished:
             return ""
-        tail = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text):]
+        tail = self._decode(self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset = len(self._ids)
         text = self._emit(self._pending + tail, final=True)
         self.finished = True
@@ -122,7 +129,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(self._prefix_text):]
+        delta = new_text[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
@@ -150,9 +157,7 @@ def _find_first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for stop in stops:
         index = text.find(stop)
-        if index >= 0 and (
-            best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))
-        ):
+        if index >= 0 and (best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))):
             best = (index, stop)
     return best
 

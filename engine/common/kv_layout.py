@@ -54,7 +54,9 @@ class KvLayout:
         try:
             return self.block_numel * DTYPE_ITEMSIZE[self.dtype]
         except KeyError:
-            raise ValueError(f"KV dtype {self.dtype!r} is not supported; choose one of {sorted(DTYPE_ITEMSIZE)}") from None
+            raise ValueError(
+                f"KV dtype {self.dtype!r} is not supported; choose one of {sorted(DTYPE_ITEMSIZE)}"
+            ) from None
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)"""
@@ -64,7 +66,7 @@ class KvLayout:
         """One line naming every field, for error messages."""
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
-    def mismatch(self, other: "KvLayout") -> str | None:
+    def mismatch(self, other: KvLayout) -> str | None:
         """None when equal, else a message naming both layouts."""
         if self == other:
             return None

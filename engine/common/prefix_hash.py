@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def extra_keys_for(model_id: str, cache_salt: str = "") -> bytes:
@@ -27,8 +27,9 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: bytes) -> by
     return h.digest()
 
 
-def hash_full_blocks(token_ids: Sequence[int], block_size: int, extra_keys: bytes,
-                     parent_hashes: Sequence[bytes] = ()) -> list[bytes]:
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, extra_keys: bytes, parent_hashes: Sequence[bytes] = ()
+) -> list[bytes]:
     """Chained hashes of every full block of token_ids.
 
     `parent_hashes` are hashes already computed for the leading blocks (reused, not
@@ -37,6 +38,6 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, extra_keys: byte
     hashes = list(parent_hashes)
     parent = hashes[-1] if hashes else b""
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes

@@ -107,9 +107,7 @@ class SamplingParams:
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if self.max_tokens is not None and min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), got {min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), got {min_tokens}")
         if self.logprobs is not None:
             _check_range("logprobs", _check_int("logprobs", self.logprobs), 0, MAX_LOGPROBS)
         ids = self.stop_token_ids
@@ -127,16 +125,13 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)):
             raise ValueError(f"stop must be a list of strings, got {stop!r}")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
-            )
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                    f"got one of {len(s)}"
+                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}"
                 )
         self._set("stop", tuple(stop))
 
@@ -148,11 +143,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """True when any of the repetition/presence/frequency penalties is active."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists); `from_dict` inverts it."""
@@ -167,8 +158,5 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(
-                f"unknown sampling parameters: {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(known))}"
-            )
+            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         return cls(**d)

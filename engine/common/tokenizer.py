@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -38,7 +39,5 @@ def apply_chat_template(
             f"tokenizer {name!r} has no chat template; use a completion request with a "
             "plain prompt, or a model directory whose tokenizer_config.json has chat_template"
         )
-    text = tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))

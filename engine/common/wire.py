@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from splitserve.protos import common_pb2
-
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.logprobs import TokenLogprobs
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.protos import common_pb2
 
-OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
+OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+)
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -46,8 +56,9 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs | None:
     if lp is None:
         return None
-    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                    top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    )
 
 
 def logprobs_from_proto(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
@@ -55,11 +66,24 @@ def logprobs_from_proto(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
 
 
 def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
-    return common_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                               head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
-                               model_id=layout.model_id, layout=layout.layout)
+    return common_pb2.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+        model_id=layout.model_id,
+        layout=layout.layout,
+    )
 
 
 def layout_from_proto(pb: common_pb2.KvLayout) -> KvLayout:
-    return KvLayout(num_layers=pb.num_layers, num_kv_heads=pb.num_kv_heads, head_dim=pb.head_dim,
-                    block_size=pb.block_size, dtype=pb.dtype, model_id=pb.model_id, layout=pb.layout)
+    return KvLayout(
+        num_layers=pb.num_layers,
+        num_kv_heads=pb.num_kv_heads,
+        head_dim=pb.head_dim,
+        block_size=pb.block_size,
+        dtype=pb.dtype,
+        model_id=pb.model_id,
+        layout=pb.layout,
+    )

@@ -68,8 +68,11 @@ class KvIo:
             return self._own_pool.tensor
         kv_cache = allocate_kv_cache(layout, num_blocks, device)
         if self.transport == "cuda_ipc" and exports and device.type == "cuda":
-            self.endpoint = {"cuda_ipc": export_cuda_ipc(kv_cache), "num_blocks": str(num_blocks),
-                             "device": str(device.index)}
+            self.endpoint = {
+                "cuda_ipc": export_cuda_ipc(kv_cache),
+                "num_blocks": str(num_blocks),
+                "device": str(device.index),
+            }
         elif self.transport == "nccl" and exports and device.type == "cuda":
             # a decode that sees this GPU (same host) can keep the link to it awake
             self.endpoint = {"gpu_uuid": gpu_uuid(device.index)}
@@ -176,7 +179,7 @@ class KvIo:
         direct = kv_cache.is_cuda and block_run(src_ids) is not None and block_run(dst_blocks) is not None
         if direct:  # one message straight into the destination blocks (the sender skips its gather too)
             first = dst_blocks[0]
-            staging = kv_cache[first:first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
+            staging = kv_cache[first : first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
         else:
             staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
         start = time.perf_counter_ns()
@@ -196,9 +199,14 @@ class KvIo:
         if log.isEnabledFor(logging.DEBUG):
             if kv_cache.is_cuda:
                 torch.cuda.current_stream(kv_cache.device).synchronize()
-            log.debug("kv timing nccl recv: %d blocks, direct=%s; ask %.3f ms, recv wait %.3f ms, scatter %.3f ms",
-                      len(indices), direct, (asked - start) / 1e6, (received - asked) / 1e6,
-                      (time.perf_counter_ns() - received) / 1e6)
+            log.debug(
+                "kv timing nccl recv: %d blocks, direct=%s; ask %.3f ms, recv wait %.3f ms, scatter %.3f ms",
+                len(indices),
+                direct,
+                (asked - start) / 1e6,
+                (received - asked) / 1e6,
+                (time.perf_counter_ns() - received) / 1e6,
+            )
         return staging.numel() * staging.element_size()
 
     # -- prefill side ----------------------------------------------------------------------
@@ -208,7 +216,7 @@ class KvIo:
             raise RuntimeError(f"pair {pair} is not registered")
         start = time.perf_counter_ns()
         if block_run(block_ids) is not None:  # consecutive blocks: send the pool's own slice, no gather
-            staging = kv_cache[block_ids[0]:block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
+            staging = kv_cache[block_ids[0] : block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
         else:
             index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
             staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
@@ -229,10 +237,17 @@ class KvIo:
             raise
         if end_event is not None:  # the current stream waited for the send: the interval is the transfer
             self.last_device_ns = int(start_event.elapsed_time(end_event) * 1e6)
-        log.debug("kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms", len(block_ids),
-                  (gathered - start) / 1e6, (time.perf_counter_ns() - gathered) / 1e6)
-        return {"num_bytes": staging.numel() * staging.element_size(), "transfer_ns": time.perf_counter_ns() - start,
-                "device_ns": self.last_device_ns if start_event is not None else 0}
+        log.debug(
+            "kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms",
+            len(block_ids),
+            (gathered - start) / 1e6,
+            (time.perf_counter_ns() - gathered) / 1e6,
+        )
+        return {
+            "num_bytes": staging.numel() * staging.element_size(),
+            "transfer_ns": time.perf_counter_ns() - start,
+            "device_ns": self.last_device_ns if start_event is not None else 0,
+        }
 
     def _finish(self, work, tensor: torch.Tensor) -> torch.cuda.Event | None:
         """Wait for one send or receive, at most timeout_s (TimeoutError after it). On CUDA the current
@@ -255,8 +270,10 @@ class KvIo:
                 work.wait(timeout)  # completed: no polling sleep; raises if it failed
                 checked = True
             if time.monotonic() > deadline:
-                raise TimeoutError(f"KV transfer of {tensor.numel() * tensor.element_size()} bytes did not "
-                                   f"finish within the transfer timeout ({self.timeout_s:g} s)")
+                raise TimeoutError(
+                    f"KV transfer of {tensor.numel() * tensor.element_size()} bytes did not "
+                    f"finish within the transfer timeout ({self.timeout_s:g} s)"
+                )
             time.sleep(FINISH_POLL_S)
         if not checked and work.is_completed():
             work.wait(timeout)
@@ -269,8 +286,16 @@ class KvIo:
             raise RuntimeError(f"the communicator of pair {pair} was replaced during the transfer")
 
     # -- pairs -----------------------------------------------------------------------------
-    def pair(self, pair: str, rank: int, host: str, port: int, backend: str, device: torch.device,
-             local_host: str | None = None) -> None:
+    def pair(
+        self,
+        pair: str,
+        rank: int,
+        host: str,
+        port: int,
+        backend: str,
+        device: torch.device,
+        local_host: str | None = None,
+    ) -> None:
         """Join the 2-rank group `pair` (rank 0 = decode, hosting the store). Blocks until both joined
         and one message has crossed, so the communicator exists before the first transfer."""
         import torch.distributed as dist
@@ -362,13 +387,14 @@ def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, ds
         raise ValueError(f"copy_block_runs: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
     for side, ids, pool in (("source", src_ids, src), ("destination", dst_ids, dst)):
         if ids and not 0 <= min(ids) <= max(ids) < pool.shape[0]:  # a slice past the end would broadcast
-            raise ValueError(f"copy_block_runs: {side} block ids {min(ids)}..{max(ids)} outside the pool's "
-                             f"{pool.shape[0]} blocks")
+            raise ValueError(
+                f"copy_block_runs: {side} block ids {min(ids)}..{max(ids)} outside the pool's {pool.shape[0]} blocks"
+            )
     runs = block_runs(src_ids, dst_ids)
     if len(runs) > MAX_DIRECT_RUNS:
         return copy_blocks(src, src_ids, dst, dst_ids)
     for s, d, n in runs:
-        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
     return len(src_ids) * src[0].numel() * src.element_size()
 
 
@@ -379,4 +405,3 @@ def transfer_tag(epoch: int) -> int:
 
 def pair_name(prefill_instance: str, decode_instance: str) -> str:
     return f"{prefill_instance}->{decode_instance}"
-

@@ -23,10 +23,21 @@ import re
 import torch
 
 # torch's reduce_tensor arguments less its two classes, each field's type
-FIELDS = (("size", tuple), ("stride", tuple), ("offset", int), ("dtype", str), ("device", int), ("handle", bytes),
-          ("storage_size_bytes", int), ("storage_offset_bytes", int), ("requires_grad", bool),
-          ("ref_counter_handle", bytes), ("ref_counter_offset", int), ("event_handle", bytes),
-          ("event_sync_required", bool))
+FIELDS = (
+    ("size", tuple),
+    ("stride", tuple),
+    ("offset", int),
+    ("dtype", str),
+    ("device", int),
+    ("handle", bytes),
+    ("storage_size_bytes", int),
+    ("storage_offset_bytes", int),
+    ("requires_grad", bool),
+    ("ref_counter_handle", bytes),
+    ("ref_counter_offset", int),
+    ("event_handle", bytes),
+    ("event_sync_required", bool),
+)
 DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 REF_COUNTER_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,20}_\d{1,20}")  # at::NewProcessWideShmHandle()
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
@@ -44,8 +55,9 @@ def plain_args(args: tuple) -> tuple:
     """torch's reduce_tensor arguments of a CUDA tensor -> the plain fields of FIELDS."""
     tensor_cls, size, stride, offset, storage_cls, dtype, *rest = args
     if tensor_cls is not torch.Tensor or storage_cls is not torch.storage.TypedStorage:
-        raise ValueError(f"only plain tensors are exported over CUDA IPC, not {tensor_cls.__name__} "
-                         f"on {storage_cls.__name__}")
+        raise ValueError(
+            f"only plain tensors are exported over CUDA IPC, not {tensor_cls.__name__} on {storage_cls.__name__}"
+        )
     return (tuple(size), tuple(stride), offset, str(dtype).removeprefix("torch."), *rest)
 
 
@@ -56,13 +68,28 @@ def _bad(name: str, value, limit: str) -> ValueError:
 def rebuild_args(plain) -> tuple:
     """The plain fields, each checked -> torch's rebuild_cuda_tensor arguments."""
     if not isinstance(plain, tuple) or len(plain) != len(FIELDS):
-        raise ValueError(f"endpoint.cuda_ipc must hold {len(FIELDS)} fields, got "
-                         f"{len(plain) if isinstance(plain, tuple) else type(plain).__name__}")
+        raise ValueError(
+            f"endpoint.cuda_ipc must hold {len(FIELDS)} fields, got "
+            f"{len(plain) if isinstance(plain, tuple) else type(plain).__name__}"
+        )
     for (name, kind), value in zip(FIELDS, plain):
         if type(value) is not kind or kind is tuple and not all(type(v) is int for v in value):
             raise ValueError(f"endpoint.cuda_ipc field {name} must be {kind.__name__}, got {value!r:.80}")
-    (size, stride, offset, dtype_name, device, handle, storage_size, storage_offset, requires_grad,
-     ref_name, ref_offset, event_handle, _sync) = plain
+    (
+        size,
+        stride,
+        offset,
+        dtype_name,
+        device,
+        handle,
+        storage_size,
+        storage_offset,
+        requires_grad,
+        ref_name,
+        ref_offset,
+        event_handle,
+        _sync,
+    ) = plain
     dtype = DTYPES.get(dtype_name)
     if dtype is None:
         raise ValueError(f"endpoint.cuda_ipc field dtype {dtype_name!r} is not a torch dtype")
@@ -78,8 +105,9 @@ def rebuild_args(plain) -> tuple:
     if requires_grad:
         raise _bad("requires_grad", requires_grad, "shared KV never requires grad")
     if not REF_COUNTER_NAME.fullmatch(ref_name) or not 0 <= ref_offset < REF_COUNTER_SLOTS:
-        raise _bad("ref_counter_handle", (ref_name, ref_offset), f"/torch_<pid>_<n>_<n> and a slot in "
-                   f"[0, {REF_COUNTER_SLOTS})")
+        raise _bad(
+            "ref_counter_handle", (ref_name, ref_offset), f"/torch_<pid>_<n>_<n> and a slot in [0, {REF_COUNTER_SLOTS})"
+        )
     if len(event_handle) != EVENT_HANDLE_BYTES:
         raise _bad("event_handle", len(event_handle), f"exactly {EVENT_HANDLE_BYTES} bytes")
     return (torch.Tensor, torch.Size(size), stride, offset, torch.storage.TypedStorage, dtype, *plain[4:])
@@ -119,11 +147,18 @@ def check_shape(args: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> None
         strides.append(numel)
         numel *= n
     contiguous = tuple(reversed(strides))
-    if size != tuple(shape) or tuple(stride) != contiguous or offset != 0 or got_dtype != dtype \
-            or storage_size != numel * dtype.itemsize:
-        raise ValueError(f"endpoint.cuda_ipc describes a {got_dtype} tensor of size {size} (stride {tuple(stride)}, "
-                         f"offset {offset}, {storage_size} bytes), not the contiguous {dtype} pool of size "
-                         f"{tuple(shape)} ({numel * dtype.itemsize} bytes) its layout and num_blocks give")
+    if (
+        size != tuple(shape)
+        or tuple(stride) != contiguous
+        or offset != 0
+        or got_dtype != dtype
+        or storage_size != numel * dtype.itemsize
+    ):
+        raise ValueError(
+            f"endpoint.cuda_ipc describes a {got_dtype} tensor of size {size} (stride {tuple(stride)}, "
+            f"offset {offset}, {storage_size} bytes), not the contiguous {dtype} pool of size "
+            f"{tuple(shape)} ({numel * dtype.itemsize} bytes) its layout and num_blocks give"
+        )
     if device >= torch.cuda.device_count():
         raise _bad("device", device, f"this process sees {torch.cuda.device_count()} CUDA devices")
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger("splitserve.kv")
 
@@ -103,8 +104,13 @@ class LinkKeepalive:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.period_s + 5.0)
-            log.info("keep-alive stopped: %d copies, %d skipped (in flight), links %s, failed %s",
-                     self.num_copies, self.num_skipped, sorted(self.links), sorted(self.failed))
+            log.info(
+                "keep-alive stopped: %d copies, %d skipped (in flight), links %s, failed %s",
+                self.num_copies,
+                self.num_skipped,
+                sorted(self.links),
+                sorted(self.failed),
+            )
 
 
 class CudaLink:

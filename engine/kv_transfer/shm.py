@@ -56,13 +56,13 @@ class SharedKvPool:
         self.tensor = flat.view(layout.cache_shape(num_blocks))  # (N, L, 2, bs, Hkv, D)
 
     @classmethod
-    def create(cls, name: str, layout: KvLayout, num_blocks: int) -> "SharedKvPool":
+    def create(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
         nbytes = num_blocks * layout.block_nbytes
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         return cls(shm, layout, num_blocks, owner=True)
 
     @classmethod
-    def open(cls, name: str, layout: KvLayout, num_blocks: int) -> "SharedKvPool":
+    def open(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
         shm = shared_memory.SharedMemory(name=name, create=False)
         _untrack(shm)
         need = num_blocks * layout.block_nbytes

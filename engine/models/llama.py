@@ -62,9 +62,12 @@ class Linear(nn.Module):
 
 def cpu_packing_available(weight: torch.Tensor) -> bool:
     """MKL weight packing applies to float32 weights on the CPU of an MKL build of torch."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and os.environ.get("SPLITSERVE_CPU_PACKED", "1") not in ("0", "false", "off"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        and os.environ.get("SPLITSERVE_CPU_PACKED", "1") not in ("0", "false", "off")
+    )
 
 
 class RMSNorm(nn.Module):
@@ -88,11 +91,10 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
-                               dtype, device)
+        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype, device)
         self.o_proj = Linear(q_size, [config.hidden_size], config.o_proj_bias, dtype, device)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
@@ -100,8 +102,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
@@ -159,8 +167,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
@@ -182,13 +189,15 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
-        cache = build_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                    config.rope_scaling, dtype, device)  # (P, D)
+        cache = build_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype, device
+        )  # (P, D)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._lm_head_packed = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, H)
         residual = None
         for layer in self.model.layers:
@@ -198,8 +207,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
-            logits = torch.ops.mkl._mkl_linear(hidden, self._lm_head_packed, self.lm_head.weight, None,
-                                               hidden.shape[0])  # (N, V)
+            logits = torch.ops.mkl._mkl_linear(
+                hidden, self._lm_head_packed, self.lm_head.weight, None, hidden.shape[0]
+            )  # (N, V)
         else:
             logits = F.linear(hidden, self.lm_head.weight)  # (N, V) in the model dtype
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -42,24 +42,26 @@ class InternalTls:
     ca: bytes
 
     @classmethod
-    def from_files(cls, cert: str, key: str, ca: str) -> "InternalTls | None":
+    def from_files(cls, cert: str, key: str, ca: str) -> InternalTls | None:
         """None when all three are empty; a ValueError naming the flags when only some are set."""
         given = {"--internal-tls-cert": cert, "--internal-tls-key": key, "--internal-tls-ca": ca}
         if not any(given.values()):
             return None
         missing = [flag for flag, value in given.items() if not value]
         if missing:
-            raise ValueError(f"internal mTLS needs all of --internal-tls-cert, --internal-tls-key and "
-                             f"--internal-tls-ca; missing {', '.join(missing)}")
+            raise ValueError(
+                f"internal mTLS needs all of --internal-tls-cert, --internal-tls-key and "
+                f"--internal-tls-ca; missing {', '.join(missing)}"
+            )
         return cls(*(Path(value).read_bytes() for value in (cert, key, ca)))
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 def internal_channel(address: str, tls: InternalTls | None) -> grpc.aio.Channel:
@@ -69,12 +71,17 @@ def internal_channel(address: str, tls: InternalTls | None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
-def build_server(host: str, port: int, add_servicers, service_names: list[str], tls: InternalTls | None = None
-                 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
+def build_server(
+    host: str, port: int, add_servicers, service_names: list[str], tls: InternalTls | None = None
+) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
     """A grpc.aio server with our servicers, grpc.health.v1 and reflection; returns (server, health, port)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     add_servicers(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

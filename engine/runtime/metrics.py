@@ -13,10 +13,51 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                           0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TOKEN_LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -40,8 +81,14 @@ class Metrics:
             return Gauge(p + name, doc, labels, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS_S)
-        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS_S)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS_S
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            TOKEN_LATENCY_BUCKETS_S,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled compute.", LATENCY_BUCKETS_S)
         self.prefill_time = hist("request_prefill_time_seconds", "Prompt compute time.", LATENCY_BUCKETS_S)
@@ -57,7 +104,9 @@ class Metrics:
         self.preemptions = counter("num_preemptions_total", "Requests preempted (recomputed later).")
         self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved between instances.")
         self.kv_transfer_blocks = counter("kv_transfer_blocks_total", "KV blocks moved between instances.")
-        self.kv_transfer_time = hist("kv_transfer_duration_seconds", "Duration of one request's KV pull or send.", TRANSFER_BUCKETS_S)
+        self.kv_transfer_time = hist(
+            "kv_transfer_duration_seconds", "Duration of one request's KV pull or send.", TRANSFER_BUCKETS_S
+        )
         self.kv_transfer_failures = counter("kv_transfer_failures_total", "Failed KV pulls or sends.")
         self.kv_leases_expired = counter("kv_leases_expired_total", "Prefill leases that expired unclaimed.")
         self.requests = counter("requests_total", "Requests by route and status code.", ["route", "status"])
@@ -82,8 +131,11 @@ class Metrics:
         total = stats.get("num_total_blocks", 0)
         if total:
             self.lab(self.kv_usage).set(1.0 - stats.get("num_free_blocks", 0) / total)
-        for key, metric in (("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits),
-                            ("num_preemptions", self.preemptions)):
+        for key, metric in (
+            ("prefix_query_tokens", self.prefix_queries),
+            ("prefix_hit_tokens", self.prefix_hits),
+            ("num_preemptions", self.preemptions),
+        ):
             delta = stats.get(key, 0) - self._last_engine.get(key, 0)
             if delta > 0:
                 self.lab(metric).inc(delta)
@@ -96,6 +148,7 @@ def serve_http(registry: CollectorRegistry, host: str, port: int) -> ThreadingHT
     Always the plain text format: prometheus_client's own server answers a scraper that asks
     for OpenMetrics by renaming `splitserve:x` to `splitserve_x`, which no dashboard query finds.
     """
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             body = generate_latest(registry)

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 import grpc
 
-from splitserve.engine.core_process import EngineClient
-from splitserve.runtime.logs import setup_logging
-from splitserve.runtime.grpc_server import InternalTls, build_server, install_drain, set_serving
 from splitserve.common.wire import layout_to_proto
+from splitserve.engine.core_process import EngineClient
 from splitserve.protos import common_pb2
+from splitserve.runtime.grpc_server import InternalTls, build_server, install_drain, set_serving
+from splitserve.runtime.logs import setup_logging
 
 log = logging.getLogger("splitserve.service")
 
@@ -51,12 +50,18 @@ class ServiceBase:
         self.inflight = 0
         self.draining = False
         self.faults = parse_faults(service_config.fault_injection)
-        self.internal_tls = InternalTls.from_files(service_config.internal_tls_cert, service_config.internal_tls_key,
-                                                   service_config.internal_tls_ca)
-        kv_options = {"transport": service_config.kv_transport, "instance": self.name,
-                      "start_epoch": self.start_unix_ns, "role": engine_config.role,
-                      "timeout_s": service_config.kv_transfer_timeout_s, "faults": self.faults,
-                      "link_keepalive_ms": service_config.kv_link_keepalive_ms}
+        self.internal_tls = InternalTls.from_files(
+            service_config.internal_tls_cert, service_config.internal_tls_key, service_config.internal_tls_ca
+        )
+        kv_options = {
+            "transport": service_config.kv_transport,
+            "instance": self.name,
+            "start_epoch": self.start_unix_ns,
+            "role": engine_config.role,
+            "timeout_s": service_config.kv_transfer_timeout_s,
+            "faults": self.faults,
+            "link_keepalive_ms": service_config.kv_link_keepalive_ms,
+        }
         self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging)
         self.metrics = None  # built once the core reports the model id
 
@@ -78,14 +83,22 @@ class ServiceBase:
         if self.draining:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
         if self.inflight >= self.config.max_queued_requests:
-            raise _Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.name} has {self.inflight} requests in flight (max_queued_requests={self.config.max_queued_requests})")
+            raise _Refuse(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.name} has {self.inflight} requests in flight "
+                f"(max_queued_requests={self.config.max_queued_requests})",
+            )
 
     def load(self) -> common_pb2.Load:
         s = self.client.stats
-        return common_pb2.Load(num_free_blocks=s.get("num_free_blocks", 0), num_total_blocks=s.get("num_total_blocks", 0),
-                               num_running=s.get("num_running", 0), num_waiting=s.get("num_waiting", 0),
-                               num_queued_tokens=s.get("num_queued_tokens", 0), num_leases=s.get("num_held", 0))
+        return common_pb2.Load(
+            num_free_blocks=s.get("num_free_blocks", 0),
+            num_total_blocks=s.get("num_total_blocks", 0),
+            num_running=s.get("num_running", 0),
+            num_waiting=s.get("num_waiting", 0),
+            num_queued_tokens=s.get("num_queued_tokens", 0),
+            num_leases=s.get("num_held", 0),
+        )
 
     async def Describe(self, request, context) -> common_pb2.DescribeResponse:
         # The core reports its stats with every step (and after aborts/releases), so the last
@@ -95,11 +108,18 @@ class ServiceBase:
             stats = self.client.stats = await self.client.query("stats")
         counters = {k: int(v) for k, v in {**stats, **self.counters}.items()}
         return common_pb2.DescribeResponse(
-            instance_id=self.instance_id, role=self.engine_config.role if self.role != "prefill" else "prefill",
-            model_id=self.client.info.model_id, layout=layout_to_proto(self.client.layout), load=self.load(),
-            transports=[self.config.kv_transport], kv_endpoint=self.client.endpoint,
-            start_unix_ns=self.start_unix_ns, max_model_len=self.client.info.max_model_len, counters=counters,
-            draining=self.draining)
+            instance_id=self.instance_id,
+            role=self.engine_config.role if self.role != "prefill" else "prefill",
+            model_id=self.client.info.model_id,
+            layout=layout_to_proto(self.client.layout),
+            load=self.load(),
+            transports=[self.config.kv_transport],
+            kv_endpoint=self.client.endpoint,
+            start_unix_ns=self.start_unix_ns,
+            max_model_len=self.client.info.max_model_len,
+            counters=counters,
+            draining=self.draining,
+        )
 
     async def serve(self, add_servicers) -> int:
         """Start the core and the gRPC server; run until SIGTERM, then drain."""
@@ -111,13 +131,21 @@ class ServiceBase:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
         await self.before_serving()
-        server, health, port = build_server(self.config.host, self.config.port, add_servicers, self.service_names,
-                                            self.internal_tls)
+        server, health, port = build_server(
+            self.config.host, self.config.port, add_servicers, self.service_names, self.internal_tls
+        )
         await server.start()
         set_serving(health, self.service_names, True)
         await self.on_started()
-        log.info("%s serving on %s:%d (model=%s, blocks=%d, transport=%s)", self.instance_id, self.config.host, port,
-                 self.client.info.model_id, self.client.info.num_kv_blocks, self.config.kv_transport)
+        log.info(
+            "%s serving on %s:%d (model=%s, blocks=%d, transport=%s)",
+            self.instance_id,
+            self.config.host,
+            port,
+            self.client.info.model_id,
+            self.client.info.num_kv_blocks,
+            self.config.kv_transport,
+        )
         print(f"READY {self.role} {self.config.host}:{port}", flush=True)
 
         def begin_drain():

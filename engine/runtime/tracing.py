@@ -12,8 +12,9 @@ recorded with explicit start/end times, so the hot path never waits on tracing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 _tracer = None
 _enabled = False
@@ -21,8 +22,9 @@ _enabled = False
 
 def tracing_requested() -> bool:
     env = os.environ
-    return (env.get("SPLITSERVE_TRACING", "").lower() in ("1", "true", "yes", "on")
-            or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")))
+    return env.get("SPLITSERVE_TRACING", "").lower() in ("1", "true", "yes", "on") or bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
 def init_tracing(service_name: str, instance: str, enabled: bool | None = None) -> bool:
@@ -83,8 +85,11 @@ def inject(span_or_context=None) -> dict[str, str]:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
-    context = trace.set_span_in_context(span_or_context) if span_or_context is not None and not isinstance(
-        span_or_context, dict) else None
+    context = (
+        trace.set_span_in_context(span_or_context)
+        if span_or_context is not None and not isinstance(span_or_context, dict)
+        else None
+    )
     TraceContextTextMapPropagator().inject(carrier, context=context)
     return carrier
 

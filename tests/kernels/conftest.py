@@ -27,8 +27,9 @@ class PagedKv:
     """A block-major KV tensor (num_blocks, num_layers, 2, block_size, Hkv, D) poisoned with NaN,
     one layer's strided k/v views, shuffled block tables and the dense K/V of each sequence."""
 
-    def __init__(self, seq_lens, num_kv_heads, head_dim, block_size, dtype, device, num_layers=3,
-                 layer=1, spare_blocks=3, seed=0):
+    def __init__(
+        self, seq_lens, num_kv_heads, head_dim, block_size, dtype, device, num_layers=3, layer=1, spare_blocks=3, seed=0
+    ):
         gen = torch.Generator().manual_seed(seed)
         blocks_per_seq = [-(-n // block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -61,8 +62,9 @@ def make_paged_kv():
     return PagedKv
 
 
-def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                    first_pos: int) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first_pos: int
+) -> torch.Tensor:
     """fp64 causal attention of q (Lq, Hq, D) at positions first_pos.. over keys/values (L, Hkv, D)."""
     dev = q.device
     q, keys, values = q.double(), keys.to(dev, torch.float64), values.to(dev, torch.float64)

@@ -66,6 +66,7 @@ def test_long_contexts_and_task_splits(op, batch):
 
 # ---- elementwise ops (float32) -------------------------------------------------------------------
 
+
 def test_rms_norm_matches_torch(op):
     from splitserve.kernels.rmsnorm import rms_norm_ref
 
@@ -76,7 +77,9 @@ def test_rms_norm_matches_torch(op):
         out, res = cpu_ops.rms_norm_cpu(x, weight, 1e-6, residual)
         assert torch.equal(res, want_res)  # the add is exact
         assert torch.allclose(out, want_out, atol=2e-6, rtol=1e-5)
-        assert torch.allclose(cpu_ops.rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=2e-6, rtol=1e-5)
+        assert torch.allclose(
+            cpu_ops.rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=2e-6, rtol=1e-5
+        )
     x3 = torch.randn(2, 3, 64)  # leading dims are flattened and restored
     assert cpu_ops.rms_norm_cpu(x3, torch.ones(64), 1e-6).shape == (2, 3, 64)
 
@@ -112,8 +115,8 @@ def test_write_kv_scatters_and_skips_padding(op):
     kv = torch.zeros(blocks, 3, 2, bs, hkv, d)  # block-major, layer 1
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
     fused = torch.randn(5, 3 * hkv * d)  # key/value are strided views of a fused row
-    key = fused[:, hkv * d:2 * hkv * d].view(5, hkv, d)
-    value = fused[:, 2 * hkv * d:].view(5, hkv, d)
+    key = fused[:, hkv * d : 2 * hkv * d].view(5, hkv, d)
+    value = fused[:, 2 * hkv * d :].view(5, hkv, d)
     slots = torch.tensor([0, 7, -1, 23, 9])
     cpu_ops.write_kv_cpu(key, value, k_cache, v_cache, slots)
     for t, slot in enumerate(slots.tolist()):
@@ -157,8 +160,12 @@ def test_a_built_library_loads_even_with_a_leftover_build_lock(op):
         open(lock, "w").close()
     try:
         start = time.monotonic()
-        out = subprocess.run([sys.executable, "-c", "from kernels import cpu_ops; print(cpu_ops.load() is not None)"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", "from kernels import cpu_ops; print(cpu_ops.load() is not None)"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.stdout.strip() == "True", out.stderr[-2000:]
         assert time.monotonic() - start < 30
     finally:

@@ -12,8 +12,9 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def check_write(device, *, num_tokens, num_kv_heads, head_dim, block_size, dtype, src_dtype, impl, pad_every):
     num_layers = 3
     num_blocks = num_tokens // block_size + 2  # enough slots for every token
-    kv = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"),
-                    dtype=dtype, device=device)
+    kv = torch.full(
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device
+    )
     k_cache, v_cache = kv[:, 2, 0], kv[:, 2, 1]  # strided views: block stride is 3*2*bs*H*D
     gen = torch.Generator().manual_seed(0)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]  # distinct slots
@@ -35,13 +36,31 @@ def check_write(device, *, num_tokens, num_kv_heads, head_dim, block_size, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 16, 4), (3, 24, 8), (1, 32, 16)])
 def test_write_matches_expected(device, impl, dtype, num_kv_heads, head_dim, block_size):
-    check_write(device, num_tokens=11, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                dtype=dtype, src_dtype=dtype, impl=impl, pad_every=4)
+    check_write(
+        device,
+        num_tokens=11,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        src_dtype=dtype,
+        impl=impl,
+        pad_every=4,
+    )
 
 
 def test_write_casts_to_cache_dtype(device):
-    check_write(device, num_tokens=9, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16,
-                src_dtype=torch.float32, impl="triton", pad_every=3)
+    check_write(
+        device,
+        num_tokens=9,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float16,
+        src_dtype=torch.float32,
+        impl="triton",
+        pad_every=3,
+    )
 
 
 def test_slot_mapping_shape_error(device):
@@ -55,5 +74,14 @@ def test_slot_mapping_shape_error(device):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_large(dtype):
-    check_write("cuda", num_tokens=300, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype,
-                src_dtype=dtype, impl="triton", pad_every=7)
+    check_write(
+        "cuda",
+        num_tokens=300,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        src_dtype=dtype,
+        impl="triton",
+        pad_every=7,
+    )

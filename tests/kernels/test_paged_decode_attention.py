@@ -12,19 +12,41 @@ ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 RAGGED = [1, 7, 37, 18]
 
 
-def run_and_compare(make_paged_kv, dense_attn, device, *, seq_lens, num_q_heads, num_kv_heads, head_dim,
-                    block_size, dtype, num_splits=None, impl="triton", seed=0):
+def run_and_compare(
+    make_paged_kv,
+    dense_attn,
+    device,
+    *,
+    seq_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    num_splits=None,
+    impl="triton",
+    seed=0,
+):
     paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (B, Hq, D)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    result = paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
-                                    scale, out=out, num_splits=num_splits, impl=impl)
+    result = paged_decode_attention(
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        paged.seq_lens,
+        scale,
+        out=out,
+        num_splits=num_splits,
+        impl=impl,
+    )
     assert result is out
     assert not torch.isnan(out).any(), "an output element was not written"
     for b, n in enumerate(seq_lens):
-        want = dense_attn(q[b:b + 1], paged.keys[b], paged.values[b], scale, first_pos=n - 1)[0]
+        want = dense_attn(q[b : b + 1], paged.keys[b], paged.values[b], scale, first_pos=n - 1)[0]
         torch.testing.assert_close(out[b].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
@@ -32,23 +54,53 @@ def run_and_compare(make_paged_kv, dense_attn, device, *, seq_lens, num_q_heads,
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [4, 8])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads,
-                              block_size, num_splits):
-    run_and_compare(make_paged_kv, dense_attn, device, seq_lens=RAGGED, num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size, dtype=dtype,
-                    num_splits=num_splits)
+def test_triton_matches_dense(
+    make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads, block_size, num_splits
+):
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seq_lens=RAGGED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        dtype=dtype,
+        num_splits=num_splits,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(make_paged_kv, dense_attn, device, seq_lens=RAGGED, num_q_heads=4, num_kv_heads=2,
-                    head_dim=32, block_size=4, dtype=dtype, impl="ref")
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seq_lens=RAGGED,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=dtype,
+        impl="ref",
+    )
 
 
 def test_mqa_odd_head_dim_and_heuristic_splits(make_paged_kv, dense_attn, device):
     """One KV head for 8 query heads, head_dim 24 (masked columns), block 16, splits by heuristic."""
-    run_and_compare(make_paged_kv, dense_attn, device, seq_lens=[70, 3], num_q_heads=8, num_kv_heads=1,
-                    head_dim=24, block_size=16, dtype=torch.float32, num_splits=None)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seq_lens=[70, 3],
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=24,
+        block_size=16,
+        dtype=torch.float32,
+        num_splits=None,
+    )
 
 
 @pytest.mark.parametrize("impl", ["triton", "ref"])
@@ -57,8 +109,17 @@ def test_empty_sequence_gives_zeros(make_paged_kv, device, impl, num_splits):
     paged = make_paged_kv([5, 0], 2, 16, 4, torch.float32, device)
     q = torch.randn(2, 2, 16, device=device)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.25,
-                           out=out, num_splits=num_splits, impl=impl)
+    paged_decode_attention(
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        paged.seq_lens,
+        0.25,
+        out=out,
+        num_splits=num_splits,
+        impl=impl,
+    )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert not torch.isnan(out[0]).any()
 
@@ -88,7 +149,9 @@ def test_unknown_impl_error(device):
     cache = torch.zeros(2, 4, 2, 16, device=device)
     bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
     sl = torch.ones(1, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match=r"^paged_decode_attention: impl='cuda' is not one of \('auto', 'triton', 'ref'\)$"):
+    with pytest.raises(
+        ValueError, match=r"^paged_decode_attention: impl='cuda' is not one of \('auto', 'triton', 'ref'\)$"
+    ):
         paged_decode_attention(q, cache, cache, bt, sl, 1.0, impl="cuda")
 
 
@@ -98,8 +161,16 @@ def test_unknown_impl_error(device):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 1, 64)])
-def test_gpu_large(make_paged_kv, dense_attn, dtype, num_splits, block_size, num_q_heads, num_kv_heads,
-                   head_dim):
-    run_and_compare(make_paged_kv, dense_attn, "cuda", seq_lens=[3000, 1, 517, 2048, 33, 1500],
-                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    block_size=block_size, dtype=dtype, num_splits=num_splits)
+def test_gpu_large(make_paged_kv, dense_attn, dtype, num_splits, block_size, num_q_heads, num_kv_heads, head_dim):
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        "cuda",
+        seq_lens=[3000, 1, 517, 2048, 33, 1500],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        num_splits=num_splits,
+    )

@@ -14,8 +14,22 @@ ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SEQS = [(37, 37), (23, 6), (9, 1), (16, 16), (40, 17)]
 
 
-def run_and_compare(make_paged_kv, dense_attn, device, *, seqs, num_q_heads, num_kv_heads, head_dim,
-                    block_size, dtype, impl="triton", config=None, pad_rows=0, seed=0):
+def run_and_compare(
+    make_paged_kv,
+    dense_attn,
+    device,
+    *,
+    seqs,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    impl="triton",
+    config=None,
+    pad_rows=0,
+    seed=0,
+):
     seq_lens = [n for n, _ in seqs]
     q_lens = [m for _, m in seqs]
     paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
@@ -23,10 +37,9 @@ def run_and_compare(make_paged_kv, dense_attn, device, *, seqs, num_q_heads, num
     num_tokens = int(qsl[-1]) + pad_rows
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (T, Hq, D)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl.to(device), paged.seq_lens,
-            max(q_lens), scale)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl.to(device), paged.seq_lens, max(q_lens), scale)
     if config is None:
         result = paged_prefill_attention(*args, out=out, impl=impl)
     else:
@@ -37,22 +50,42 @@ def run_and_compare(make_paged_kv, dense_attn, device, *, seqs, num_q_heads, num
     assert torch.isnan(out[real:]).all(), "padding rows must stay untouched"
     for b, (n, m) in enumerate(seqs):
         start = int(qsl[b])
-        want = dense_attn(q[start:start + m], paged.keys[b], paged.values[b], scale, first_pos=n - m)
-        torch.testing.assert_close(out[start:start + m].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
+        want = dense_attn(q[start : start + m], paged.keys[b], paged.values[b], scale, first_pos=n - m)
+        torch.testing.assert_close(out[start : start + m].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads, block_size):
-    run_and_compare(make_paged_kv, dense_attn, device, seqs=SEQS, num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size, dtype=dtype)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seqs=SEQS,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(make_paged_kv, dense_attn, device, seqs=SEQS, num_q_heads=4, num_kv_heads=2,
-                    head_dim=32, block_size=4, dtype=dtype, impl="ref", pad_rows=3)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seqs=SEQS,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=dtype,
+        impl="ref",
+        pad_rows=3,
+    )
 
 
 @pytest.mark.parametrize("block_m,block_n,single_loop", [(32, 16, False), (16, 32, False), (16, 16, True)])
@@ -61,8 +94,19 @@ def test_tile_shapes_and_padding_rows(make_paged_kv, dense_attn, device, block_m
     goes through the masked loop); trailing padding rows of q (beyond query_start_loc[-1]) are not
     written."""
     config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, SINGLE_LOOP=single_loop)
-    run_and_compare(make_paged_kv, dense_attn, device, seqs=[(50, 45), (70, 3)], num_q_heads=2,
-                    num_kv_heads=1, head_dim=24, block_size=8, dtype=torch.float32, config=config, pad_rows=2)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        device,
+        seqs=[(50, 45), (70, 3)],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=24,
+        block_size=8,
+        dtype=torch.float32,
+        config=config,
+        pad_rows=2,
+    )
 
 
 def test_cache_length_mismatch_error(device):
@@ -71,8 +115,11 @@ def test_cache_length_mismatch_error(device):
     bt = torch.zeros(2, 1, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
     sl = torch.tensor([3, 1], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match=r"^paged_prefill_attention: for 2 sequences query_start_loc must be "
-                                         r"\(3,\) and block_tables \(2, max_blocks\), got \(2,\) and \(2, 1\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^paged_prefill_attention: for 2 sequences query_start_loc must be "
+        r"\(3,\) and block_tables \(2, max_blocks\), got \(2,\) and \(2, 1\)$",
+    ):
         paged_prefill_attention(q, cache, cache, bt, qsl, sl, 3, 1.0)
 
 
@@ -83,8 +130,17 @@ def test_cache_length_mismatch_error(device):
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 64)])
 def test_gpu_large(make_paged_kv, dense_attn, dtype, block_size, num_q_heads, num_kv_heads, head_dim):
     seqs = [(1000, 1000), (812, 300), (2077, 77), (31, 1), (513, 513)]
-    run_and_compare(make_paged_kv, dense_attn, "cuda", seqs=seqs, num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        "cuda",
+        seqs=seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.gpu
@@ -92,5 +148,14 @@ def test_gpu_large(make_paged_kv, dense_attn, dtype, block_size, num_q_heads, nu
 def test_gpu_short_queries_use_small_tiles(make_paged_kv, dense_attn):
     """max_query_len 5 picks BLOCK_M 16 (a mixed chunked-prefill/decode batch)."""
     seqs = [(300, 5), (17, 2), (64, 1)]
-    run_and_compare(make_paged_kv, dense_attn, "cuda", seqs=seqs, num_q_heads=32, num_kv_heads=8,
-                    head_dim=128, block_size=16, dtype=torch.bfloat16)
+    run_and_compare(
+        make_paged_kv,
+        dense_attn,
+        "cuda",
+        seqs=seqs,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )

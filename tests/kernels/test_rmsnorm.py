@@ -47,8 +47,9 @@ def test_residual_add_then_norm(device, impl, dtype):
     out, new_res = rms_norm(x.view(2, 2, 48), w, EPS, residual=res.view(2, 2, 48), impl=impl)
     assert out.shape == (2, 2, 48) and new_res.shape == (2, 2, 48)
     assert torch.equal(new_res.view(4, 48), x + res)  # the eager add, bit for bit
-    torch.testing.assert_close(out.view(4, 48), hf_rms_norm(x + res, w, EPS), atol=one_ulp(dtype) * 4,
-                               rtol=one_ulp(dtype))
+    torch.testing.assert_close(
+        out.view(4, 48), hf_rms_norm(x + res, w, EPS), atol=one_ulp(dtype) * 4, rtol=one_ulp(dtype)
+    )
 
 
 def test_weight_shape_error(device):

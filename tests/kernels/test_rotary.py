@@ -10,8 +10,13 @@ from splitserve.kernels import build_cos_sin_cache, rotary_embedding
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def hf_rotate(x, positions, cache):
@@ -65,15 +70,25 @@ def test_linear_scaling_divides_angles():
     torch.testing.assert_close(scaled[::4], plain, atol=1e-6, rtol=1e-6)  # position 4p scaled == p plain
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0}, LLAMA3,
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        LLAMA3,
+    ],
+)
 def test_cache_equals_hf_llama_rotary_embedding(rope_parameters):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=256,
-                                      rope_parameters={**rope_parameters, "rope_theta": 500000.0})
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        max_position_embeddings=256,
+        rope_parameters={**rope_parameters, "rope_theta": 500000.0},
+    )
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(200)[None])  # (1, 200, 64)
     cache = build_cos_sin_cache(64, 200, 500000.0, rope_parameters, torch.float32)
     assert torch.equal(cache[:, :32], cos[0, :, :32])
@@ -94,8 +109,11 @@ def test_llama3_bands():
 
 
 def test_unknown_rope_type_error():
-    with pytest.raises(ValueError, match=r"^build_cos_sin_cache: rope_type 'yarn' is not supported; choose one "
-                                         r"of \('default', 'linear', 'llama3'\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^build_cos_sin_cache: rope_type 'yarn' is not supported; choose one "
+        r"of \('default', 'linear', 'llama3'\)$",
+    ):
         build_cos_sin_cache(8, 4, 10000.0, {"rope_type": "yarn", "factor": 2.0}, torch.float32)
 
 
@@ -103,8 +121,9 @@ def test_unknown_rope_type_error():
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_large(dtype):
-    cache = build_cos_sin_cache(128, 8192, 500000.0, {**LLAMA3, "original_max_position_embeddings": 8192},
-                                dtype, device="cuda")
+    cache = build_cos_sin_cache(
+        128, 8192, 500000.0, {**LLAMA3, "original_max_position_embeddings": 8192}, dtype, device="cuda"
+    )
     positions = torch.randint(0, 8192, (1000,), device="cuda")
     q = torch.randn(1000, 32, 128, device="cuda").to(dtype)
     k = torch.randn(1000, 8, 128, device="cuda").to(dtype)
