@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,10 @@ from pathlib import Path
 
 import grpc
 
+from splitserve.bench.serve_launch import free_port
 from splitserve.engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:

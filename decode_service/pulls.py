@@ -14,6 +14,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -21,10 +22,13 @@ import torch
 
 from splitserve.common.wire import layout_from_proto, logprobs_from_proto
 from splitserve.engine import core_messages as m
+from splitserve.engine.core_process import EngineClient
 from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
 from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
-from splitserve.runtime.grpc_server import internal_channel
+from splitserve.runtime.grpc_server import InternalTls, internal_channel
+from splitserve.runtime.metrics import ServiceCounters
+from splitserve.runtime.service_config import ServiceConfig
 
 log = logging.getLogger("splitserve.decode.pulls")
 
@@ -41,9 +45,34 @@ class PendingPull:
     send: asyncio.Task | None = None  # nccl: the SendKv call; its result is None (sent) or why it failed
 
 
+@dataclass(frozen=True)
+class PullHooks:
+    """What a pull needs to know of, or tell, the decode service's request bookkeeping."""
+
+    span_of: Callable[[str], object | None]  # request_id -> its "decode" span, or None
+    on_imported: Callable[[str, int, int], None]  # (request_id, cached prompt tokens, blocks pulled)
+    fail_request: Callable[[str, str], None]  # (request_id, error): end it with that error
+
+
 class PullCoordinator:
-    def __init__(self, service) -> None:
-        self.service = service
+    """Pulls of one decode service: its engine client, its config, its instance name and internal
+    TLS, the counters sink, and the hooks above; nothing else of the service."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        config: ServiceConfig,
+        instance: str,
+        internal_tls: InternalTls | None,
+        counters: ServiceCounters,
+        hooks: PullHooks,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.instance = instance
+        self.internal_tls = internal_tls
+        self.counters = counters
+        self.hooks = hooks
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._pairs: dict[str, asyncio.Task] = {}
@@ -52,11 +81,11 @@ class PullCoordinator:
 
     @property
     def recompute(self) -> bool:
-        return self.service.config.kv_load_failure_policy == "recompute"
+        return self.config.kv_load_failure_policy == "recompute"
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            self._stubs[address] = prefill_pb2_grpc.PrefillStub(internal_channel(address, self.service.internal_tls))
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(internal_channel(address, self.internal_tls))
         return self._stubs[address]
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -95,7 +124,7 @@ class PullCoordinator:
             tag=transfer_tag(handle.lease.epoch),
         )
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
-        self.service.client.send(
+        self.client.send(
             m.ImportKv(
                 req.request_id,
                 list(req.prompt_token_ids),
@@ -120,7 +149,7 @@ class PullCoordinator:
             return known
         try:
             info = await self.stub(address).Describe(
-                common_pb2.DescribeRequest(), timeout=self.service.config.kv_transfer_timeout_s
+                common_pb2.DescribeRequest(), timeout=self.config.kv_transfer_timeout_s
             )
         except Exception as exc:
             return {"error": f"cannot ask {address} for its KV pool: {exc}"}
@@ -150,17 +179,17 @@ class PullCoordinator:
     async def _ask_send(self, pull: PendingPull, msg: m.NeedSend) -> str | None:
         """Ask the prefill to send; None when it answered that it sent, else why not."""
         h = pull.handle
-        span = self.service.spans.get(msg.request_id)
+        span = self.hooks.span_of(msg.request_id)
         metadata = tuple(tracing.inject(span).items()) if span is not None else None
         try:
             await self.stub(h.prefill_address).SendKv(
                 prefill_pb2.SendKvRequest(
-                    decode_instance=self.service.name,
+                    decode_instance=self.instance,
                     lease_id=h.lease.lease_id,
                     epoch=h.lease.epoch,
                     block_indices=msg.block_indices,
                 ),
-                timeout=self.service.config.kv_transfer_timeout_s,
+                timeout=self.config.kv_transfer_timeout_s,
                 metadata=metadata,
                 wait_for_ready=True,
             )
@@ -170,13 +199,9 @@ class PullCoordinator:
         return None
 
     async def _release(self, handle) -> bool:
-        epoch = handle.lease.epoch
-        if self.service.faults.get("corrupt_epoch", 0) > 0:  # test-only: validate against a wrong epoch
-            self.service.faults["corrupt_epoch"] -= 1
-            epoch += 1_000_000
         try:
             response = await self.stub(handle.prefill_address).ReleaseKv(
-                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=epoch),
+                prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch),
                 timeout=RELEASE_TIMEOUT_S,
                 wait_for_ready=True,
             )
@@ -189,13 +214,12 @@ class PullCoordinator:
         pull = self.pending.pop(done.request_id, None)
         if pull is None:
             return  # cancelled; its lease was released by cancel()
-        service = self.service
         end_ns = time.time_ns()
         tracing.record_span(
             "kv.transfer",
             end_ns - done.transfer_ns,
             end_ns,
-            service.spans.get(done.request_id),
+            self.hooks.span_of(done.request_id),
             {
                 "kv.transport": pull.handle.transport,
                 "kv.bytes": done.num_bytes,
@@ -210,39 +234,33 @@ class PullCoordinator:
             if why is not None:
                 done = replace(done, ok=False, error=why)
         if done.ok and released:
-            stream = service.owner.get(done.request_id)
-            if stream is not None:
-                stream.first_info[done.request_id] = (done.num_cached_tokens, done.num_blocks_pulled)
-            service.count("kv_blocks_pulled", done.num_blocks_pulled)
-            service.count("kv_bytes_pulled", done.num_bytes)
-            service.count("kv_transfer_ns", done.transfer_ns)
-            service.count("kv_copy_device_ns", done.device_ns)
-            mt = service.metrics
-            mt.lab(mt.kv_transfer_bytes).inc(done.num_bytes)
-            mt.lab(mt.kv_transfer_blocks).inc(done.num_blocks_pulled)
-            mt.lab(mt.kv_transfer_time).observe(done.transfer_ns / 1e9)
-            service.client.send(m.CommitImport(done.request_id, ok=True))
+            self.hooks.on_imported(done.request_id, done.num_cached_tokens, done.num_blocks_pulled)
+            self.counters.count("kv_blocks_pulled", done.num_blocks_pulled)
+            self.counters.count("kv_bytes_pulled", done.num_bytes)
+            self.counters.count("kv_transfer_ns", done.transfer_ns)
+            self.counters.count("kv_copy_device_ns", done.device_ns)
+            self.counters.observe_transfer(done.transfer_ns / 1e9)
+            self.client.send(m.CommitImport(done.request_id, ok=True))
             return
         reason = done.error or f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
         if done.error is None:
             # the copy happened but the lease may have lapsed meanwhile: discard it
-            service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+            self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
             if not self.recompute:
-                service.fail_request(done.request_id, reason)
+                self.hooks.fail_request(done.request_id, reason)
             else:
-                service.count("kv_pull_recomputes")
+                self.counters.count("kv_pull_recomputes")
             return
         # the pull itself failed: recompute locally or fail, by policy
         if pull.handle.transport == "nccl":
             self._pairs.pop(pull.handle.prefill_instance, None)  # rebuilt on the next pull
-        service.count("kv_pull_failures")
-        service.metrics.lab(service.metrics.kv_transfer_failures).inc()
-        log.warning("request_id=%s %s (policy %s)", done.request_id, reason, service.config.kv_load_failure_policy)
-        service.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+        self.counters.count("kv_pull_failures")
+        log.warning("request_id=%s %s (policy %s)", done.request_id, reason, self.config.kv_load_failure_policy)
+        self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
         if self.recompute:
-            service.count("kv_pull_recomputes")
+            self.counters.count("kv_pull_recomputes")
         else:
-            service.fail_request(done.request_id, reason)
+            self.hooks.fail_request(done.request_id, reason)
 
     # -- nccl pairs ------------------------------------------------------------------------
     async def prepare_peers(self, addresses: list[str]) -> None:
@@ -250,7 +268,7 @@ class PullCoordinator:
         (nccl) or map its KV pool (shm, cuda_ipc), so that its first request pays for neither."""
         from splitserve.protos import common_pb2
 
-        transport = self.service.config.kv_transport
+        transport = self.config.kv_transport
         for address in addresses:
             for attempt in range(600):
                 try:
@@ -266,13 +284,13 @@ class PullCoordinator:
                         await self.ensure_pair(name, address, patient=True)
                     elif transport in info.transports and info.kv_endpoint:
                         self._endpoints[address] = dict(info.kv_endpoint)
-                        await self.service.client.call(
+                        await self.client.call(
                             lambda cid: m.MapPeer(
                                 cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)
                             ),
                             timeout_s=60.0,
                         )
-                        self.service.count("peers_mapped")
+                        self.counters.count("peers_mapped")
                         log.info("mapped %s's KV pool (%s)", name, transport)
                 except Exception as exc:  # its requests will pair or map on their way (or fail by policy)
                     log.warning("preparing prefill %s (%s) failed: %s", name, address, exc)
@@ -298,26 +316,25 @@ class PullCoordinator:
         return info.kv_endpoint.get("gpu_uuid", "")
 
     async def _pair(self, prefill_instance: str, prefill_address: str, patient: bool) -> None:
-        service = self.service
-        host = service.config.peer_host  # the prefill dials the store here
+        host = self.config.peer_host  # the prefill dials the store here
         with socket.socket() as s:
-            s.bind((service.config.host, 0))
+            s.bind((self.config.host, 0))
             port = s.getsockname()[1]
-        backend = "nccl" if torch.cuda.is_available() and service.client.info.device.startswith("cuda") else "gloo"
-        pair = pair_name(prefill_instance, service.name)
-        keepalive = backend == "nccl" and service.config.kv_link_keepalive_ms > 0  # a GPU decode's own link
+        backend = "nccl" if torch.cuda.is_available() and self.client.info.device.startswith("cuda") else "gloo"
+        pair = pair_name(prefill_instance, self.instance)
+        keepalive = backend == "nccl" and self.config.kv_link_keepalive_ms > 0  # a GPU decode's own link
         peer_gpu = await self._peer_gpu(prefill_address) if keepalive else ""
         mine = asyncio.create_task(
-            service.client.call(
+            self.client.call(
                 lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0
             )
         )
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
         await self.stub(prefill_address).PairKv(
-            prefill_pb2.PairKvRequest(decode_instance=service.name, store_host=host, store_port=port, backend=backend),
-            timeout=30.0 if patient else service.config.kv_transfer_timeout_s,
+            prefill_pb2.PairKvRequest(decode_instance=self.instance, store_host=host, store_port=port, backend=backend),
+            timeout=30.0 if patient else self.config.kv_transfer_timeout_s,
             wait_for_ready=True,
         )
         await mine
-        service.count("pairs_created")
+        self.counters.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
-from splitserve.decode_service.pulls import PullCoordinator
+from splitserve.decode_service.pulls import PullCoordinator, PullHooks
 from splitserve.engine import core_messages as m
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
@@ -46,9 +45,10 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         super().__init__(engine_config, service_config)
         self.role = engine_config.role
         self.owner: dict[str, GatewayStream] = {}
-        self.pulls = PullCoordinator(self)
         self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
+        hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
+        self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_tls, self.counters, hooks)
 
     async def before_serving(self) -> None:
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
@@ -77,7 +77,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 continue
             delta = common_pb2_delta(out, stream)
             per_stream.setdefault(id(stream), (stream, []))[1].append(delta)
-            self.count("generation_tokens", len(out.new_token_ids))
+            self.counters.count("generation_tokens", len(out.new_token_ids))
             self._observe(out)
             if out.finished:
                 self.finish_request(out.request_id, out.error)
@@ -91,7 +91,6 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if t is None:
             return
         if out.new_token_ids:
-            mt.lab(mt.generation_tokens).inc(len(out.new_token_ids))
             if t[1] == 0.0:
                 t[1] = now
             else:
@@ -116,12 +115,18 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             stream.first_info.pop(request_id, None)
             self.inflight -= 1
 
+    def _on_imported(self, request_id: str, num_cached_tokens: int, num_blocks_pulled: int) -> None:
+        """A pull committed: its first delta reports what was cached and what moved."""
+        stream = self.owner.get(request_id)
+        if stream is not None:
+            stream.first_info[request_id] = (num_cached_tokens, num_blocks_pulled)
+
     def fail_request(self, request_id: str, error: str) -> None:
         """End a request with an error delta (the core holds nothing for it any more)."""
         stream = self.owner.get(request_id)
         if stream is None:
             return
-        self.count("requests_failed")
+        self.counters.count("requests_failed")
         tracing.end_span(self.spans.pop(request_id, None), error)
         stream.out.put_nowait(
             decode_pb2.DecodeOut(
@@ -206,11 +211,11 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             )
         stream.request_ids.add(rid)
         self.inflight += 1
-        self.count("requests_received")
+        self.counters.count("requests_received")
         if req.HasField("kv") and req.HasField("first_token_id"):
             self.pulls.start(req, params)
         else:
-            self.metrics.lab(self.metrics.prompt_tokens).inc(len(req.prompt_token_ids))
+            self.counters.count("prompt_tokens", len(req.prompt_token_ids))
             self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed))
 
 
@@ -229,12 +234,6 @@ def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
         if out.error:
             delta.error = out.error
     return delta
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _serve(engine_config, service_config) -> int:

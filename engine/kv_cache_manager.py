@@ -105,11 +105,6 @@ class KvCacheManager:
             blocks.extend(self.pool.allocate(missing))
         return True
 
-    def adopt_blocks(self, request_id: str, block_ids: list[int], num_registered: int) -> None:
-        """Hand already-referenced blocks to a request (decode import path)."""
-        self.req_blocks[request_id] = list(block_ids)
-        self._num_registered[request_id] = num_registered
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the hashes of the request's blocks that are now full and computed."""
         if not self.pool.enable_caching:
@@ -130,10 +125,6 @@ class KvCacheManager:
         self.pool.free(reversed(blocks))
         self._req_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-
-    def reset_hashes(self, request_id: str) -> None:
-        """Forget a request's hash cache (its token ids changed)."""
-        self._req_hashes.pop(request_id, None)
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])

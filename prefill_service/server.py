@@ -54,8 +54,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                     len(lease.block_ids),
                 )
                 self.client.send(m.ReleaseHeld(lease.request_id))
-                self.count("leases_expired")
-                self.metrics.lab(self.metrics.kv_leases_expired).inc()
+                self.counters.count("leases_expired")
 
     async def Prefill(self, request, context):
         parent = tracing.extract(tracing.metadata_carrier(context.invocation_metadata()))
@@ -101,9 +100,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         )
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
-        self.count("prompt_tokens", len(request.prompt_token_ids))
+        self.counters.count("prompt_tokens", len(request.prompt_token_ids))
         mt = self.metrics
-        mt.lab(mt.prompt_tokens).inc(len(request.prompt_token_ids))
         mt.lab(mt.queue).observe(out.queue_ns / 1e9)
         mt.lab(mt.prefill_time).observe(max(total_ns - out.queue_ns, 0) / 1e9)
         response.timings.queue_ns = out.queue_ns
@@ -142,7 +140,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         if lease is None:
             return False
         self.client.send(m.ReleaseHeld(lease.request_id))
-        self.count("leases_released")
+        self.counters.count("leases_released")
         return True
 
     async def ReleaseKv(self, request, context):
@@ -163,7 +161,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             )
         except Exception as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.count("pairs_created")
+        self.counters.count("pairs_created")
         return prefill_pb2.PairKvResponse(paired=True)
 
     async def SendKv(self, request, context):
@@ -196,14 +194,12 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                 lambda cid: m.SendBlocks(cid, pair, block_ids, tag), timeout_s=self.config.kv_transfer_timeout_s + 5
             )
         except Exception as exc:
-            self.count("kv_send_failures")
-            self.metrics.lab(self.metrics.kv_transfer_failures).inc()
+            self.counters.count("kv_send_failures")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.count("kv_bytes_sent", result["num_bytes"])
-        self.count("kv_send_ns", result["transfer_ns"])
-        self.count("kv_send_device_ns", result["device_ns"])
-        self.metrics.lab(self.metrics.kv_transfer_bytes).inc(result["num_bytes"])
-        self.metrics.lab(self.metrics.kv_transfer_blocks).inc(len(block_ids))
+        self.counters.count("kv_bytes_sent", result["num_bytes"])
+        self.counters.count("kv_blocks_sent", len(block_ids))
+        self.counters.count("kv_send_ns", result["transfer_ns"])
+        self.counters.count("kv_send_device_ns", result["device_ns"])
         return prefill_pb2.SendKvResponse(num_bytes=result["num_bytes"], transfer_ns=result["transfer_ns"])
 
     async def Describe(self, request, context):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -28,6 +29,25 @@ def wait_until(condition, timeout_s: float, message: str | object, poll_s: float
         time.sleep(poll_s)
 
 
+async def wait_until_async(condition, timeout_s: float, message: str | object, poll_s: float = 0.05):
+    """`wait_until` inside an event loop: awaits `condition()` (a coroutine function, e.g. one asking
+    Describe) until it returns a truthy value (returned), failing after `timeout_s` with `message`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout_s:g} s: {message() if callable(message) else message}")
+        await asyncio.sleep(poll_s)
+
+
+def fault_env(faults: str) -> dict[str, str]:
+    """Environment that makes a service process (and its engine core, which inherits it) load
+    tests/fault_injection.py through tests/faults/sitecustomize.py."""
+    return {"SPLITSERVE_TEST_FAULTS": faults, "PYTHONPATH": f"{REPO / 'tests' / 'faults'}{os.pathsep}{REPO}"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,10 +57,14 @@ def free_port() -> int:
 class Proc:
     """One `python -m splitserve.cli <command> ...` process; waits for its READY line."""
 
-    def __init__(self, command: str, args: list[str], log_dir: Path, name: str) -> None:
+    def __init__(self, command: str, args: list[str], log_dir: Path, name: str, faults: str = "") -> None:
+        """`faults`: what tests/fault_injection.py injects into this process and its engine core
+        (e.g. "pull_drop=2"); empty = none."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPLITSERVE_LOG_LEVEL": "INFO"}
+        if faults:
+            env.update(fault_env(faults))
         self.log = open(self.log_path, "w")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", command, *args],
@@ -104,11 +128,12 @@ def start_service(
     name: str,
     port: int | None = None,
     service_args: list[str] = (),
+    faults: str = "",
     **engine_overrides,
 ) -> tuple[Proc, str]:
     port = port or free_port()
     args = engine_args(model_dir, **engine_overrides) + ["--port", str(port), "--instance-name", name, *service_args]
-    proc = Proc(command, args, log_dir, name)
+    proc = Proc(command, args, log_dir, name, faults=faults)
     return proc, f"127.0.0.1:{port}"
 
 
@@ -116,7 +141,14 @@ class Stack:
     """gateway + prefill + N decodes on loopback, the default model, float64 (see ENGINE)."""
 
     def __init__(
-        self, transport: str, logs, num_decode: int = 2, prefill_args: list[str] = (), decode_args: list[str] = ()
+        self,
+        transport: str,
+        logs,
+        num_decode: int = 2,
+        prefill_args: list[str] = (),
+        decode_args: list[str] = (),
+        prefill_faults: str = "",
+        decode_faults: str = "",
     ):
         from splitserve.common.default_model_path import default_model_path
 
@@ -124,7 +156,10 @@ class Stack:
         self.model, self.logs, self.transport = model, logs, transport
         self.procs: dict[str, Proc] = {}
         self.prefill_args = ["--kv-transport", transport, *prefill_args]
-        self.prefill = start_service("prefill", model, logs, "prefill", service_args=self.prefill_args, **ENGINE)
+        self.prefill_faults = prefill_faults
+        self.prefill = start_service(
+            "prefill", model, logs, "prefill", service_args=self.prefill_args, faults=prefill_faults, **ENGINE
+        )
         self.procs["prefill"] = self.prefill[0]
         self.decodes = []
         for i in range(num_decode):
@@ -134,6 +169,7 @@ class Stack:
                 logs,
                 f"decode-{i}",
                 service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1], *decode_args],
+                faults=decode_faults,
                 **ENGINE,
             )
             self.procs[f"decode-{i}"] = proc

@@ -72,9 +72,7 @@ async def wait_blocks_free(stack, timeout_s=5.0, skip=()):
 )
 def test_transfer_faults_recompute_the_right_tokens(faults, counter, expected, reference, tmp_path):
     prompts, greedy = reference
-    stack = Stack(
-        "shm", tmp_path, num_decode=1, decode_args=["--fault-injection", faults], prefill_args=["--lease-s", "1"]
-    )
+    stack = Stack("shm", tmp_path, num_decode=1, decode_faults=faults, prefill_args=["--lease-s", "1"])
     try:
 
         async def main():
@@ -100,7 +98,7 @@ def test_prefill_killed_mid_send_over_nccl(reference, tmp_path):
         "nccl",
         tmp_path,
         num_decode=1,
-        prefill_args=["--fault-injection", "send_kill_after_blocks=12"],
+        prefill_faults="send_kill_after_blocks=12",
         decode_args=["--kv-transfer-timeout-s", "1"],
     )
     try:

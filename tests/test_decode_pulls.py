@@ -9,9 +9,11 @@ from unittest import mock
 import grpc
 import torch
 
-from splitserve.decode_service.pulls import PendingPull, PullCoordinator
+from splitserve.decode_service.pulls import PendingPull, PullCoordinator, PullHooks
 from splitserve.engine import core_messages as m
 from splitserve.protos import common_pb2, decode_pb2, prefill_pb2
+from splitserve.runtime.metrics import ServiceCounters
+from splitserve.runtime.service_config import ServiceConfig
 
 ENDPOINT = {"shm_name": "splitserve-kv-p0-1", "num_blocks": "64"}
 
@@ -34,6 +36,25 @@ class SlowPrefill:
         return prefill_pb2.ReleaseKvResponse(released=True)
 
 
+def coordinator(client, failed: list | None = None, **config) -> PullCoordinator:
+    """A decode "d0"'s PullCoordinator with a real config and counters; `failed` collects fail_request calls."""
+    hooks = PullHooks(
+        span_of=lambda rid: None,
+        on_imported=lambda rid, cached, pulled: None,
+        fail_request=lambda rid, reason: (failed if failed is not None else []).append((rid, reason)),
+    )
+    return PullCoordinator(client, ServiceConfig(**config), "d0", None, ServiceCounters(), hooks)
+
+
+async def wait_for(condition, timeout_s: float, message: str) -> None:
+    """Let the coordinator's tasks run until `condition()` holds (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"after {timeout_s} s: {message}"
+        await asyncio.sleep(0.001)
+
+
 def request(rid: str) -> decode_pb2.DecodeRequest:
     kv = common_pb2.KvHandle(
         prefill_instance="p0",
@@ -49,22 +70,18 @@ def request(rid: str) -> decode_pb2.DecodeRequest:
 
 def test_a_request_cancelled_while_the_decode_asks_its_prefill_never_reaches_the_core():
     sent = []
-    service = SimpleNamespace(
-        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="recompute"),
-        client=SimpleNamespace(send=sent.append),
-        faults={},
-    )
     prefill = SlowPrefill()
 
     async def main():
-        pulls = PullCoordinator(service)
+        pulls = coordinator(SimpleNamespace(send=sent.append), kv_transfer_timeout_s=2.0)
         pulls.stub = lambda address: prefill
         pulls.start(request("a"), params=None)
         pulls.start(request("b"), params=None)
-        await asyncio.sleep(0.05)  # both wait on Describe
+        await wait_for(lambda: prefill.described == 2, 2.0, "both pulls should wait on Describe")
         pulls.cancel("a")
         prefill.go.set()
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: sent and prefill.released, 2.0, "b's import and a's release")
+        await asyncio.gather(*pulls._tasks)
 
     asyncio.run(main())
     imports = [msg for msg in sent if isinstance(msg, m.ImportKv)]
@@ -96,22 +113,10 @@ def pair_messages(keepalive_ms: float, prefill: PairingPrefill, device: str = "c
         calls.append(make_msg(1))
         return True
 
-    config = SimpleNamespace(
-        kv_transfer_timeout_s=2.0,
-        kv_load_failure_policy="recompute",
-        kv_link_keepalive_ms=keepalive_ms,
-        peer_host="127.0.0.1",
-        host="127.0.0.1",
-    )
-    service = SimpleNamespace(
-        config=config,
-        name="d0",
-        count=lambda *a: None,
-        client=SimpleNamespace(call=call, info=SimpleNamespace(device=device)),
-    )
+    client = SimpleNamespace(call=call, info=SimpleNamespace(device=device))
 
     async def main():
-        pulls = PullCoordinator(service)
+        pulls = coordinator(client, kv_transfer_timeout_s=2.0, kv_link_keepalive_ms=keepalive_ms, host="127.0.0.1")
         pulls.stub = lambda address: prefill
         await pulls.ensure_pair("p0", "127.0.0.1:1")
 
@@ -164,35 +169,20 @@ class SendingPrefill:
 def finish_nccl_pull(send_error: str | None) -> tuple[list, list, SendingPrefill]:
     """An nccl pull whose receive the core reports done (ok) after asking the prefill to send."""
     sent, failed = [], []
-    metric = SimpleNamespace(inc=lambda *a: None, observe=lambda *a: None)
-    service = SimpleNamespace(
-        config=SimpleNamespace(kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"),
-        name="d0",
-        client=SimpleNamespace(send=sent.append),
-        faults={},
-        spans={},
-        owner={},
-        count=lambda *a: None,
-        metrics=SimpleNamespace(
-            lab=lambda metric_family: metric,
-            kv_transfer_bytes=0,
-            kv_transfer_blocks=0,
-            kv_transfer_time=0,
-            kv_transfer_failures=0,
-        ),
-        fail_request=lambda rid, reason: failed.append((rid, reason)),
-    )
     prefill = SendingPrefill(send_error)
 
     async def main():
-        pulls = PullCoordinator(service)
+        pulls = coordinator(
+            SimpleNamespace(send=sent.append), failed, kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"
+        )
         pulls.stub = lambda address: prefill
         handle = request("r").kv
         handle.transport = "nccl"
         pulls.pending["r"] = PendingPull("r", handle)
         pulls.on_core_message(m.NeedSend("r", "p0->d0", [0, 1]))
         pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=2, num_bytes=64))
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: any(isinstance(c, m.CommitImport) for c in sent), 2.0, "the pull's commit")
+        await asyncio.gather(*pulls._tasks)
 
     asyncio.run(main())
     return sent, failed, prefill

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from splitserve.common.config_fields import ConfigError, option, validate_fields
 
@@ -74,4 +74,3 @@ class RuntimeInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
-    extra: dict = field(default_factory=dict)

@@ -39,11 +39,9 @@ class KvIo:
         self.role = options.get("role", "both")
         self.timeout_s = float(options.get("timeout_s", 10.0))
         self.endpoint: dict[str, str] = {}
-        self.faults = dict(options.get("faults") or {})  # test-only fault injection
         keepalive_ms = float(options.get("link_keepalive_ms") or 0)
         self.keepalive = LinkKeepalive(keepalive_ms / 1000) if keepalive_ms > 0 else None
         self.device: torch.device | None = None  # this process's KV pool device
-        self._blocks_sent = 0
         self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
         self._own_pool: SharedKvPool | None = None
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
@@ -131,7 +129,6 @@ class KvIo:
         self.last_device_ns = 0  # set by the transports that time their copy on the device (cuda_ipc)
         if not indices:
             return 0
-        self._inject_pull_faults()
         kv_cache = core.engine.runner.kv_cache
         if spec.transport == "cuda_ipc":
             src_ids = [spec.block_ids[i] for i in indices]
@@ -158,13 +155,6 @@ class KvIo:
         if spec.transport == "nccl":
             return self._recv(spec, indices, dst_blocks, kv_cache, core)
         raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
-
-    def _inject_pull_faults(self) -> None:
-        if self.faults.get("pull_delay_ms"):
-            time.sleep(self.faults["pull_delay_ms"] / 1000)
-        if self.faults.get("pull_drop", 0) > 0:
-            self.faults["pull_drop"] -= 1
-            raise RuntimeError("injected fault: pull dropped")
 
     def _recv(self, spec, indices, dst_blocks, kv_cache, core) -> int:
         from splitserve.engine.core_messages import NeedSend
@@ -220,11 +210,6 @@ class KvIo:
         else:
             index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
             staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
-        kill_after = self.faults.get("send_kill_after_blocks")
-        if kill_after and self._blocks_sent + len(block_ids) > kill_after:
-            log.warning("injected fault: killing this service after %d blocks sent", self._blocks_sent)
-            os.killpg(os.getpgrp(), 9)
-        self._blocks_sent += len(block_ids)
         gathered = time.perf_counter_ns()
         start_event = torch.cuda.Event(enable_timing=True) if kv_cache.is_cuda else None
         if start_event is not None:

@@ -142,6 +142,51 @@ class Metrics:
             self._last_engine[key] = stats.get(key, 0)
 
 
+# A Describe counter -> the Metrics attribute of the Prometheus counter that records the same fact.
+PROMETHEUS_COUNTER_OF = {
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "kv_bytes_pulled": "kv_transfer_bytes",
+    "kv_bytes_sent": "kv_transfer_bytes",
+    "kv_blocks_pulled": "kv_transfer_blocks",
+    "kv_blocks_sent": "kv_transfer_blocks",
+    "kv_pull_failures": "kv_transfer_failures",
+    "kv_send_failures": "kv_transfer_failures",
+    "leases_expired": "kv_leases_expired",
+}
+
+
+class ServiceCounters:
+    """The one sink of a service's event counts: `count(name, n)` adds to the counters Describe
+    reports and, for a fact Prometheus exports too (PROMETHEUS_COUNTER_OF), to that counter, so
+    the two never disagree. Prometheus is attached once the model id is known (`attach`); counts
+    made before reach Prometheus then."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self._metrics: Metrics | None = None
+
+    def attach(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        for name, value in self.values.items():
+            self._export(name, value)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.values[name] = self.values.get(name, 0) + n
+        if self._metrics is not None:
+            self._export(name, n)
+
+    def observe_transfer(self, seconds: float) -> None:
+        """One request's KV pull or send duration (a histogram: Prometheus only)."""
+        if self._metrics is not None:
+            self._metrics.lab(self._metrics.kv_transfer_time).observe(seconds)
+
+    def _export(self, name: str, n: int) -> None:
+        attribute = PROMETHEUS_COUNTER_OF.get(name)
+        if attribute is not None and n:
+            self._metrics.lab(getattr(self._metrics, attribute)).inc(n)
+
+
 def serve_http(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
     """Serve /metrics on its own HTTP port (gRPC-only processes); returns the running server.
 

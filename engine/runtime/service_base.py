@@ -14,24 +14,9 @@ from splitserve.engine.core_process import EngineClient
 from splitserve.protos import common_pb2
 from splitserve.runtime.grpc_server import InternalTls, build_server, install_drain, set_serving
 from splitserve.runtime.logs import setup_logging
+from splitserve.runtime.metrics import ServiceCounters
 
 log = logging.getLogger("splitserve.service")
-
-
-FAULTS = ("pull_drop", "pull_delay_ms", "corrupt_epoch", "send_kill_after_blocks")
-
-
-def parse_faults(spec: str) -> dict[str, int]:
-    """`name=value,...` → {name: int}; the names are FAULTS (test-only fault injection)."""
-    faults: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, value = item.partition("=")
-        if name not in FAULTS or not value.isdigit():
-            raise ValueError(f"--fault-injection: {item!r} is not NAME=INT with NAME one of {', '.join(FAULTS)}")
-        faults[name] = int(value)
-    if faults:
-        log.warning("FAULT INJECTION ON: %s (test only)", faults)
-    return faults
 
 
 class ServiceBase:
@@ -46,10 +31,9 @@ class ServiceBase:
         self.name = service_config.instance_name or f"{self.role}-{service_config.port}"
         self.start_unix_ns = time.time_ns()
         self.instance_id = f"{self.name}@{self.start_unix_ns}"
-        self.counters: dict[str, int] = {}
+        self.counters = ServiceCounters()  # Describe's counters and Prometheus, one call per fact
         self.inflight = 0
         self.draining = False
-        self.faults = parse_faults(service_config.fault_injection)
         self.internal_tls = InternalTls.from_files(
             service_config.internal_tls_cert, service_config.internal_tls_key, service_config.internal_tls_ca
         )
@@ -59,7 +43,6 @@ class ServiceBase:
             "start_epoch": self.start_unix_ns,
             "role": engine_config.role,
             "timeout_s": service_config.kv_transfer_timeout_s,
-            "faults": self.faults,
             "link_keepalive_ms": service_config.kv_link_keepalive_ms,
         }
         self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging)
@@ -71,9 +54,6 @@ class ServiceBase:
         if isinstance(msg, StepBatch) and self.metrics is not None:
             self.metrics.observe_engine_stats(msg.stats)
         self.on_core_message(msg)
-
-    def count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
 
     def on_core_message(self, msg) -> None:  # overridden by roles that need core messages
         pass
@@ -106,7 +86,7 @@ class ServiceBase:
         stats = self.client.stats
         if not stats and not self.client.dead:
             stats = self.client.stats = await self.client.query("stats")
-        counters = {k: int(v) for k, v in {**stats, **self.counters}.items()}
+        counters = {k: int(v) for k, v in {**stats, **self.counters.values}.items()}
         return common_pb2.DescribeResponse(
             instance_id=self.instance_id,
             role=self.engine_config.role if self.role != "prefill" else "prefill",
@@ -127,6 +107,7 @@ class ServiceBase:
         from splitserve.runtime.metrics import Metrics, serve_http
 
         self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
+        self.counters.attach(self.metrics)
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)

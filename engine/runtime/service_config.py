@@ -54,9 +54,6 @@ class ServiceConfig:
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
-    fault_injection: str = option(
-        "", "TEST ONLY: faults to inject, e.g. pull_drop=2,pull_delay_ms=300,corrupt_epoch=1,send_kill_after_blocks=3"
-    )
 
     def __post_init__(self) -> None:
         validate_fields(self)  # built directly too, not only from flags

@@ -1,0 +1,98 @@
+"""Faults the tests inject into service processes by wrapping the transport and the pull control.
+
+`install("name=N,...")` replaces methods with wrappers that misbehave N times (or with N as a
+parameter), then behave as the original. Loaded through tests/faults/sitecustomize.py in the
+processes a test starts with `faults=`; production code has no branch for any of them.
+
+| fault | process | wraps | does |
+|---|---|---|---|
+| pull_delay_ms=N | decode core | `KvIo.pull` | sleeps N ms before every pull |
+| pull_drop=N | decode core | `KvIo.pull` | the first N pulls raise |
+| send_kill_after_blocks=N | prefill core | `KvIo.send` | kills the process group once a send would pass N blocks |
+| corrupt_epoch=N | decode service | `PullCoordinator._release` | the first N releases name a wrong lease epoch |
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import time
+
+log = logging.getLogger("splitserve.test.faults")
+FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch")
+
+
+def parse(spec: str) -> dict[str, int]:
+    """`name=N,...` -> {name: N}; unknown names raise, naming the known ones."""
+    faults: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in FAULTS or not value.isdigit():
+            raise ValueError(f"fault {item!r} is not NAME=N with NAME one of {', '.join(FAULTS)}")
+        faults[name] = int(value)
+    return faults
+
+
+def install(spec: str) -> None:
+    faults = parse(spec)
+    if {"pull_delay_ms", "pull_drop", "send_kill_after_blocks"} & faults.keys():
+        from splitserve.engine.kv_transfer.io import KvIo
+
+        _wrap_pull(KvIo, faults.get("pull_delay_ms", 0), faults.get("pull_drop", 0))
+        if faults.get("send_kill_after_blocks"):
+            _wrap_send(KvIo, faults["send_kill_after_blocks"])
+    if faults.get("corrupt_epoch"):
+        from splitserve.decode_service.pulls import PullCoordinator
+
+        _wrap_release(PullCoordinator, faults["corrupt_epoch"])
+    log.warning("test faults installed in pid %d: %s", os.getpid(), faults)
+
+
+def _wrap_pull(cls, delay_ms: int, drops: int) -> None:
+    original = cls.pull
+    left = [drops]
+
+    @functools.wraps(original)
+    def pull(self, spec, indices, dst_blocks, core):
+        if indices and delay_ms:
+            time.sleep(delay_ms / 1000)
+        if indices and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected fault: pull dropped")
+        return original(self, spec, indices, dst_blocks, core)
+
+    cls.pull = pull
+
+
+def _wrap_send(cls, kill_after_blocks: int) -> None:
+    original = cls.send
+    sent = [0]
+
+    @functools.wraps(original)
+    def send(self, pair, block_ids, kv_cache, tag=0):
+        if sent[0] + len(block_ids) > kill_after_blocks:
+            log.warning("injected fault: killing this service after %d blocks sent", sent[0])
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        sent[0] += len(block_ids)
+        return original(self, pair, block_ids, kv_cache, tag)
+
+    cls.send = send
+
+
+def _wrap_release(cls, corruptions: int) -> None:
+    original = cls._release
+    left = [corruptions]
+
+    @functools.wraps(original)
+    async def release(self, handle):
+        if left[0] > 0:
+            left[0] -= 1
+            wrong = type(handle)()
+            wrong.CopyFrom(handle)
+            wrong.lease.epoch += 1_000_000  # validated against an epoch the prefill never issued
+            handle = wrong
+        return await original(self, handle)
+
+    cls._release = release
