@@ -26,6 +26,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
 from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
+from splitserve.engine.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 
@@ -132,10 +133,10 @@ class EngineCore:
             )
         self.model_config = model_config
         self.layout: KvLayout = model_config.kv_layout(config.block_size, dtype_name)
-        num_blocks = config.num_kv_blocks or self._size_pool(device)
         max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
+        num_blocks = config.num_kv_blocks or self._size_pool(device, max_model_len)
         self.info = RuntimeInfo(
             model_id=model_config.model_id,
             device=str(device),
@@ -176,23 +177,18 @@ class EngineCore:
             config.role,
         )
 
-    def _size_pool(self, device: torch.device) -> int:
-        if device.type == "cuda":
-            import gc
+    def _size_pool(self, device: torch.device, max_model_len: int) -> int:
+        """Blocks of a pool sized from memory (engine/kv_sizing.py): per-instance on CUDA, capped."""
+        cap = cap_blocks(self.config.max_num_seqs, max_model_len, self.config.block_size)
+        if device.type != "cuda":
+            return cpu_kv_blocks(self.config.kv_cache_cpu_bytes, self.layout.block_nbytes, cap)
+        import gc
 
-            gc.collect()
-            torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
-            free, total = torch.cuda.mem_get_info(device)
-            # the fraction bounds this process's whole use of the GPU (weights included);
-            # what it leaves free covers graphs, activations and transfer staging
-            used = total - free
-            budget = int(total * self.config.kv_cache_memory_fraction) - used
-        else:
-            budget = self.config.kv_cache_cpu_bytes
-        num_blocks = budget // self.layout.block_nbytes
-        if num_blocks < 1:
-            raise RequestError(f"KV pool budget of {budget} bytes holds no block of {self.layout.block_nbytes} bytes")
-        return num_blocks
+        gc.collect()
+        torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
+        free, total = torch.cuda.mem_get_info(device)
+        memory = DeviceMemory(total_bytes=total, free_bytes=free, own_bytes=torch.cuda.memory_reserved(device))
+        return gpu_kv_blocks(memory, self.config.kv_cache_memory_fraction, self.layout.block_nbytes, cap, str(device))
 
     # -- requests --------------------------------------------------------------------------
     def make_request(

@@ -99,8 +99,21 @@ class UpConfig:
     )
     grpc_port: int = option(50051, "gateway gRPC port", min=1, max=65535)
     http_port: int = option(8000, "gateway REST port", min=1, max=65535)
-    kv_transport: str = option("shm", "KV transport between prefill and decode", choices=KV_TRANSPORTS)
+    kv_transport: str = option(
+        "auto",
+        "KV transport between prefill and decode; auto = what the placement supports (shm when the prefill runs "
+        "on CPU, cuda_ipc when it runs on a GPU)",
+        choices=("auto", *KV_TRANSPORTS),
+    )
     num_decode: int = option(1, "decode instances", min=1, max=64)
+    prefill_device: str = option(
+        "", "device of the prefill (cpu, cuda:N); empty = placed from --device and the GPUs this machine has"
+    )
+    decode_device: str = option(
+        "",
+        "device of the decodes: one (for all) or one per decode, comma-separated; empty = placed from --device "
+        "and the GPUs (one GPU: shared with the prefill; several: the prefill on cuda:0, decodes on the others)",
+    )
     ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
     stop_grace_s: float = option(
         10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0

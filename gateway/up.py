@@ -1,6 +1,12 @@
 """`splitserve up`: one prefill, N decodes and the gateway on loopback, until Ctrl-C.
 
-Children are `python -m engine.cli <subcommand>` processes in sessions of their own (so a
+Placement (`place`): no GPU (or --device cpu) -> every process on the CPU, KV over shm; one GPU ->
+the prefill and the decodes share cuda:0, each allowed an equal part of --kv-cache-memory-fraction,
+KV over cuda_ipc; several GPUs -> the prefill on cuda:0, the decodes on the others, cuda_ipc.
+--prefill-device / --decode-device and --kv-transport override it; a transport the placement
+cannot run is refused before anything starts.
+
+Children are `python -m splitserve.cli <subcommand>` processes in sessions of their own (so a
 terminal's Ctrl-C reaches only this process, which then stops them in order) that also
 die with this process (PR_SET_PDEATHSIG on Linux). On Ctrl-C / SIGTERM every child gets
 SIGTERM, then SIGKILL after stop_grace_s; nothing is left running.
@@ -12,6 +18,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -19,15 +26,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.config_fields import flag_name
 from splitserve.gateway.config import UpConfig
 
 HOST = "127.0.0.1"
-# EngineConfig fields not forwarded: each subcommand decides its own role.
-_NOT_FORWARDED = {"role"}
+# EngineConfig fields not forwarded as they are: each subcommand decides its own role; the placement
+# gives each child its device and its share of the GPU's memory.
+_NOT_FORWARDED = {"role", "device", "kv_cache_memory_fraction"}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,14 +74,95 @@ def check_ports(up: UpConfig) -> str | None:
     return None
 
 
-def stack_commands(engine: Any, up: UpConfig, gateway_options: Any = None) -> list[tuple[str, list[str]]]:
+@dataclass(frozen=True)
+class Placement:
+    """Where each engine process runs and how KV moves between them."""
+
+    prefill_device: str
+    decode_devices: tuple[str, ...]
+    kv_transport: str
+    memory_fraction: dict[str, float]  # CUDA device -> each of its processes' --kv-cache-memory-fraction
+
+    def fraction_of(self, device: str) -> float | None:
+        return self.memory_fraction.get(device)
+
+    def describe(self) -> list[str]:
+        """One line per engine process, for the banner."""
+        lines = []
+        for name, device in [("prefill-0", self.prefill_device)] + [
+            (f"decode-{i}", d) for i, d in enumerate(self.decode_devices)
+        ]:
+            share = self.fraction_of(device)
+            lines.append(f"  {name:<12} {device}" + (f" (memory fraction {share:g})" if share is not None else ""))
+        return lines
+
+
+def visible_gpus() -> int:
+    """CUDA devices this machine offers, asked of torch in a child process (this one never imports torch);
+    0 when torch sees none or cannot say."""
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
+        return 0  # no NVIDIA driver: skip starting torch
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return 0
+
+
+def _is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def place(device: str, fraction: float, up: UpConfig, num_gpus: int) -> Placement:
+    """The placement for EngineConfig.device `device` on a machine with `num_gpus` GPUs (module docstring).
+    Raises ValueError naming the flag when a choice cannot run."""
+    if _is_cuda(device) and num_gpus == 0:
+        raise ValueError(f"--device {device}, but no CUDA device is visible; use --device cpu (or auto)")
+    if device.startswith("cuda:") and int(device.split(":")[1]) >= num_gpus:
+        raise ValueError(f"--device {device}, but {num_gpus} CUDA device(s) are visible")
+    if device == "cpu" or num_gpus == 0:
+        prefill, decodes = "cpu", ["cpu"] * up.num_decode
+    elif device.startswith("cuda:"):
+        prefill, decodes = device, [device] * up.num_decode
+    elif num_gpus == 1:
+        prefill, decodes = "cuda:0", ["cuda:0"] * up.num_decode
+    else:
+        prefill, decodes = "cuda:0", [f"cuda:{1 + i % (num_gpus - 1)}" for i in range(up.num_decode)]
+    prefill = up.prefill_device or prefill
+    if up.decode_device:
+        listed = [d.strip() for d in up.decode_device.split(",")]
+        if len(listed) not in (1, up.num_decode):
+            raise ValueError(
+                f"--decode-device lists {len(listed)} devices for {up.num_decode} decodes: give one, or one per decode"
+            )
+        decodes = listed * up.num_decode if len(listed) == 1 else listed
+    for flag, d in [("--prefill-device", prefill)] + [("--decode-device", d) for d in decodes]:
+        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit() and int(d[5:]) < num_gpus):
+            raise ValueError(f"{flag} {d}: choose cpu or cuda:N with N < {num_gpus} (the CUDA devices visible)")
+    transport = up.kv_transport if up.kv_transport != "auto" else ("cuda_ipc" if _is_cuda(prefill) else "shm")
+    if transport == "shm" and _is_cuda(prefill):
+        raise ValueError(f"--kv-transport shm needs the prefill's pool in host memory; the prefill runs on {prefill}")
+    if transport == "cuda_ipc" and not all(_is_cuda(d) for d in [prefill, *decodes]):
+        raise ValueError("--kv-transport cuda_ipc needs the prefill and every decode on CUDA devices")
+    if transport == "nccl" and len({_is_cuda(d) for d in [prefill, *decodes]}) > 1:
+        raise ValueError("--kv-transport nccl needs the prefill and the decodes all on CUDA or all on the CPU")
+    counts = Counter(d for d in [prefill, *decodes] if _is_cuda(d))
+    return Placement(prefill, tuple(decodes), transport, {d: round(fraction / n, 4) for d, n in counts.items()})
+
+
+def stack_commands(
+    engine: Any, up: UpConfig, gateway_options: Any = None, placement: Placement | None = None
+) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, in start order: prefill, decodes, gateway (with the non-default
-    UpGatewayConfig options: API keys, TLS, limits)."""
+    UpGatewayConfig options: API keys, TLS, limits). Without a placement: as on a machine without GPUs."""
+    if placement is None:
+        placement = place(engine.device, engine.kv_cache_memory_fraction, up, num_gpus=0)
     cli = [sys.executable, "-m", "splitserve.cli"]
     eflags = config_flags(engine, _NOT_FORWARDED)
     prefill_address = f"{HOST}:{up.prefill_port}"
 
-    def service(role: str, name: str, port: int) -> list[str]:
+    def service(role: str, name: str, port: int, device: str) -> list[str]:
         argv = cli + [
             role,
             "--host",
@@ -81,14 +172,21 @@ def stack_commands(engine: Any, up: UpConfig, gateway_options: Any = None) -> li
             "--instance-name",
             name,
             "--kv-transport",
-            up.kv_transport,
+            placement.kv_transport,
         ]
         if role == "decode":
             argv += ["--prefill-peers", prefill_address]
+        argv += ["--device", device]
+        share = placement.fraction_of(device)
+        if share is not None:
+            argv += ["--kv-cache-memory-fraction", f"{share:g}"]
         return argv + eflags
 
-    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port))]
-    commands += [(f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i)) for i in range(up.num_decode)]
+    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port, placement.prefill_device))]
+    commands += [
+        (f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i, device))
+        for i, device in enumerate(placement.decode_devices)
+    ]
     gateway = cli + [
         "gateway",
         "--host",
@@ -192,8 +290,15 @@ def base_url(up: UpConfig, gateway_options: Any = None) -> str:
     return f"{scheme}://{HOST}:{up.http_port}"
 
 
-def banner(up: UpConfig, model_id: str, gateway_options: Any = None, keys_required: bool = False) -> str:
-    """URLs and a ready-to-paste request (with the CA and API key options it needs)."""
+def banner(
+    up: UpConfig,
+    model_id: str,
+    gateway_options: Any = None,
+    keys_required: bool = False,
+    placement: Placement | None = None,
+) -> str:
+    """URLs, where each process runs, and a ready-to-paste request (with the CA and API key options it needs)."""
+    placement = placement or Placement("cpu", ("cpu",) * up.num_decode, "shm", {})
     base = base_url(up, gateway_options)
     body = json.dumps({"model": model_id, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     curl = f"curl -s {base}/v1/completions"
@@ -202,7 +307,8 @@ def banner(up: UpConfig, model_id: str, gateway_options: Any = None, keys_requir
     if keys_required:
         curl += ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"'
     lines = [
-        f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {up.kv_transport}",
+        f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {placement.kv_transport}",
+        *placement.describe(),
         f"  OpenAI REST  {base}/v1",
         f"  gRPC         {HOST}:{up.grpc_port}  "
         f"(splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
@@ -240,6 +346,12 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
     if problem:
         print(f"splitserve up: error: {problem}", file=sys.stderr)
         return 2
+    try:
+        num_gpus = visible_gpus() if engine.device != "cpu" else 0
+        placement = place(engine.device, engine.kv_cache_memory_fraction, up, num_gpus)
+    except ValueError as exc:
+        print(f"splitserve up: error: {exc}", file=sys.stderr)
+        return 2
     stopping: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, frame: stopping.append(sig))
@@ -251,7 +363,7 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
         print(f"splitserve up: error: {exc}", file=sys.stderr)
         return 2
     try:
-        for name, argv in stack_commands(engine, up, gateway_options):
+        for name, argv in stack_commands(engine, up, gateway_options, placement):
             stack.add(name, argv)
         error = wait_ready(base, stack, up.ready_timeout_s, should_stop=lambda: bool(stopping))
         if error:
@@ -259,7 +371,7 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
             return 1
         if stopping:
             return 0
-        print(banner(up, _model_id(base, key), gateway_options, keys_required=bool(key)), flush=True)
+        print(banner(up, _model_id(base, key), gateway_options, bool(key), placement), flush=True)
         while not stopping:
             exited = stack.first_exit()
             if exited is not None:

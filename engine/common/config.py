@@ -38,10 +38,18 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV block", min=1, max=256)
     num_kv_blocks: int | None = option(None, "KV blocks in the pool; unset = sized from memory", min=1, max=10_000_000)
     kv_cache_memory_fraction: float = option(
-        0.9, "share of free device memory for weights+KV on CUDA", min=0.0, max=0.98, min_exclusive=True
+        0.9,
+        "share of the CUDA device's memory this instance may allocate (weights, KV, activations); other "
+        "processes on the device are not counted, so instances sharing a GPU split it (up does)",
+        min=0.0,
+        max=0.98,
+        min_exclusive=True,
     )
     kv_cache_cpu_bytes: int = option(
-        1 << 30, "KV pool size on CPU when --num-kv-blocks is unset", min=1 << 16, max=1 << 40
+        1 << 30,
+        "KV pool bytes on CPU when --num-kv-blocks is unset (capped, as on CUDA, at 2 x max_num_seqs x max_model_len)",
+        min=1 << 16,
+        max=1 << 40,
     )
     max_num_seqs: int = option(256, "most requests in the running batch", min=1, max=4096)
     max_num_batched_tokens: int = option(2048, "token budget of one step (chunks long prompts)", min=1, max=1 << 20)

@@ -1,0 +1,73 @@
+"""KV pool sizing: per-instance accounting with other processes on the GPU, the cap, the errors."""
+
+import pytest
+
+from splitserve.engine.kv_sizing import (
+    NON_TORCH_BYTES,
+    RESERVE_BYTES,
+    DeviceMemory,
+    GiB,
+    KvSizingError,
+    MiB,
+    cap_blocks,
+    cpu_kv_blocks,
+    gpu_kv_blocks,
+)
+
+H200 = 150_000_000_000  # bytes, about what torch reports for an H200
+BLOCK = 32 * 1024  # the default model's block in bf16 (8 layers x 2 x 16 tokens x 1 kv head x 64 dims x 2 bytes)
+
+
+def test_the_cap_is_twice_the_running_batch():
+    assert cap_blocks(max_num_seqs=256, max_model_len=1024, block_size=16) == 2 * 256 * 64
+    assert cap_blocks(max_num_seqs=4, max_model_len=1000, block_size=16) == 2 * 4 * 63  # a partial block counts
+
+
+def test_a_small_model_gets_the_cap_not_the_gpu():
+    """The default model on an H200: 32,768 blocks (1 GiB), not the 4 M blocks (127 GiB) of 90% of the GPU."""
+    memory = DeviceMemory(total_bytes=H200, free_bytes=H200 - 600 * MiB, own_bytes=40 * MiB)
+    assert gpu_kv_blocks(memory, 0.9, BLOCK, cap_blocks(256, 1024, 16), "cuda:0") == 32_768
+
+
+def test_other_processes_memory_is_not_charged_to_this_instance():
+    """Two instances on one GPU at 0.45 each: the second is sized from its own allocations, not total - free."""
+    cap = 10**9  # uncapped, to see the budget
+    own = 16 * GiB  # this process's weights
+    first = DeviceMemory(total_bytes=H200, free_bytes=H200 - own, own_bytes=own)
+    expected = (int(H200 * 0.45) - own - NON_TORCH_BYTES - RESERVE_BYTES) // BLOCK
+    assert gpu_kv_blocks(first, 0.45, BLOCK, cap, "cuda:0") == expected
+    # the other instance already holds 0.45 of the GPU: this one's budget does not change
+    second = DeviceMemory(total_bytes=H200, free_bytes=H200 - own - int(H200 * 0.45), own_bytes=own)
+    assert gpu_kv_blocks(second, 0.45, BLOCK, cap, "cuda:0") == expected
+
+
+def test_a_fraction_too_small_for_the_weights_names_the_flag_and_the_numbers():
+    memory = DeviceMemory(total_bytes=80 * GiB, free_bytes=64 * GiB, own_bytes=16 * GiB)
+    with pytest.raises(KvSizingError) as info:
+        gpu_kv_blocks(memory, 0.2, BLOCK, 10**9, "cuda:0")
+    assert str(info.value) == (
+        "--kv-cache-memory-fraction 0.2 gives this instance 16.00 GiB of cuda:0's 80.00 GiB; its weights and "
+        "buffers take 16.00 GiB and 1.50 GiB stays for the CUDA context, activations and graphs, leaving "
+        "0.00 GiB: not one KV block of 32768 bytes. Raise --kv-cache-memory-fraction, or set --num-kv-blocks"
+    )
+
+
+def test_a_pool_larger_than_what_is_free_names_the_other_processes():
+    """The 0.9 default beside an instance that already took 0.6 of the GPU: refused, with the fix."""
+    memory = DeviceMemory(total_bytes=100 * GiB, free_bytes=38 * GiB, own_bytes=2 * GiB)
+    with pytest.raises(KvSizingError) as info:
+        gpu_kv_blocks(memory, 0.9, 1 * MiB, 10**9, "cuda:0")
+    num_blocks = (int(100 * GiB * 0.9) - 2 * GiB - NON_TORCH_BYTES - RESERVE_BYTES) // MiB
+    assert str(info.value) == (
+        f"the KV pool of {num_blocks} blocks ({num_blocks / 1024:.2f} GiB, from --kv-cache-memory-fraction 0.9 of "
+        "cuda:0's 100.00 GiB) and 1.00 GiB for activations need more than the 38.00 GiB free now (other "
+        "processes hold about 60.00 GiB): lower --kv-cache-memory-fraction of this or the other instances on "
+        "cuda:0, or set --num-kv-blocks"
+    )
+
+
+def test_cpu_pools_are_capped_too():
+    assert cpu_kv_blocks(1 << 30, BLOCK, cap=1000) == 1000
+    assert cpu_kv_blocks(1 << 20, BLOCK, cap=10**9) == 32
+    with pytest.raises(KvSizingError, match=r"^--kv-cache-cpu-bytes 1000 holds no KV block of 32768 bytes"):
+        cpu_kv_blocks(1000, BLOCK, cap=10)
