@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU work queued by CPU-only sessions (docs/perf.md, "Next: keep the link awake"), as three device
-# calls of under 10 minutes each; stages 1-2 need `nvidia-h200-x2`, stage 3 runs on one GPU. Carry
-# gpu_carry/wheels (grpcio health/reflection wheels for the image's grpcio 1.84). Everything printed also
+# GPU work as device calls of under 10 minutes each; stages 1-2 need `nvidia-h200-x2`, the others run on one
+# GPU. Carry .whl (fetched here by `bash bench/gpu_wheels.sh`: what the image lacks, installed with this
+# checkout by bench/gpu_setup.sh). Everything printed also
 # lands in $OUT/stageN.log, and each bench writes its JSON after every stack, so a call cut short keeps
 # what it measured (3 files per stage at most; the device returns 8).
 #
@@ -22,15 +22,17 @@
 #   bash bench/gpu_checks.sh 6   after the NCCL wait fix: GPU tests of KvIo (the NCCL receive and its
 #                                timeout), the hand-off sequential, both transports, plain and keepalive:2,
 #                                and overlapped, nccl, plain and keepalive:2
+#   bash bench/gpu_checks.sh 7   one GPU, the new layout and `up`: GPU tests of the engine, the KV I/O and the
+#                                runner (installed as splitserve.*), then `splitserve up` with no flags and with
+#                                --kv-transport cuda_ipc as a user runs it (bench/up_check.py: ready, the README's
+#                                completion, a streamed chat through the openai client, each process's memory)
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1-6}
+stage=${1:?usage: bash bench/gpu_checks.sh 1-7}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    gpu_carry/wheels/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import grpc_health.v1, grpc_reflection.v1alpha" || { echo "grpc health/reflection missing: carry gpu_carry/wheels"; exit 1; }
+source bench/gpu_setup.sh || { echo "carry .whl (bash bench/gpu_wheels.sh here)"; exit 1; }
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 
@@ -45,6 +47,15 @@ handoff() {  # $1 = seconds allowed, $2 = json name, the rest = flags
 }
 
 case $stage in
+7)
+    echo "== GPU tests"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kv_io.py \
+        tests/test_model_runner.py 2>&1 | tail -15
+    echo "== splitserve up, no flags"
+    timeout 300 python3 -m bench.up_check --json "$OUT/up_default.json"
+    echo "== splitserve up --kv-transport cuda_ipc"
+    timeout 300 python3 -m bench.up_check --json "$OUT/up_cuda_ipc.json" -- --kv-transport cuda_ipc
+    ;;
 1)
     echo "== GPU tests"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_io.py tests/test_kv_keepalive.py \

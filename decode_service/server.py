@@ -139,6 +139,10 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         )
         self.finish_request(request_id)
 
+    def on_core_death(self, why: str) -> None:
+        for request_id in list(self.owner):
+            self.fail_request(request_id, f"{self.name}: {why}")
+
     # -- gateway → core --------------------------------------------------------------------
     async def Generate(self, request_iterator, context):
         stream = GatewayStream()
@@ -189,6 +193,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 raise ValueError(f"{self.name} is draining")
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
+            check_token_ids(req, self.client.info.vocab_size)
             params = sampling_from_proto(req.sampling)
         except ValueError as exc:
             stream.out.put_nowait(
@@ -217,6 +222,18 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         else:
             self.counters.count("prompt_tokens", len(req.prompt_token_ids))
             self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed))
+
+
+def check_token_ids(req, vocab_size: int) -> None:
+    """Internal callers are checked as strictly as public ones: ids the embedding would index out of
+    range (a crash of the engine core) are refused here, naming the field and the limit."""
+    if not req.prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    bad = next((t for t in req.prompt_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids holds {bad}, not below vocab_size {vocab_size}")
+    if req.HasField("first_token_id") and req.first_token_id >= vocab_size:
+        raise ValueError(f"first_token_id is {req.first_token_id}, not below vocab_size {vocab_size}")
 
 
 def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:

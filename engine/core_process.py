@@ -306,11 +306,14 @@ class EngineClient:
         kv_options: dict,
         on_batch: Callable[[Any], None] | None = None,
         process_init: Callable[[], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.kv_options = kv_options
         self.on_batch = on_batch
         self.process_init = process_init  # run first in the core process (module-level: it is pickled)
+        self.on_death = on_death  # called on the event loop, once, with why, when the core process is gone
+        self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.futures: dict[Any, asyncio.Future] = {}
@@ -354,14 +357,19 @@ class EngineClient:
     def _core_died(self) -> None:
         from splitserve.engine.engine_core import RequestOutput
 
+        if self.dead:
+            return
         self.dead = True
+        self.process.join(1.0)  # the pipe closed: the process is exiting; its code says how
+        code = self.process.exitcode
+        why = f"engine core process exited (exit code {code})" if code is not None else "engine core process exited"
         for request_id, stream in list(self.streams.items()):
-            stream.put_nowait(
-                RequestOutput(request_id, [], finished=True, finish_reason="error", error="engine core process exited")
-            )
+            stream.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=why))
         for future in self.futures.values():
             if not future.done():
-                future.set_exception(RuntimeError("engine core process exited"))
+                future.set_exception(RuntimeError(why))
+        if self.on_death is not None and not self.shutting_down:
+            self.on_death(why)
 
     def _dispatch(self, batch: list) -> None:
         for msg in batch:
@@ -424,6 +432,7 @@ class EngineClient:
         return await self.call(lambda call_id: m.Query(call_id, what))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        self.shutting_down = True  # the core's exit from here on is asked for, not a death
         if getattr(self, "process", None) is None:
             return
         try:

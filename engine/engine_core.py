@@ -326,6 +326,10 @@ class EngineCore:
         Returns (block ids for the whole prompt, number of leading blocks already cached
         here and so not to be pulled), or None when the pool cannot hold it now.
         """
+        if not 0 <= first_token_id < self.info.vocab_size:
+            raise RequestError(
+                f"first_token_id {first_token_id} is not a token id of this model (vocab_size {self.info.vocab_size})"
+            )
         request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
         hashes = hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys)
         cached = self.kv.lookup_hashes(hashes)

@@ -45,7 +45,11 @@ class ServiceBase:
             "timeout_s": service_config.kv_transfer_timeout_s,
             "link_keepalive_ms": service_config.kv_link_keepalive_ms,
         }
-        self.client = EngineClient(engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging)
+        self.client = EngineClient(
+            engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging, on_death=self._core_died
+        )
+        self.exit_code = 0
+        self._stop: asyncio.Event | None = None  # set by SIGTERM/SIGINT, or when the core dies
         self.metrics = None  # built once the core reports the model id
 
     def _core_message(self, msg) -> None:
@@ -58,8 +62,23 @@ class ServiceBase:
     def on_core_message(self, msg) -> None:  # overridden by roles that need core messages
         pass
 
+    def _core_died(self, why: str) -> None:
+        """The engine core is gone: nothing this process holds can finish. Fail the in-flight requests,
+        report NOT_SERVING (Describe answers UNAVAILABLE), and exit 1 so that compose, Kubernetes or
+        `splitserve up` restarts the service."""
+        log.error("%s: %s; failing in-flight requests and exiting", self.name, why)
+        self.on_core_death(why)
+        self.exit_code = 1
+        if self._stop is not None:
+            self._stop.set()
+
+    def on_core_death(self, why: str) -> None:  # overridden by roles that track requests themselves
+        pass
+
     def check_accepting(self, context) -> None:
         """Refuse new work while draining or over the queue bound (raises via context.abort)."""
+        if self.client.dead:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
         if self.draining:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
         if self.inflight >= self.config.max_queued_requests:
@@ -81,6 +100,8 @@ class ServiceBase:
         )
 
     async def Describe(self, request, context) -> common_pb2.DescribeResponse:
+        if self.client.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
         # The core reports its stats with every step (and after aborts/releases), so the last
         # snapshot is current; a round trip to a busy core would make health checks time out.
         stats = self.client.stats
@@ -133,16 +154,20 @@ class ServiceBase:
             self.draining = True
             set_serving(health, self.service_names, False)
 
-        stopping = install_drain(asyncio.get_running_loop(), begin_drain)
-        await stopping.wait()
+        self._stop = install_drain(asyncio.get_running_loop(), begin_drain)
+        if self.client.dead:  # died before the signal handlers were in place
+            self._stop.set()
+        await self._stop.wait()
+        self.draining = True
+        set_serving(health, self.service_names, False)
         deadline = time.monotonic() + self.config.drain_grace_s
-        while self.inflight > 0 and time.monotonic() < deadline:
+        while self.inflight > 0 and not self.client.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.on_stopping()
         await server.stop(1.0)
         self.client.shutdown()
         log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
-        return 0
+        return self.exit_code
 
     async def before_serving(self) -> None:  # the core runs; nothing can reach this service yet
         pass
