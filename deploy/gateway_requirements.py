@@ -12,8 +12,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-# what only the engine processes (prefill, decode, worker, generate) import
-ENGINE_ONLY = frozenset({"torch", "triton", "safetensors", "ninja"})
+# what only the engine processes (prefill, decode, worker, generate) import; the gateway tokenizes with
+# `tokenizers` and jinja2 (splitserve.common.tokenizer)
+ENGINE_ONLY = frozenset({"torch", "triton", "safetensors", "ninja", "transformers"})
 
 
 def gateway_requirements(pyproject: Path) -> list[str]:

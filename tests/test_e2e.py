@@ -12,7 +12,7 @@ from splitserve.common.default_model_path import default_model_path
 from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
-from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service
+from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service, wait_until, wait_until_async
 from tests.test_engine_exact import make_prompts
 
 pytestmark = pytest.mark.slow
@@ -69,6 +69,31 @@ async def total_free(stack):
     ], ds
 
 
+async def wait_all_blocks_free(stack, timeout_s: float = 10.0):
+    """(free, total) blocks per instance and the decodes' Describe, once every block is back everywhere
+    (a client has its last token before every instance reports the request's blocks free)."""
+    last = []
+
+    async def all_free():
+        last[:] = [await total_free(stack)]
+        return last[0] if all(f == t for f, t in last[0][0]) else None
+
+    return await wait_until_async(all_free, timeout_s, lambda: f"blocks still held: (free, total) = {last[0][0]}")
+
+
+async def wait_all_decoding(stack, num_requests: int, timeout_s: float = 30.0) -> list[int]:
+    """Requests running per decode, once `num_requests` run in all and every decode runs at least one."""
+    last = []
+
+    async def spread():
+        last[:] = [[(await describe(a, decode_pb2_grpc.DecodeStub)).load.num_running for a in stack.decodes]]
+        return last[0] if sum(last[0]) == num_requests and all(last[0]) else None
+
+    return await wait_until_async(
+        spread, timeout_s, lambda: f"{num_requests} requests not decoding on every decode: running = {last[0]}"
+    )
+
+
 def test_concurrent_requests_equal_the_in_process_engine(stack, reference):
     prompts, greedy, seeded = reference
 
@@ -81,13 +106,11 @@ def test_concurrent_requests_equal_the_in_process_engine(stack, reference):
             for i, p in enumerate(prompts[:4])
         ]
         results = await asyncio.gather(*greedy_jobs, *seeded_jobs)
-        await asyncio.sleep(0.3)
-        return results, await total_free(stack)
+        return results, await wait_all_blocks_free(stack)  # every block back on every instance
 
-    results, (free, decodes) = asyncio.run(main())
+    results, (_, decodes) = asyncio.run(main())
     assert [r[0] for r in results[:16]] == greedy
     assert [r[0] for r in results[16:]] == seeded
-    assert all(f == t for f, t in free)  # every block back on every instance
     assert all(d.counters.get("requests_received", 0) > 0 for d in decodes)  # both decodes took traffic
     last = results[0][1][-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_TOKENS
@@ -127,13 +150,8 @@ def test_cancel_mid_stream_frees_blocks_everywhere(stack):
         for i, line in enumerate(r.iter_lines()):
             if i >= 6:
                 break  # leave mid-stream
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        free, _ = asyncio.run(total_free(stack))
-        if all(f == t for f, t in free):
-            break
-        time.sleep(0.1)
-    assert all(f == t for f, t in free)
+    assert i == 6  # the stream was still going when the client left
+    asyncio.run(wait_all_blocks_free(stack))
 
 
 def test_killing_a_decode_fails_only_its_requests(tmp_path, reference):
@@ -150,18 +168,18 @@ def test_killing_a_decode_fails_only_its_requests(tmp_path, reference):
                 )
                 for i in range(4)
             ]
-            await asyncio.sleep(1.5)  # all four are decoding, spread over both decodes
+            running = await wait_all_decoding(stack, 4)  # 300 tokens each: none finishes before the kill
             stack.procs["decode-1"].kill()
             done = await asyncio.gather(*jobs, return_exceptions=True)
             after = await generate(stack.grpc_port, prompts[0], temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-            return done, after
+            return running, done, after
 
         started = time.monotonic()
-        done, after = asyncio.run(main())
+        (_, on_killed), done, after = asyncio.run(main())
         finals = [r[1][-1] for r in done]
         failed = [f for f in finals if f.finish_reason == common_pb2.FINISH_REASON_ERROR]
         finished = [f for f in finals if f.finish_reason == common_pb2.FINISH_REASON_LENGTH]
-        assert len(failed) >= 1 and len(finished) >= 1 and len(failed) + len(finished) == 4
+        assert (len(failed), len(finished)) == (on_killed, 4 - on_killed)
         assert all(f.error.startswith("decode instance") for f in failed)
         assert after[0] == greedy[0]  # later requests go to the surviving decode
         assert time.monotonic() - started < 60
@@ -183,15 +201,19 @@ def test_layout_mismatch_is_refused_before_serving(tmp_path):
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def mismatch_reported():
             try:
                 r = httpx.get(f"http://127.0.0.1:{http}/ready", timeout=2)
-                if "KV layouts differ" in r.text:
-                    break
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                return None
+            return r if "KV layouts differ" in r.text else None
+
+        r = wait_until(
+            mismatch_reported,
+            30,
+            lambda: f"/ready never said 'KV layouts differ':\n{gateway.log_path.read_text()[-3000:]}",
+        )
         assert r.status_code == 503
         assert "block_size=4" in r.text and "block_size=8" in r.text
     finally:

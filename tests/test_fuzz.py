@@ -1,18 +1,20 @@
 """Property-based fuzzing of the public surfaces against the fake stack, in-process.
 
-At least 1,000 random REST bodies (random JSON values, random mixes of the OpenAI fields
-with random types, plausible requests with random ranges, random bytes) and at least 1,000
-random GenerateRequest messages (plus random bytes) at the gRPC API. Properties: no 5xx
+1,000 random REST bodies (random JSON values, random mixes of the OpenAI fields with random
+types, plausible requests with random ranges, random bytes), 1,000 random GenerateRequest
+messages and 200 random byte strings at the gRPC API. Properties: no 5xx
 and no server-side gRPC code (the fake stack never overloads, so 503 is not expected
 either), every refusal is a well-formed error naming a field or the body, every accepted
 request ends normally (never with an error event), and afterwards the gateway still
 serves a good request and holds no request anywhere.
 
-The context is 16 tokens and the fake decode steps every 2 ms, so accepted requests are
-short; the whole file takes well under a minute.
+Each test starts its own fake stack and counts its own outcomes, so none depends on another
+having run. The context is 16 tokens and the fake decode steps every 1 ms, so accepted requests
+are short.
 """
 
 import json
+from collections import Counter
 
 import grpc
 import httpx
@@ -33,12 +35,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 RAW = settings(FUZZ, max_examples=200)
-COUNTS = {"rest": 0, "grpc": 0}
-OUTCOMES: dict[str, int] = {}  # "rest 200", "grpc INVALID_ARGUMENT", ...
-
-
-def seen(outcome: str) -> None:
-    OUTCOMES[outcome] = OUTCOMES.get(outcome, 0) + 1
 
 
 # gRPC codes that mean the server failed (the 5xx of gRPC); a refusal must be none of them
@@ -85,13 +81,20 @@ WORDS = ["hello", "world", "user", "w9", "w20", "w150", "w199", "<s>", "</s>", "
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tokenizer_dir = make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture
+def stack(tokenizer_dir):
+    """A fresh fake stack per test. The gateway Describes its instances once at start; health rounds
+    every 5 s (Describe timeout 10 s) rather than 0.1 s (1 s), so a loaded machine cannot time one
+    out mid-fuzz, mark the decode down and turn good requests into 503s."""
     stack = Stack(
         tokenizer_dir,
         [FakePrefill(max_model_len=16)],
-        [FakeDecode(max_model_len=16, step_s=0.002)],
-        {"max_body_bytes": 64 << 10},
+        [FakeDecode(max_model_len=16, step_s=0.001)],
+        {"max_body_bytes": 64 << 10, "health_interval_s": 5.0},
     ).start()
     stack.http = httpx.Client(base_url=stack.base_url, timeout=10)
     stack.channel = grpc.insecure_channel(stack.grpc_target)
@@ -204,8 +207,8 @@ rest_bodies = st.one_of(
 # -- properties --------------------------------------------------------------------------------
 
 
-def check_rest_answer(r: httpx.Response) -> None:
-    seen(f"rest {r.status_code}")
+def check_rest_answer(r: httpx.Response, outcomes: Counter) -> None:
+    outcomes[f"rest {r.status_code}"] += 1
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400:
         error = r.json()["error"]
@@ -219,11 +222,18 @@ def check_rest_answer(r: httpx.Response) -> None:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
 
 
-@FUZZ
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw=rest_bodies)
-def test_rest_random_bodies(stack, path, raw):
-    COUNTS["rest"] += 1
-    check_rest_answer(stack.http.post(path, content=raw, headers={"content-type": "application/json"}))
+def test_rest_random_bodies(stack):
+    outcomes = Counter()
+
+    @FUZZ
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw=rest_bodies)
+    def post(path, raw):
+        check_rest_answer(stack.http.post(path, content=raw, headers={"content-type": "application/json"}), outcomes)
+
+    post()
+    print("fuzz outcomes:", dict(sorted(outcomes.items())))
+    assert outcomes.total() == FUZZ.max_examples and outcomes["rest 200"] >= 100, outcomes  # generation was reached
+    assert_serves_and_holds_nothing(stack)
 
 
 def _sampling(plausible: bool):
@@ -281,12 +291,12 @@ def _grpc_requests(plausible: bool):
 grpc_requests = st.one_of(_grpc_requests(False), _grpc_requests(True), _grpc_requests(True))
 
 
-def check_grpc_call(call) -> None:
+def check_grpc_call(call, outcomes: Counter) -> None:
     try:
         out = list(call)
-        seen("grpc OK")
+        outcomes["grpc OK"] += 1
     except grpc.RpcError as exc:
-        seen(f"grpc {exc.code().name}")
+        outcomes[f"grpc {exc.code().name}"] += 1
         assert exc.code() not in SERVER_FAILURES and exc.code() != grpc.StatusCode.OK, (exc.code(), exc.details())
         assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) and exc.details()
         return
@@ -294,28 +304,41 @@ def check_grpc_call(call) -> None:
     assert not any(m.finish_reason for m in out[:-1]) and not out[-1].error
 
 
-@FUZZ
-@given(request=grpc_requests)
-def test_grpc_random_messages(stack, request):
-    COUNTS["grpc"] += 1
-    if request.request_id:
-        request.request_id += f"-{COUNTS['grpc']}"  # ids must be unique among running requests
-    check_grpc_call(stack.stub.Generate(request, timeout=10))
+def test_grpc_random_messages(stack):
+    outcomes = Counter()
+
+    @FUZZ
+    @given(request=grpc_requests)
+    def call(request):
+        if request.request_id:  # ids must be unique among running requests
+            request.request_id += f"-{outcomes.total()}"
+        check_grpc_call(stack.stub.Generate(request, timeout=10), outcomes)
+
+    call()
+    print("fuzz outcomes:", dict(sorted(outcomes.items())))
+    assert outcomes.total() == FUZZ.max_examples and outcomes["grpc OK"] >= 100, outcomes  # generation was reached
+    assert_serves_and_holds_nothing(stack)
 
 
-@RAW
-@given(raw=st.binary(max_size=200))
-def test_grpc_random_bytes(stack, raw):
-    call = stack.channel.unary_stream(
+def test_grpc_random_bytes(stack):
+    outcomes = Counter()
+    generate = stack.channel.unary_stream(
         GENERATE, request_serializer=None, response_deserializer=generation_pb2.GenerateResponse.FromString
     )
-    check_grpc_call(call(raw, timeout=10))
+
+    @RAW
+    @given(raw=st.binary(max_size=200))
+    def call(raw):
+        check_grpc_call(generate(raw, timeout=10), outcomes)
+
+    call()
+    print("fuzz outcomes:", dict(sorted(outcomes.items())))
+    assert outcomes.total() == RAW.max_examples, outcomes
+    assert_serves_and_holds_nothing(stack)
 
 
-def test_after_the_fuzz_the_gateway_serves_and_holds_nothing(stack):
-    assert COUNTS["rest"] >= 1000 and COUNTS["grpc"] >= 1000, COUNTS
-    print("fuzz outcomes:", dict(sorted(OUTCOMES.items())))
-    assert OUTCOMES["rest 200"] >= 100 and OUTCOMES["grpc OK"] >= 100, OUTCOMES  # generation was reached
+def assert_serves_and_holds_nothing(stack) -> None:
+    """After a fuzz run: a good request over each API gets its exact tokens, and no request is left."""
     r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello world w9", "max_tokens": 3})
     assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w10 w11 w12")
     out = list(

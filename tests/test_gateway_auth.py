@@ -213,6 +213,7 @@ def _self_signed(tmp_path, name):
     return str(cert), str(key)
 
 
+@pytest.mark.slow
 def test_tls_on_grpc_and_rest(tokenizer_dir, tmp_path):
     cert, key = _self_signed(tmp_path, "gateway")
     stack = Stack(
@@ -257,6 +258,7 @@ def test_tls_on_grpc_and_rest(tokenizer_dir, tmp_path):
         stack.stop()
 
 
+@pytest.mark.slow
 def test_tls_flags_are_checked_at_start(tmp_path):
     cert, key = _self_signed(tmp_path, "one")
     other_cert, _ = _self_signed(tmp_path, "two")

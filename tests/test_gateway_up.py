@@ -10,7 +10,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from splitserve.engine.kv_transfer.io import TRANSPORTS
 from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
 from splitserve.gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
 from tests.gateway_fakes import make_tokenizer_dir, word
+from tests.service_harness import wait_until
 
 CLI = [sys.executable, "-m", "splitserve.cli"]
 FAKE = [sys.executable, "-m", "tests.gateway_fakes"]
@@ -69,10 +69,11 @@ def test_stack_commands_forward_non_default_engine_flags():
         ]
 
     peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
+    cpu = ["--device", "cpu"]  # placed as on a machine without GPUs (tests/test_up_placement.py has the rest)
     assert commands == [
-        ("prefill-0", service("prefill", "prefill-0", 50061) + eflags),
-        ("decode-0", service("decode", "decode-0", 50071) + peers + eflags),
-        ("decode-1", service("decode", "decode-1", 50072) + peers + eflags),
+        ("prefill-0", service("prefill", "prefill-0", 50061) + cpu + eflags),
+        ("decode-0", service("decode", "decode-0", 50071) + peers + cpu + eflags),
+        ("decode-1", service("decode", "decode-1", 50072) + peers + cpu + eflags),
         (
             "gateway",
             CLI
@@ -109,6 +110,8 @@ def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
         "nccl",
         "--prefill-peers",
         "127.0.0.1:50061",
+        "--device",
+        "cpu",
         "--model",
         "/models/x",
         "--model-id",
@@ -141,6 +144,8 @@ def test_banner_with_tls_and_api_keys():
     body = json.dumps({"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     assert banner(UpConfig(), "m", options, keys_required=True).splitlines() == [
         "splitserve is up: model 'm', 1 prefill + 1 decode, KV over shm",
+        "  prefill-0    cpu",
+        "  decode-0     cpu",
         "  OpenAI REST  https://127.0.0.1:8000/v1",
         "  gRPC         127.0.0.1:50051  (splitserve.v1.Generation, reflection on, TLS)",
         "  readiness    https://127.0.0.1:8000/ready",
@@ -152,6 +157,7 @@ def test_banner_with_tls_and_api_keys():
     ]
 
 
+@pytest.mark.slow
 def test_an_unreadable_keys_file_stops_up_before_anything_starts(tmp_path):
     missing = tmp_path / "nope"
     proc = subprocess.run(CLI + ["up", "--api-keys-file", str(missing)], capture_output=True, text=True, timeout=60)
@@ -172,6 +178,7 @@ def test_port_collisions_are_named():
     )
 
 
+@pytest.mark.slow
 def test_a_child_that_exits_early_is_reported():
     stack = LocalStack(die_with_parent=False)
     stack.add("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -183,6 +190,7 @@ def test_a_child_that_exits_early_is_reported():
         stack.stop(1.0)
 
 
+@pytest.mark.slow
 def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokenizer_dir):
     prefill, decode, grpc_port, http_port = free_ports(4)
     base = f"http://127.0.0.1:{http_port}"
@@ -208,13 +216,15 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
         ],
     )
     try:
-        end = time.monotonic() + 30
-        while time.monotonic() < end and stack.first_exit() is None:
+
+        def gateway_serves_health():
+            assert stack.first_exit() is None, f"{stack.first_exit()} exited before the gateway answered /health"
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
+                return httpx.get(base + "/health", timeout=1).status_code == 200
             except httpx.TransportError:
-                time.sleep(0.1)
+                return False
+
+        wait_until(gateway_serves_health, 30, f"the gateway never answered {base}/health with 200", poll_s=0.1)
         message = wait_ready(base, stack, timeout_s=0.5)
         assert message.startswith(
             "not ready after 0.5 s: no prefill/decode pair with equal KV layouts and no "
@@ -284,6 +294,7 @@ def running_up(tokenizer_dir, *flags):
     assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
 
 
+@pytest.mark.slow
 def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_dir):
     with running_up(tokenizer_dir) as (lines, grpc_port, http_port):
         body = json.dumps({"model": "tiny-fake", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
@@ -302,6 +313,7 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
         assert r.json()["choices"][0]["text"] == " ".join(word(i) for i in range(3, 35))
 
 
+@pytest.mark.slow
 def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tmp_path):
     cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
     subprocess.run(

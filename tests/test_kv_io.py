@@ -260,6 +260,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_pool_exported_by_another_process_maps_here():
@@ -295,6 +296,7 @@ for line in sys.stdin:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL refuses two ranks on one)")
 def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():

@@ -64,7 +64,7 @@ def test_each_link_is_built_on_the_thread_and_copied_every_period_until_closed(k
     k.close()
     assert not k._thread.is_alive()
     frozen = (a.copies, b.copies)
-    time.sleep(0.03)
+    time.sleep(0.03)  # six periods with nothing to wait for: the test is that no copy happens in them
     assert (a.copies, b.copies) == frozen and k.num_copies == sum(frozen)
 
 

@@ -100,6 +100,7 @@ def test_a_running_gateway_has_loaded_no_torch(tmp_path):
         proc.stop()
 
 
+@pytest.mark.slow
 def test_importing_the_gateway_loads_no_torch():
     code = (
         "import sys\nimport splitserve.gateway.server, splitserve.gateway.rest, splitserve.gateway.up\n"

@@ -10,7 +10,7 @@ from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.model_factory import make_tiny_model_dir
 from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
-from tests.service_harness import start_service
+from tests.service_harness import start_service, wait_until_async
 from tests.test_engine_exact import make_prompts
 
 pytestmark = pytest.mark.slow
@@ -89,9 +89,35 @@ async def free_blocks(stack):
     return p.load.num_free_blocks, d.load.num_free_blocks, p, d
 
 
-def test_decode_prepared_its_prefill_before_serving(stack):
-    """--prefill-peers: the decode mapped the prefill's pool (shm) or paired with it (nccl) at start."""
-    d = run(describe(stack["decode"], decode_pb2_grpc.DecodeStub))
+async def wait_blocks_free(stack, timeout_s: float = 10.0):
+    """free_blocks(stack) once both pools are entirely free (a client has a request's last delta before
+    both instances report its blocks free)."""
+    last = []
+
+    async def all_free():
+        last[:] = [await free_blocks(stack)]
+        p_free, d_free, p, d = last[0]
+        return last[0] if (p_free, d_free) == (p.load.num_total_blocks, d.load.num_total_blocks) else None
+
+    return await wait_until_async(all_free, timeout_s, lambda: f"blocks held: free (prefill, decode) = {last[0][:2]}")
+
+
+async def wait_peer_prepared(decode_address: str, transport: str, timeout_s: float = 30.0):
+    """The decode's Describe once it has mapped (shm) or paired with (nccl) its --prefill-peers: it waits
+    one transfer timeout for that before serving, then goes on in the background (a loaded machine)."""
+    counter = "pairs_created" if transport == "nccl" else "peers_mapped"
+    last = []
+
+    async def prepared():
+        last[:] = [await describe(decode_address, decode_pb2_grpc.DecodeStub)]
+        return last[0] if counter in last[0].counters else None
+
+    return await wait_until_async(prepared, timeout_s, lambda: f"no {counter} in {dict(last[0].counters)}")
+
+
+def test_decode_prepares_its_prefill_at_start(stack):
+    """--prefill-peers: the decode maps the prefill's pool (shm) or pairs with it (nccl) once, at start."""
+    d = run(wait_peer_prepared(stack["decode"], stack["transport"]))
     if stack["transport"] == "shm":
         assert d.counters["peers_mapped"] == 1 and "pairs_created" not in d.counters
     else:
@@ -196,11 +222,20 @@ def test_unclaimed_lease_expires_and_frees_blocks(stack):
             prefill_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(300, 317)), sampling=sampling())
         )
         held = await describe(stack["prefill"])
-        await asyncio.sleep(1.5)  # lease_s = 1.0
-        after = await describe(stack["prefill"])
-        return r, held, after, before
 
-    r, held, after, before = run(main())
+        async def expired_and_freed():
+            d = await describe(stack["prefill"])
+            done = d.counters.get("leases_expired", 0) > before and d.counters.get("leases_active", 0) == 0
+            return d if done and d.load.num_free_blocks == d.load.num_total_blocks else None
+
+        after = await wait_until_async(
+            expired_and_freed, 10, "the unclaimed lease (lease_s = 1.0) never expired and freed its 5 blocks"
+        )
+        return r, held, after, before, time.monotonic() - asked
+
+    asked = time.monotonic()
+    r, held, after, before, expired_after_s = run(main())
+    assert expired_after_s >= 1.0  # not before lease_s = 1.0 (granted after `asked`)
     assert len(r.kv.block_ids) == 5 and r.kv.num_tokens == 17
     assert held.counters["leases_active"] == 1
     assert held.load.num_free_blocks == held.load.num_total_blocks - 5
@@ -231,8 +266,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
         session.abort("c1")
         tokens, deltas = await session.collect("c1")
         await session.close()
-        await asyncio.sleep(0.2)
-        return deltas[-1], await free_blocks(stack)
+        return deltas[-1], await wait_blocks_free(stack)
 
     last, (p_free, d_free, p, d) = run(main())
     assert last.finish_reason == common_pb2.FINISH_REASON_ABORT
@@ -271,7 +305,7 @@ def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, 
             first = await prefill_stub(p_addr).Prefill(
                 prefill_pb2.PrefillRequest(request_id="k1", prompt_token_ids=prompts[0], sampling=sampling())
             )
-            await asyncio.sleep(0.5)  # let the nccl pair form before the prefill dies
+            await wait_peer_prepared(d_addr, transport)  # the pull must fail at the copy, not at pairing
             prefill.kill()
             session = DecodeSession(d_addr)
             session.submit(

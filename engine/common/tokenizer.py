@@ -23,33 +23,33 @@ holds the two equal, id for id and character for character:
   escaping) and globals (raise_exception, strftime_now), and see the named special tokens.
 
 Not read: tokenizer.model without tokenizer.json (converting SentencePiece needs transformers).
-tokenizer_config.json's tokenizer_class is not consulted: where transformers would pick a class
-that rebuilds the pipeline in Python (LlamaTokenizer for a Metaspace tokenizer.json, Qwen2Tokenizer,
-...), tokenizer.json is still read as written.
+Where tokenizer_config.json's tokenizer_class makes transformers build a class that rebuilds the
+pipeline in Python (LlamaTokenizer over a Llama-2 style tokenizer.json, Qwen2Tokenizer, ...),
+tokenizer.json is still read as written and one warning says ids may differ from AutoTokenizer's.
+(A directory without tokenizer_class, which transformers maps through config.json's model_type,
+is not checked.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as RustTokenizer
 
+from splitserve.common.chat_template import alias_reasoning_fields, plain, render, without_none_values
+
+log = logging.getLogger("splitserve.tokenizer")
+
+# tokenizer_class values for which transformers, too, reads tokenizer.json as written
+_PIPELINE_AS_WRITTEN = frozenset({None, "PreTrainedTokenizer", "TokenizersBackend"})
 # transformers' named special tokens, in its order (all_special_ids and the template see this order)
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # one reasoning text, several names
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where the final message ends in the rendered text
 
 
 class Tokenizer:
@@ -64,6 +64,7 @@ class Tokenizer:
         root = Path(directory)
         config = _read_json(root / "tokenizer_config.json") or {}
         self._backend = _load_backend(root / "tokenizer.json")
+        _warn_if_transformers_rebuilds(directory, config.get("tokenizer_class"), self._backend)
         named, extras, added = _special_tokens(root, config, self._backend.get_added_tokens_decoder())
         _add_missing_tokens(self._backend, named, extras, added)
         if self._backend.post_processor is None:  # what transformers installs (it adds nothing)
@@ -71,7 +72,8 @@ class Tokenizer:
         self._backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.special_tokens_map = {name: str(token) for name, token in named.items()}
         self.all_special_tokens = list(dict.fromkeys([*self.special_tokens_map.values(), *map(str, extras)]))
-        self.all_special_ids = [self._token_id(token) for token in self.all_special_tokens]
+        # every named and extra token is in the vocabulary now, so each has an id
+        self.all_special_ids = [self._backend.token_to_id(token) for token in self.all_special_tokens]
         # transformers skips the clean-up for BPE models: it would strip legitimate spaces before punctuation
         is_bpe = type(self._backend.model).__name__ == "BPE"
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
@@ -92,11 +94,11 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return None if self.eos_token is None else self._token_id(self.eos_token)
+        return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
 
     @property
     def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self._token_id(self.bos_token)
+        return None if self.bos_token is None else self._backend.token_to_id(self.bos_token)
 
     def __len__(self) -> int:
         """Vocabulary size including added tokens (ids run 0 .. len - 1)."""
@@ -154,8 +156,8 @@ class Tokenizer:
             "tools": None if tools is None else list(tools),
             "documents": documents,
         }
-        chat = _alias_reasoning_fields(_plain([_without_none_values(m) for m in messages]))
-        return _render(template, chat, _plain(context), add_generation_prompt, continue_final_message)
+        chat = alias_reasoning_fields(plain([without_none_values(m) for m in messages]))
+        return render(template, chat, plain(context), add_generation_prompt, continue_final_message)
 
     def _pick_template(self, chat_template: str | None, tools: Sequence[Any] | None) -> str:
         if chat_template is not None:
@@ -168,11 +170,6 @@ class Tokenizer:
             f" (it has templates {sorted(self.chat_templates)} but none named 'default')" if self.chat_templates else ""
         )
         raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template{named}; pass chat_template")
-
-    def _token_id(self, token: str) -> int | None:
-        token_id = self._backend.token_to_id(token)
-        unk = self.special_tokens_map.get("unk_token")
-        return token_id if token_id is not None or unk is None else self._backend.token_to_id(unk)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -189,7 +186,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             f"cannot load a tokenizer from {path!r}: tokenizer.json is required (a directory with only "
             "tokenizer.model needs converting once: load it with transformers and save_pretrained it)"
         )
-    return Tokenizer(path)
+    try:
+        return Tokenizer(path)
+    except (TypeError, KeyError) as exc:  # a config entry of the wrong shape
+        raise ValueError(f"cannot load a tokenizer from {path!r}: tokenizer_config.json: {exc!r}") from exc
 
 
 def apply_chat_template(
@@ -242,6 +242,22 @@ def _load_backend(path: Path) -> RustTokenizer:
     return backend
 
 
+def _warn_if_transformers_rebuilds(directory: str, tokenizer_class: str | None, backend: RustTokenizer) -> None:
+    """One line when AutoTokenizer would build a class that replaces tokenizer.json's pipeline in Python
+    (LlamaTokenizer over a non-byte-level tokenizer.json, Qwen2Tokenizer, ...): ids may then differ."""
+    name = tokenizer_class.removesuffix("Fast") if isinstance(tokenizer_class, str) else None
+    parts = (backend.pre_tokenizer, backend.decoder)
+    byte_level = any(b'"ByteLevel"' in part.__getstate__() for part in parts if part is not None)
+    if name not in _PIPELINE_AS_WRITTEN and not (name == "LlamaTokenizer" and byte_level):
+        log.warning(
+            "tokenizer %r: tokenizer_config.json names %s, which transformers 5 rebuilds in Python; splitserve "
+            "reads tokenizer.json as written, so ids may differ from AutoTokenizer's around spaces and special "
+            "tokens (name PreTrainedTokenizerFast if tokenizer.json is right)",
+            directory,
+            tokenizer_class,
+        )
+
+
 def _special_tokens(
     root: Path, config: dict, json_added: dict[int, AddedToken]
 ) -> tuple[dict[str, Any], list[Any], dict[int, AddedToken]]:
@@ -260,7 +276,7 @@ def _special_tokens(
         added = _legacy_added_tokens(root, config, custom, json_added)
     if "additional_special_tokens" in config and "extra_special_tokens" not in config:
         config["extra_special_tokens"] = config.pop("additional_special_tokens")
-    config = _added_token_objects(config)
+    config, custom = _added_token_objects(config), _added_token_objects(custom)
     by_content = {token.content: token for token in added.values()}
     named = {k: by_content.get(str(config[k]), config[k]) for k in _NAMED_TOKENS if config.get(k) is not None}
     custom = {**{k: v for k, v in config.items() if _is_custom_token(k, v, (str, AddedToken))}, **custom}
@@ -357,147 +373,3 @@ def _clean_up_tokenization(text: str) -> str:
     ):  # fmt: skip
         text = text.replace(spaced, joined)
     return text
-
-
-# ---- chat templates ----
-
-
-def _render(
-    template: str, chat: list[dict], context: dict, add_generation_prompt: bool, continue_final_message: bool | str
-) -> str:
-    """Render one conversation. To continue the final message, a tag is appended to it and the text is
-    cut where the tag lands, so whatever the template writes after a message (end-of-turn tokens) goes."""
-    if not continue_final_message:
-        return _compile(template).render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
-    field = continue_final_message if isinstance(continue_final_message, str) else "content"
-    final = chat[-1].get(field)
-    if final is None:
-        raise ValueError(f"continue_final_message is set but the final message has no {field!r} to continue")
-    fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final] if field in _REASONING_FIELDS else [field]
-    if not any(f in template for f in fields):
-        raise ValueError(f"continue_final_message is set to {field!r} but the chat template never reads that field")
-    if isinstance(final, (list, tuple)):  # content blocks: continue the last text block
-        block = next((b for b in reversed(final) if "text" in b), None)
-        if block is None:
-            raise ValueError("continue_final_message is set but the final message has no text block to continue")
-        final, block["text"] = block["text"], block["text"] + _CONTINUE_TAG
-    else:
-        for f in fields:
-            chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
-    text = _compile(template).render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
-    tag = _CONTINUE_TAG.strip()
-    if final.strip() not in text or tag not in text:
-        raise ValueError(
-            "continue_final_message is set but the chat template dropped part of the final message "
-            f"{final.strip()!r}; rendered: {text!r}"
-        )
-    cut = text.rindex(tag)
-    # a template that strips message text also strips the space after the tag: trim what it left
-    return text[:cut] if text[cut : cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
-
-
-def _without_none_values(message: Mapping[str, Any]) -> dict:
-    """The message without keys whose value is None (an API's content=None renders as "None" otherwise)."""
-    if not isinstance(message, Mapping):
-        raise TypeError(f"chat messages must be dicts, got {message!r}")
-    return {key: value for key, value in message.items() if value is not None}
-
-
-def _alias_reasoning_fields(chat: list[dict]) -> list[dict]:
-    """Give a message's reasoning under the names templates read it by ("thinking", "reasoning_content")."""
-    out = []
-    for message in chat:
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        out.append(message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning})
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """A copy of `value` made of JSON types only: a chat template is untrusted code, so no object with
-    methods reaches it (other objects become a "<TypeName>" placeholder)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    for base in (str, int, float):  # subclasses (enums) lose their methods
-        if isinstance(value, base):
-            return base(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):  # pydantic models
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's namespace() without underscore attributes (a way from a template into CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # no named `self`, so namespace(self=...) works
-        attrs = dict(*args[1:], **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(args[0], attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not set namespace attribute {name!r}")
-
-
-class _TemplateDict:
-    """The `dict` a template sees: it builds dicts and offers no type to climb from."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    """jinja2's own tojson escapes HTML characters (<, >, &, '), which would change the prompt."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_TemplateNamespace
-    )
-    return env.from_string(template)

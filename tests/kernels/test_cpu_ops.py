@@ -144,6 +144,7 @@ def test_bad_block_tables_and_slots_are_refused_not_read(op):
     assert kv.abs().sum() == 0
 
 
+@pytest.mark.slow
 def test_a_built_library_loads_even_with_a_leftover_build_lock(op):
     """torch's builder waits forever on its lock file; a process killed while holding it (crash tests kill
     services at start) must not hang every later start: an up-to-date build is imported without the lock."""
