@@ -168,6 +168,18 @@ def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
         ]
         assert s["build"]["args"] == {"VARIANT": "cuda"}
     assert services["decode-0"]["pid"] == services["decode-1"]["pid"] == "service:prefill"
+    # the same devices and memory shares as `splitserve up` places on two GPUs with two decodes
+    from splitserve.gateway.config import UpConfig
+    from splitserve.gateway.up import place
+
+    placement = place("auto", 0.9, UpConfig(num_decode=2), num_gpus=2)
+    for name, device in [("prefill", placement.prefill_device)] + [
+        (f"decode-{i}", d) for i, d in enumerate(placement.decode_devices)
+    ]:
+        assert command_option(services[name], "--device") == device
+        share = float(command_option(services[name], "--kv-cache-memory-fraction"))
+        assert share == placement.fraction_of(device), name
+    assert "build" not in services["gateway"] or services["gateway"]["build"].get("target") == "gateway"
 
 
 @pytest.mark.slow
