@@ -73,7 +73,8 @@ class LLM:
                 raise ValueError("generate needs prompts or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer; pass prompt_token_ids")
-            prompt_token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+            # special tokens included (BOS where the tokenizer adds one), as transformers and vLLM do
+            prompt_token_ids = [self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
         n = len(prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()

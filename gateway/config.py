@@ -41,7 +41,12 @@ class GatewayConfig:
     decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
     health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
     request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
-    max_body_bytes: int = option(1 << 20, "largest REST request body; larger gets HTTP 413", min=1024, max=1 << 30)
+    max_body_bytes: int = option(
+        1 << 20,
+        "largest REST request body (HTTP 413) and gRPC request message (RESOURCE_EXHAUSTED)",
+        min=1024,
+        max=1 << 30,
+    )
     max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
     max_concurrent_requests: int = option(
         1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20

@@ -37,6 +37,7 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
     values["stop"] = list(request.stop)
     values["include_stop_str_in_output"] = request.include_stop_str_in_output
     values["skip_special_tokens"] = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    values.setdefault("max_tokens", None)  # unset: up to the context limit (common.proto)
     params = build_sampling_params(values, max_stop_strings)
     kind = request.WhichOneof("prompt")
     common = dict(
@@ -84,12 +85,23 @@ class GenerationServicer:
     async def Tokenize(
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext, client_id: str
     ) -> generation_pb2.TokenizeResponse:
+        self._service.limiter.take_request(client_id)  # tokenizing is work: it counts against the limits
         self._service.check_model(request.model)
         if request.WhichOneof("input") == "chat":
-            ids = self._service.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
+            ids = await self._service.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
         else:
-            ids = self._service.tokenize_text(request.text)
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._service.tokenize_text(request.text, add_special_tokens=add)
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._service.registry.max_model_len)
+
+    async def Detokenize(
+        self, request: generation_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext, client_id: str
+    ) -> generation_pb2.DetokenizeResponse:
+        self._service.limiter.take_request(client_id)
+        self._service.check_model(request.model)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else False
+        text = await self._service.detokenize(list(request.token_ids), skip, param="token_ids")
+        return generation_pb2.DetokenizeResponse(text=text)
 
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext, client_id: str
@@ -197,6 +209,7 @@ def generation_handlers(
     handlers = {
         "Generate": gate.streaming("Generate", generation_pb2.GenerateRequest),
         "Tokenize": gate.unary("Tokenize", generation_pb2.TokenizeRequest),
+        "Detokenize": gate.unary("Detokenize", generation_pb2.DetokenizeRequest),
         "ListModels": gate.unary("ListModels", generation_pb2.ListModelsRequest),
     }
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)

@@ -1,13 +1,17 @@
 """OpenAI-compatible REST shim over the GatewayService (FastAPI; imported only when REST is on).
 
-    GET  /health               the process is alive (always 200)
-    GET  /ready                200 when a full prefill+decode path (or a colocated worker) is up, else 503
+    GET  /health               200 when a full prefill+decode path (or a colocated worker) serves and the
+                               gateway is not draining, else 503 with the reason (vLLM's convention: a client
+                               that waits for /health can then list models and send requests)
+    GET  /live                 the process answers at all (always 200): for liveness probes
+    GET  /ready                /health's answer with the instances' detail
     GET  /v1/models            the served model
     POST /v1/completions       prompt: text or token ids; SSE when stream is true
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template
     GET  /metrics              Prometheus metrics of the gateway (gateway/observe.py)
+    POST /tokenize, /detokenize, GET /version   vLLM's token endpoints (gateway/rest_tokens.py)
 
-With API keys configured every route but /health, /ready and /metrics needs
+With API keys configured every route but /health, /live, /ready and /metrics needs
 `Authorization: Bearer <key>` (gateway/rest_guard.py).
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}. A request is
 refused (4xx/5xx) only before its first token; a failure after that is a final SSE event
@@ -32,6 +36,7 @@ from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
+from splitserve.gateway.rest_tokens import add_token_routes
 from splitserve.gateway.service import GatewayService
 from splitserve.protos import common_pb2, generation_pb2
 
@@ -319,6 +324,8 @@ def create_app(
     async def chat_completions(request: Request):
         return await generate(request, parse_chat, chat=True)
 
+    add_token_routes(app, service, lambda request: read_json(request, max_body_bytes))
+
     @app.get("/v1/models")
     async def models():
         model_id = service.model_id
@@ -345,12 +352,7 @@ def create_app(
             return JSONResponse(_server_error("metrics are off"), status_code=404)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready():
+    def readiness() -> dict:
         status = service.registry.status()
         if service.draining:
             status["ready"] = False
@@ -358,6 +360,22 @@ def create_app(
             status["reason"] = (
                 "the gateway is shutting down" if service.draining else service.registry.not_ready_reason()
             )
+        return status
+
+    @app.get("/health")
+    async def health():
+        status = readiness()
+        if status["ready"]:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": status["reason"]}, status_code=503)
+
+    @app.get("/live")
+    async def live():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        status = readiness()
         return JSONResponse(status, status_code=200 if status["ready"] else 503)
 
     return app

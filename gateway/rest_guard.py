@@ -1,6 +1,6 @@
 """ASGI middleware in front of the REST shim: API-key authentication and requests_total.
 
-Every HTTP call except /health, /ready and /metrics must carry `Authorization: Bearer <key>`
+Every HTTP call except /health, /live, /ready and /metrics must carry `Authorization: Bearer <key>`
 when keys are configured; otherwise it is answered here with 401, OpenAI's error shape and
 `WWW-Authenticate: Bearer`. The caller's client id is put in the ASGI scope under
 CLIENT_ID_KEY for the rate limits. Each call is counted once in requests_total with its
@@ -22,7 +22,20 @@ from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.observe import GatewayMetrics
 
 CLIENT_ID_KEY = "splitserve.client_id"
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/health",
+        "/live",
+        "/ready",
+        "/metrics",
+    }
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

@@ -222,7 +222,7 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     return RestRequest(inp, stream, include_usage, params.logprobs)
 
 
-def _messages(body: dict) -> tuple[tuple[str, str], ...]:
+def messages_of(body: dict) -> tuple[tuple[str, str], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
@@ -269,12 +269,14 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
             raise invalid(f"top_logprobs must be >= 0 and <= {MAX_LOGPROBS}, got {top}", "top_logprobs")
     if want_logprobs:
         values["logprobs"] = top or 0
+    max_tokens_param = renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None
+    values.setdefault("max_tokens", None)  # unset: up to the context, as vLLM's chat API (completions: 16)
     params = _params(values, max_stop_strings, renames)
     inp = GenerationInput(
         request_id=request_id,
         model=body.get("model") or "",
         params=params,
-        chat=_messages(body),
-        max_tokens_param=renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None,
+        chat=messages_of(body),
+        max_tokens_param=max_tokens_param,
     )
     return RestRequest(inp, stream, include_usage, params.logprobs)

@@ -26,11 +26,12 @@ from splitserve.gateway.config import GatewayConfig
 from splitserve.gateway.grpc_api import HealthReporter, add_services
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import GatewayMetrics
-from splitserve.gateway.registry import MESSAGE_SIZE_OPTIONS, Registry
+from splitserve.gateway.registry import Registry
 from splitserve.gateway.router import Router
 from splitserve.gateway.service import GatewayService
 
 log = logging.getLogger("splitserve.gateway")
+MAX_SEND_BYTES = 64 << 20  # answers (token ids, logprobs) may exceed what a request may carry
 
 
 def load_gateway_tokenizer(model: str) -> Any:
@@ -147,7 +148,13 @@ class GatewayServer:
             channel_factory=lambda address: internal_channel(address, internal_tls),
         )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
-        self._grpc_server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
+        # the public API takes no message larger than a REST body: sizes are capped before tokenizing
+        self._grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", config.max_body_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ]
+        )
         address = f"{config.host}:{config.grpc_port}"
         self.grpc_port = (
             self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
@@ -231,14 +238,16 @@ class GatewayServer:
             self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self, grace_s: float) -> None:
-        """Drain: refuse new requests, let in-flight ones finish up to grace_s, stop the servers."""
+        """Drain: refuse new requests (UNAVAILABLE / 503 naming the drain, while the servers still
+        answer), let in-flight ones finish up to grace_s, then stop the servers."""
         self.service.draining = True
         await self.health.shutdown()
+        await self.service.wait_idle(grace_s)
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        waits = [self.service.wait_idle(grace_s)]
+        waits = []
         if self._grpc_server is not None:
-            waits.append(self._grpc_server.stop(grace_s))
+            waits.append(self._grpc_server.stop(1.0))
         if self._rest_task is not None:
             waits.append(self._rest_task)
         await asyncio.gather(*waits, return_exceptions=True)

@@ -106,6 +106,11 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
     return values
 
 
+# Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer
+# ones on a thread, through the tokenizer's GIL-releasing batch call.
+INLINE_TOKENIZE_CHARS = 8192
+
+
 class GatewayService:
     """Validation, admission, tokenization and the per-request runs.
 
@@ -156,25 +161,48 @@ class GatewayService:
                 code="model_not_found",
             )
 
-    def tokenize_text(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids as the tokenizer defines them, special tokens included (BOS where the
+        model's tokenizer adds one), as transformers and vLLM encode a completion prompt. Past
+        INLINE_TOKENIZE_CHARS the work runs on a thread (the event loop never runs O(prompt) work)."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens))
 
-    def tokenize_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+    async def tokenize_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        """The chat rendered with the model's template (generation prompt added), then encoded without
+        special tokens (the template writes them); long conversations off the event loop."""
         from splitserve.common.tokenizer import apply_chat_template
 
+        messages = [{"role": r, "content": c} for r, c in turns]
         try:
-            return apply_chat_template(self.tokenizer, [{"role": r, "content": c} for r, c in turns])
+            if sum(len(c) for _, c in turns) <= INLINE_TOKENIZE_CHARS:
+                return apply_chat_template(self.tokenizer, messages)
+            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
         except Exception as exc:  # a template that raises (e.g. roles must alternate)
             raise invalid(f"messages cannot be rendered with the chat template: {exc}", "messages") from None
 
-    def prompt_token_ids(self, inp: GenerationInput) -> list[int]:
+    async def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = False, param: str = "tokens"
+    ) -> str:
+        """Text of `token_ids` (each checked against the vocabulary); long lists off the event loop."""
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise invalid(
+                    f"{param} must hold token ids 0..{self.vocab_size - 1} (the vocabulary), got {token_id!r}", param
+                )
+        if len(token_ids) <= INLINE_TOKENIZE_CHARS // 4:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.decode, list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    async def prompt_token_ids(self, inp: GenerationInput) -> list[int]:
         """Tokenize and check the prompt: non-empty, ids in the vocabulary, within the context."""
         if inp.chat is not None:
             if not inp.chat:
                 raise invalid("messages must not be empty", "messages")
-            ids = self.tokenize_chat(inp.chat)
+            ids = await self.tokenize_chat(inp.chat)
             param = "messages"
         elif inp.token_ids is not None:
             ids = list(inp.token_ids)
@@ -187,7 +215,7 @@ class GatewayService:
                         "prompt",
                     )
         else:
-            ids = self.tokenize_text(inp.text or "")
+            ids = await self.tokenize_text(inp.text or "")
             param = "prompt"
         if not ids:
             raise invalid(f"{param} must not be empty", param)
@@ -235,11 +263,11 @@ class GatewayService:
         if max_tokens is not None and max_tokens > MAX_UINT32:
             raise invalid(f"{param} must be at most {MAX_UINT32}, got {max_tokens}", param)
 
-    def _prepare(self, inp: GenerationInput, client_id: str) -> tuple[list[int], SamplingParams]:
+    async def _prepare(self, inp: GenerationInput, client_id: str) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize the prompt, check the limits, fit a default max_tokens into the
         context, charge the client's tokens; the prompt ids and the params to run with."""
         self.check_model(inp.model)
-        prompt_ids = self.prompt_token_ids(inp)
+        prompt_ids = await self.prompt_token_ids(inp)
         self.check_request_limits(inp, len(prompt_ids))
         params, limit = inp.params, self.registry.max_model_len
         room = limit - len(prompt_ids)
@@ -287,7 +315,7 @@ class GatewayService:
         prompt_ids: list[int] = []
         closed_early = False
         try:
-            prompt_ids, params = self._prepare(inp, client_id)
+            prompt_ids, params = await self._prepare(inp, client_id)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
             run = RequestRun(

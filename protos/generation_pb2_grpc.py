@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Generation/Detokenize',
+                request_serializer=splitserve_dot_protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/splitserve.v1.Generation/ListModels',
                 request_serializer=splitserve_dot_protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -70,6 +75,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Token ids back to text with the served model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Models this gateway serves.
         """
@@ -89,6 +101,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_protos_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -151,6 +168,33 @@ class Generation:
             '/splitserve.v1.Generation/Tokenize',
             splitserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
             splitserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Detokenize',
+            splitserve_dot_protos_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_protos_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -374,7 +374,7 @@ def test_k8s_manifests_have_gpus_probes_and_settings():
         assert f"{name}:{port}" in settings["SPLITSERVE_PREFILL"] + "," + settings["SPLITSERVE_DECODE"]
     (gateway,) = docs["Deployment"]["gateway"]["spec"]["template"]["spec"]["containers"]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
 
 
 # -- a real Prometheus scraping a real stack ---------------------------------------------------

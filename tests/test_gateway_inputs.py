@@ -369,10 +369,19 @@ def test_grpc_malformed_message_is_invalid_argument_not_internal(stack, raw, det
 
 def test_a_long_echoed_value_is_cut_in_the_grpc_status(stack):
     code, details = _refusal(
-        lambda: _stub(stack).Generate(generation_pb2.GenerateRequest(text="hi", model="m" * 100_000), timeout=5)
+        lambda: _stub(stack).Generate(generation_pb2.GenerateRequest(text="hi", model="m" * (MAX_BODY // 2)), timeout=5)
     )
     assert code == grpc.StatusCode.NOT_FOUND and len(details) < 1100
     assert details.startswith("model 'mmm") and details.endswith(
         "m' is not served here; this gateway serves 'tiny-fake'"
     )
     assert " characters cut]... " in details
+
+
+def test_a_grpc_message_over_the_body_limit_is_refused_by_size(stack):
+    """gRPC requests have the REST body's limit: nothing larger reaches tokenization."""
+    code, details = _refusal(
+        lambda: _stub(stack).Generate(generation_pb2.GenerateRequest(text="hi", model="m" * 2 * MAX_BODY), timeout=5)
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details == f"SERVER: Received message larger than max ({2 * MAX_BODY + 7} vs. {MAX_BODY})"

@@ -7,6 +7,7 @@ The chat template renders [{"role": "user", "content": "hello w30"}] as
 """
 
 import json
+from pathlib import Path
 
 import grpc
 import httpx
@@ -15,6 +16,7 @@ import pytest
 
 from splitserve.protos import generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+from tests.service_harness import wait_until
 
 MODEL = "tiny-fake"
 MAX_BODY = 4096
@@ -304,3 +306,68 @@ def test_a_decode_failing_mid_request_reaches_rest_clients(tokenizer_dir):
         assert response.json()["error"]["message"].startswith("decode instance decode-0 failed: ")
     finally:
         stack.stop()
+
+
+def test_health_is_503_until_a_whole_path_serves_and_live_is_always_200(tokenizer_dir):
+    """vLLM's convention: a client that waits for /health can then list models and send requests."""
+    stack = Stack(tokenizer_dir, [FakePrefill()], []).start()  # a prefill, but no decode: no path
+    try:
+        health = httpx.get(stack.base_url + "/health")
+        assert health.status_code == 503
+        assert health.json() == {
+            "status": "unavailable",
+            "reason": "no prefill/decode pair with equal KV layouts and no colocated worker is up",
+        }
+        assert httpx.get(stack.base_url + "/live").json() == {"status": "ok"}
+        assert httpx.get(stack.base_url + "/ready").status_code == 503
+    finally:
+        stack.stop()
+    serving = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()]).start()
+    try:
+        wait_until(lambda: httpx.get(serving.base_url + "/health").status_code == 200, 5, "/health never said 200")
+        assert httpx.get(serving.base_url + "/health").json() == {"status": "ok"}
+        models = httpx.get(serving.base_url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [MODEL]  # listed as soon as /health says ok
+    finally:
+        serving.stop()
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_dir(tmp_path_factory):
+    """The word-level tokenizer with a post-processor that adds BOS, as Llama's tokenizers do."""
+    from tokenizers import Tokenizer, processors
+
+    path = Path(make_tokenizer_dir(str(tmp_path_factory.mktemp("bos-tokenizer"))))
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def test_completion_prompts_get_the_tokenizers_special_tokens_as_transformers_gives(bos_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    prefill = FakePrefill()
+    stack = Stack(bos_tokenizer_dir, [prefill], [FakeDecode()]).start()
+    try:
+        wait_until(lambda: httpx.get(stack.base_url + "/health").status_code == 200, 5, "the stack never served")
+        body = {"model": MODEL, "prompt": "w20 w21", "temperature": 0}
+        assert httpx.post(stack.base_url + "/v1/completions", json=body).status_code == 200
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "w40"}], "temperature": 0}
+        assert httpx.post(stack.base_url + "/v1/chat/completions", json=chat).status_code == 200
+    finally:
+        stack.stop()
+    reference = AutoTokenizer.from_pretrained(bos_tokenizer_dir)
+    completion, chat_request = prefill.requests
+    assert list(completion.prompt_token_ids) == reference("w20 w21")["input_ids"]
+    assert completion.prompt_token_ids[0] == reference.convert_tokens_to_ids("<s>")
+    rendered = reference.apply_chat_template(
+        [{"role": "user", "content": "w40"}], tokenize=False, add_generation_prompt=True
+    )
+    assert list(chat_request.prompt_token_ids) == reference(rendered, add_special_tokens=False)["input_ids"]
+    # no max_tokens: a completion gets vLLM's 16, a chat as many as the context holds (64 - prompt)
+    assert completion.sampling.max_tokens == 16
+    assert chat_request.sampling.max_tokens == 64 - len(chat_request.prompt_token_ids)
