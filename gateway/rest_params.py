@@ -1,18 +1,20 @@
 """OpenAI request bodies -> GenerationInput, with errors that name the offending field.
 
-Plain dict validation: unknown fields, OpenAI parameters splitserve does not implement,
-wrong types and out-of-range values are HTTP 400 with the field in the message and in the
-error's "param".
+Plain dict validation: OpenAI parameters splitserve does not implement (sent with a value that
+would change the answer), wrong types and out-of-range values are HTTP 400 with the field in the
+message and in the error's "param". Fields nobody defines are ignored with a log line naming them,
+as vLLM's server does (clients and harnesses send extension fields of other servers).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.gateway.errors import GatewayError, invalid
-from splitserve.gateway.service import GenerationInput, build_sampling_params
+from splitserve.gateway.service import ChatOptions, GenerationInput, build_sampling_params
 
 # Request fields passed to SamplingParams under the same name.
 _SAMPLING_FIELDS = (
@@ -31,9 +33,28 @@ _SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
-_COMMON_FIELDS = frozenset(_SAMPLING_FIELDS) | {"model", "max_tokens", "stream", "stream_options", "n", "user"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_COMMON_FIELDS = frozenset(_SAMPLING_FIELDS) | {
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "priority",
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "add_special_tokens"}
+# vLLM's chat template fields: add_generation_prompt, continue_final_message, chat_template_kwargs
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+}
+log = logging.getLogger("splitserve.gateway")
+_MAX_LOGGED_FIELDS, _MAX_FIELD_NAME_CHARS = 10, 64
 _CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
 _UNSUPPORTED_COMMON = {"logit_bias": ({},), "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
@@ -102,19 +123,16 @@ class RestRequest:
 
 
 def _check_fields(body: Any, allowed: frozenset[str], unsupported: dict[str, tuple]) -> dict[str, Any]:
-    """The body as a dict; 400 naming unknown fields, or an OpenAI parameter splitserve does not
-    implement (sent with a value other than its neutral one: null, or the listed defaults)."""
+    """The body as a dict; 400 naming an OpenAI parameter splitserve does not implement (sent with a
+    value other than its neutral one: null, or the listed defaults); unknown fields are logged and ignored."""
     if not isinstance(body, dict):
         raise invalid(f"request body must be a JSON object, got {type(body).__name__}", "body")
-    unknown = sorted(
-        k for k in body if k not in allowed and not (k in unsupported and _is_neutral(body[k], unsupported[k]))
-    )
-    if any(k not in unsupported for k in unknown):
-        raise invalid(
-            f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
-            f"allowed: {', '.join(sorted(allowed))}",
-            unknown[0],
-        )
+    ignored = sorted(k for k in body if k not in allowed and k not in unsupported)
+    if ignored:
+        names = [k if len(k) <= _MAX_FIELD_NAME_CHARS else k[:_MAX_FIELD_NAME_CHARS] + "..." for k in ignored]
+        more = f" (+{len(names) - _MAX_LOGGED_FIELDS} more)" if len(names) > _MAX_LOGGED_FIELDS else ""
+        log.info("ignoring unknown request fields: %s%s", ", ".join(map(repr, names[:_MAX_LOGGED_FIELDS])), more)
+    unknown = sorted(k for k in body if k in unsupported and not _is_neutral(body[k], unsupported[k]))
     if unknown:
         name = unknown[0]
         raise invalid(
@@ -169,6 +187,14 @@ def _common(body: dict) -> tuple[dict[str, Any], bool, bool]:
     return values, stream, include_usage
 
 
+def _priority(body: dict) -> int:
+    """vLLM's priority: lower runs first under the priority policy; an int32."""
+    priority = _optional_int(body, "priority") or 0
+    if not -(2**31) <= priority < 2**31:
+        raise invalid(f"priority must be a 32-bit integer, got {priority}", "priority")
+    return priority
+
+
 def _params(values: dict[str, Any], max_stop_strings: int, renames: dict[str, str]) -> SamplingParams:
     """build_sampling_params, with messages and param naming the field the client sent."""
     try:
@@ -217,6 +243,8 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
         model=body.get("model") or "",
         params=params,
         max_tokens_param="max_tokens" if "max_tokens" in values else None,
+        priority=_priority(body),
+        add_special_tokens=_bool(body, "add_special_tokens", True),
         **_prompt(body),
     )
     return RestRequest(inp, stream, include_usage, params.logprobs)
@@ -272,11 +300,20 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
     max_tokens_param = renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None
     values.setdefault("max_tokens", None)  # unset: up to the context, as vLLM's chat API (completions: 16)
     params = _params(values, max_stop_strings, renames)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise invalid(f"chat_template_kwargs must be an object, got {kwargs!r}", "chat_template_kwargs")
     inp = GenerationInput(
         request_id=request_id,
         model=body.get("model") or "",
         params=params,
         chat=messages_of(body),
         max_tokens_param=max_tokens_param,
+        priority=_priority(body),
+        chat_options=ChatOptions(
+            add_generation_prompt=_bool(body, "add_generation_prompt", True),
+            continue_final_message=_bool(body, "continue_final_message", False),
+            template_kwargs=tuple(sorted((kwargs or {}).items())),
+        ),
     )
     return RestRequest(inp, stream, include_usage, params.logprobs)

@@ -44,6 +44,17 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    """vLLM's chat template fields. continue_final_message leaves the last (assistant) message open
+    for the model to continue (no generation prompt then); template_kwargs reach the template as
+    variables, as (name, value) pairs."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationInput:
     """One request as both front ends hand it over; exactly one of text/token_ids/chat is set.
 
@@ -61,6 +72,8 @@ class GenerationInput:
     chat: tuple[tuple[str, str], ...] | None = None
     priority: int = 0
     max_tokens_param: str | None = None
+    add_special_tokens: bool = True  # text prompts: the tokenizer's BOS/EOS, as vLLM's completions API
+    chat_options: ChatOptions | None = None  # chat prompts: how the template renders them
 
 
 def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
@@ -169,16 +182,31 @@ class GatewayService:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens))
 
-    async def tokenize_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
-        """The chat rendered with the model's template (generation prompt added), then encoded without
-        special tokens (the template writes them); long conversations off the event loop."""
+    async def tokenize_chat(self, turns: Sequence[tuple[str, str]], options: ChatOptions | None = None) -> list[int]:
+        """The chat rendered with the model's template, then encoded without special tokens (the
+        template writes them); long conversations off the event loop."""
+        from functools import partial
+
         from splitserve.common.tokenizer import apply_chat_template
 
-        messages = [{"role": r, "content": c} for r, c in turns]
+        options = options or ChatOptions()
+        if options.continue_final_message and options.add_generation_prompt:
+            raise invalid(
+                "continue_final_message continues the last message: set add_generation_prompt to false with it",
+                "continue_final_message",
+            )
+        render = partial(
+            apply_chat_template,
+            self.tokenizer,
+            [{"role": r, "content": c} for r, c in turns],
+            options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            chat_template_kwargs=dict(options.template_kwargs),
+        )
         try:
             if sum(len(c) for _, c in turns) <= INLINE_TOKENIZE_CHARS:
-                return apply_chat_template(self.tokenizer, messages)
-            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages)
+                return render()
+            return await asyncio.to_thread(render)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
         except Exception as exc:  # a template that raises (e.g. roles must alternate)
@@ -202,7 +230,7 @@ class GatewayService:
         if inp.chat is not None:
             if not inp.chat:
                 raise invalid("messages must not be empty", "messages")
-            ids = await self.tokenize_chat(inp.chat)
+            ids = await self.tokenize_chat(inp.chat, inp.chat_options)
             param = "messages"
         elif inp.token_ids is not None:
             ids = list(inp.token_ids)
@@ -215,7 +243,7 @@ class GatewayService:
                         "prompt",
                     )
         else:
-            ids = await self.tokenize_text(inp.text or "")
+            ids = await self.tokenize_text(inp.text or "", inp.add_special_tokens)
             param = "prompt"
         if not ids:
             raise invalid(f"{param} must not be empty", param)

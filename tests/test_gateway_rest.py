@@ -198,12 +198,19 @@ def test_chat_bad_parameters_get_400_naming_the_field(stack, change, param, mess
     assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
 
 
-def test_unknown_fields_are_named(stack):
+def test_unknown_fields_are_ignored_with_a_log_line_and_unsupported_ones_named(stack, caplog):
+    """As vLLM: a field nobody defines is logged and ignored; an OpenAI parameter we do not
+    implement, sent with a value that would change the answer, is a 400 naming it."""
+    with caplog.at_level("INFO", logger="splitserve.gateway"):
+        r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "w20", "max_tokens": 2, "foo": 1, "guided_x": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w21 w22"
+    assert "ignoring unknown request fields: 'foo', 'guided_x'" in caplog.text
     r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello", "foo": 1, "best_of": 2})
     assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["param"] == "best_of"
-    assert error["message"].startswith("unknown fields: best_of, foo; allowed: frequency_penalty, ")
+    assert r.json()["error"]["param"] == "best_of"
+    assert r.json()["error"]["message"] == (
+        "unsupported parameter: best_of (got 2); splitserve does not implement it, remove it from the request"
+    )
 
 
 def test_body_errors(stack):
@@ -371,3 +378,55 @@ def test_completion_prompts_get_the_tokenizers_special_tokens_as_transformers_gi
     # no max_tokens: a completion gets vLLM's 16, a chat as many as the context holds (64 - prompt)
     assert completion.sampling.max_tokens == 16
     assert chat_request.sampling.max_tokens == 64 - len(chat_request.prompt_token_ids)
+
+
+@pytest.fixture(scope="module")
+def kwargs_tokenizer_dir(tmp_path_factory):
+    """The word-level tokenizer with a template that reads a template kwarg (like Qwen3's enable_thinking)."""
+    path = Path(make_tokenizer_dir(str(tmp_path_factory.mktemp("kwargs-tokenizer"))))
+    (path / "chat_template.jinja").write_text(  # transformers 5 saves the template here; it wins over the config
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% if greet %} hello{% endif %}{% endif %}"
+    )
+    return str(path)
+
+
+def test_chat_template_fields_reach_the_template_as_transformers_renders_them(kwargs_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    prefill = FakePrefill()
+    stack = Stack(kwargs_tokenizer_dir, [prefill], [FakeDecode()]).start()
+    user = [{"role": "user", "content": "w40"}]
+    assistant = [*user, {"role": "assistant", "content": "w41 w42"}]
+    bodies = [
+        {"messages": user, "chat_template_kwargs": {"greet": True}},
+        {"messages": assistant, "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": user, "priority": 7},
+    ]
+    try:
+        wait_until(lambda: httpx.get(stack.base_url + "/health").status_code == 200, 5, "the stack never served")
+        for body in bodies:
+            r = httpx.post(stack.base_url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 200, r.text
+        both = httpx.post(
+            stack.base_url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": assistant, "continue_final_message": True},
+        )
+    finally:
+        stack.stop()
+    reference = AutoTokenizer.from_pretrained(kwargs_tokenizer_dir)
+    expected = [
+        reference.apply_chat_template(user, tokenize=False, add_generation_prompt=True, greet=True),
+        reference.apply_chat_template(
+            assistant, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        ),
+        reference.apply_chat_template(user, tokenize=False, add_generation_prompt=True),
+    ]
+    assert expected[0].endswith("assistant hello") and expected[1].endswith("w41 w42")
+    got = [list(r.prompt_token_ids) for r in prefill.requests]
+    assert got == [reference(text, add_special_tokens=False)["input_ids"] for text in expected]
+    assert [r.priority for r in prefill.requests] == [0, 0, 7]
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    assert both.json()["error"]["message"] == (
+        "continue_final_message continues the last message: set add_generation_prompt to false with it"
+    )
