@@ -86,9 +86,12 @@ class RequestRun:
         deadline: float,
         budget_s: float,
         trace_carrier: dict[str, str] | None = None,
+        internal_id: str = "",
     ) -> None:
         self._deps = deps
-        self.request_id = request_id
+        self.request_id = request_id  # the caller's: in its responses and in logs
+        # on every internal hop (prefill, decode, KV lease): unique across the gateways that share them
+        self.internal_id = internal_id or request_id
         self._params = params
         self._prompt = prompt_token_ids
         self._seed = seed
@@ -193,7 +196,7 @@ class RequestRun:
         """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
         router = self._deps.router
         request = prefill_pb2.PrefillRequest(
-            request_id=self.request_id,
+            request_id=self.internal_id,
             prompt_token_ids=self._prompt,
             sampling=self._sampling,
             seed=self._seed,
@@ -234,12 +237,17 @@ class RequestRun:
         reason = f"prefill instance {prefill.name} failed: {code.name}: {exc.details()}"
         if code in _MARK_DOWN_CODES:
             self._deps.registry.mark_down(prefill, reason)
-        log.warning("request_id=%s %s; falling back to a local prefill on a decode", self.request_id, reason)
+        log.warning(
+            "request_id=%s internal_id=%s %s; falling back to a local prefill on a decode",
+            self.request_id,
+            self.internal_id,
+            reason,
+        )
         return None
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
         request = decode_pb2.DecodeRequest(
-            request_id=self.request_id,
+            request_id=self.internal_id,
             prompt_token_ids=self._prompt,
             sampling=self._sampling,
             seed=self._seed,
@@ -323,12 +331,12 @@ class RequestRun:
             self.cached_prompt_tokens = delta.cached_prompt_tokens
         ids, lps, text = self._accept(delta.token_ids, delta.logprobs)
         if self._detok.stop_str is not None:
-            self._link.abort(self.request_id)
+            self._link.abort(self.internal_id)
             return self._final(
                 FR.FINISH_REASON_STOP, ids, lps, text, stop_reason=self._detok.stop_str, decode_timings=delta.timings
             )
         if delta.finish_reason:
-            self._link.finish(self.request_id)
+            self._link.finish(self.internal_id)
             text += self._detok.flush()
             if self._detok.stop_str is not None:
                 return self._final(
@@ -445,7 +453,7 @@ class RequestRun:
             self._deadline_timer.cancel()
             self._deadline_timer = None
         if self._link is not None:
-            self._link.abort(self.request_id)  # no-op once finished or failed
+            self._link.abort(self.internal_id)  # no-op once finished or failed
             self._link = None
         if self._decode is not None:
             self._deps.router.release(self._decode)

@@ -156,6 +156,9 @@ class GatewayService:
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._run_deps = RunDeps(router=router, registry=registry, tokenizer=tokenizer, spawn=self.spawn)
+        # suffix of the ids this gateway gives its requests on internal hops: two gateways in front of the same
+        # services may both run a caller's "req-1"; the services must see two requests
+        self.instance_tag = secrets.token_hex(6)
 
     # -- model and tokenization ------------------------------------------------------------
 
@@ -349,6 +352,7 @@ class GatewayService:
             run = RequestRun(
                 self._run_deps,
                 request_id=request_id,
+                internal_id=f"{request_id}@{self.instance_tag}",
                 params=params,
                 prompt_token_ids=prompt_ids,
                 seed=seed,

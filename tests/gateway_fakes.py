@@ -360,6 +360,10 @@ class Stack:
         self.base_url = f"{scheme}://127.0.0.1:{self.gateway.http_port}"
         return self
 
+    def internal_id(self, request_id: str) -> str:
+        """The id the gateway gives a caller's request on the internal hops (prefill, decode, lease)."""
+        return f"{request_id}@{self.gateway.service.instance_tag}"
+
     def stop(self) -> None:
         self.loop.run(self.gateway.stop(0.5))
         for server in self.servers.values():

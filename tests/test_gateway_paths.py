@@ -78,7 +78,9 @@ def test_disaggregated_path_streams_prefill_token_then_decode_tokens(make_stack)
     (pre,), (dec,) = prefill.requests, decode.requests
     assert list(pre.prompt_token_ids) == list(dec.prompt_token_ids) == PROMPT_IDS
     assert dec.first_token_id == 21 and dec.kv.lease.lease_id == f"lease-{pre.request_id}"
-    assert list(dec.kv.block_ids) == [0] and dec.request_id == pre.request_id == messages[0].request_id
+    assert list(dec.kv.block_ids) == [0] and dec.request_id == pre.request_id == stack.internal_id(
+        messages[0].request_id
+    )
     # no seed given: the gateway drew one 63-bit seed for both hops
     assert pre.seed == dec.seed == pre.sampling.seed == dec.sampling.seed and 0 <= pre.seed < 2**63
     assert prefill.released == []  # the decode owns the lease
@@ -90,7 +92,10 @@ def test_given_seed_and_request_id_are_passed_to_both_hops(make_stack):
     req = request(max_tokens=2, seed=1234)
     req.request_id = "my-request"
     messages = generate(stack, req)
-    assert {m.request_id for m in messages} == {"my-request"}
+    assert {m.request_id for m in messages} == {"my-request"}  # the caller's id in its answers
+    # on the internal hops the gateway's own suffix keeps ids from two gateways apart
+    assert prefill.requests[0].request_id == decode.requests[0].request_id == stack.internal_id("my-request")
+    assert stack.internal_id("my-request") == f"my-request@{stack.gateway.service.instance_tag}"
     assert (prefill.requests[0].seed, decode.requests[0].seed) == (1234, 1234)
 
 
@@ -111,7 +116,7 @@ def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_sta
     messages = generate(stack, request(max_tokens=10, stop=["2 w2", "nope"]))
     assert summary(messages) == ([21, 22, 23], " w21 w2", FR.FINISH_REASON_STOP, "2 w2", "")
     assert messages[-1].usage.completion_tokens == 3
-    stack.wait_for(lambda: decode.aborts == [messages[0].request_id], what="AbortRequest at the decode")
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(messages[0].request_id)], what="AbortRequest")
 
 
 def test_stop_string_kept_with_include_stop_str_in_output(make_stack):
@@ -125,7 +130,7 @@ def test_stop_string_in_the_first_token_releases_the_lease(make_stack):
     stack = make_stack([prefill], [decode])
     messages = generate(stack, request(max_tokens=10, stop=["w21"]))
     assert summary(messages) == ([21], " ", FR.FINISH_REASON_STOP, "w21", "")
-    rid = messages[0].request_id
+    rid = stack.internal_id(messages[0].request_id)
     stack.wait_for(lambda: prefill.released == [(f"lease-{rid}", 7)], what="ReleaseKv")
     assert decode.requests == []
 
@@ -158,7 +163,7 @@ def test_client_cancel_sends_abort_to_the_decode(make_stack):
     assert list(first.token_ids) == [21]
     next(call)  # the decode is streaming
     call.cancel()
-    stack.wait_for(lambda: decode.aborts == [first.request_id], what="AbortRequest after cancel")
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(first.request_id)], what="AbortRequest after cancel")
     service, (inst,) = stack.gateway.service, stack.gateway.registry.decodes()
     stack.wait_for(lambda: service.num_active == 0 and inst.in_flight == 0, what="request bookkeeping at zero")
 
@@ -225,7 +230,7 @@ def test_a_broken_decode_stream_fails_only_its_requests(make_stack):
     b.hold = False
     for call in calls:
         messages = list(call)
-        if messages[0].request_id in on_a:
+        if stack.internal_id(messages[0].request_id) in on_a:
             last = messages[-1]
             assert last.finish_reason == FR.FINISH_REASON_ERROR
             assert last.error.startswith("decode instance decode-a failed: ")
@@ -233,7 +238,7 @@ def test_a_broken_decode_stream_fails_only_its_requests(make_stack):
             assert summary(messages)[2] == FR.FINISH_REASON_LENGTH
     messages = generate(stack, request(max_tokens=2))  # routed to decode-b
     assert summary(messages)[:3] == ([21, 22], " w21 w22", FR.FINISH_REASON_LENGTH)
-    assert b.requests[-1].request_id == messages[0].request_id
+    assert b.requests[-1].request_id == stack.internal_id(messages[0].request_id)
     # decode-a comes back on the same port: its stream reopens and it takes traffic again
     a.hold = False
     stack.loop.run(stack.servers["decode-a"].start())
@@ -258,7 +263,7 @@ def test_deadline_ends_the_request_and_aborts_it(make_stack):
         "",
         f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)",
     )
-    stack.wait_for(lambda: decode.aborts == [rid], what="AbortRequest after the deadline")
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(rid)], what="AbortRequest after the deadline")
 
 
 def test_a_request_id_already_running_is_refused(make_stack):
@@ -365,3 +370,52 @@ def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix(make_stack):
     stack.wait_for(lambda: inst.pending_tokens == 0, what="the next Describe")
     generate(stack, request("hello world w50 w51 w52 w53 w54", max_tokens=2, temperature=0.0))  # a new conversation
     assert len(other.requests) == 1  # goes by load: the other has nothing queued
+
+
+def test_two_gateways_running_the_same_caller_id_on_shared_services_do_not_collide(make_stack, tokenizer_dir):
+    """Issue 22.5: the same request_id sent to two gateways in front of the same prefill and decode at
+    once: both clients get all their tokens, and each lease is released by its own request."""
+    import threading
+
+    from splitserve.gateway.config import GatewayConfig
+    from splitserve.gateway.server import GatewayServer
+
+    prefill, decode = FakePrefill(), FakeDecode(step_s=0.02)
+    first = make_stack([prefill], [decode])
+    config = GatewayConfig(
+        grpc_port=0,
+        model=tokenizer_dir,
+        health_interval_s=0.1,
+        prefill=first.servers[prefill.name].address,
+        decode=first.servers[decode.name].address,
+    )
+    second = GatewayServer(config, http_socket=None)
+    first.loop.run(second.start())
+    try:
+        first.wait_for(lambda: second.registry.status()["ready"], what="the second gateway ready")
+        targets = [first.grpc_target, f"127.0.0.1:{second.grpc_port}"]
+        results: dict[str, list] = {}
+
+        def run(target):
+            req = request(max_tokens=6)
+            req.request_id = "same-id"
+            channel = grpc.insecure_channel(target)
+            results[target] = list(generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=10))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for target in targets:
+            assert summary(results[target])[:3] == (
+                [21, 22, 23, 24, 25, 26],
+                " w21 w22 w23 w24 w25 w26",
+                FR.FINISH_REASON_LENGTH,
+            )
+            assert {m.request_id for m in results[target]} == {"same-id"}
+        hop_ids = sorted(r.request_id for r in decode.requests)
+        assert len(set(hop_ids)) == 2 and all(h.startswith("same-id@") for h in hop_ids)
+        assert sorted(r.request_id for r in prefill.requests) == hop_ids
+    finally:
+        first.loop.run(second.stop(0.5))

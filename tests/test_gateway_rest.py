@@ -252,7 +252,7 @@ def test_streaming_client_that_leaves_aborts_the_request(stack):
         lines = r.iter_lines()
         chunk = json.loads(next(line for line in lines if line)[len("data: ") :])
         assert chunk["choices"][0]["text"] == " w21"
-        rid = chunk["id"]  # the REST id is the request id on every hop
+        rid = stack.internal_id(chunk["id"])  # the REST id, with this gateway's suffix on the hops
     stack.wait_for(lambda: rid in decode.aborts, what="AbortRequest after the client left")
 
 
