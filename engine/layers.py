@@ -8,7 +8,6 @@ float64 exactness tests compare true float64 math (see tests/model_factory.py).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -94,36 +93,6 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         x.copy_(rotated)
 
 
-def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    return 1.0 / (base**exponents)  # (D/2,) float32
-
-
-def _linear_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Position interpolation: every frequency divided by `factor`."""
-    return inv_freq / scaling["factor"]
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth blend between."""
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    long_wavelen, short_wavelen = original_len / low, original_len / high
-    scaled = torch.where(wavelen > long_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_between = ~(wavelen < short_wavelen) * ~(wavelen > long_wavelen)
-    return torch.where(in_between, blended, scaled)
-
-
-_INV_FREQ_SCALERS = {
-    "linear": _linear_inv_freq,
-    "llama3": _llama3_inv_freq,
-}
-
-
 def build_cos_sin_cache(
     head_dim: int,
     max_pos: int,
@@ -134,17 +103,12 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """(max_pos, head_dim) = cat(cos, sin) of position * inv_freq, stored in `dtype`.
 
-    Frequencies are float32 (as transformers computes them); angles and cos/sin are in
-    compute_dtype(dtype). rope_scaling: None / {"rope_type": "default"}, "linear" or "llama3".
+    Frequencies are float32, as transformers computes them (kernels.rotary.rope_inv_freq: rope_scaling
+    None / {"rope_type": "default"}, "linear" or "llama3"); angles and cos/sin are in compute_dtype(dtype).
     """
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    inv_freq = _default_inv_freq(head_dim, base)
-    if rope_type != "default":
-        if rope_type not in _INV_FREQ_SCALERS:
-            raise ValueError(
-                f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(_INV_FREQ_SCALERS)}"
-            )
-        inv_freq = _INV_FREQ_SCALERS[rope_type](inv_freq, rope_scaling)
+    from splitserve.kernels.rotary import rope_inv_freq  # lazily, as above: the kernels package imports Triton
+
+    inv_freq = rope_inv_freq(head_dim, base, rope_scaling)  # (D/2,) float32
     work = compute_dtype(dtype)
     inv_freq = inv_freq.to(device=device, dtype=work)
     angles = torch.arange(max_pos, dtype=work, device=device)[:, None] * inv_freq[None, :]  # (P, D/2)

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel files: implementation dispatch and launch arithmetic.
+"""Helpers shared by the kernel files: implementation dispatch, launch arithmetic, and the shape checks
+and cache gather the two paged attention ops share.
 
 Every op file exposes `<op>(..., impl="auto")`. `impl` is one of:
   "auto"   - Triton when the first tensor argument is on CUDA, the torch reference otherwise;
@@ -57,3 +58,32 @@ def check_same_dtype(op_name: str, **tensors: torch.Tensor) -> None:
 def dot_precision(dtype: torch.dtype) -> str:
     """Triton dot input precision: exact fp32 ("ieee") for fp32 inputs instead of Triton's TF32 default."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_paged_attention_shapes(op_name: str, q_dims: str, q, k_cache, v_cache) -> None:
+    """q (3-d, `q_dims` names its axes in the message) against caches (num_blocks, block_size, Hkv, D):
+    both caches one shape, query heads a multiple of KV heads, one head_dim."""
+    if q.dim() != 3:
+        raise ValueError(f"{op_name}: q must be {q_dims}, got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"{op_name}: caches must both be (num_blocks, block_size, Hkv, D), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{op_name}: query heads {num_q_heads} must be a multiple of KV heads {num_kv_heads}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"{op_name}: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+
+
+def gather_sequence_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` cached keys and values of one sequence (its block table row), as fp32 copies
+    (L, Hkv, D): what the torch references attend over."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    ids = block_table[: -(-seq_len // k_cache.shape[1])].long()
+    k = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # (L, Hkv, D)
+    v = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    return k, v

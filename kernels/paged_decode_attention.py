@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._common import dot_precision, interpreting, next_pow2, num_sms, use_triton
+from splitserve.kernels._common import (
+    check_paged_attention_shapes,
+    dot_precision,
+    gather_sequence_kv,
+    interpreting,
+    next_pow2,
+    num_sms,
+    use_triton,
+)
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic constants (see choose_num_splits and docs/perf.md "Kernels").
@@ -196,20 +204,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool) -> dict:
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"paged_decode_attention: q must be (B, Hq, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "paged_decode_attention: caches must both be (num_blocks, block_size, Hkv, D), "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"paged_decode_attention: query heads {num_q_heads} must be a multiple of KV heads {num_kv_heads}"
-        )
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_decode_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    check_paged_attention_shapes("paged_decode_attention", "(B, Hq, D)", q, k_cache, v_cache)
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(
@@ -222,16 +217,12 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     """Plain-torch reference (fp32 math), one sequence at a time."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_size = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             out[b] = 0
             continue
-        num_blocks = -(-seq_len // block_size)
-        ids = block_tables[b, :num_blocks].long()
-        k = k_cache[ids].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()  # (L, Hkv, D)
-        v = v_cache[ids].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)  # (L, Hkv, D) fp32
         qb = q[b].float().view(num_kv_heads, group, -1)  # (Hkv, G, D)
         scores = torch.einsum("hgd,lhd->hgl", qb, k) * scale  # (Hkv, G, L)
         probs = scores.softmax(dim=-1)

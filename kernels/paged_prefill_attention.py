@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._common import dot_precision, interpreting, next_pow2, use_triton
+from splitserve.kernels._common import (
+    check_paged_attention_shapes,
+    dot_precision,
+    gather_sequence_kv,
+    interpreting,
+    next_pow2,
+    use_triton,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -163,66 +170,40 @@ def _prefill_kernel(
         if SINGLE_LOOP:  # every tile through the masked loop: one pipeline prologue (short sequences)
             full_end = 0
         causal_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-        for n0 in range(0, full_end, BLOCK_N):
-            acc, l, m = _attend_tile(
-                acc,
-                l,
-                m,
-                q,
-                k_ptr,
-                v_ptr,
-                bt_row,
-                kv_head,
-                n0,
-                offs_pos,
-                seq_len,
-                qk_scale,
-                stride_kb,
-                stride_kt,
-                stride_kh,
-                stride_kd,
-                stride_vb,
-                stride_vt,
-                stride_vh,
-                stride_vd,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                False,
-                DOT_F32,
-                PREC,
-            )
-        for n0 in range(full_end, causal_end, BLOCK_N):
-            acc, l, m = _attend_tile(
-                acc,
-                l,
-                m,
-                q,
-                k_ptr,
-                v_ptr,
-                bt_row,
-                kv_head,
-                n0,
-                offs_pos,
-                seq_len,
-                qk_scale,
-                stride_kb,
-                stride_kt,
-                stride_kh,
-                stride_kd,
-                stride_vb,
-                stride_vt,
-                stride_vh,
-                stride_vd,
-                HEAD_DIM,
-                BLOCK_D,
-                PAGE,
-                BLOCK_N,
-                True,
-                DOT_F32,
-                PREC,
-            )
+        # unrolled at compile time: keys [0, full_end) without the causal mask, then [full_end, causal_end) with it
+        for masked in tl.static_range(2):
+            lo = full_end if masked else 0
+            hi = causal_end if masked else full_end
+            for n0 in range(lo, hi, BLOCK_N):
+                acc, l, m = _attend_tile(
+                    acc,
+                    l,
+                    m,
+                    q,
+                    k_ptr,
+                    v_ptr,
+                    bt_row,
+                    kv_head,
+                    n0,
+                    offs_pos,
+                    seq_len,
+                    qk_scale,
+                    stride_kb,
+                    stride_kt,
+                    stride_kh,
+                    stride_kd,
+                    stride_vb,
+                    stride_vt,
+                    stride_vh,
+                    stride_vd,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    PAGE,
+                    BLOCK_N,
+                    masked,
+                    DOT_F32,
+                    PREC,
+                )
         o = acc / l[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -244,19 +225,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int, on_cpu
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"paged_prefill_attention: q must be (T, Hq, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "paged_prefill_attention: caches must both be (num_blocks, block_size, Hkv, D), "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(
-            f"paged_prefill_attention: query heads {q.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}"
-        )
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_prefill_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    check_paged_attention_shapes("paged_prefill_attention", "(T, Hq, D)", q, k_cache, v_cache)
     batch = seq_lens.shape[0]
     if query_start_loc.shape != (batch + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(
@@ -272,16 +241,13 @@ def paged_prefill_attention_ref(
     """Plain-torch reference (fp32 math), one sequence at a time."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_size = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     qsl = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[b], qsl[b + 1]
         if end == start:
             continue
-        ids = block_tables[b, : -(-seq_len // block_size)].long()
-        k = k_cache[ids].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()  # (L, Hkv, D)
-        v = v_cache[ids].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)  # (L, Hkv, D) fp32
         qb = q[start:end].float().view(end - start, num_kv_heads, group, -1)  # (Lq, Hkv, G, D)
         scores = torch.einsum("qhgd,lhd->hgql", qb, k) * scale  # (Hkv, G, Lq, L)
         pos = torch.arange(end - start, device=q.device) + (seq_len - (end - start))  # (Lq,)

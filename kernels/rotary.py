@@ -79,8 +79,8 @@ def _rotary_kernel(
     _rotate_heads(k_ptr, t, stride_kt, stride_kh, stride_kd, cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
 
 
-def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies (D/2,) fp32, with the rope scaling applied."""
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies (D/2,) fp32, with the rope scaling applied (also engine.layers' cache)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base**exponents)  # (D/2,)
     rope_type = (
@@ -126,7 +126,7 @@ def build_cos_sin_cache(
     """
     if head_dim % 2 != 0:
         raise ValueError(f"build_cos_sin_cache: head_dim must be even, got {head_dim}")
-    inv_freq = _inv_freq(head_dim, base, rope_scaling)  # (D/2,)
+    inv_freq = rope_inv_freq(head_dim, base, rope_scaling)  # (D/2,)
     angles = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv_freq)  # (max_pos, D/2)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
 

@@ -4,7 +4,8 @@
   `save_pretrained` (random weights, norms and biases perturbed so a wrongly loaded one shows).
 - `load_hf_reference` loads the same directory as a transformers model; in float64 it
   swaps in float64 RMSNorm / rotary math (transformers computes both in float32 even for a
-  float64 model), so the reference is true float64 like our engine.
+  float64 model), so the reference is true float64 like our engine. `hf_greedy` generates with it.
+- `TINY_MODELS`: the architectures the engine-exactness tests (CPU and CUDA) compare.
 - `SeqSpec` + `build_meta` + `step_positions` build one step's AttentionMetadata by hand.
 
 Shared by the model, loader and engine tests; no pytest fixtures here.
@@ -34,6 +35,15 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 32,
 }
 LINEAR_SCALING = {"rope_type": "linear", "factor": 2.0}
+# The engine-exactness models (CPU float64 and CUDA float32): name -> make_tiny_model_dir kwargs.
+# 4 query heads each: GQA 2, MHA tied with llama3 rope, MQA, qkv bias (qwen2), q/k norm tied (qwen3).
+TINY_MODELS = {
+    "llama-gqa2": dict(arch="llama", num_kv_heads=2),
+    "llama-mha-tied-llama3rope": dict(arch="llama", num_kv_heads=4, tie=True, rope_scaling=LLAMA3_SCALING),
+    "mistral-gqa4": dict(arch="mistral", num_kv_heads=1),
+    "qwen2-bias": dict(arch="qwen2", num_kv_heads=2),
+    "qwen3-qknorm": dict(arch="qwen3", num_kv_heads=2, tie=True),
+}
 
 
 def tiny_hf_config(
@@ -133,6 +143,25 @@ def _rotary_float64(self, x: torch.Tensor, position_ids: torch.Tensor):
     freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(x.device, torch.float64)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, L, D)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def hf_greedy(
+    path: Path, prompts: list[list[int]], max_new: int, dtype: torch.dtype = torch.float64, device: str = "cpu"
+) -> list[list[int]]:
+    """transformers' greedy `max_new` tokens (EOS ignored) after each prompt, one unpadded prompt at a time."""
+    model = load_hf_reference(path, dtype).to(device)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p], device=device),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:

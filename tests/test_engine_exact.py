@@ -7,10 +7,9 @@ accounting returns exactly to where it started.
 import random
 
 import pytest
-import torch
 
 from splitserve.engine import LLM, SamplingParams
-from tests.model_factory import LLAMA3_SCALING, load_hf_reference, make_tiny_model_dir
+from tests.model_factory import TINY_MODELS, hf_greedy, make_tiny_model_dir
 
 MAX_NEW = 6
 
@@ -32,18 +31,6 @@ def make_prompts(n=16, seed=0, vocab=503):
     return prompts
 
 
-def hf_greedy(model_dir, prompts, max_new=MAX_NEW):
-    model = load_hf_reference(model_dir, torch.float64)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new, pad_token_id=0
-            )
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
-
-
 def engine_greedy(model_dir, prompts, **kwargs):
     llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=4, **kwargs)
     free_before = llm.engine.num_free_blocks
@@ -54,19 +41,10 @@ def engine_greedy(model_dir, prompts, **kwargs):
     return [o.token_ids for o in outs], llm
 
 
-CONFIGS = {
-    "llama-gqa2": dict(arch="llama", num_kv_heads=2),
-    "llama-mha-tied-llama3rope": dict(arch="llama", num_kv_heads=4, tie=True, rope_scaling=LLAMA3_SCALING),
-    "mistral-gqa4": dict(arch="mistral", num_kv_heads=1),
-    "qwen2-bias": dict(arch="qwen2", num_kv_heads=2),
-    "qwen3-qknorm": dict(arch="qwen3", num_kv_heads=2, tie=True),
-}
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {name: make_tiny_model_dir(root, name=name, **cfg) for name, cfg in CONFIGS.items()}
+    return {name: make_tiny_model_dir(root, name=name, **cfg) for name, cfg in TINY_MODELS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +54,10 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(model_dirs, prompts):
-    return {name: hf_greedy(path, prompts) for name, path in model_dirs.items()}
+    return {name: hf_greedy(path, prompts, MAX_NEW) for name, path in model_dirs.items()}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_greedy_batch_equals_transformers(name, model_dirs, prompts, expected):
     got, llm = engine_greedy(model_dirs[name], prompts, num_kv_blocks=256, max_num_batched_tokens=64)
     assert got == expected[name]

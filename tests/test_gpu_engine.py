@@ -5,41 +5,17 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from tests.model_factory import LLAMA3_SCALING, load_hf_reference, make_tiny_model_dir
+from tests.model_factory import TINY_MODELS, hf_greedy, make_tiny_model_dir
 from tests.test_engine_exact import make_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARCHS = {
-    "llama": dict(arch="llama", num_kv_heads=2),
-    "llama-tied-llama3": dict(arch="llama", num_kv_heads=4, tie=True, rope_scaling=LLAMA3_SCALING),
-    "mistral": dict(arch="mistral", num_kv_heads=1),
-    "qwen2": dict(arch="qwen2", num_kv_heads=2),
-    "qwen3": dict(arch="qwen3", num_kv_heads=2, tie=True),
-}
 
-
-def hf_greedy(path, prompts, dtype, max_new):
-    model = load_hf_reference(path, dtype).cuda()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p], device="cuda"),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
-
-
-@pytest.mark.parametrize("name, eager", [(name, False) for name in sorted(ARCHS)] + [("llama", True)])
+@pytest.mark.parametrize("name, eager", [(name, False) for name in sorted(TINY_MODELS)] + [("llama-gqa2", True)])
 def test_fp32_greedy_equals_transformers(name, eager, tmp_path):
-    path = make_tiny_model_dir(tmp_path, dtype=torch.float32, **ARCHS[name])
+    path = make_tiny_model_dir(tmp_path, dtype=torch.float32, **TINY_MODELS[name])
     prompts = make_prompts()
-    expected = hf_greedy(path, prompts, torch.float32, 8)
+    expected = hf_greedy(path, prompts, 8, torch.float32, "cuda")
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -84,7 +60,7 @@ def test_bf16_default_model_matches_transformers_on_most_prompts():
         )
     ]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
-    expected = hf_greedy(path, prompts, torch.bfloat16, 32)
+    expected = hf_greedy(path, prompts, 32, torch.bfloat16, "cuda")
     got = [
         o.token_ids
         for o in llm.generate(

@@ -51,6 +51,12 @@ def test_token_gaps_spread_a_merged_message_over_its_tokens():
     assert token_gaps(0.0, [(1.0, 0)]) == (None, [])
 
 
+def _request_counts(summary: dict) -> tuple[int, ...]:
+    """A summary's (planned, sent, completed, failed, cancelled, not sent) request counts."""
+    keys = ("num_planned", "num_sent", "num_completed", "num_failed", "num_cancelled", "num_not_sent")
+    return tuple(summary[k] for k in keys)
+
+
 def _record(index, ttft, itls, received=4, asked=4, status=COMPLETED, prompt=10, error=""):
     r = RequestRecord(index, prompt, asked, 0.0, status=status, sent_s=0.0, error=error)
     if status == COMPLETED:
@@ -72,14 +78,7 @@ def test_summarize_accounts_for_every_request_and_goodput():
     ]
     s = summarize(records, 4.0, Slo(ttft_ms=200, itl_ms=200))
     assert [r.meets_slo for r in records] == [False, True, False, False, False, False, False, False]
-    assert (
-        s["num_planned"],
-        s["num_sent"],
-        s["num_completed"],
-        s["num_failed"],
-        s["num_cancelled"],
-        s["num_not_sent"],
-    ) == (8, 7, 4, 2, 1, 1)
+    assert _request_counts(s) == (8, 7, 4, 2, 1, 1)
     assert s["errors"] == {"gRPC UNAVAILABLE: down": 2, "cancelled at --max-seconds=5": 1}
     assert (s["output_tokens_asked"], s["output_tokens_received"], s["num_token_mismatch"]) == (28, 14, 1)
     assert (s["completed_prompt_tokens"], s["completed_output_tokens"]) == (40, 14)
@@ -290,15 +289,7 @@ SLO_TTFT_MS, SLO_ITL_MS = 60.0, 40.0
 def _check_run(run, asked_lengths, finish):
     s, reqs = run["summary"], run["requests"]
     n = len(asked_lengths)
-    assert (
-        s["num_planned"],
-        s["num_sent"],
-        s["num_completed"],
-        s["num_failed"],
-        s["num_cancelled"],
-        s["num_not_sent"],
-        s["errors"],
-    ) == (n, n, n, 0, 0, 0, {})
+    assert (*_request_counts(s), s["errors"]) == (n, n, n, 0, 0, 0, {})
     assert [r["output_len"] for r in reqs] == asked_lengths
     assert [r["num_received"] for r in reqs] == asked_lengths  # every token asked for came back
     assert all(r["prompt_tokens_reported"] == r["prompt_len"] and r["finish_reason"] == finish for r in reqs)

@@ -17,16 +17,17 @@ def run_and_compare(
     dense_attn,
     device,
     *,
-    seq_lens,
-    num_q_heads,
-    num_kv_heads,
-    head_dim,
-    block_size,
-    dtype,
+    seq_lens=RAGGED,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=4,
+    dtype=torch.float32,
     num_splits=None,
     impl="triton",
     seed=0,
 ):
+    """Decode attention over `seq_lens` cached tokens (defaults: the small GQA case) against fp64 dense attention."""
     paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (B, Hq, D)
@@ -61,10 +62,8 @@ def test_triton_matches_dense(
         make_paged_kv,
         dense_attn,
         device,
-        seq_lens=RAGGED,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=32,
         block_size=block_size,
         dtype=dtype,
         num_splits=num_splits,
@@ -73,18 +72,7 @@ def test_triton_matches_dense(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(
-        make_paged_kv,
-        dense_attn,
-        device,
-        seq_lens=RAGGED,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=4,
-        dtype=dtype,
-        impl="ref",
-    )
+    run_and_compare(make_paged_kv, dense_attn, device, dtype=dtype, impl="ref")
 
 
 def test_mqa_odd_head_dim_and_heuristic_splits(make_paged_kv, dense_attn, device):

@@ -19,17 +19,19 @@ def run_and_compare(
     dense_attn,
     device,
     *,
-    seqs,
-    num_q_heads,
-    num_kv_heads,
-    head_dim,
-    block_size,
-    dtype,
+    seqs=SEQS,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=4,
+    dtype=torch.float32,
     impl="triton",
     config=None,
     pad_rows=0,
     seed=0,
 ):
+    """Prefill attention of `seqs` (seq_len, new tokens) (defaults: the small GQA case) against fp64 dense attention;
+    `config` runs the Triton kernel with those tiles, `pad_rows` rows of q past the last sequence stay untouched."""
     seq_lens = [n for n, _ in seqs]
     q_lens = [m for _, m in seqs]
     paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
@@ -62,10 +64,8 @@ def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_he
         make_paged_kv,
         dense_attn,
         device,
-        seqs=SEQS,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=32,
         block_size=block_size,
         dtype=dtype,
     )
@@ -73,19 +73,7 @@ def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_he
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(
-        make_paged_kv,
-        dense_attn,
-        device,
-        seqs=SEQS,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=4,
-        dtype=dtype,
-        impl="ref",
-        pad_rows=3,
-    )
+    run_and_compare(make_paged_kv, dense_attn, device, dtype=dtype, impl="ref", pad_rows=3)
 
 
 @pytest.mark.parametrize("block_m,block_n,single_loop", [(32, 16, False), (16, 32, False), (16, 16, True)])
