@@ -41,6 +41,18 @@ class GatewayConfig:
     decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
     health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
     request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
+    max_connections: int = option(
+        4096,
+        "most open REST connections; more are answered 503 and closed (uvicorn's limit_concurrency)",
+        min=1,
+        max=1 << 20,
+    )
+    http_header_timeout_s: float = option(
+        10.0, "a REST connection that has not sent a whole request head by then is closed", min=0.1, max=3600.0
+    )
+    http_keep_alive_s: float = option(
+        5.0, "an idle keep-alive REST connection is closed after this long", min=0.1, max=3600.0
+    )
     max_body_bytes: int = option(
         1 << 20,
         "largest REST request body (HTTP 413) and gRPC request message (RESOURCE_EXHAUSTED)",

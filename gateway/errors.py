@@ -9,12 +9,16 @@ ERROR_KINDS: dict[str, tuple[grpc.StatusCode, int, str]] = {
     "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     "not_found": (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
     "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error"),
+    "unsupported_media_type": (grpc.StatusCode.INVALID_ARGUMENT, 415, "invalid_request_error"),
     "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error"),
     "rate_limited": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     "resource_exhausted": (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "service_unavailable_error"),
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
     "deadline_exceeded": (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
     "internal": (grpc.StatusCode.INTERNAL, 500, "server_error"),
+    # the client went away before its request was read (nginx's 499: no client sees it; it is counted)
+    "client_closed": (grpc.StatusCode.CANCELLED, 499, "invalid_request_error"),
+    "request_timeout": (grpc.StatusCode.DEADLINE_EXCEEDED, 408, "timeout_error"),
 }
 
 MAX_MESSAGE_CHARS = 1024

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from splitserve.gateway.auth import ANONYMOUS, ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
@@ -47,20 +49,34 @@ FINISH_NAMES = {
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 _DISCONNECT_POLL_S = 0.25
+BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is cut off (HTTP 408)
+log = logging.getLogger("splitserve.gateway")
 
 
 async def read_json(request: Request, max_body_bytes: int) -> Any:
-    """The JSON body; HTTP 413 over max_body_bytes, 400 when not UTF-8 JSON."""
+    """The JSON body; HTTP 415 unless sent as application/json, 413 over max_body_bytes, 400 when not
+    UTF-8 JSON. (Requiring the JSON media type also means a web page cannot POST here without a CORS
+    preflight: text/plain is a "simple" request a browser sends anywhere.)"""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type[:64] or "none"
+        raise GatewayError(
+            "unsupported_media_type",
+            f"Content-Type must be application/json, got {shown}",
+            param="Content-Type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(int(declared), max_body_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise _too_large(size, max_body_bytes)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await asyncio.wait_for(_read_body(request, max_body_bytes), BODY_TIMEOUT_S)
+    except ClientDisconnect:
+        log.info("client %s closed the connection while sending its request body", _client(request))
+        raise GatewayError("client_closed", "the client closed the connection while sending the body") from None
+    except TimeoutError:
+        raise GatewayError(
+            "request_timeout", f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", param="body"
+        ) from None
     try:
         body = json.loads(raw)
     except UnicodeDecodeError as exc:
@@ -75,6 +91,20 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
         ) from None
     check_json_tree(body)
     return body
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise _too_large(size, max_body_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
 def _too_large(size: int, limit: int) -> GatewayError:

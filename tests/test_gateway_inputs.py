@@ -7,6 +7,7 @@ gRPC messages. The fakes' context (max_model_len) is 64 tokens; "hello world w20
 """
 
 import json
+import time
 
 import grpc
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+from tests.service_harness import wait_until
 
 MODEL = "tiny-fake"
 MAX_BODY = 4096
@@ -35,9 +37,12 @@ def stack(tokenizer_dir):
     stack.stop()
 
 
+JSON = {"content-type": "application/json"}
+
+
 def post(stack, path, body):
     content = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(stack.base_url + path, content=content, timeout=10)
+    return httpx.post(stack.base_url + path, content=content, headers=JSON, timeout=10)
 
 
 def assert_still_serving(stack):
@@ -302,7 +307,7 @@ def test_oversize_body_without_content_length_is_cut_at_the_limit(stack):
         for _ in range(10):
             yield b" " * 1000
 
-    r = httpx.post(stack.base_url + "/v1/completions", content=chunks(), timeout=10)
+    r = httpx.post(stack.base_url + "/v1/completions", content=chunks(), headers=JSON, timeout=10)
     assert "content-length" not in r.request.headers  # chunked: only counting the bytes can stop it
     assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
     message = r.json()["error"]["message"]
@@ -385,3 +390,74 @@ def test_a_grpc_message_over_the_body_limit_is_refused_by_size(stack):
     )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert details == f"SERVER: Received message larger than max ({2 * MAX_BODY + 7} vs. {MAX_BODY})"
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+def test_json_endpoints_take_only_application_json(stack, content_type):
+    """415 naming the header: a text/plain POST is a "simple" cross-site request a web page may send
+    without a CORS preflight; JSON bodies must say they are JSON."""
+    headers = {"content-type": content_type} if content_type else {}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        r = httpx.post(stack.base_url + path, content=json.dumps(PROMPT), headers=headers, timeout=10)
+        assert r.status_code == 415, (path, r.text)
+        assert r.json()["error"] == {
+            "message": f"Content-Type must be application/json, got {content_type or 'none'}",
+            "type": "invalid_request_error",
+            "param": "Content-Type",
+            "code": None,
+        }
+    ok = httpx.post(
+        stack.base_url + "/v1/completions",
+        json={**PROMPT, "max_tokens": 1},
+        headers={"content-type": "Application/JSON; charset=utf-8"},
+        timeout=10,
+    )
+    assert ok.status_code == 200
+
+
+def test_idle_connections_are_closed_by_the_header_timeout(tokenizer_dir):
+    """Issue 22.7: 1,000 connections that never send a byte are closed after http_header_timeout_s;
+    a client that does send a request is served."""
+    import socket
+
+    s = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()], {"http_header_timeout_s": 0.5}).start()
+    port = int(s.base_url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1000)]
+    try:
+        for sock in idle:
+            sock.settimeout(10)
+        started = time.monotonic()
+        closed = sum(1 for sock in idle if sock.recv(1) == b"")  # b"": the server closed it
+        assert closed == 1000
+        assert time.monotonic() - started < 10
+        r = httpx.post(s.base_url + "/v1/completions", json={**PROMPT, "max_tokens": 1}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        s.stop()
+
+
+def test_a_client_that_leaves_mid_upload_is_a_499_not_a_server_error(stack, caplog):
+    """Issue 22.8: counted as status 499 and logged in one line, never as an ASGI exception."""
+    import socket
+
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    before = httpx.get(stack.base_url + "/metrics").text
+    with caplog.at_level("INFO", logger="splitserve.gateway"):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": '
+            )
+        wait_until(
+            lambda: 'route="/v1/completions",status="499"' in httpx.get(stack.base_url + "/metrics").text,
+            5,
+            "the disconnect was never counted as 499",
+        )
+    assert 'route="/v1/completions",status="499"' not in before
+    assert "closed the connection while sending its request body" in caplog.text
+    assert "Exception in ASGI application" not in caplog.text
+    assert_still_serving(stack)

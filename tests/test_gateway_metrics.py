@@ -31,7 +31,7 @@ def stack(tokenizer_dir):
 
 def post(stack, path, body):
     content = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(stack.base_url + path, content=content, timeout=10)
+    return httpx.post(stack.base_url + path, content=content, headers={"content-type": "application/json"}, timeout=10)
 
 
 def scrape(url):
