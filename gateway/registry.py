@@ -1,9 +1,12 @@
 """Instances the gateway routes to: registration by Describe, health, layout compatibility.
 
-Every configured address is asked `Describe` at start and every `health_interval_s`. An
-instance is up while Describe answers (a decode also needs its Decode.Generate stream
-open: the link is opened when it first answers and reopened after it broke). The last
-DescribeResponse is kept (layout, load, role, instance_id, max_model_len).
+Every configured address is asked `Describe` at start and every `health_interval_s`, on a
+channel of its own (health checks never queue behind request traffic). An instance is up while
+Describe answers (a decode also needs its Decode.Generate stream open: the link is opened when
+it first answers and reopened after it broke). A transport failure (connection refused or
+reset) marks it down at once; a slow answer under load does not: only MAX_SLOW_DESCRIBES
+timeouts in a row do (a hung process). The last DescribeResponse is kept (layout, load, role,
+instance_id, max_model_len).
 
 A prefill and a decode may be paired only when their KvLayouts are equal (and they share
 a KV transport); a mismatched pair is refused and logged once with both layouts. The
@@ -22,6 +25,7 @@ import grpc
 
 from splitserve.gateway.decode_link import DecodeLink
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from splitserve.runtime.grpc_server import OWN_CONNECTION
 
 log = logging.getLogger("splitserve.gateway")
 
@@ -39,6 +43,9 @@ CHANNEL_OPTIONS = MESSAGE_SIZE_OPTIONS + (
 # Consecutive failed Describes after which a decode's open stream is declared broken
 # (covers a peer that vanished without resetting the connection).
 MAX_DESCRIBE_FAILURES = 3
+# Consecutive Describe timeouts after which an instance counts as down (hung, not busy): a busy
+# instance answering late keeps its requests (3,000 streams made three 1 s timeouts in a row).
+MAX_SLOW_DESCRIBES = 10
 _LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout")
 _POOL_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
@@ -67,10 +74,12 @@ class Instance:
     address: str
     pool: str
     channel: grpc.aio.Channel
+    health_channel: grpc.aio.Channel | None = None  # Describe only; None: `channel`
     describe: common_pb2.DescribeResponse | None = None
     reachable: bool = False
     error: str = "not contacted yet"
     num_describe_failures: int = 0
+    num_slow_describes: int = 0
     link: DecodeLink | None = None
     in_flight: int = 0
     pending_requests: int = 0
@@ -109,16 +118,20 @@ class Registry:
         *,
         health_interval_s: float = 0.5,
         model_id: str = "",
-        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        channel_factory: Callable[[str, tuple], grpc.aio.Channel] | None = None,
     ) -> None:
-        factory = channel_factory or (lambda addr: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS))
-        self.instances = [Instance(a, "prefill", factory(a)) for a in prefill]
-        self.instances += [Instance(a, "decode", factory(a)) for a in decode]
+        """`channel_factory(address, extra_options)` makes a channel; the health channel asks for a
+        connection of its own (OWN_CONNECTION)."""
+        factory = channel_factory or (
+            lambda addr, extra: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + tuple(extra))
+        )
+        self.instances = [Instance(a, "prefill", factory(a, ()), factory(a, OWN_CONNECTION)) for a in prefill]
+        self.instances += [Instance(a, "decode", factory(a, ()), factory(a, OWN_CONNECTION)) for a in decode]
         for inst in self.instances:
             if inst.pool == "prefill":
                 inst.prefill_stub = prefill_pb2_grpc.PrefillStub(inst.channel)
         self._health_interval_s = health_interval_s
-        self._describe_timeout_s = max(1.0, 2 * health_interval_s)
+        self._describe_timeout_s = max(2.0, 4 * health_interval_s)
         self._configured_model_id = model_id
         self._mismatches: dict[tuple[str, str], str] = {}
         self._task: asyncio.Task | None = None
@@ -138,7 +151,8 @@ class Registry:
         for inst in self.instances:
             if inst.link is not None:
                 await inst.link.close()
-        await asyncio.gather(*(inst.channel.close() for inst in self.instances), return_exceptions=True)
+        channels = [c for inst in self.instances for c in (inst.channel, inst.health_channel) if c is not None]
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
     async def _health_loop(self) -> None:
         while True:
@@ -157,12 +171,26 @@ class Registry:
             listener(ready)
 
     async def _describe(self, inst: Instance) -> None:
-        stub = inst.prefill_stub or decode_pb2_grpc.DecodeStub(inst.channel)
+        channel = inst.health_channel or inst.channel
+        stub = (prefill_pb2_grpc.PrefillStub if inst.pool == "prefill" else decode_pb2_grpc.DecodeStub)(channel)
         try:
             resp = await stub.Describe(common_pb2.DescribeRequest(), timeout=self._describe_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            self._describe_failed(inst, f"Describe failed: {exc.code().name}: {exc.details()}")
+            reason = f"Describe failed: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inst.reachable:
+                inst.num_slow_describes += 1
+                if inst.num_slow_describes < MAX_SLOW_DESCRIBES:
+                    log.info(
+                        "%s instance %s answers Describe slowly (%d in a row)",
+                        inst.pool,
+                        inst.name,
+                        inst.num_slow_describes,
+                    )
+                    return
+                reason += f" ({inst.num_slow_describes} timeouts in a row)"
+            self._describe_failed(inst, reason)
             return
+        inst.num_slow_describes = 0
         if not inst.reachable:
             log.info("%s instance %s at %s is up (role %s)", inst.pool, resp.instance_id, inst.address, resp.role)
         inst.describe, inst.reachable, inst.error = resp, True, ""

@@ -170,7 +170,7 @@ class GatewayServer:
             config.decode_addresses,
             health_interval_s=config.health_interval_s,
             model_id=config.model_id,
-            channel_factory=lambda address: internal_channel(address, internal_tls),
+            channel_factory=lambda address, extra: internal_channel(address, internal_tls, extra),
         )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
         # the public API takes no message larger than a REST body: sizes are capped before tokenizing

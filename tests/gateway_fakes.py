@@ -199,9 +199,14 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.running: dict[str, _Running] = {}
         self.hold = False  # True = produce nothing (requests stay running)
         self.waiting = 0  # num_waiting reported by Describe
+        self.describe_delay_s = 0.0  # Describe answers this late
+        self.describes = 0
         self.start_ns = time.time_ns()
 
     async def Describe(self, request, context):
+        self.describes += 1
+        if self.describe_delay_s:
+            await asyncio.sleep(self.describe_delay_s)  # a busy instance answering late
         load = common_pb2.Load(
             num_free_blocks=self.free_blocks,
             num_total_blocks=self.free_blocks,

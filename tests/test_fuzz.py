@@ -76,6 +76,12 @@ FIELDS = [
     "best_of",
     "echo",
     "tools",
+    "priority",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "an_unknown_field",
 ]
 WORDS = ["hello", "world", "user", "w9", "w20", "w150", "w199", "<s>", "</s>", "zzz", " ", "\n", "é", "😀"]
 
@@ -161,6 +167,12 @@ def plausible(field):
         "best_of": st.integers(0, 2),
         "echo": st.booleans(),
         "tools": st.just([]) | json_values,
+        "priority": st.integers(-(2**32), 2**32),
+        "add_special_tokens": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "chat_template_kwargs": st.dictionaries(st.sampled_from(["greet", "messages", "x"]), json_values, max_size=2),
+        "an_unknown_field": json_values,  # ignored with a log line, as vLLM does
     }[field]
 
 

@@ -202,3 +202,25 @@ def test_layout_mismatch_end_to_end(tmp_path, caplog):
         assert prefill.requests == [] and not decode.requests[0].HasField("kv")
     finally:
         stack.stop()
+
+
+def test_a_slow_describe_under_load_does_not_mark_an_instance_down_but_a_dead_one_does(tmp_path):
+    """Issue 22.4: late health answers keep the instance and its streams; a refused connection does not."""
+    decode = FakeDecode()
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [decode], {"health_interval_s": 0.1}).start()
+    try:
+        registry = stack.gateway.registry
+        (inst,) = registry.decodes()
+        stack.wait_for(lambda: inst.up, what="decode up")
+        decode.describe_delay_s = 3.0  # past the 2 s Describe deadline
+        seen = decode.describes
+        stack.wait_for(lambda: inst.num_slow_describes >= 2, timeout_s=10, what="two slow Describes")
+        assert inst.up and registry.ready() and inst.link.alive
+        assert decode.describes > seen
+        decode.describe_delay_s = 0.0
+        stack.wait_for(lambda: inst.num_slow_describes == 0, timeout_s=10, what="a timely Describe again")
+        stack.loop.run(stack.servers[decode.name].stop())  # gone: connection refused
+        stack.wait_for(lambda: not inst.up, timeout_s=5, what="marked down on the transport failure")
+        assert inst.error.startswith("Describe failed: UNAVAILABLE") or inst.error.startswith("decode stream broke")
+    finally:
+        stack.stop()

@@ -27,9 +27,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
+# A channel with this option gets a connection of its own (gRPC otherwise shares one per target).
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+
+
+def insecure_channel(address: str, extra_options: tuple = ()) -> grpc.aio.Channel:
     """A grpc.aio channel to an internal peer, with fast reconnects."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *extra_options])
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,12 @@ class InternalTls:
         )
 
 
-def internal_channel(address: str, tls: InternalTls | None) -> grpc.aio.Channel:
+def internal_channel(address: str, tls: InternalTls | None, extra_options: tuple = ()) -> grpc.aio.Channel:
     """A channel to an internal peer: mTLS when configured, else plaintext (loopback/private network)."""
     if tls is None:
-        return insecure_channel(address)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return insecure_channel(address, extra_options)
+    options = [*CHANNEL_OPTIONS, *extra_options]
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def build_server(
