@@ -139,6 +139,16 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         )
         self.finish_request(request_id)
 
+    def _check_prefill_address(self, req) -> None:
+        """With --prefill-peers set, a KV handle may name only one of them: a decode never dials an
+        address a caller chose (a forged handle could point it anywhere)."""
+        peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
+        if peers and req.HasField("kv") and req.kv.prefill_address not in peers:
+            raise ValueError(
+                f"kv.prefill_address {req.kv.prefill_address[:128]!r} is not one of this decode's "
+                f"--prefill-peers ({', '.join(peers)})"
+            )
+
     def on_core_death(self, why: str) -> None:
         for request_id in list(self.owner):
             self.fail_request(request_id, f"{self.name}: {why}")
@@ -194,6 +204,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
             check_token_ids(req, self.client.info.vocab_size)
+            self._check_prefill_address(req)
             params = sampling_from_proto(req.sampling)
         except ValueError as exc:
             stream.out.put_nowait(

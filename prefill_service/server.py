@@ -70,6 +70,11 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         try:
             self.check_accepting(context)
             params = sampling_from_proto(request.sampling)
+            max_lease_ms = int(self.config.lease_s * 1000)
+            if request.lease_ms > max_lease_ms:
+                raise ValueError(
+                    f"lease_ms is {request.lease_ms}, but this prefill grants at most {max_lease_ms} ms (--lease-s)"
+                )
         except Refuse as exc:
             await context.abort(exc.code, exc.message)
         except ValueError as exc:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from splitserve.common.default_model_path import default_model_path
-from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.service_client import DecodeSession, generate_disaggregated, prefill_stub
 from tests.service_harness import ENGINE, start_service
 
@@ -130,3 +130,44 @@ def test_a_dead_engine_core_fails_in_flight_requests_and_its_service_exits_1(ser
     assert asyncio.run(refused()) == grpc.StatusCode.UNAVAILABLE  # gone: the gateway marks it down
     assert prefill_addr  # the prefill is untouched
     assert services["prefill"][0].popen.poll() is None
+
+
+def test_forged_internal_calls_are_refused_naming_the_field(services):
+    """Issue 22.6: a lease longer than the prefill grants, and a handle naming a prefill this decode
+    does not know, are refused; the decode never dials the forged address."""
+    prefill_addr, decode_addr = services["prefill"][1], services["decode"][1]
+
+    async def main():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await prefill_stub(prefill_addr).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="l", prompt_token_ids=[1, 2, 3], sampling=GREEDY, lease_ms=2**32 - 1
+                ),
+                timeout=10,
+            )
+        session = DecodeSession(decode_addr)
+        try:
+            forged = decode_pb2.DecodeRequest(
+                request_id="elsewhere",
+                prompt_token_ids=[1, 2, 3],
+                sampling=GREEDY,
+                first_token_id=5,
+                kv=common_pb2.KvHandle(
+                    prefill_instance="p", prefill_address="10.9.9.9:1", block_ids=[0], num_tokens=3, transport="shm"
+                ),
+            )
+            session.submit(forged)
+            _, deltas = await session.collect("elsewhere", timeout_s=10)
+        finally:
+            await session.close()
+        return info.value, deltas
+
+    refused, deltas = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == "lease_ms is 4294967295, but this prefill grants at most 30000 ms (--lease-s)"
+    assert [(d.finish_reason, d.error) for d in deltas] == [
+        (
+            common_pb2.FINISH_REASON_ERROR,
+            f"kv.prefill_address '10.9.9.9:1' is not one of this decode's --prefill-peers ({prefill_addr})",
+        )
+    ]

@@ -45,7 +45,9 @@ class ServiceConfig:
         "recompute", "decode: when a pull fails, prefill locally or fail the request", choices=("recompute", "fail")
     )
     prefill_peers: str = option(
-        "", "decode: comma-separated prefill addresses to prepare at start (nccl: pair; shm, cuda_ipc: map the KV pool)"
+        "",
+        "decode: comma-separated prefill addresses to prepare at start (nccl: pair; shm, cuda_ipc: map the KV pool); "
+        "when set, the only prefills whose KV handles it accepts",
     )
     max_queued_requests: int = option(
         1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20
