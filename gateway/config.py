@@ -123,6 +123,13 @@ class UpConfig:
         choices=("auto", *KV_TRANSPORTS),
     )
     num_decode: int = option(1, "decode instances", min=1, max=64)
+    metrics_port: int = option(
+        0,
+        "Prometheus /metrics of the prefill on this port and of decode i on port + 1 + i (0 = off; the "
+        "gateway's are on its REST port)",
+        min=0,
+        max=65535,
+    )
     prefill_device: str = option(
         "", "device of the prefill (cpu, cuda:N); empty = placed from --device and the GPUs this machine has"
     )

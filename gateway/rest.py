@@ -393,19 +393,37 @@ def create_app(
         return status
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         status = readiness()
         if status["ready"]:
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "reason": status["reason"]}, status_code=503)
+        body = {"status": "unavailable"}
+        if may_see_internals(request):
+            body["reason"] = status["reason"]
+        return JSONResponse(body, status_code=503)
 
     @app.get("/live")
     async def live():
         return {"status": "ok"}
 
+    def may_see_internals(request: Request) -> bool:
+        """/health and /ready are open for probes; with API keys set, the instances' addresses and
+        errors only for key holders."""
+        keys = api_keys or ApiKeys()
+        if not keys.num_keys:
+            return True
+        try:
+            keys.authenticate(request.headers.get("authorization"))
+        except GatewayError:
+            return False
+        return True
+
     @app.get("/ready")
-    async def ready():
+    async def ready(request: Request):
         status = readiness()
-        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+        code = 200 if status["ready"] else 503
+        if not may_see_internals(request):
+            return JSONResponse({"ready": status["ready"]}, status_code=code)
+        return JSONResponse(status, status_code=code)
 
     return app

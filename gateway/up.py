@@ -64,6 +64,11 @@ def check_ports(up: UpConfig) -> str | None:
         "prefill --prefill-port": up.prefill_port,
     }
     ports.update({f"decode-{i} (--decode-port + {i})": up.decode_port + i for i in range(up.num_decode)})
+    if up.metrics_port:
+        ports["prefill metrics (--metrics-port)"] = up.metrics_port
+        ports.update(
+            {f"decode-{i} metrics (--metrics-port + {1 + i})": up.metrics_port + 1 + i for i in range(up.num_decode)}
+        )
     seen: dict[int, str] = {}
     for name, port in ports.items():
         if port > 65535:
@@ -162,7 +167,7 @@ def stack_commands(
     eflags = config_flags(engine, _NOT_FORWARDED)
     prefill_address = f"{HOST}:{up.prefill_port}"
 
-    def service(role: str, name: str, port: int, device: str) -> list[str]:
+    def service(role: str, name: str, port: int, device: str, metrics_port: int = 0) -> list[str]:
         argv = cli + [
             role,
             "--host",
@@ -177,14 +182,17 @@ def stack_commands(
         if role == "decode":
             argv += ["--prefill-peers", prefill_address]
         argv += ["--device", device]
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
         share = placement.fraction_of(device)
         if share is not None:
             argv += ["--kv-cache-memory-fraction", f"{share:g}"]
         return argv + eflags
 
-    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port, placement.prefill_device))]
+    metrics = up.metrics_port
+    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port, placement.prefill_device, metrics))]
     commands += [
-        (f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i, device))
+        (f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i, device, metrics and metrics + 1 + i))
         for i, device in enumerate(placement.decode_devices)
     ]
     gateway = cli + [
@@ -313,6 +321,14 @@ def banner(
         f"  gRPC         {HOST}:{up.grpc_port}  "
         f"(splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
         f"  readiness    {base}/ready",
+        *(
+            [
+                f"  metrics      {base}/metrics (gateway), http://{HOST}:{up.metrics_port}/metrics (prefill-0), "
+                f"ports {up.metrics_port + 1}.. (decodes)"
+            ]
+            if up.metrics_port
+            else []
+        ),
         "Try:" if not keys_required else "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
         f"  {curl} -H 'Content-Type: application/json' -d '{body}'",
         "Press Ctrl-C to stop.",

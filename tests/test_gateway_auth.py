@@ -138,6 +138,12 @@ def test_rest_serves_each_configured_key(stack):
 def test_health_ready_and_metrics_stay_open(stack):
     assert httpx.get(stack.base_url + "/health").json() == {"status": "ok"}
     assert httpx.get(stack.base_url + "/ready").status_code == 200
+    # open for probes, but which instances at which addresses only for key holders
+    assert httpx.get(stack.base_url + "/ready").json() == {"ready": True}
+    detailed = httpx.get(stack.base_url + "/ready", headers={"Authorization": f"Bearer {KEY_A}"}).json()
+    assert detailed["ready"] is True and [i["address"] for i in detailed["instances"]] == [
+        stack.servers[name].address for name in stack.servers
+    ]
     metrics = parse_metrics(httpx.get(stack.base_url + "/metrics").text)
     refused = {
         dict(labels)["route"]: value

@@ -16,6 +16,23 @@ _REQUEST_ID = re.compile(r"request_id=(\S+)")
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+# control characters a client could put in a logged value (a request_id with "\n" forged log lines)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character written as an escape (\n, \x1b, ...): one event, one line."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class PlainFormatter(logging.Formatter):
+    """PLAIN_FORMAT, with control characters in the message escaped; a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """{"ts", "level", "logger", "msg", "request_id"?, "trace_id"?, "exc"?} per line."""
 
@@ -53,7 +70,7 @@ def setup_logging() -> None:
     """Configure the root logger from SPLITSERVE_LOG_LEVEL and SPLITSERVE_LOG_FORMAT (plain|json)."""
     handler = logging.StreamHandler()
     json_format = os.environ.get("SPLITSERVE_LOG_FORMAT", "plain").lower() == "json"
-    handler.setFormatter(JsonFormatter() if json_format else logging.Formatter(PLAIN_FORMAT))
+    handler.setFormatter(JsonFormatter() if json_format else PlainFormatter(PLAIN_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper())
