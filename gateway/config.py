@@ -123,10 +123,10 @@ class UpConfig:
         choices=("auto", *KV_TRANSPORTS),
     )
     num_decode: int = option(1, "decode instances", min=1, max=64)
-    metrics_port: int = option(
+    metrics_ports: int = option(
         0,
         "Prometheus /metrics of the prefill on this port and of decode i on port + 1 + i (0 = off; the "
-        "gateway's are on its REST port)",
+        "gateway's are on its REST port, or --metrics-port)",
         min=0,
         max=65535,
     )
@@ -140,7 +140,14 @@ class UpConfig:
     )
     ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
     stop_grace_s: float = option(
-        10.0, "on Ctrl-C: how long children may exit before they are killed", min=0.0, max=600.0
+        45.0,
+        "on Ctrl-C / SIGTERM: how long each stage of the drain (the gateway, then prefill and decodes) may take "
+        "before its processes are killed; above the services' drain grace (30 s), so in-flight requests finish",
+        min=0.0,
+        max=3600.0,
+    )
+    max_restarts: int = option(
+        3, "times up restarts a child that exits by itself before it stops the whole stack", min=0, max=1000
     )
 
 

@@ -8,8 +8,11 @@ cannot run is refused before anything starts.
 
 Children are `python -m splitserve.cli <subcommand>` processes in sessions of their own (so a
 terminal's Ctrl-C reaches only this process, which then stops them in order) that also
-die with this process (PR_SET_PDEATHSIG on Linux). On Ctrl-C / SIGTERM every child gets
-SIGTERM, then SIGKILL after stop_grace_s; nothing is left running.
+die with this process (PR_SET_PDEATHSIG on Linux). A child that exits by itself once the stack
+is up is restarted, up to --max-restarts times (each logged), before the stack stops. On Ctrl-C /
+SIGTERM the drain goes in order: the gateway first (it stops admitting and lets its in-flight
+requests finish, which needs the engines), then the prefill and decodes; each stage gets
+stop_grace_s before SIGKILL; nothing is left running.
 """
 
 from __future__ import annotations
@@ -64,10 +67,10 @@ def check_ports(up: UpConfig) -> str | None:
         "prefill --prefill-port": up.prefill_port,
     }
     ports.update({f"decode-{i} (--decode-port + {i})": up.decode_port + i for i in range(up.num_decode)})
-    if up.metrics_port:
-        ports["prefill metrics (--metrics-port)"] = up.metrics_port
+    if up.metrics_ports:
+        ports["prefill metrics (--metrics-ports)"] = up.metrics_ports
         ports.update(
-            {f"decode-{i} metrics (--metrics-port + {1 + i})": up.metrics_port + 1 + i for i in range(up.num_decode)}
+            {f"decode-{i} metrics (--metrics-ports + {1 + i})": up.metrics_ports + 1 + i for i in range(up.num_decode)}
         )
     seen: dict[int, str] = {}
     for name, port in ports.items():
@@ -189,7 +192,7 @@ def stack_commands(
             argv += ["--kv-cache-memory-fraction", f"{share:g}"]
         return argv + eflags
 
-    metrics = up.metrics_port
+    metrics = up.metrics_ports
     commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port, placement.prefill_device, metrics))]
     commands += [
         (f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i, device, metrics and metrics + 1 + i))
@@ -233,9 +236,17 @@ class LocalStack:
         self.env = dict(os.environ if env is None else env)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argvs: dict[str, list[str]] = {}
+        self.restarts: Counter = Counter()
 
     def add(self, name: str, argv: Sequence[str]) -> None:
+        self.argvs[name] = list(argv)
         self.procs[name] = subprocess.Popen(list(argv), env=self.env, start_new_session=True, preexec_fn=self._preexec)
+
+    def restart(self, name: str) -> None:
+        """Start child `name` again with the command it had."""
+        self.restarts[name] += 1
+        self.add(name, self.argvs[name])
 
     def first_exit(self) -> tuple[str, int] | None:
         """(name, exit code) of a child that has exited, if any."""
@@ -244,18 +255,22 @@ class LocalStack:
                 return name, proc.returncode
         return None
 
-    def stop(self, grace_s: float) -> dict[str, int]:
-        """SIGTERM every child, SIGKILL those still running after grace_s; name -> exit code."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, grace_s: float, first: Sequence[str] = ()) -> dict[str, int]:
+        """Stop the children named in `first`, then the rest: each stage gets SIGTERM, and SIGKILL
+        for those still running after grace_s; name -> exit code."""
+        stages = [[n for n in first if n in self.procs], [n for n in self.procs if n not in first]]
+        for stage in stages:
+            procs = [self.procs[n] for n in stage]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + grace_s
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         return {name: proc.returncode for name, proc in self.procs.items()}
 
 
@@ -323,10 +338,10 @@ def banner(
         f"  readiness    {base}/ready",
         *(
             [
-                f"  metrics      {base}/metrics (gateway), http://{HOST}:{up.metrics_port}/metrics (prefill-0), "
-                f"ports {up.metrics_port + 1}.. (decodes)"
+                f"  metrics      {base}/metrics (gateway), http://{HOST}:{up.metrics_ports}/metrics (prefill-0), "
+                f"ports {up.metrics_ports + 1}.. (decodes)"
             ]
-            if up.metrics_port
+            if up.metrics_ports
             else []
         ),
         "Try:" if not keys_required else "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
@@ -391,10 +406,23 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
         while not stopping:
             exited = stack.first_exit()
             if exited is not None:
-                print(f"splitserve up: {exited[0]} exited with code {exited[1]}; stopping the stack", file=sys.stderr)
-                return 1
+                name, code = exited
+                if stack.restarts[name] >= up.max_restarts:
+                    print(
+                        f"splitserve up: {name} exited with code {code} after {stack.restarts[name]} restarts "
+                        f"(--max-restarts {up.max_restarts}); stopping the stack",
+                        file=sys.stderr,
+                    )
+                    return 1
+                print(
+                    f"splitserve up: {name} exited with code {code}; restarting it "
+                    f"({stack.restarts[name] + 1} of --max-restarts {up.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                stack.restart(name)
             time.sleep(0.25)
         return 0
     finally:
-        print("splitserve up: stopping", file=sys.stderr, flush=True)
-        stack.stop(up.stop_grace_s)
+        print("splitserve up: stopping (the gateway drains first, then the engines)", file=sys.stderr, flush=True)
+        stack.stop(up.stop_grace_s, first=["gateway"])

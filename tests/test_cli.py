@@ -87,3 +87,11 @@ def test_help_imports_nothing_of_the_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_subcommand_builds_its_parser_without_conflicting_flags(command):
+    """Two config classes of one subcommand must not define the same flag (up's once did)."""
+    from splitserve.cli import build_parser
+
+    build_parser(command, SUBCOMMANDS[command][1]())

@@ -5,12 +5,15 @@ process) that prints the banner, serves, and leaves nothing running after Ctrl-C
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
@@ -19,6 +22,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.engine.kv_transfer.io import TRANSPORTS
 from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
 from splitserve.gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import make_tokenizer_dir, word
 from tests.service_harness import wait_until
 
@@ -218,13 +222,13 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
     try:
 
         def gateway_serves_health():
-            assert stack.first_exit() is None, f"{stack.first_exit()} exited before the gateway answered /health"
+            assert stack.first_exit() is None, f"{stack.first_exit()} exited before the gateway answered /live"
             try:
-                return httpx.get(base + "/health", timeout=1).status_code == 200
+                return httpx.get(base + "/live", timeout=1).status_code == 200  # /health: 503 until ready
             except httpx.TransportError:
                 return False
 
-        wait_until(gateway_serves_health, 30, f"the gateway never answered {base}/health with 200", poll_s=0.1)
+        wait_until(gateway_serves_health, 30, f"the gateway never answered {base}/live with 200", poll_s=0.1)
         message = wait_ready(base, stack, timeout_s=0.5)
         assert message.startswith(
             "not ready after 0.5 s: no prefill/decode pair with equal KV layouts and no "
@@ -245,7 +249,7 @@ import sys
 import splitserve.gateway.up as up
 real = up.stack_commands
 fake = [sys.executable, "-m", "tests.gateway_fakes"]
-up.stack_commands = lambda engine, cfg, gateway_options=None: [
+up.stack_commands = lambda engine, cfg, gateway_options=None, placement=None: [
     ("prefill-0", fake + ["prefill", str(cfg.prefill_port), "prefill-0"]),
     ("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"]),
     ("gateway", real(engine, cfg, gateway_options)[-1][1] + ["--health-interval-s", "0.1"]),
@@ -301,6 +305,8 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
         base = f"http://127.0.0.1:{http_port}"
         assert lines == [
             "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm",
+            "  prefill-0    cpu",
+            "  decode-0     cpu",
             f"  OpenAI REST  {base}/v1",
             f"  gRPC         127.0.0.1:{grpc_port}  (splitserve.v1.Generation, reflection on)",
             f"  readiness    {base}/ready",
@@ -348,8 +354,8 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
         assert (
             lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"
         )  # id asked with the key
-        assert lines[1] == f"  OpenAI REST  {base}/v1"
-        assert f"--cacert {cert} {base}/v1/completions" in lines[5]
+        assert lines[3] == f"  OpenAI REST  {base}/v1"
+        assert f"--cacert {cert} {base}/v1/completions" in lines[7]
         body = {"model": "tiny-fake", "prompt": "hello", "max_tokens": 2, "temperature": 0}
         ca = ssl.create_default_context(cafile=str(cert))
         assert httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10).status_code == 401
@@ -361,3 +367,113 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
             headers={"Authorization": "Bearer up-test-key-1"},
         )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def _start_up(tokenizer_dir, log_path, *flags):
+    """`splitserve up` on fakes (UP_SCRIPT) with its stderr in `log_path`; (process, grpc port, http port)
+    once its banner is out."""
+    prefill, decode, grpc_port, http_port = free_ports(4)
+    argv = [
+        sys.executable,
+        "-c",
+        UP_SCRIPT,
+        "up",
+        "--model",
+        tokenizer_dir,
+        "--prefill-port",
+        str(prefill),
+        "--decode-port",
+        str(decode),
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        *flags,
+    ]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    for line in proc.stdout:
+        if line.startswith("Press Ctrl-C"):
+            break
+    return proc, grpc_port, http_port
+
+
+def _children(pid: int) -> dict[str, int]:
+    """up's children by role word in their command line (prefill, decode, gateway) -> pid."""
+    found = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        for role in ("prefill", "decode", "gateway"):
+            if f" {role} " in f" {cmdline} " and role not in found:
+                found[role] = int(child)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_up_drains_the_gateway_first_so_every_stream_finishes(tokenizer_dir, tmp_path):
+    """Issue 22.3: 16 streams running when up gets SIGTERM all finish (the engines keep serving
+    until the gateway has drained)."""
+    import threading
+
+    proc, grpc_port, _ = _start_up(tokenizer_dir, tmp_path / "up.log")
+    try:
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        started, results = threading.Barrier(17), [None] * 16
+
+        def run(i):
+            stream = stub.Generate(
+                generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=60)),
+                timeout=60,
+            )
+            messages = [next(stream)]
+            started.wait(30)
+            messages += list(stream)
+            results[i] = messages
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        started.wait(30)  # every stream has its first token
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    finishes = [(sum(len(m.token_ids) for m in r), r[-1].finish_reason) for r in results]
+    assert finishes == [(60, common_pb2.FINISH_REASON_LENGTH)] * 16
+    assert "the gateway drains first, then the engines" in (tmp_path / "up.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_child_that_dies_is_restarted_and_the_stack_serves_again(tokenizer_dir, tmp_path):
+    """Issue 22.2: kill -9 of the decode: up restarts it (logged) instead of stopping everything."""
+    proc, _, http_port = _start_up(tokenizer_dir, tmp_path / "up.log")
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        os.kill(_children(proc.pid)["decode"], signal.SIGKILL)
+        log = tmp_path / "up.log"
+        wait_until(
+            lambda: "decode-0 exited with code -9; restarting it (1 of --max-restarts 3)" in log.read_text(),
+            10,
+            lambda: "no restart logged:\n" + log.read_text(),
+        )
+
+        def serves() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(serves, 30, "the stack never served again after the restart")
+        body = {"model": "tiny-fake", "prompt": "w20", "max_tokens": 3, "temperature": 0}
+        assert (
+            httpx.post(base + "/v1/completions", json=body, timeout=10).json()["choices"][0]["text"] == " w21 w22 w23"
+        )
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

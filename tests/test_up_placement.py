@@ -128,8 +128,8 @@ def test_run_up_refuses_a_placement_before_starting_anything(monkeypatch, capsys
 
 
 def test_metrics_ports_reach_the_engines_and_the_banner():
-    """Issue 22.8: up --metrics-port turns on the prefill's and decodes' /metrics."""
-    config = UpConfig(num_decode=2, metrics_port=9100)
+    """Issue 22.8: up --metrics-ports turns on the prefill's and decodes' /metrics."""
+    config = UpConfig(num_decode=2, metrics_ports=9100)
     commands = dict(stack_commands(EngineConfig(), config))
     assert option(commands["prefill-0"], "--metrics-port") == "9100"
     assert [option(commands[f"decode-{i}"], "--metrics-port") for i in range(2)] == ["9101", "9102"]
@@ -140,7 +140,7 @@ def test_metrics_ports_reach_the_engines_and_the_banner():
         "  metrics      http://127.0.0.1:8000/metrics (gateway), http://127.0.0.1:9100/metrics (prefill-0), "
         "ports 9101.. (decodes)"
     ) in lines
-    assert up.check_ports(UpConfig(num_decode=2, metrics_port=50070)) == (
-        "decode-0 (--decode-port + 0) and decode-0 metrics (--metrics-port + 1) would both use port 50071; "
+    assert up.check_ports(UpConfig(num_decode=2, metrics_ports=50070)) == (
+        "decode-0 (--decode-port + 0) and decode-0 metrics (--metrics-ports + 1) would both use port 50071; "
         "choose distinct ports"
     )
