@@ -1,5 +1,8 @@
 """Prometheus metrics of every splitserve process (names follow vLLM's, prefixed `splitserve:`).
 
+The ones vLLM also exports (VLLM_NAMES) are exported a second time under vLLM's own `vllm:` prefix,
+same labels and values, so dashboards, autoscalers and routers written for vLLM read them unchanged.
+
 Each process builds one `Metrics` on its own registry with constant labels model_name and
 instance, and serves it on `/metrics` (gRPC-only processes on a separate HTTP port via
 `serve_http`). Latency histograms are observed where the latency is known: TTFT, ITL, TPOT
@@ -60,6 +63,48 @@ TOKEN_LATENCY_BUCKETS_S = (
 )
 TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Metrics vLLM exports under the same name (after its `vllm:` prefix): exported under both prefixes.
+VLLM_NAMES = frozenset(
+    {
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+    }
+)
+
+
+class _Twin:
+    """A metric child and its `vllm:` twin: every update goes to both."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a, b) -> None:
+        self._a, self._b = a, b
+
+    def inc(self, amount: float = 1) -> None:
+        self._a.inc(amount)
+        self._b.inc(amount)
+
+    def set(self, value: float) -> None:
+        self._a.set(value)
+        self._b.set(value)
+
+    def observe(self, value: float) -> None:
+        self._a.observe(value)
+        self._b.observe(value)
 
 
 class Metrics:
@@ -70,15 +115,24 @@ class Metrics:
         labels = ["model_name", "instance"]
         self.labels = {"model_name": model_name, "instance": instance}
         r, p = self.registry, "splitserve:"
+        self._twins: dict[int, object] = {}  # id(metric) -> its vllm: twin
+
+        def twin(metric, name, make):
+            if name in VLLM_NAMES:
+                self._twins[id(metric)] = make("vllm:" + name)
+            return metric
 
         def hist(name, doc, buckets):
-            return Histogram(p + name, doc, labels, registry=r, buckets=buckets)
+            make = lambda full: Histogram(full, doc, labels, registry=r, buckets=buckets)  # noqa: E731
+            return twin(make(p + name), name, make)
 
         def counter(name, doc, extra=()):
-            return Counter(p + name, doc, labels + list(extra), registry=r)
+            make = lambda full: Counter(full, doc, labels + list(extra), registry=r)  # noqa: E731
+            return twin(make(p + name), name, make)
 
         def gauge(name, doc):
-            return Gauge(p + name, doc, labels, registry=r)
+            make = lambda full: Gauge(full, doc, labels, registry=r)  # noqa: E731
+            return twin(make(p + name), name, make)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S)
         self.itl = hist(
@@ -119,7 +173,11 @@ class Metrics:
         key = (id(metric), *self.labels.values(), *extra.items())  # the labels may change (the gateway's model)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(**self.labels, **extra)
+            child = metric.labels(**self.labels, **extra)
+            twin = self._twins.get(id(metric))
+            if twin is not None:
+                child = _Twin(child, twin.labels(**self.labels, **extra))
+            self._children[key] = child
         return child
 
     def observe_engine_stats(self, stats: dict[str, int]) -> None:
