@@ -37,6 +37,9 @@ class GatewayConfig:
     http_port: int = option(8000, "REST (OpenAI-compatible) port; 0 = no REST", min=0, max=65535)
     model: str = option("", "model directory whose tokenizer the gateway uses; empty = the embedded default model")
     model_id: str = option("", "model id served; empty = the instances' Describe model_id")
+    served_model_name: str = option(
+        "", "names clients may give the model, comma-separated, as vLLM's --served-model-name; empty = the model id"
+    )
     prefill: str = option("", "comma-separated host:port of prefill instances")
     decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
     health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)

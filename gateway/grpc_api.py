@@ -106,12 +106,8 @@ class GenerationServicer:
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext, client_id: str
     ) -> generation_pb2.ListModelsResponse:
-        model_id = self._service.model_id
-        models = (
-            [generation_pb2.ModelInfo(id=model_id, max_model_len=self._service.registry.max_model_len)]
-            if model_id
-            else []
-        )
+        limit = self._service.registry.max_model_len
+        models = [generation_pb2.ModelInfo(id=name, max_model_len=limit) for name in self._service.served_names]
         return generation_pb2.ListModelsResponse(models=models)
 
 

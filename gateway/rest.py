@@ -358,20 +358,18 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        model_id = service.model_id
-        data = (
-            [
-                {
-                    "id": model_id,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "splitserve",
-                    "max_model_len": service.registry.max_model_len,
-                }
-            ]
-            if model_id
-            else []
-        )
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "splitserve",
+                "root": service.model_id,
+                "parent": None,
+                "max_model_len": service.registry.max_model_len,
+            }
+            for name in service.served_names
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/metrics")

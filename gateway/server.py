@@ -197,6 +197,7 @@ class GatewayServer:
             request_timeout_s=config.request_timeout_s,
             limiter=limiter,
             metrics=self.metrics,
+            served_model_names=[n.strip() for n in config.served_model_name.split(",") if n.strip()],
         )
         self.health = HealthReporter()
         await self.health.set_ready(False)

@@ -141,8 +141,10 @@ class GatewayService:
         request_timeout_s: float = 600.0,
         limiter: RateLimiter | None = None,
         metrics: GatewayMetrics | None = None,
+        served_model_names: Sequence[str] = (),
     ) -> None:
         self.registry = registry
+        self._served_model_names = tuple(served_model_names)
         self.router = router
         self.tokenizer = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
@@ -166,13 +168,20 @@ class GatewayService:
     def model_id(self) -> str:
         return self.registry.model_id
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request may give the model (--served-model-name, else the model id)."""
+        if self._served_model_names:
+            return self._served_model_names
+        return (self.model_id,) if self.model_id else ()
+
     def check_model(self, model: str) -> None:
-        """NOT_FOUND unless `model` is empty or the served model id."""
-        served = self.model_id
-        if model and served and model != served:
-            raise GatewayError(
+        """NOT_FOUND unless `model` is empty or one of the served names."""
+        served = self.served_names
+        if model and served and model not in served:
+            raise GatewayError(  # a long name is cut in the middle by GatewayError
                 "not_found",
-                f"model {model!r} is not served here; this gateway serves {served!r}",
+                f"model {model!r} is not served here; this gateway serves {', '.join(map(repr, served))}",
                 param="model",
                 code="model_not_found",
             )

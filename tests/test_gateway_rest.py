@@ -430,3 +430,30 @@ def test_chat_template_fields_reach_the_template_as_transformers_renders_them(kw
     assert both.json()["error"]["message"] == (
         "continue_final_message continues the last message: set add_generation_prompt to false with it"
     )
+
+
+def test_served_model_names_are_listed_and_accepted(tokenizer_dir):
+    """vLLM's --served-model-name: several names, each usable in requests and listed by /v1/models."""
+    s = Stack(
+        tokenizer_dir, [FakePrefill()], [FakeDecode()], {"model_id": MODEL, "served_model_name": "alias-a, alias-b"}
+    ).start()
+    try:
+        wait_until(lambda: httpx.get(s.base_url + "/health").status_code == 200, 5, "the stack never served")
+        models = httpx.get(s.base_url + "/v1/models").json()["data"]
+        assert [(m["id"], m["root"], m["parent"], m["max_model_len"]) for m in models] == [
+            ("alias-a", MODEL, None, 64),
+            ("alias-b", MODEL, None, 64),
+        ]
+        body = {"prompt": "w20", "max_tokens": 1}
+        r = httpx.post(s.base_url + "/v1/completions", json={**body, "model": "alias-b"})
+        assert r.status_code == 200 and r.json()["model"] == "alias-b"
+        r = httpx.post(s.base_url + "/v1/completions", json={**body, "model": MODEL})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == (
+            f"model '{MODEL}' is not served here; this gateway serves 'alias-a', 'alias-b'"
+        )
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(s.grpc_target))
+        listed = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=5).models
+        assert [m.id for m in listed] == ["alias-a", "alias-b"]
+    finally:
+        s.stop()
