@@ -144,14 +144,15 @@ class ImportDone:
     num_blocks_pulled: int = 0
     num_cached_tokens: int = 0
     num_bytes: int = 0
-    transfer_ns: int = 0
+    transfer_ns: int = 0  # from the pull's start in the core to the loop turn that saw it end
     device_ns: int = 0  # the copy on the device (CUDA events), cuda_ipc only
     error: str | None = None
 
 
 @dataclass
 class NeedSend:
-    """Decode core waits in a receive: the server must ask the prefill to send these blocks."""
+    """A decode receive is starting (on its transfer worker): the server must ask the prefill to send these
+    blocks. Sent at once, not with the loop's next batch."""
 
     request_id: str
     pair: str

@@ -2,10 +2,13 @@
 
     service process (gRPC, asyncio)            core process (model step loop)
     ───────────────────────────────            ──────────────────────────────
-    EngineClient.send(msg) ─ batched ─pipe──▶  drain commands → step() → StepBatch
+    EngineClient.send(msg) ─ batched ─pipe──▶  drain commands → poll transfers → step() → StepBatch
     per-request queues  ◀──── StepBatch ─────  (one message per step, all requests)
+                                               KV pulls and sends run on worker threads
+                                               (engine/kv_transfer/transfers.py), never in the loop
 
-The loop never waits on gRPC: it blocks on the pipe only when it has no work.
+The loop never waits on gRPC or on a transfer: it blocks on the pipe only when it has nothing to step
+(briefly, while transfers are in flight, so it reports one soon after it ends).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from splitserve.engine import core_messages as m
+from splitserve.engine.kv_transfer.transfers import KvTransfers
 
 log = logging.getLogger("splitserve.core")
+
+TRANSFER_POLL_S = 0.001  # idle with transfers in flight: how often the loop looks for one that ended
 
 
 class CoreLoop:
@@ -33,37 +39,66 @@ class CoreLoop:
     def __init__(self, engine, conn, kv_io) -> None:
         self.engine = engine
         self.conn = conn
-        self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pulls and sends blocks
+        self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pairs and maps here; pulls and sends on workers
         self.pending_imports: list[m.ImportKv] = []
         self.outbox: list = []
+        self._send_lock = threading.Lock()  # the pipe: this thread's flushes and a receive's NeedSend
+        self.transfers = KvTransfers(engine, kv_io, self._emit, self.send_now)
         self.background_replies: queue.SimpleQueue = queue.SimpleQueue()  # from pairing threads
         self.num_background = 0
         self.running = True
 
     def run(self) -> None:
-        while self.running:
-            busy = self.engine.has_unfinished() or self.pending_imports
-            if self.conn.poll(0 if busy else (0.01 if self.num_background else 0.5)):
-                try:
-                    batch = self.conn.recv()
-                except (EOFError, OSError):
-                    return  # the service process is gone
-                for msg in batch:
-                    self.handle(msg)
-            elif os.getppid() == 1:
-                return  # orphaned
-            while not self.background_replies.empty():
-                self.outbox.append(self.background_replies.get())
-                self.num_background -= 1
-            self._retry_imports()
-            self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
-            if self.engine.has_unfinished():
-                self._step()
-            self.flush()
+        try:
+            while self.running and self._turn():
+                pass
+        finally:
+            self.transfers.close()  # queued transfers are dropped; running ones get a moment to end
+
+    def _turn(self) -> bool:
+        """One loop turn; False when the service process is gone."""
+        if self.conn.poll(self._wait_s()):
+            try:
+                batch = self.conn.recv()
+            except (EOFError, OSError):
+                return False  # the service process is gone
+            for msg in batch:
+                self.handle(msg)
+        elif os.getppid() == 1:
+            return False  # orphaned
+        while not self.background_replies.empty():
+            self.outbox.append(self.background_replies.get())
+            self.num_background -= 1
+        self.transfers.poll()  # ended pulls (ImportDone) and sends (Reply); their blocks unpinned
+        self._retry_imports()
+        self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
+        if self.engine.has_unfinished():
+            self._step()
+        self.flush()
+        return True
+
+    def _wait_s(self) -> float:
+        """How long to wait on the pipe: not at all with work to step; briefly while transfers or pairings
+        are in flight (they end on other threads); else until a message comes (imports waiting for room
+        get it from one: a commit, an abort, a release)."""
+        if self.engine.has_unfinished():
+            return 0
+        if self.transfers.num_in_flight:
+            return TRANSFER_POLL_S
+        return 0.01 if self.num_background else 0.5
+
+    def _emit(self, msg) -> None:
+        self.outbox.append(msg)  # (flush replaces the list: a bound append would go stale)
+
+    def send_now(self, msg) -> None:
+        """Send one message at once, from any thread (a transfer worker's NeedSend)."""
+        with self._send_lock:
+            self.conn.send([msg])
 
     def flush(self) -> None:
         if self.outbox:
-            self.conn.send(self.outbox)
+            with self._send_lock:
+                self.conn.send(self.outbox)
             self.outbox = []
 
     def _step(self) -> None:
@@ -97,6 +132,7 @@ class CoreLoop:
 
         ids = set(msg.request_ids)
         self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
+        self.transfers.forget(msg.request_ids)  # a pull in flight runs to its end, its blocks pinned till then
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
             for rid in msg.request_ids
@@ -128,43 +164,12 @@ class CoreLoop:
         if started is None:
             self.pending_imports.append(msg)  # no room now; retried every loop turn
             return
-        self._pull(msg, *started)
+        self.transfers.start_load(msg, *started)  # the request waits in IMPORTING; the loop steps on
 
     def _retry_imports(self) -> None:
         pending, self.pending_imports = self.pending_imports, []
         for msg in pending:
             self.on_import(msg)
-
-    def _pull(self, msg: m.ImportKv, dst_blocks: list[int], num_local: int) -> None:
-        spec = msg.spec
-        start = time.perf_counter_ns()
-        try:
-            if spec.layout != self.engine.layout:
-                raise ValueError(self.engine.layout.mismatch(spec.layout))
-            indices = list(range(num_local, len(spec.block_ids)))
-            num_bytes = self.kv_io.pull(spec, indices, dst_blocks[num_local:], self)
-        except Exception as exc:  # a failed pull fails this request only
-            log.warning("request_id=%s KV pull failed: %s", msg.request_id, exc)
-            self.outbox.append(
-                m.ImportDone(
-                    msg.request_id,
-                    ok=False,
-                    num_cached_tokens=num_local * self.engine.config.block_size,
-                    error=f"KV pull from {spec.prefill_instance} failed: {exc}",
-                )
-            )
-            return
-        self.outbox.append(
-            m.ImportDone(
-                msg.request_id,
-                ok=True,
-                num_blocks_pulled=len(indices),
-                num_cached_tokens=num_local * self.engine.config.block_size,
-                num_bytes=num_bytes,
-                transfer_ns=time.perf_counter_ns() - start,
-                device_ns=self.kv_io.last_device_ns,
-            )
-        )
 
     def on_commit(self, msg: m.CommitImport) -> None:
         from splitserve.engine.engine_core import RequestOutput
@@ -188,11 +193,7 @@ class CoreLoop:
             self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
 
     def on_send(self, msg: m.SendBlocks) -> None:
-        try:
-            value = self.kv_io.send(msg.pair, msg.block_ids, self.engine.runner.kv_cache, msg.tag)
-            self.outbox.append(m.Reply(msg.call_id, value))
-        except Exception as exc:
-            self.outbox.append(m.Reply(msg.call_id, error=f"send to {msg.pair} failed: {exc}"))
+        self.transfers.start_send(msg)  # its Reply comes from a later loop turn, when the send has ended
 
     def on_pair(self, msg: m.Pair) -> None:
         """Join a communicator on a thread: the rendezvous waits for the peer, the step loop must not."""

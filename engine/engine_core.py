@@ -8,6 +8,8 @@
 Roles (EngineConfig.role): "prefill" parks each request after its first token with its
 blocks held (`held_kv`, `release_kv`); "decode" imports prompt KV into blocks it
 allocated (`begin_import` → the transport copies → `finish_import`); "both" does all.
+A transfer runs off the core thread while the engine steps on: its blocks stay pinned
+(`pin_blocks` / `unpin_blocks`) until it has ended, whatever happens to its request.
 """
 
 from __future__ import annotations
@@ -372,6 +374,23 @@ class EngineCore:
             self.scheduler.add(request)
         else:
             request.status = RequestStatus.FINISHED_ERROR
+
+    # -- transfers in flight: blocks pinned -------------------------------------------------
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks a transfer reads or writes off the core thread, so that whatever frees
+        their request meanwhile (an abort, a failed import, a released lease) cannot hand them to another
+        request before the transfer has ended; `unpin_blocks` drops it then. Only blocks in use are pinned."""
+        bad = next((b for b in block_ids if not 0 <= b < self.pool.num_blocks or self.pool.ref_counts[b] == 0), None)
+        if bad is not None:
+            raise RequestError(
+                f"block {bad} is not held by any request (pool of {self.pool.num_blocks}); a transfer pins only "
+                "blocks in use"
+            )
+        self.pool.touch(block_ids)
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        """The transfer has ended: drop its references (tail first, as a request frees its blocks)."""
+        self.pool.free(reversed(block_ids))
 
     # -- accounting ------------------------------------------------------------------------
     @property

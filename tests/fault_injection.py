@@ -55,13 +55,13 @@ def _wrap_pull(cls, delay_ms: int, drops: int) -> None:
     left = [drops]
 
     @functools.wraps(original)
-    def pull(self, spec, indices, dst_blocks, core):
+    def pull(self, spec, indices, dst_blocks, target):
         if indices and delay_ms:
             time.sleep(delay_ms / 1000)
         if indices and left[0] > 0:
             left[0] -= 1
             raise RuntimeError("injected fault: pull dropped")
-        return original(self, spec, indices, dst_blocks, core)
+        return original(self, spec, indices, dst_blocks, target)
 
     cls.pull = pull
 

@@ -12,7 +12,7 @@ import torch
 
 from splitserve.common.kv_layout import KvLayout
 from splitserve.engine.kv_layout import allocate_kv_cache
-from splitserve.engine.kv_transfer.io import KvIo, block_runs, copy_block_runs
+from splitserve.engine.kv_transfer.io import KvIo, Moved, PullTarget, block_runs, copy_block_runs
 from splitserve.engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
 from splitserve.engine.kv_transfer.shm import SharedKvPool, segment_name
 from splitserve.engine.kv_transfer.shm import copy_blocks as shm_copy_blocks
@@ -95,18 +95,77 @@ def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch
         endpoint = {"shm_name": name, "num_blocks": "16"}
         block_ids = [9, 10, 11, 12, 4]
 
-    class Core:
-        class engine:
-            class runner:
-                kv_cache = torch.full(LAYOUT.cache_shape(8), -1.0)
-
+    kv = torch.full(LAYOUT.cache_shape(8), -1.0)
     try:  # the first block is cached here already: blocks 1-4 of the handle go to 5, 6, 7 and 0
-        assert io.pull(Spec, [1, 2, 3, 4], [5, 6, 7, 0], Core) == 4 * LAYOUT.block_nbytes
-        kv = Core.engine.runner.kv_cache
+        target = PullTarget(kv, ask_send=None, source=io.prepare_pull(Spec))  # mapped on the core thread
+        assert io.pull(Spec, [1, 2, 3, 4], [5, 6, 7, 0], target) == Moved(4 * LAYOUT.block_nbytes, 0)
         assert [int(kv[b].unique().item()) for b in range(8)] == [4, -1, -1, -1, -1, 10, 11, 12]
     finally:
         io.close()
         owner.close()
+
+
+def test_a_mapped_pool_stays_mapped_while_a_copy_still_views_it(monkeypatch):
+    """A worker's copy holds a view of the prefill's pool; closing the mapping (a restarted prefill's new pool
+    replaced it, the process is shutting down) must not unmap it under that copy. The owner's name goes at once."""
+    monkeypatch.setattr("splitserve.engine.kv_transfer.shm._untrack", lambda shm: None)
+    name = segment_name(f"p-view-{os.getpid()}", 1)
+    owner = SharedKvPool.create(name, LAYOUT, 4)
+    owner.tensor.fill_(7.0)
+    reader = SharedKvPool.open(name, LAYOUT, 4)
+    in_flight = reader.tensor[1:3]  # what a copy still reads
+    reader.close()
+    owner.close()
+    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked by its owner
+    assert torch.equal(in_flight, torch.full_like(in_flight, 7.0))  # still mapped: reading it does not fault
+
+
+def test_a_gloo_receive_asks_for_its_send_lands_the_blocks_and_gives_up_when_none_comes():
+    """The nccl transport on CPU (gloo), both ranks in this process: a pull asks for the send when its receive is
+    about to start (the core's NeedSend), receives into staging and scatters; with no send it times out, drops
+    the pair and leaves the destination blocks as they were."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    decode = KvIo({"transport": "nccl", "instance": "d", "timeout_s": 0.5})
+    prefill = KvIo({"transport": "nccl", "instance": "p", "timeout_s": 0.5})
+    cpu = torch.device("cpu")
+    joining = threading.Thread(target=prefill.pair, args=("p->d", 1, "127.0.0.1", port, "gloo", cpu))
+    joining.start()
+    decode.pair("p->d", 0, "127.0.0.1", port, "gloo", cpu)
+    joining.join(30)
+    src, dst = numbered_pool(8), torch.full(LAYOUT.cache_shape(8), -1.0)
+    spec = SimpleNamespace(transport="nccl", prefill_instance="p", block_ids=[0, 6, 2, 5], tag=7, request_id="r1")
+    asks, sent = [], []
+
+    def ask_send(need):  # the service asks Prefill.SendKv; here the prefill's lane sends at once
+        asks.append(need)
+        ids = [spec.block_ids[i] for i in need.block_indices]
+        threading.Thread(target=lambda: sent.append(prefill.send(need.pair, ids, src, tag=7))).start()
+
+    try:
+        assert decode.pull(spec, [1, 2, 3], [4, 1, 7], PullTarget(dst, ask_send)) == Moved(3 * LAYOUT.block_nbytes)
+        assert [(a.request_id, a.pair, a.block_indices) for a in asks] == [("r1", "p->d", [1, 2, 3])]
+        assert [int(dst[b].unique().item()) for b in range(8)] == [-1, 2, -1, -1, 6, -1, -1, 5]
+        deadline = time.monotonic() + 10
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent[0]["num_bytes"] == 3 * LAYOUT.block_nbytes and sent[0]["device_ns"] == 0
+
+        before = dst.clone()
+        started = time.monotonic()
+        unanswered = SimpleNamespace(**(spec.__dict__ | {"request_id": "r2"}))
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):  # nobody sends
+            decode.pull(unanswered, [1], [0], PullTarget(dst, asks.append))
+        assert 0.5 <= time.monotonic() - started < 3 and asks[-1].request_id == "r2"
+        assert "p->d" not in decode.groups and torch.equal(dst, before)
+    finally:
+        decode.close()
+        prefill.close()
 
 
 # what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
@@ -317,28 +376,29 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
         pool = torch.zeros(8, 2, 2, 4, 2, 2, device="cuda:1")
         asks = []
 
-        def flush(tell_sender=True):
-            asks.extend(core.outbox)
-            core.outbox.clear()
+        def ask_send(need, tell_sender=True):  # called on this thread here; on a lane worker in a core
+            asks.append(need)
             if tell_sender:
                 sender.stdin.write("send\n")
                 sender.stdin.flush()
 
-        core = SimpleNamespace(outbox=[], flush=flush)
-        spec = SimpleNamespace(prefill_instance="p", block_ids=[0, 0, 2, 3, 4], tag=7, request_id="r1")
-        assert io._recv(spec, [2, 3, 4], [5, 6, 7], pool, core) == 3 * 64 * 4
+        spec = SimpleNamespace(
+            transport="nccl", prefill_instance="p", block_ids=[0, 0, 2, 3, 4], tag=7, request_id="r1"
+        )
+        target = PullTarget(pool, ask_send)
+        assert io.pull(spec, [2, 3, 4], [5, 6, 7], target) == Moved(3 * 64 * 4)
         assert [(a.request_id, a.pair, a.block_indices) for a in asks] == [("r1", "p->d", [2, 3, 4])]
         expected = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 2, 4, 2, 2)[2:5]
-        assert torch.equal(pool[5:8].cpu(), expected)
+        assert torch.equal(pool[5:8].cpu(), expected)  # in place when pull returned (its side stream synced)
         assert torch.count_nonzero(pool[:5]).item() == 0
         num_bytes, device_ns = map(int, sender.stdout.readline().split())
         assert num_bytes == 3 * 64 * 4 and device_ns > 0
 
         # nobody sends: the receive gives up after the transfer timeout and the pair is dropped
-        core.flush = lambda: flush(tell_sender=False)
+        target = PullTarget(pool, lambda need: ask_send(need, tell_sender=False))
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"did not finish within the transfer timeout \(2 s\)"):
-            io._recv(SimpleNamespace(**(spec.__dict__ | {"request_id": "r2"})), [2, 3, 4], [5, 6, 7], pool, core)
+            io.pull(SimpleNamespace(**(spec.__dict__ | {"request_id": "r2"})), [2, 3, 4], [5, 6, 7], target)
         assert 2.0 <= time.monotonic() - started < 4.0
         assert "p->d" not in io.groups
         torch.cuda.current_stream(torch.device("cuda:1")).synchronize()  # the abort let the stream go on

@@ -6,14 +6,23 @@ Transports:
     cuda_ipc  prefill exports its pool with a CUDA IPC handle; decode maps it and copies on device
     nccl      2-rank group per prefill/decode pair (gloo on CPU); decode receives one staged
               tensor holding all requested blocks, prefill gathers and sends it
+
+Threads: `pull` and `send` run on a transfer worker (engine/kv_transfer/lanes.py), never on the core
+loop's thread, and touch only tensors and the transport; on CUDA they copy on a side stream that starts
+after the core's stream (so a block freed by an earlier step is done with) and never holds it up. Pool
+mappings and pairs change on the core thread (`prepare_pull`, `map_source`) or a pairing thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +38,24 @@ TRANSPORTS = ("shm", "cuda_ipc", "nccl")
 FINISH_POLL_S = 50e-6  # how often a CUDA send/receive is checked for completion
 
 
+class Moved(NamedTuple):
+    """What one pull moved: bytes, and the copy's device time (CUDA events; cuda_ipc only, else 0)."""
+
+    num_bytes: int
+    device_ns: int = 0
+
+
+@dataclass
+class PullTarget:
+    """What one pull needs besides its spec, gathered on the core thread: the decode's pool, the prefill's
+    mapped pool (shm, cuda_ipc: `KvIo.prepare_pull`), and how a receive asks the prefill to send
+    (`ask_send(NeedSend)`, called on the worker: the message goes to the service at once)."""
+
+    kv_cache: torch.Tensor  # (N, L, 2, bs, Hkv, D), this process's pool
+    ask_send: Callable[[Any], None]
+    source: torch.Tensor | None = None  # the prefill's pool, mapped here; None for nccl
+
+
 class KvIo:
     """One per core process. `options`: transport, instance, start_epoch, role, timeout_s."""
 
@@ -42,7 +69,7 @@ class KvIo:
         keepalive_ms = float(options.get("link_keepalive_ms") or 0)
         self.keepalive = LinkKeepalive(keepalive_ms / 1000) if keepalive_ms > 0 else None
         self.device: torch.device | None = None  # this process's KV pool device
-        self.last_device_ns = 0  # device time of the last CUDA pull (cuda_ipc) or send (nccl), CUDA events
+        self._core_stream: torch.cuda.Stream | None = None  # the core thread's stream on that device
         self._own_pool: SharedKvPool | None = None
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
         self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
@@ -56,6 +83,8 @@ class KvIo:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         device = self.device
+        if device.type == "cuda":  # called on the core thread: its stream is the one steps run on
+            self._core_stream = torch.cuda.current_stream(device)
         exports = self.role in ("prefill", "both")
         if self.transport == "shm" and exports and device.type == "cpu":
             for name in unlink_stale(self.instance):
@@ -124,104 +153,132 @@ class KvIo:
             if index is not None:
                 self._keep_link_awake(torch.device("cuda", index))
 
-    def pull(self, spec, indices: list[int], dst_blocks: list[int], core) -> int:
-        """Copy the handle's blocks at `indices` into `dst_blocks`; returns bytes moved."""
-        self.last_device_ns = 0  # set by the transports that time their copy on the device (cuda_ipc)
+    def prepare_pull(self, spec) -> torch.Tensor | None:
+        """Core thread, before a pull goes to its worker: the prefill's pool (shm, cuda_ipc), mapped here so
+        that mappings change on one thread only (a worker keeps its own reference: a restarted prefill's new
+        pool replacing the mapping leaves a running copy's source in place); None for nccl."""
+        if spec.transport in ("shm", "cuda_ipc"):
+            return self._source_pool(spec)
+        if spec.transport != "nccl":
+            raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
+        return None
+
+    def pull(self, spec, indices: list[int], dst_blocks: list[int], target: PullTarget) -> Moved:
+        """Copy the handle's blocks at `indices` into `dst_blocks` of `target.kv_cache`. Runs on a transfer
+        worker and returns when the blocks are in place (a CUDA copy has ended on the device)."""
         if not indices:
-            return 0
-        kv_cache = core.engine.runner.kv_cache
-        if spec.transport == "cuda_ipc":
-            src_ids = [spec.block_ids[i] for i in indices]
-            src = self._source_pool(spec)
-            # timed on the destination's stream: every way of copying below makes it wait for the copy
-            stream = torch.cuda.current_stream(kv_cache.device)
+            return Moved(0)
+        if spec.transport == "nccl":
+            return self._recv(spec, indices, dst_blocks, target)
+        if spec.transport not in ("shm", "cuda_ipc"):
+            raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
+        kv_cache, src = target.kv_cache, target.source
+        if src is None:
+            raise ValueError(f"a {spec.transport} pull needs the source pool prepare_pull maps")
+        src_ids = [spec.block_ids[i] for i in indices]
+        with self._side_stream(kv_cache) as stream:
+            if stream is None:
+                # shm on CPU: runs of consecutive blocks straight from the mapped segment, one pass, no staging
+                # tensor (a fresh staging tensor per pull also pays a page fault per 4 KiB)
+                return Moved(copy_block_runs(src, src_ids, kv_cache, dst_blocks))
+            # timed on the side stream: every way of copying below makes it wait for the copy; torch's
+            # cross-device copy_ runs on the source device's stream, as fast as a copy between ordinary
+            # tensors (bench/kv_copy_variants.py); split over several streams or issued by the destination is slower
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             events[0].record(stream)
-            # torch's cross-device copy_ on the source device's stream: as fast as a copy between ordinary
-            # tensors (bench/kv_copy_variants.py); split over several streams or issued by the destination is slower
             num_bytes = copy_block_runs(src, src_ids, kv_cache, dst_blocks)
             events[1].record(stream)
-            events[1].synchronize()
-            self.last_device_ns = int(events[0].elapsed_time(events[1]) * 1e6)
-            return num_bytes
-        if spec.transport == "shm":
-            src_ids = [spec.block_ids[i] for i in indices]
-            # runs of consecutive blocks straight from the mapped segment: one pass, no staging tensor
-            # (a fresh staging tensor per pull also pays a page fault per 4 KiB)
-            num_bytes = copy_block_runs(self._source_pool(spec), src_ids, kv_cache, dst_blocks)
-            if kv_cache.is_cuda:
-                torch.cuda.current_stream(kv_cache.device).synchronize()
-            return num_bytes
-        if spec.transport == "nccl":
-            return self._recv(spec, indices, dst_blocks, kv_cache, core)
-        raise ValueError(f"unknown KV transport {spec.transport!r}; known: {', '.join(TRANSPORTS)}")
+        events[1].synchronize()  # this worker waits; the core's stream runs on
+        device_ns = int(events[0].elapsed_time(events[1]) * 1e6) if spec.transport == "cuda_ipc" else 0
+        return Moved(num_bytes, device_ns)
 
-    def _recv(self, spec, indices, dst_blocks, kv_cache, core) -> int:
+    @contextlib.contextmanager
+    def _side_stream(self, kv_cache: torch.Tensor) -> Iterator[torch.cuda.Stream | None]:
+        """On CUDA: make a side stream of the pool's device current on this (worker) thread, after the work the
+        core's stream has queued so far (a block an earlier step freed is done with before a copy lands in it).
+        The core's stream never waits for it; the caller waits for its own work. None on CPU."""
+        if not kv_cache.is_cuda:
+            yield None
+            return
+        torch.cuda.set_device(kv_cache.device)  # the current device is per thread
+        stream = torch.cuda.Stream(kv_cache.device)
+        core = self._core_stream if self._core_stream is not None else torch.cuda.default_stream(kv_cache.device)
+        stream.wait_stream(core)
+        with torch.cuda.stream(stream):
+            yield stream
+
+    def _recv(self, spec, indices, dst_blocks, target: PullTarget) -> Moved:
         from splitserve.engine.core_messages import NeedSend
 
         pair = pair_name(spec.prefill_instance, self.instance)
         group = self.groups.get(pair)
         if group is None:
             raise RuntimeError(f"no communicator with {spec.prefill_instance} (pair {pair} not registered)")
+        kv_cache = target.kv_cache
         src_ids = [spec.block_ids[i] for i in indices]
         # Receive straight into the destination blocks only over NCCL, whose abort (drop_pair) cancels a
         # timed-out receive; a gloo receive left pending could land in blocks reused by then, so CPU stages.
         direct = kv_cache.is_cuda and block_run(src_ids) is not None and block_run(dst_blocks) is not None
-        if direct:  # one message straight into the destination blocks (the sender skips its gather too)
-            first = dst_blocks[0]
-            staging = kv_cache[first : first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
-        else:
-            staging = torch.empty((len(indices), *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
-        start = time.perf_counter_ns()
-        core.outbox.append(NeedSend(spec.request_id, pair, indices))
-        core.flush()  # the server must ask the prefill to send while this side receives
-        asked = time.perf_counter_ns()
-        try:
-            self._finish(group.recv([staging], 1, spec.tag), staging)
-            self._check_still_paired(pair, group)
-        except Exception:
-            self.drop_pair(pair, group)
-            raise
-        received = time.perf_counter_ns()
-        if not direct:
-            dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
-            kv_cache.index_copy_(0, dst, staging)
-        if log.isEnabledFor(logging.DEBUG):
-            if kv_cache.is_cuda:
-                torch.cuda.current_stream(kv_cache.device).synchronize()
-            log.debug(
-                "kv timing nccl recv: %d blocks, direct=%s; ask %.3f ms, recv wait %.3f ms, scatter %.3f ms",
-                len(indices),
-                direct,
-                (asked - start) / 1e6,
-                (received - asked) / 1e6,
-                (time.perf_counter_ns() - received) / 1e6,
-            )
-        return staging.numel() * staging.element_size()
+        with self._side_stream(kv_cache) as stream:
+            if direct:  # one message straight into the destination blocks (the sender skips its gather too)
+                first = dst_blocks[0]
+                staging = kv_cache[first : first + len(dst_blocks)]  # (n, L, 2, bs, Hkv, D), contiguous view
+            else:
+                shape = (len(indices), *kv_cache.shape[1:])
+                staging = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+            start = time.perf_counter_ns()
+            # asked only now, from the lane that receives: the previous transfer of this pair has ended, so
+            # the prefill's sends come in the order of these receives (NCCL matches them by order alone)
+            target.ask_send(NeedSend(spec.request_id, pair, indices))
+            asked = time.perf_counter_ns()
+            try:
+                self._finish(group.recv([staging], 1, spec.tag), staging)
+                self._check_still_paired(pair, group)
+            except Exception:
+                self.drop_pair(pair, group)
+                raise
+            received = time.perf_counter_ns()
+            if not direct:
+                dst = torch.tensor(dst_blocks, dtype=torch.int64, device=kv_cache.device)
+                kv_cache.index_copy_(0, dst, staging)
+            if stream is not None:
+                stream.synchronize()  # the blocks are in place when this returns
+        log.debug(
+            "kv timing nccl recv: %d blocks, direct=%s; ask %.3f ms, recv wait %.3f ms, scatter %.3f ms",
+            len(indices),
+            direct,
+            (asked - start) / 1e6,
+            (received - asked) / 1e6,
+            (time.perf_counter_ns() - received) / 1e6,
+        )
+        return Moved(staging.numel() * staging.element_size())
 
     # -- prefill side ----------------------------------------------------------------------
     def send(self, pair: str, block_ids: list[int], kv_cache: torch.Tensor, tag: int = 0) -> dict:
+        """Send blocks to the pair's decode. Runs on a transfer worker; on CUDA on a side stream."""
         group = self.groups.get(pair)
         if group is None:
             raise RuntimeError(f"pair {pair} is not registered")
         start = time.perf_counter_ns()
-        if block_run(block_ids) is not None:  # consecutive blocks: send the pool's own slice, no gather
-            staging = kv_cache[block_ids[0] : block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
-        else:
-            index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-            staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
-        gathered = time.perf_counter_ns()
-        start_event = torch.cuda.Event(enable_timing=True) if kv_cache.is_cuda else None
-        if start_event is not None:
-            start_event.record(torch.cuda.current_stream(kv_cache.device))
-        try:
-            end_event = self._finish(group.send([staging], 0, tag), staging)
-            self._check_still_paired(pair, group)
-        except Exception:
-            self.drop_pair(pair, group)
-            raise
-        if end_event is not None:  # the current stream waited for the send: the interval is the transfer
-            self.last_device_ns = int(start_event.elapsed_time(end_event) * 1e6)
+        with self._side_stream(kv_cache) as stream:
+            if block_run(block_ids) is not None:  # consecutive blocks: send the pool's own slice, no gather
+                staging = kv_cache[block_ids[0] : block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
+            else:
+                index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+                staging = kv_cache.index_select(0, index)  # (n, L, 2, bs, Hkv, D), contiguous
+            gathered = time.perf_counter_ns()
+            start_event = torch.cuda.Event(enable_timing=True) if stream is not None else None
+            if start_event is not None:
+                start_event.record(stream)
+            try:
+                end_event = self._finish(group.send([staging], 0, tag), staging)
+                self._check_still_paired(pair, group)
+            except Exception:
+                self.drop_pair(pair, group)
+                raise
+        device_ns = 0
+        if end_event is not None:  # the side stream waited for the send: the interval is the transfer
+            device_ns = int(start_event.elapsed_time(end_event) * 1e6)
         log.debug(
             "kv timing nccl send: %d blocks, gather %.3f ms, send wait %.3f ms",
             len(block_ids),
@@ -231,7 +288,7 @@ class KvIo:
         return {
             "num_bytes": staging.numel() * staging.element_size(),
             "transfer_ns": time.perf_counter_ns() - start,
-            "device_ns": self.last_device_ns if start_event is not None else 0,
+            "device_ns": device_ns,
         }
 
     def _finish(self, work, tensor: torch.Tensor) -> torch.cuda.Event | None:

@@ -52,7 +52,11 @@ class SharedKvPool:
     def __init__(self, shm: shared_memory.SharedMemory, layout: KvLayout, num_blocks: int, owner: bool) -> None:
         self.shm = shm
         self.owner = owner
-        flat = torch.frombuffer(shm.buf, dtype=torch_dtype(layout), count=num_blocks * layout.block_numel)
+        # torch lets go of a buffer's export once it has the pointer, so a tensor on `shm.buf` itself would not stop
+        # close() from unmapping the segment under it; a memoryview of our own, which the tensor keeps alive, does
+        # (a copy in flight on a transfer worker holds a view of the pool)
+        exported = memoryview(shm.buf)
+        flat = torch.frombuffer(exported, dtype=torch_dtype(layout), count=num_blocks * layout.block_numel)
         self.tensor = flat.view(layout.cache_shape(num_blocks))  # (N, L, 2, bs, Hkv, D)
 
     @classmethod
@@ -72,11 +76,13 @@ class SharedKvPool:
         return cls(shm, layout, num_blocks, owner=False)
 
     def close(self) -> None:
+        """Unmap (unless a tensor still views the pool: then the mapping ends with the last view) and, as the
+        owner, unlink the name."""
         del self.tensor
         try:
             self.shm.close()
-        except BufferError:
-            return  # a view is still alive; the mapping goes away with the process
+        except BufferError:  # a view is alive (the engine's pool, a copy in flight): the mmap goes with the last one
+            self.shm._mmap = None  # noqa: SLF001  (SharedMemory's __del__ must not try again and warn)
         if self.owner:
             try:
                 self.shm.unlink()
