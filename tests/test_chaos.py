@@ -15,7 +15,7 @@ from splitserve.common.default_model_path import default_model_path
 from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.service_client import describe
-from tests.service_harness import ENGINE, Proc, Stack
+from tests.service_harness import ENGINE, Proc, Stack, wait_until_async
 from tests.test_engine_exact import make_prompts
 
 pytestmark = pytest.mark.slow
@@ -132,8 +132,19 @@ def test_kill_prefill_and_decode_mid_stream_then_restart(reference, tmp_path):
     try:
 
         async def load_then_kill(victim):
+            """Start every prompt, kill `victim` once it is working on them, gather the results."""
             jobs = [asyncio.create_task(generate(stack.grpc_port, p, max_tokens=MAX_TOKENS)) for p in prompts]
-            await asyncio.sleep(0.3)
+            if victim == "prefill":  # once it has prefilled something: later prompts fall back to a decode
+
+                async def busy():
+                    return (await describe(stack.prefill[1])).counters.get("prompt_tokens", 0) > 0
+            else:  # once it runs requests: those end with an error naming it
+
+                async def busy():
+                    d = await describe(stack.decodes[int(victim.split("-")[1])], decode_pb2_grpc.DecodeStub)
+                    return d.load.num_running > 0
+
+            await wait_until_async(busy, 30, f"{victim} never started working on the prompts", poll_s=0.01)
             killed_at = time.monotonic()
             stack.procs[victim].kill()
             results = await asyncio.gather(*jobs)
@@ -150,11 +161,16 @@ def test_kill_prefill_and_decode_mid_stream_then_restart(reference, tmp_path):
         assert asyncio.run(describe(stack.prefill[1])).counters["prompt_tokens"] > p_before  # disaggregated again
 
         results, _ = asyncio.run(load_then_kill("decode-1"))
+        assert all(tokens is not None for tokens, _ in results), results  # every stream ends with a message
+        failed = 0
         for (tokens, last), expected in zip(results, greedy):
-            if tokens is not None and last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            if last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
                 assert tokens == expected
             else:
-                assert last.error.startswith("decode instance") if tokens is not None else last
+                failed += 1
+                assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
+                assert last.error.startswith("decode instance decode-1@"), last.error
+        assert failed >= 1  # it was killed while running requests
         loads = asyncio.run(wait_blocks_free(stack, timeout_s=4.0, skip=("decode-1",)))
         assert all(f == t and leases == 0 for f, t, leases in loads.values()), loads
         port = int(stack.decodes[1].rsplit(":", 1)[1])
