@@ -26,8 +26,11 @@
 #                                runner (installed as splitserve.*), then `splitserve up` with no flags and with
 #                                --kv-transport cuda_ipc as a user runs it (bench/up_check.py: ready, the README's
 #                                completion, a streamed chat through the openai client, each process's memory)
+#   bash bench/gpu_checks.sh 8   one GPU: does a KV pull stall the other streams? bench/pull_stall.py, prefill and
+#                                decode processes on cuda:0 over cuda_ipc, Qwen3-0.6B shape (dummy weights),
+#                                32 running requests, 2,048-token pulls arriving at 0, 2 and 8 per second
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1-7}
+stage=${1:?usage: bash bench/gpu_checks.sh 1-8}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -47,6 +50,11 @@ handoff() {  # $1 = seconds allowed, $2 = json name, the rest = flags
 }
 
 case $stage in
+8)
+    timeout 500 python3 -m bench.pull_stall --transport cuda_ipc --device cuda:0 --dtype bfloat16 \
+        --config bench/configs/qwen3-0.6b.json --vocab 150000 --rates 0,2,8 --num-running 32 \
+        --running-tokens 6000 --prompt-len 2048 --duration-s 5 --num-kv-blocks 24576 --json "$OUT/pull_stall.json"
+    ;;
 7)
     echo "== GPU tests"
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kv_io.py \

@@ -1,0 +1,188 @@
+"""Does a KV pull stall the decode's other streams? Running requests' inter-token latency while pulls of
+long prompts arrive, against the same decode with no arrivals (issue 17).
+
+    python -m bench.pull_stall --transport cuda_ipc --device cuda:0 --config bench/configs/qwen3-0.6b.json \\
+        --rates 0,2,8 --json out.json                         (one GPU: prefill and decode both on cuda:0)
+    python -m bench.pull_stall --transport shm --device cpu   (CPU, the embedded default model)
+
+A prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
+prompts, long outputs) run on the decode; `--prompt-len`-token prompts are prefilled ahead and held under
+lease, then handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after
+one token). The table gives p50/p99/max of the running requests' gaps between token deltas during that
+window, and p99 against the rate-0 run of the same process pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.disagg_handoff import start, stop
+from splitserve.bench.serve_launch import free_port
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else float("nan")
+
+
+async def one_rate(args, rate: float, p_addr: str, d_addr: str, seed: int) -> dict:
+    from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+    rng = random.Random(seed)
+    p_stub = prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(p_addr))
+    d_stub = decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(d_addr))
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (item := await inbox.get()) is not None:
+            yield item
+
+    call = d_stub.Generate(requests())
+    arrivals: dict[str, list[float]] = {}
+    finished: dict[str, asyncio.Event] = {}
+
+    async def read():
+        async for out in call:
+            now = time.perf_counter()
+            for delta in out.deltas:
+                if delta.token_ids:
+                    arrivals.setdefault(delta.request_id, []).append(now)
+                if delta.finish_reason and delta.request_id in finished:
+                    finished[delta.request_id].set()
+
+    reader = asyncio.create_task(read())
+
+    async def prefill(rid: str, length: int, max_tokens: int):
+        prompt = [rng.randrange(10, args.vocab) for _ in range(length)]
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        first = await p_stub.Prefill(
+            prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=1), timeout=600
+        )
+        return decode_pb2.DecodeIn(
+            request=decode_pb2.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                seed=1,
+                first_token_id=first.first_token_id,
+                kv=first.kv,
+            )
+        )
+
+    tag = f"r{rate:g}"
+    running = [f"{tag}-run-{i}" for i in range(args.num_running)]
+    for rid in running:
+        await inbox.put(await prefill(rid, 16, args.running_tokens))
+    held = [await prefill(f"{tag}-pull-{i}", args.prompt_len, 1) for i in range(int(rate * args.duration_s))]
+    deadline = time.monotonic() + 60
+    while not all(len(arrivals.get(r, [])) >= 3 for r in running):  # every running request streams
+        assert time.monotonic() < deadline, "the running requests never started streaming"
+        await asyncio.sleep(0.01)
+    window_start = time.perf_counter()
+    for i, item in enumerate(held):
+        finished[item.request.request_id] = asyncio.Event()
+        target = window_start + (i + 1) / rate if rate else window_start
+        await asyncio.sleep(max(0.0, target - time.perf_counter()))
+        await inbox.put(item)
+    await asyncio.sleep(max(0.0, window_start + args.duration_s - time.perf_counter()))
+    window_end = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in finished.values())), 120)
+    gaps = [
+        b - a for rid in running for a, b in zip(arrivals[rid], arrivals[rid][1:]) if window_start <= b <= window_end
+    ]
+    for rid in running:
+        await inbox.put(decode_pb2.DecodeIn(abort=decode_pb2.AbortRequest(request_id=rid)))
+    await inbox.put(None)
+    call.cancel()
+    reader.cancel()
+    return {
+        "rate_per_s": rate,
+        "pulls": len(held),
+        "gaps": len(gaps),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "itl_max_ms": 1e3 * max(gaps, default=float("nan")),
+        "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transport", default="shm", choices=("shm", "cuda_ipc", "nccl"))
+    ap.add_argument("--device", default="cpu", help="device of both processes (cpu, cuda:0)")
+    ap.add_argument("--config", default="", help="model config.json (dummy weights); empty = the embedded model")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--vocab", type=int, default=8000, help="token ids are drawn below this")
+    ap.add_argument("--rates", default="0,2,8", help="pull arrivals per second, comma-separated")
+    ap.add_argument("--num-running", type=int, default=32)
+    ap.add_argument("--running-tokens", type=int, default=4000, help="max_tokens of the running requests")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--duration-s", type=float, default=5.0)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=16384)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    engine = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-num-seqs",
+        str(args.num_running + 16),
+    ]
+    if args.config:
+        engine += ["--model", args.config, "--load-format", "dummy"]
+    p_port, d_port = free_port(), free_port()
+    logs = Path(tempfile.mkdtemp(prefix="pull-stall-"))
+    prefill = decode = None
+    rows = []
+    try:
+        prefill = start(
+            "prefill",
+            engine + ["--port", str(p_port), "--kv-transport", args.transport, "--lease-s", "600"],
+            logs / "prefill.log",
+        )
+        decode = start(
+            "decode",
+            engine
+            + ["--port", str(d_port), "--kv-transport", args.transport, "--prefill-peers", f"127.0.0.1:{p_port}"],
+            logs / "decode.log",
+        )
+        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+            rows.append(asyncio.run(one_rate(args, rate, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", i)))
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    finally:
+        for proc in (decode, prefill):
+            if proc is not None:
+                stop(proc)
+    base = next((r["itl_p99_ms"] for r in rows if r["rate_per_s"] == 0), float("nan"))
+    print(
+        f"\npull stall: {args.transport} on {args.device}, {args.num_running} running, "
+        f"{args.prompt_len}-token pulls, {args.duration_s:g} s windows (logs {logs})"
+    )
+    print(f"{'pulls/s':>8}{'pulls':>7}{'gaps':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'p99/rate0':>11}")
+    for r in rows:
+        print(
+            f"{r['rate_per_s']:>8g}{r['pulls']:>7}{r['gaps']:>7}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}"
+            f"{r['itl_max_ms']:>9.2f}{r['itl_p99_ms'] / base:>11.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
