@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service_harness import REPO, Proc, free_port, wait_until
+from tests.service_harness import REPO, Proc, free_port, gateway_args, wait_until
 
 
 @pytest.mark.slow
@@ -69,16 +69,7 @@ def test_a_running_gateway_has_loaded_no_torch(tmp_path):
     http_port = free_port()
     proc = Proc(
         "gateway",
-        [
-            "--grpc-port",
-            str(free_port()),
-            "--http-port",
-            str(http_port),
-            "--prefill",
-            f"127.0.0.1:{free_port()}",
-            "--decode",
-            f"127.0.0.1:{free_port()}",
-        ],
+        gateway_args(free_port(), http_port, f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"),
         tmp_path,
         "gateway",
     )
@@ -109,5 +100,37 @@ def test_importing_the_gateway_loads_no_torch():
         "load_tokenizer(str(default_model_path()))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'safetensors')))"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_with_tracing_off_nothing_imports_opentelemetry():
+    """Issue 21.4: a machine without the OpenTelemetry SDK runs every service's tracing path with tracing
+    off (fastapi itself needs opentelemetry-api, so the REST shim is left out here)."""
+    code = """
+import sys
+
+class NoOtel:
+    def find_spec(self, name, path=None, target=None):
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ImportError(f"{name} is not installed here")
+        return None
+
+sys.meta_path.insert(0, NoOtel())
+from splitserve.runtime import tracing
+from splitserve.runtime.logs import _current_trace_id
+import splitserve.gateway.service, splitserve.gateway.grpc_api, splitserve.gateway.request_run
+import splitserve.decode_service.pulls, splitserve.prefill_service.server
+assert tracing.init_tracing("t", "t") is False
+span = tracing.start_span("request", tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}))
+tracing.record_span("x", 1, 2, span)
+with tracing.span("y") as inner:
+    inner.set_attribute("k", 1)
+assert tracing.inject(span) == {} and tracing.metadata_carrier([("traceparent", "x")]) == {}
+tracing.end_span(span, "error")
+assert tracing.context_of(span) is None and _current_trace_id() is None
+print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
