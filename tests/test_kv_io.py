@@ -120,6 +120,25 @@ def test_a_mapped_pool_stays_mapped_while_a_copy_still_views_it(monkeypatch):
     assert torch.equal(in_flight, torch.full_like(in_flight, 7.0))  # still mapped: reading it does not fault
 
 
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses with a socket listening on `port` (from /proc/net/tcp and tcp6; state 0A = LISTEN)."""
+    import ipaddress
+
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                raw = bytes.fromhex(address)
+                if width == 8:
+                    found.append(str(ipaddress.IPv4Address(raw[::-1])))
+                else:  # four little-endian 32-bit words
+                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                    found.append(str(ipaddress.IPv6Address(words)))
+    return sorted(found)
+
+
 def test_a_gloo_receive_asks_for_its_send_lands_the_blocks_and_gives_up_when_none_comes():
     """The nccl transport on CPU (gloo), both ranks in this process: a pull asks for the send when its receive is
     about to start (the core's NeedSend), receives into staging and scatters; with no send it times out, drops
@@ -138,6 +157,8 @@ def test_a_gloo_receive_asks_for_its_send_lands_the_blocks_and_gives_up_when_non
     joining.start()
     decode.pair("p->d", 0, "127.0.0.1", port, "gloo", cpu)
     joining.join(30)
+    # issue 22.6: the decode's store listens on the address it was given, not on every interface
+    assert listening_addresses(port) == ["127.0.0.1"]
     src, dst = numbered_pool(8), torch.full(LAYOUT.cache_shape(8), -1.0)
     spec = SimpleNamespace(transport="nccl", prefill_instance="p", block_ids=[0, 6, 2, 5], tag=7, request_id="r1")
     asks, sent = [], []
@@ -168,25 +189,12 @@ def test_a_gloo_receive_asks_for_its_send_lands_the_blocks_and_gives_up_when_non
         prefill.close()
 
 
-# what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
 SHAPE = (4, 2, 16)
-TORCH_ARGS = (
-    torch.Tensor,
-    torch.Size(SHAPE),
-    (32, 16, 1),
-    0,
-    torch.storage.TypedStorage,
-    torch.bfloat16,
-    0,
-    b"c" + b"\x01" * 64,
-    256,
-    4096,
-    False,
-    b"/torch_123_4567_8",
-    8,
-    b"\x02" * 64,
-    True,
-)
+# device, handle, storage size and offset, requires_grad, ref counter handle and offset, event handle and
+# sync flag: the same in torch's arguments and in the plain fields (ipc_handle.FIELDS)
+STORAGE = (0, b"c" + b"\x01" * 64, 256, 4096, False, b"/torch_123_4567_8", 8, b"\x02" * 64, True)
+# what torch's reduce_tensor gives for a CUDA bfloat16 tensor (device, handles and sizes made up)
+TORCH_ARGS = (torch.Tensor, torch.Size(SHAPE), (32, 16, 1), 0, torch.storage.TypedStorage, torch.bfloat16, *STORAGE)
 
 
 def encode(value) -> str:
@@ -207,21 +215,7 @@ def refusal(text: str) -> str:
 
 def test_a_cuda_ipc_handle_round_trips_as_plain_data():
     plain = plain_args(TORCH_ARGS)
-    assert plain == (
-        SHAPE,
-        (32, 16, 1),
-        0,
-        "bfloat16",
-        0,
-        b"c" + b"\x01" * 64,
-        256,
-        4096,
-        False,
-        b"/torch_123_4567_8",
-        8,
-        b"\x02" * 64,
-        True,
-    )
+    assert plain == (SHAPE, (32, 16, 1), 0, "bfloat16", *STORAGE)
     back = load_cuda_ipc(encode(plain))
     assert back == TORCH_ARGS and type(back[1]) is torch.Size
     with pytest.raises(ValueError) as err:

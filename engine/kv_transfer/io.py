@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class KvIo:
         self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
         self.groups: dict[str, object] = {}  # pair name -> process group
         self._stores: dict[str, object] = {}
+        self._listeners: dict[str, socket.socket] = {}  # pair -> the socket its store (rank 0) serves on
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm, keep the process
 
     # -- pool placement --------------------------------------------------------------------
@@ -344,7 +346,19 @@ class KvIo:
 
         self.drop_pair(pair)
         timeout = datetime.timedelta(seconds=max(self.timeout_s, 10.0))
-        store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout)
+        listener = None
+        if rank == 0:  # the store listens on the address the peer dials, not on every interface (its default)
+            listener = socket.create_server((host, port), backlog=16)
+        store = dist.TCPStore(
+            host,
+            port,
+            2,
+            is_master=rank == 0,
+            timeout=timeout,
+            master_listen_fd=listener.fileno() if listener is not None else None,
+        )
+        if listener is not None:
+            self._listeners[pair] = listener  # the store serves on this socket: keep it open
         prefixed = dist.PrefixStore(pair, store)
         if backend == "gloo":
             from torch._C._distributed_c10d import ProcessGroupGloo
@@ -385,6 +399,9 @@ class KvIo:
                 log.exception("aborting communicator %s failed", pair)
             log.warning("dropped communicator %s; it is rebuilt on the next pairing", pair)
         self._stores.pop(pair, None)
+        listener = self._listeners.pop(pair, None)
+        if listener is not None:
+            listener.close()
 
     def close(self) -> None:
         if self.keepalive is not None:
