@@ -26,7 +26,7 @@ from splitserve.engine.core_process import EngineClient
 from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
 from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
-from splitserve.runtime.grpc_server import InternalTls, internal_channel
+from splitserve.runtime.grpc_server import InternalAuth, internal_channel
 from splitserve.runtime.metrics import ServiceCounters
 from splitserve.runtime.service_config import ServiceConfig
 
@@ -56,21 +56,21 @@ class PullHooks:
 
 class PullCoordinator:
     """Pulls of one decode service: its engine client, its config, its instance name and internal
-    TLS, the counters sink, and the hooks above; nothing else of the service."""
+    auth, the counters sink, and the hooks above; nothing else of the service."""
 
     def __init__(
         self,
         client: EngineClient,
         config: ServiceConfig,
         instance: str,
-        internal_tls: InternalTls | None,
+        internal_auth: InternalAuth | None,
         counters: ServiceCounters,
         hooks: PullHooks,
     ) -> None:
         self.client = client
         self.config = config
         self.instance = instance
-        self.internal_tls = internal_tls
+        self.internal_auth = internal_auth
         self.counters = counters
         self.hooks = hooks
         self.pending: dict[str, PendingPull] = {}
@@ -85,7 +85,7 @@ class PullCoordinator:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            self._stubs[address] = prefill_pb2_grpc.PrefillStub(internal_channel(address, self.internal_tls))
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(internal_channel(address, self.internal_auth))
         return self._stubs[address]
 
     def _spawn(self, coro) -> asyncio.Task:

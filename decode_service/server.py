@@ -48,7 +48,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
-        self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_tls, self.counters, hooks)
+        self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
 
     async def before_serving(self) -> None:
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)

@@ -122,7 +122,9 @@ class CoreLoop:
         from splitserve.engine.engine_core import RequestOutput
 
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.seed)
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority, seed=msg.seed
+            )
         except ValueError as exc:
             out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
             self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))

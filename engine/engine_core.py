@@ -240,15 +240,9 @@ class EngineCore:
             priority=priority,
         )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        seed: int | None = None,
-    ) -> Request:
-        request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **options) -> Request:
+        """Validate, build and queue a request; `options`: make_request's `priority` and `seed`."""
+        request = self.make_request(request_id, prompt_token_ids, params, **options)
         self.scheduler.add(request)
         return request
 

@@ -88,6 +88,12 @@ class GatewayConfig:
     internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
+    internal_token: str = option(
+        "",
+        "shared secret every internal call carries and every internal service checks (set it through "
+        "SPLITSERVE_INTERNAL_TOKEN: a flag shows in ps); empty = none",
+        secret=True,
+    )
     tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
     tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
     rate_limit_rps: float = option(
@@ -168,6 +174,7 @@ UP_SETS_ITSELF = frozenset(
         "internal_tls_cert",
         "internal_tls_key",
         "internal_tls_ca",
+        "internal_token",
     }
 )
 

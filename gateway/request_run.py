@@ -192,16 +192,21 @@ class RequestRun:
                 retry_after_s=1,
             )
 
-    async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
-        """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
-        router = self._deps.router
-        request = prefill_pb2.PrefillRequest(
+    def _engine_fields(self) -> dict:
+        """The fields PrefillRequest and DecodeRequest share: one id, prompt, sampling, seed and priority on
+        both hops, so the decode continues exactly what the prefill started."""
+        return dict(
             request_id=self.internal_id,
             prompt_token_ids=self._prompt,
             sampling=self._sampling,
             seed=self._seed,
             priority=self._priority,
         )
+
+    async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:
+        """Call Prefill; None when it failed in a way a local prefill on a decode can cover."""
+        router = self._deps.router
+        request = prefill_pb2.PrefillRequest(**self._engine_fields())
         router.assign(prefill, self._prompt)
         span = tracing.start_span(
             "gateway.prefill", tracing.context_of(self._span), {"prefill": prefill.name}, kind="client"
@@ -246,13 +251,7 @@ class RequestRun:
         return None
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
-        request = decode_pb2.DecodeRequest(
-            request_id=self.internal_id,
-            prompt_token_ids=self._prompt,
-            sampling=self._sampling,
-            seed=self._seed,
-            priority=self._priority,
-        )
+        request = decode_pb2.DecodeRequest(**self._engine_fields())
         if first is not None:
             request.first_token_id = first.first_token_id
             if first.HasField("first_logprobs"):

@@ -162,15 +162,15 @@ class GatewayServer:
         tls = load_tls(config)
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
-        from splitserve.runtime.grpc_server import InternalTls, internal_channel
+        from splitserve.runtime.grpc_server import InternalAuth, internal_channel
 
-        internal_tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
+        internal_auth = InternalAuth.from_config(config)
         self.registry = Registry(
             config.prefill_addresses,
             config.decode_addresses,
             health_interval_s=config.health_interval_s,
             model_id=config.model_id,
-            channel_factory=lambda address, extra: internal_channel(address, internal_tls, extra),
+            channel_factory=lambda address, extra: internal_channel(address, internal_auth, extra),
         )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
         # the public API takes no message larger than a REST body: sizes are capped before tokenizing

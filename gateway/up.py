@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import ssl
@@ -387,6 +388,8 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, frame: stopping.append(sig))
     stack = LocalStack()
+    # the children prove themselves to each other with a secret of this run unless one is given
+    stack.env.setdefault("SPLITSERVE_INTERNAL_TOKEN", secrets.token_hex(16))
     base = base_url(up, gateway_options)
     try:
         key = configured_key(gateway_options, dict(os.environ))

@@ -144,3 +144,79 @@ def test_stack_over_mtls_serves_and_refuses_plaintext(certs, tmp_path):
     finally:
         for proc in (gateway, prefill, decode):
             proc.stop()
+
+
+def test_the_internal_token_is_required_on_every_call_but_health(tmp_path):
+    """Issue 22.6: with SPLITSERVE_INTERNAL_TOKEN set, an internal call without it is UNAUTHENTICATED
+    (unary and streaming), one with it is served, health stays open for probes; the token is never printed."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.common.config_fields import describe
+    from splitserve.runtime.grpc_server import InternalAuth, build_server, internal_channel, set_serving
+    from splitserve.runtime.service_config import ServiceConfig
+
+    def echo(request, context):
+        return request
+
+    async def chat(request_iterator, context):
+        async for item in request_iterator:
+            yield item
+
+    def add(server):
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "t.T",
+                    {
+                        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+                        "Chat": grpc.stream_stream_rpc_method_handler(chat),
+                    },
+                )
+            ]
+        )
+
+    auth = InternalAuth(token="s3cret")
+
+    async def main():
+        server, health, port = build_server("127.0.0.1", 0, add, ["t.T"], auth)
+        await server.start()
+        set_serving(health, ["t.T"], True)
+        outcomes = {}
+        try:
+            for label, channel_auth in (("none", None), ("wrong", InternalAuth(token="nope")), ("right", auth)):
+                async with internal_channel(f"127.0.0.1:{port}", channel_auth) as channel:
+                    unary = channel.unary_unary("/t.T/Echo")
+                    stream = channel.stream_stream("/t.T/Chat")
+                    try:
+                        outcomes[(label, "unary")] = await unary(b"hi", timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        outcomes[(label, "unary")] = (exc.code(), exc.details())
+                    try:
+                        outcomes[(label, "stream")] = [m async for m in stream(iter([b"a", b"b"]), timeout=5)]
+                    except grpc.aio.AioRpcError as exc:
+                        outcomes[(label, "stream")] = (exc.code(), exc.details())
+                    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+                    outcomes[(label, "health")] = (await check).status
+        finally:
+            await server.stop(0)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    denied = (grpc.StatusCode.UNAUTHENTICATED, "internal call without a valid x-splitserve-internal-token")
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert outcomes == {
+        ("none", "unary"): denied,
+        ("none", "stream"): denied,
+        ("none", "health"): serving,
+        ("wrong", "unary"): denied,
+        ("wrong", "stream"): denied,
+        ("wrong", "health"): serving,
+        ("right", "unary"): b"hi",
+        ("right", "stream"): [b"a", b"b"],
+        ("right", "health"): serving,
+    }
+    printed = describe(ServiceConfig(internal_token="s3cret"))
+    assert "internal_token = '<set>'" in printed and "s3cret" not in printed

@@ -32,9 +32,10 @@ def option(
     max: float | None = None,
     choices: tuple | None = None,
     min_exclusive: bool = False,
+    secret: bool = False,
 ) -> Any:
-    """A dataclass field with its help text and allowed range or choices."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive}
+    """A dataclass field with its help text and allowed range or choices; a `secret` one is never printed."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive, "secret": secret}
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not allowed in frozen configs")
     return dataclasses.field(default=default, metadata=meta)
@@ -165,5 +166,10 @@ def validate_fields(config: Any) -> None:
 def describe(config: Any) -> str:
     """One line per field, for printing the effective config at start."""
     name = type(config).__name__
-    lines = [f"{name}:"] + [f"  {f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config)]
+
+    def shown(field: dataclasses.Field) -> str:
+        value = getattr(config, field.name)
+        return "'<set>'" if field.metadata.get("secret") and value else repr(value)
+
+    lines = [f"{name}:"] + [f"  {f.name} = {shown(f)}" for f in dataclasses.fields(config)]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from dataclasses import dataclass
@@ -68,24 +69,114 @@ class InternalTls:
         )
 
 
-def internal_channel(address: str, tls: InternalTls | None, extra_options: tuple = ()) -> grpc.aio.Channel:
-    """A channel to an internal peer: mTLS when configured, else plaintext (loopback/private network)."""
-    if tls is None:
-        return insecure_channel(address, extra_options)
+TOKEN_KEY = "x-splitserve-internal-token"
+# what answers without the token: probes (health) and tools (reflection)
+_OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True)
+class InternalAuth:
+    """How internal services prove themselves to each other: mTLS (`tls`), a shared secret every call
+    carries in metadata (`token`, from SPLITSERVE_INTERNAL_TOKEN), both, or neither."""
+
+    tls: InternalTls | None = None
+    token: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> InternalAuth:
+        """From a config with internal_tls_cert/key/ca and internal_token fields."""
+        tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
+        return cls(tls, config.internal_token)
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for a call without the shared secret (health and reflection stay open)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"internal call without a valid {TOKEN_KEY}")
+
+        async def deny_stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"internal call without a valid {TOKEN_KEY}")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(_OPEN_SERVICES):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get(TOKEN_KEY, "")
+        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._token):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_stream
+        return self._deny
+
+
+class _WithToken:
+    """Adds the shared secret to a call's metadata. grpc.aio files each interceptor under one call kind
+    only, so each kind gets its own object (`_token_interceptors`)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def _call(self, continuation, details, request):
+        metadata = list(details.metadata or ()) + [(TOKEN_KEY, self._token)]
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+class _UnaryUnaryToken(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await self._call(continuation, details, request)
+
+
+class _UnaryStreamToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await self._call(continuation, details, request)
+
+
+class _StreamUnaryToken(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await self._call(continuation, details, request_iterator)
+
+
+class _StreamStreamToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await self._call(continuation, details, request_iterator)
+
+
+def _token_interceptors(token: str) -> list:
+    return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+
+
+def internal_channel(address: str, auth: InternalAuth | None, extra_options: tuple = ()) -> grpc.aio.Channel:
+    """A channel to an internal peer: mTLS when configured, else plaintext (loopback/private network);
+    every call carries the shared secret when one is set."""
+    auth = auth or InternalAuth()
     options = [*CHANNEL_OPTIONS, *extra_options]
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    interceptors = _token_interceptors(auth.token) if auth.token else None
+    if auth.tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, auth.tls.channel_credentials(), options=options, interceptors=interceptors)
 
 
 def build_server(
-    host: str, port: int, add_servicers, service_names: list[str], tls: InternalTls | None = None
+    host: str, port: int, add_servicers, service_names: list[str], auth: InternalAuth | None = None
 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
-    """A grpc.aio server with our servicers, grpc.health.v1 and reflection; returns (server, health, port)."""
+    """A grpc.aio server with our servicers, grpc.health.v1 and reflection; returns (server, health, port).
+    With `auth`: mTLS and/or the shared secret on every call but health and reflection."""
+    auth = auth or InternalAuth()
+    tls = auth.tls
     server = grpc.aio.server(
+        interceptors=[_TokenCheck(auth.token)] if auth.token else None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     add_servicers(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

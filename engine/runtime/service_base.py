@@ -12,7 +12,7 @@ import grpc
 from splitserve.common.wire import layout_to_proto
 from splitserve.engine.core_process import EngineClient
 from splitserve.protos import common_pb2
-from splitserve.runtime.grpc_server import InternalTls, build_server, install_drain, set_serving
+from splitserve.runtime.grpc_server import InternalAuth, build_server, install_drain, set_serving
 from splitserve.runtime.logs import setup_logging
 from splitserve.runtime.metrics import ServiceCounters
 
@@ -34,9 +34,7 @@ class ServiceBase:
         self.counters = ServiceCounters()  # Describe's counters and Prometheus, one call per fact
         self.inflight = 0
         self.draining = False
-        self.internal_tls = InternalTls.from_files(
-            service_config.internal_tls_cert, service_config.internal_tls_key, service_config.internal_tls_ca
-        )
+        self.internal_auth = InternalAuth.from_config(service_config)  # mTLS and/or the shared secret
         kv_options = {
             "transport": service_config.kv_transport,
             "instance": self.name,
@@ -134,7 +132,7 @@ class ServiceBase:
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
         await self.before_serving()
         server, health, port = build_server(
-            self.config.host, self.config.port, add_servicers, self.service_names, self.internal_tls
+            self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
         )
         await server.start()
         set_serving(health, self.service_names, True)

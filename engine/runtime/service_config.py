@@ -56,6 +56,12 @@ class ServiceConfig:
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
+    internal_token: str = option(
+        "",
+        "shared secret every internal call carries and every internal service checks (set it through "
+        "SPLITSERVE_INTERNAL_TOKEN: a flag shows in ps); empty = none",
+        secret=True,
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)  # built directly too, not only from flags
