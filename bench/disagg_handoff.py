@@ -164,6 +164,12 @@ def parse_variant(text: str) -> tuple[str, float]:
     return kind, period
 
 
+def engine_flags(args, max_num_seqs: int) -> list[str]:
+    """The engine flags a bench's prefill and decode share: `args`' dtype, max_model_len and num_kv_blocks."""
+    sizes = ["--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks)]
+    return ["--dtype", args.dtype, *sizes, "--max-num-seqs", str(max_num_seqs)]
+
+
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, variant: str = "plain") -> dict:
     from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -174,22 +180,8 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
     decode_extra = ["--kv-link-keepalive-ms", str(ms if kind == "keepalive" else 0)]
 
     p_port, d_port = free_port(), free_port()
-    engine = [
-        "--model",
-        args.config,
-        "--load-format",
-        "dummy",
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--num-kv-blocks",
-        str(args.num_kv_blocks),
-        "--max-num-seqs",
-        "8",
-        "--block-size",
-        str(args.block_size),
-    ]
+    engine = ["--model", args.config, "--load-format", "dummy", *engine_flags(args, max_num_seqs=8)]
+    engine += ["--block-size", str(args.block_size)]
     name = tag.replace(" ", "-").replace(":", "")
     prefill = decode = keeper = None
     try:

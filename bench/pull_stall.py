@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.disagg_handoff import start, stop
+from bench.disagg_handoff import engine_flags, start, stop
 from splitserve.bench.serve_launch import free_port
 
 
@@ -132,18 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=16384)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    engine = [
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--num-kv-blocks",
-        str(args.num_kv_blocks),
-        "--max-num-seqs",
-        str(args.num_running + 16),
-    ]
+    engine = ["--device", args.device, *engine_flags(args, max_num_seqs=args.num_running + 16)]
     if args.config:
         engine += ["--model", args.config, "--load-format", "dummy"]
     p_port, d_port = free_port(), free_port()

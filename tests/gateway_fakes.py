@@ -87,9 +87,10 @@ def fake_logprobs(token_id: int, top: int) -> common_pb2.TokenLogprobs:
     )
 
 
-def _describe(
+def fake_describe(
     name: str, role: str, layout: common_pb2.KvLayout, max_model_len: int, load: common_pb2.Load, start_ns: int
 ) -> common_pb2.DescribeResponse:
+    """What a fake instance answers to Describe (shm only)."""
     return common_pb2.DescribeResponse(
         instance_id=name,
         role=role,
@@ -163,7 +164,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
 
     async def Describe(self, request, context):
         load = common_pb2.Load(num_free_blocks=1000, num_total_blocks=1000, num_queued_tokens=self.queued_tokens)
-        return _describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
+        return fake_describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             num_running=len(self.running),
             num_waiting=self.waiting,
         )
-        return _describe(self.name, self.role, self.layout, self.max_model_len, load, self.start_ns)
+        return fake_describe(self.name, self.role, self.layout, self.max_model_len, load, self.start_ns)
 
     async def Generate(self, request_iterator, context):
         self.num_streams += 1

@@ -5,6 +5,7 @@
 - `load_hf_reference` loads the same directory as a transformers model; in float64 it
   swaps in float64 RMSNorm / rotary math (transformers computes both in float32 even for a
   float64 model), so the reference is true float64 like our engine. `hf_greedy` generates with it.
+- `engine_reference` is what the service tests compare against: the in-process engine's greedy and seeded tokens.
 - `TINY_MODELS`: the architectures the engine-exactness tests (CPU and CUDA) compare.
 - `SeqSpec` + `build_meta` + `step_positions` build one step's AttentionMetadata by hand.
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.attention import AttentionMetadata
 
 ARCHITECTURES = {
@@ -162,6 +164,19 @@ def hf_greedy(
             )
             outs.append(ids[0, len(p) :].tolist())
     return outs
+
+
+def engine_reference(
+    llm: LLM, prompts: list[list[int]], max_tokens: int, seeded: list[dict]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`llm`'s tokens (EOS ignored, `max_tokens` each): greedy after every prompt, and sampled after the
+    first len(`seeded`) prompts, prompt i with the SamplingParams fields seeded[i] (temperature, seed, ...)."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sampled = [SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True) for fields in seeded]
+    return (
+        [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)],
+        [o.token_ids for o in llm.generate(prompt_token_ids=prompts[: len(sampled)], sampling_params=sampled)],
+    )
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:

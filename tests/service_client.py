@@ -75,6 +75,25 @@ async def describe(address: str, stub_cls=None) -> common_pb2.DescribeResponse:
         return await stub.Describe(common_pb2.DescribeRequest(), timeout=10)
 
 
+def decode_request(
+    first: prefill_pb2.PrefillResponse,
+    request_id: str,
+    prompt: list[int],
+    sampling: common_pb2.SamplingParams,
+    **fields,
+) -> decode_pb2.DecodeRequest:
+    """The DecodeRequest a gateway sends once the prefill answered `first` (its first token and KV
+    handle); `fields`: more DecodeRequest fields (seed, trace_context, ...)."""
+    return decode_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        first_token_id=first.first_token_id,
+        kv=first.kv,
+        **fields,
+    )
+
+
 async def generate_disaggregated(
     prefill,
     session: DecodeSession,
@@ -90,15 +109,6 @@ async def generate_disaggregated(
     )
     if first.finish_reason:
         return [first.first_token_id], first, []
-    session.submit(
-        decode_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            seed=seed,
-            first_token_id=first.first_token_id,
-            kv=first.kv,
-        )
-    )
+    session.submit(decode_request(first, request_id, prompt, sampling, seed=seed))
     tokens, deltas = await session.collect(request_id)
     return [first.first_token_id] + tokens, first, deltas

@@ -137,6 +137,44 @@ def start_service(
     return proc, f"127.0.0.1:{port}"
 
 
+def gateway_args(grpc_port: int | str, http_port: int | str, prefill: str, decode: str, *more: str) -> list[str]:
+    """The flags of a `splitserve gateway` on these ports in front of `prefill` and `decode` (addresses,
+    comma-separated), then `more`."""
+    ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    return [*ports, "--prefill", prefill, "--decode", decode, *more]
+
+
+def self_signed_cert(directory: Path, name: str) -> tuple[str, str]:
+    """(certificate, key) paths of a new one-day self-signed P-256 certificate for localhost and
+    127.0.0.1, written as `name`.crt / `name`.key in `directory`."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
 class Stack:
     """gateway + prefill + N decodes on loopback, the default model, float64 (see ENGINE)."""
 
@@ -177,18 +215,9 @@ class Stack:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.gateway = Proc(
             "gateway",
-            [
-                "--grpc-port",
-                str(self.grpc_port),
-                "--http-port",
-                str(self.http_port),
-                "--prefill",
-                self.prefill[1],
-                "--decode",
-                ",".join(self.decodes),
-                "--health-interval-s",
-                "0.2",
-            ],
+            gateway_args(
+                self.grpc_port, self.http_port, self.prefill[1], ",".join(self.decodes), "--health-interval-s", "0.2"
+            ),
             logs,
             "gateway",
         )

@@ -22,32 +22,12 @@ PROMPT = "def fibonacci(n):"
 PROMPT_IDS = [555, 886, 69, 273, 733, 661, 11, 81, 296]
 # transformers greedy, 24 tokens, float32 CPU; the smallest top-1/top-2 logit margin
 # along the way is 0.094, far above float32 noise.
+# fmt: off
 FIB_IDS = [
-    265,
-    279,
-    17,
-    351,
-    11,
-    270,
-    17,
-    440,
-    376,
-    1843,
-    17,
-    390,
-    11,
-    270,
-    17,
-    440,
-    376,
-    1843,
-    361,
-    998,
-    1076,
-    68,
-    317,
-    284,
+    265, 279, 17, 351, 11, 270, 17, 440, 376, 1843, 17, 390,
+    11, 270, 17, 440, 376, 1843, 361, 998, 1076, 68, 317, 284,
 ]
+# fmt: on
 FIB_TEXT = "\n        self.assertEqual(self.fixtures.get(self.fixtures),\n                         ['a', '"
 NUM_EVAL_TOKENS = 4096
 MODEL_PPL = 9.6074  # model perplexity on the first NUM_EVAL_TOKENS of heldout.txt

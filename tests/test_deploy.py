@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.service_harness import REPO, Proc, free_port, start_service
+from tests.service_harness import REPO, Proc, free_port, gateway_args, start_service
 
 DEPLOY = REPO / "deploy"
 SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
@@ -193,9 +193,11 @@ def test_mounted_files_and_copy_sources_exist(config):
     assert len(binds) == 5
     for source, target in binds:
         assert Path(source).exists(), f"{source} (mounted at {target}) does not exist"
-    copies = []
+    copies, stage_copies = [], []
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY ") and "--from=" not in line:
+        if line.startswith("COPY --from="):
+            stage_copies.append(line.removeprefix("COPY "))
+        elif line.startswith("COPY "):
             copies += line.split()[1:-1]
     sources = [
         "pyproject.toml",
@@ -208,19 +210,20 @@ def test_mounted_files_and_copy_sources_exist(config):
         "gateway",
         "bench",
     ]
-    assert (
-        copies
-        == [
-            "deploy/build-extra/",
-            *sources,  # the full image
-            "deploy/build-extra/",
-            *sources[:2],
-            "deploy/gateway_requirements.py",
-            *sources[2:],  # gateway
-            "deploy/healthcheck.py",
-            "deploy/healthcheck.py",
-        ]
-    )
+    assert copies == [
+        *sources,  # the sources stage, which both build stages copy
+        "deploy/build-extra/",  # the full image's build
+        "deploy/build-extra/",
+        "deploy/gateway_requirements.py",  # the gateway's build
+        "deploy/healthcheck.py",
+        "deploy/healthcheck.py",
+    ]
+    assert stage_copies == [
+        "--from=sources /src /src",  # the full image's build
+        "--from=sources /src /src",  # the gateway's build
+        "--from=gateway-build /opt/splitserve /opt/splitserve",
+        "--from=build /opt/splitserve /opt/splitserve",
+    ]
     for source in copies:
         assert (REPO / source).exists(), source
 
@@ -421,18 +424,7 @@ def metrics_stack(tmp_path_factory):
     http_port = free_port()
     procs["gateway"] = Proc(
         "gateway",
-        [
-            "--grpc-port",
-            str(free_port()),
-            "--http-port",
-            str(http_port),
-            "--prefill",
-            prefill,
-            "--decode",
-            ",".join(decodes),
-            "--health-interval-s",
-            "0.2",
-        ],
+        gateway_args(free_port(), http_port, prefill, ",".join(decodes), "--health-interval-s", "0.2"),
         logs,
         "gateway",
     )

@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from splitserve.common.default_model_path import default_model_path
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM
 from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.model_factory import engine_reference
 from tests.service_client import describe
 from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service, wait_until, wait_until_async
 from tests.test_engine_exact import make_prompts
@@ -23,24 +24,8 @@ MAX_TOKENS = 8
 def reference():
     llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
     prompts = make_prompts(vocab=8192)
-    greedy = [
-        o.token_ids
-        for o in llm.generate(
-            prompt_token_ids=prompts,
-            sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-        )
-    ]
-    seeded = [
-        o.token_ids
-        for o in llm.generate(
-            prompt_token_ids=prompts[:4],
-            sampling_params=[
-                SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-                for i in range(4)
-            ],
-        )
-    ]
-    return prompts, greedy, seeded
+    seeded = [dict(temperature=0.9, top_k=50, seed=7 + i) for i in range(4)]
+    return prompts, *engine_reference(llm, prompts, MAX_TOKENS, seeded)
 
 
 @pytest.fixture(scope="module", params=["shm", "nccl"])

@@ -4,7 +4,6 @@ metrics, constant-time comparison over every key, and TLS on the public ports.""
 import hashlib
 import hmac
 import ssl
-import subprocess
 
 import grpc
 import httpx
@@ -19,6 +18,7 @@ from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.server import load_tls
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir, parse_metrics
+from tests.service_harness import self_signed_cert
 
 MODEL = "tiny-fake"
 KEY_A, KEY_B, KEY_ENV = "sk-alpha-1", "sk-beta-2", "sk-env-3"
@@ -190,38 +190,9 @@ def test_grpc_needs_a_key_in_metadata(stack, method, request_):
 # -- TLS -------------------------------------------------------------------------------------
 
 
-def _self_signed(tmp_path, name):
-    cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
-
-
 @pytest.mark.slow
 def test_tls_on_grpc_and_rest(tokenizer_dir, tmp_path):
-    cert, key = _self_signed(tmp_path, "gateway")
+    cert, key = self_signed_cert(tmp_path, "gateway")
     stack = Stack(
         tokenizer_dir,
         [FakePrefill()],
@@ -266,8 +237,8 @@ def test_tls_on_grpc_and_rest(tokenizer_dir, tmp_path):
 
 @pytest.mark.slow
 def test_tls_flags_are_checked_at_start(tmp_path):
-    cert, key = _self_signed(tmp_path, "one")
-    other_cert, _ = _self_signed(tmp_path, "two")
+    cert, key = self_signed_cert(tmp_path, "one")
+    other_cert, _ = self_signed_cert(tmp_path, "two")
     assert load_tls(GatewayConfig()) is None
     with pytest.raises(ValueError) as info:
         load_tls(GatewayConfig(tls_cert=cert))

@@ -11,7 +11,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.gateway.registry import Instance, Registry, describe_layout, layout_mismatch
 from splitserve.gateway.router import Router
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, fake_describe, make_tokenizer_dir
 
 LAYOUT_TEXT = (
     "num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, model_id=tiny-fake, layout=block_major_v1"
@@ -35,16 +35,7 @@ def instance(address, pool, role=None, *, lay=LAYOUT, free=1000, running=0, wait
     load = common_pb2.Load(
         num_free_blocks=free, num_total_blocks=free, num_running=running, num_waiting=waiting, num_queued_tokens=queued
     )
-    describe = common_pb2.DescribeResponse(
-        instance_id=f"{pool}@{address}",
-        role=role,
-        model_id=lay.model_id,
-        layout=lay,
-        load=load,
-        transports=["shm"],
-        start_unix_ns=start,
-        max_model_len=64,
-    )
+    describe = fake_describe(f"{pool}@{address}", role, lay, 64, load, start)
     inst = Instance(address, pool, channel=None, describe=describe, reachable=True, error="")
     if pool == "decode":
         inst.link = _Link()

@@ -24,7 +24,7 @@ from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
 from splitserve.gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import make_tokenizer_dir, word
-from tests.service_harness import wait_until
+from tests.service_harness import gateway_args, self_signed_cert, wait_until
 
 CLI = [sys.executable, "-m", "splitserve.cli"]
 FAKE = [sys.executable, "-m", "tests.gateway_fakes"]
@@ -200,25 +200,8 @@ def test_wait_ready_names_what_is_missing_then_the_stack_serves_and_stops(tokeni
     base = f"http://127.0.0.1:{http_port}"
     stack = LocalStack(die_with_parent=False)
     stack.add("decode-0", FAKE + ["decode", str(decode), "decode-0"])
-    stack.add(
-        "gateway",
-        CLI
-        + [
-            "gateway",
-            "--grpc-port",
-            str(grpc_port),
-            "--http-port",
-            str(http_port),
-            "--prefill",
-            f"127.0.0.1:{prefill}",
-            "--decode",
-            f"127.0.0.1:{decode}",
-            "--model",
-            tokenizer_dir,
-            "--health-interval-s",
-            "0.1",
-        ],
-    )
+    flags = gateway_args(grpc_port, http_port, f"127.0.0.1:{prefill}", f"127.0.0.1:{decode}", "--model", tokenizer_dir)
+    stack.add("gateway", CLI + ["gateway", *flags, "--health-interval-s", "0.1"])
     try:
 
         def gateway_serves_health():
@@ -259,43 +242,41 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@contextlib.contextmanager
-def running_up(tokenizer_dir, *flags):
-    """`splitserve up` (fake prefill/decode, real gateway) until its banner: yields (banner lines, http
-    port); on leaving, Ctrl-C must stop it with exit code 0 and every port must be closed."""
-    prefill, decode, grpc_port, http_port = free_ports(4)
-    argv = [
-        sys.executable,
-        "-c",
-        UP_SCRIPT,
-        "up",
-        "--model",
-        tokenizer_dir,
-        "--prefill-port",
-        str(prefill),
-        "--decode-port",
-        str(decode),
-        "--grpc-port",
-        str(grpc_port),
-        "--http-port",
-        str(http_port),
-        *flags,
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _start_up(tokenizer_dir, log_path, *flags):
+    """`splitserve up` on fakes (UP_SCRIPT) with its stderr in `log_path` (None: dropped); (process, banner
+    lines, ports by name: prefill, decode, grpc, http) once its banner is out."""
+    ports = dict(zip(("prefill", "decode", "grpc", "http"), free_ports(4)))
+    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir]
+    for name, port in ports.items():
+        argv += [f"--{name}-port", str(port)]
+    log = subprocess.DEVNULL if log_path is None else open(log_path, "w")
+    proc = subprocess.Popen([*argv, *flags], stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = []
     try:
-        lines = []
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
             if line.startswith("Press Ctrl-C"):
                 break
-        yield lines, grpc_port, http_port
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, lines, ports
+
+
+@contextlib.contextmanager
+def running_up(tokenizer_dir, *flags):
+    """`splitserve up` (fake prefill/decode, real gateway) until its banner: yields (banner lines, grpc
+    port, http port); on leaving, Ctrl-C must stop it with exit code 0 and every port must be closed."""
+    proc, lines, ports = _start_up(tokenizer_dir, None, *flags)
+    try:
+        yield lines, ports["grpc"], ports["http"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert all(port_is_closed(p) for p in (prefill, decode, grpc_port, http_port))
+    assert all(port_is_closed(p) for p in ports.values())
 
 
 @pytest.mark.slow
@@ -321,31 +302,7 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
 
 @pytest.mark.slow
 def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tmp_path):
-    cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_cert(tmp_path, "gw")
     keys = tmp_path / "keys"
     keys.write_text("# the up test's key\nup-test-key-1\n")
     flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--api-keys-file", str(keys)]
@@ -369,35 +326,6 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-def _start_up(tokenizer_dir, log_path, *flags):
-    """`splitserve up` on fakes (UP_SCRIPT) with its stderr in `log_path`; (process, grpc port, http port)
-    once its banner is out."""
-    prefill, decode, grpc_port, http_port = free_ports(4)
-    argv = [
-        sys.executable,
-        "-c",
-        UP_SCRIPT,
-        "up",
-        "--model",
-        tokenizer_dir,
-        "--prefill-port",
-        str(prefill),
-        "--decode-port",
-        str(decode),
-        "--grpc-port",
-        str(grpc_port),
-        "--http-port",
-        str(http_port),
-        *flags,
-    ]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
-    for line in proc.stdout:
-        if line.startswith("Press Ctrl-C"):
-            break
-    return proc, grpc_port, http_port
-
-
 def _children(pid: int) -> dict[str, int]:
     """up's children by role word in their command line (prefill, decode, gateway) -> pid."""
     found = {}
@@ -415,9 +343,9 @@ def test_sigterm_to_up_drains_the_gateway_first_so_every_stream_finishes(tokeniz
     until the gateway has drained)."""
     import threading
 
-    proc, grpc_port, _ = _start_up(tokenizer_dir, tmp_path / "up.log")
+    proc, _, ports = _start_up(tokenizer_dir, tmp_path / "up.log")
     try:
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
         started, results = threading.Barrier(17), [None] * 16
 
         def run(i):
@@ -449,8 +377,8 @@ def test_sigterm_to_up_drains_the_gateway_first_so_every_stream_finishes(tokeniz
 @pytest.mark.slow
 def test_a_child_that_dies_is_restarted_and_the_stack_serves_again(tokenizer_dir, tmp_path):
     """Issue 22.2: kill -9 of the decode: up restarts it (logged) instead of stopping everything."""
-    proc, _, http_port = _start_up(tokenizer_dir, tmp_path / "up.log")
-    base = f"http://127.0.0.1:{http_port}"
+    proc, _, ports = _start_up(tokenizer_dir, tmp_path / "up.log")
+    base = f"http://127.0.0.1:{ports['http']}"
     try:
         os.kill(_children(proc.pid)["decode"], signal.SIGKILL)
         log = tmp_path / "up.log"

@@ -176,73 +176,15 @@ def test_launch_commands_per_mode():
     )
     cmds = launch_commands(plan, 7000, 7001, [7010, 7011])
     cli = [sys.executable, "-m", "splitserve.cli"]
-    assert cmds == [
-        (
-            "prefill-0",
-            cli
-            + [
-                "prefill",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "7010",
-                "--instance-name",
-                "prefill-0",
-                "--num-threads",
-                "1",
-                "--model",
-                "/m",
-                "--kv-transport",
-                "nccl",
-                "--device",
-                "cuda:0",
-            ],
-        ),
-        (
-            "decode-0",
-            cli
-            + [
-                "decode",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "7011",
-                "--instance-name",
-                "decode-0",
-                "--num-threads",
-                "1",
-                "--model",
-                "/m",
-                "--kv-transport",
-                "nccl",
-                "--prefill-peers",
-                "127.0.0.1:7010",
-                "--device",
-                "cuda:1",
-            ],
-        ),
-        (
-            "gateway",
-            cli
-            + [
-                "gateway",
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                "7000",
-                "--http-port",
-                "7001",
-                "--prefill",
-                "127.0.0.1:7010",
-                "--decode",
-                "127.0.0.1:7011",
-                "--model",
-                "/m",
-                "--health-interval-s",
-                "0.2",
-            ],
-        ),
-    ]
+    expected = {
+        "prefill-0": "prefill --host 127.0.0.1 --port 7010 --instance-name prefill-0 --num-threads 1 --model /m"
+        " --kv-transport nccl --device cuda:0",
+        "decode-0": "decode --host 127.0.0.1 --port 7011 --instance-name decode-0 --num-threads 1 --model /m"
+        " --kv-transport nccl --prefill-peers 127.0.0.1:7010 --device cuda:1",
+        "gateway": "gateway --host 127.0.0.1 --grpc-port 7000 --http-port 7001 --prefill 127.0.0.1:7010"
+        " --decode 127.0.0.1:7011 --model /m --health-interval-s 0.2",
+    }
+    assert cmds == [(name, cli + command.split()) for name, command in expected.items()]
     colo = launch_commands(LaunchPlan("colocated", num_workers=2), 7000, 7001, [7010, 7011])
     assert [name for name, _ in colo] == ["worker-0", "worker-1", "gateway"]
     assert colo[1][1] == cli + ["worker", "--host", "127.0.0.1", "--port", "7011", "--instance-name", "worker-1"]

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from splitserve.engine import LLM, SamplingParams
-from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.model_factory import make_tiny_model_dir
-from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
+from splitserve.engine import LLM
+from splitserve.protos import common_pb2, decode_pb2_grpc
+from tests.model_factory import engine_reference, make_tiny_model_dir
+from tests.service_client import DecodeSession, decode_request, describe, generate_disaggregated, prefill_stub
 from tests.service_harness import start_service, wait_until_async
 from tests.test_engine_exact import make_prompts
 
@@ -26,24 +26,8 @@ def model_dir(tmp_path_factory):
 def expected(model_dir):
     llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=4, num_kv_blocks=256)
     prompts = make_prompts()
-    greedy = [
-        o.token_ids
-        for o in llm.generate(
-            prompt_token_ids=prompts,
-            sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-        )
-    ]
-    seeded = [
-        o.token_ids
-        for o in llm.generate(
-            prompt_token_ids=prompts[:6],
-            sampling_params=[
-                SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-                for i in range(6)
-            ],
-        )
-    ]
-    return prompts, greedy, seeded
+    seeded = [dict(temperature=0.8, top_p=0.9, seed=100 + i) for i in range(6)]
+    return prompts, *engine_reference(llm, prompts, MAX_TOKENS, seeded)
 
 
 @pytest.fixture(scope="module", params=["shm", "nccl"])
@@ -177,15 +161,7 @@ def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
         try:
             decoy.tensor.copy_(torch.randn_like(decoy.tensor) * 100)
             first.kv.endpoint["shm_name"] = decoy.shm.name
-            session.submit(
-                decode_pb2.DecodeRequest(
-                    request_id="forged",
-                    prompt_token_ids=prompts[3],
-                    sampling=sampling(),
-                    first_token_id=first.first_token_id,
-                    kv=first.kv,
-                )
-            )
+            session.submit(decode_request(first, "forged", prompts[3], sampling()))
             tokens, _ = await session.collect("forged")
         finally:
             decoy.close()
@@ -253,15 +229,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
         first = await prefill.Prefill(
             prefill_pb2.PrefillRequest(request_id="c1", prompt_token_ids=prompt, sampling=sampling(max_tokens=100))
         )
-        queue = session.submit(
-            decode_pb2.DecodeRequest(
-                request_id="c1",
-                prompt_token_ids=prompt,
-                sampling=sampling(max_tokens=100),
-                first_token_id=first.first_token_id,
-                kv=first.kv,
-            )
-        )
+        queue = session.submit(decode_request(first, "c1", prompt, sampling(max_tokens=100)))
         await asyncio.wait_for(queue.get(), 30)  # first decode delta arrived: the request is running
         session.abort("c1")
         tokens, deltas = await session.collect("c1")
@@ -308,15 +276,7 @@ def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, 
             await wait_peer_prepared(d_addr, transport)  # the pull must fail at the copy, not at pairing
             prefill.kill()
             session = DecodeSession(d_addr)
-            session.submit(
-                decode_pb2.DecodeRequest(
-                    request_id="k1",
-                    prompt_token_ids=prompts[0],
-                    sampling=sampling(),
-                    first_token_id=first.first_token_id,
-                    kv=first.kv,
-                )
-            )
+            session.submit(decode_request(first, "k1", prompts[0], sampling()))
             started = time.monotonic()
             tokens, deltas = await session.collect("k1")
             elapsed = time.monotonic() - started

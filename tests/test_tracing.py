@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from splitserve.protos import common_pb2, decode_pb2, prefill_pb2
+from splitserve.protos import common_pb2, prefill_pb2
 from tests.model_factory import make_tiny_model_dir
 from tests.otlp_receiver import Receiver
-from tests.service_client import DecodeSession, prefill_stub
+from tests.service_client import DecodeSession, decode_request, prefill_stub
 from tests.service_harness import start_service
 
 pytestmark = pytest.mark.slow
@@ -46,16 +46,7 @@ def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp
                 metadata=(("traceparent", TRACEPARENT),),
             )
             session = DecodeSession(d_addr)
-            session.submit(
-                decode_pb2.DecodeRequest(
-                    request_id="t1",
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    first_token_id=first.first_token_id,
-                    kv=first.kv,
-                    trace_context={"traceparent": TRACEPARENT},
-                )
-            )
+            session.submit(decode_request(first, "t1", prompt, sampling, trace_context={"traceparent": TRACEPARENT}))
             await session.collect("t1")
             await session.close()
 

@@ -1,4 +1,5 @@
-"""Kernel-test setup: the Triton interpreter on CPU-only machines, and paged-cache factories.
+"""Kernel-test setup: the Triton interpreter on CPU-only machines, paged-cache factories, and the
+comparison of a paged attention op against fp64 dense attention.
 
 TRITON_INTERPRET=1 must be in the environment before any @triton.jit decorator runs, i.e.
 before `kernels` is imported; it is set only when no CUDA device is present, so on a GPU the
@@ -77,7 +78,48 @@ def dense_attention(
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).cpu()  # (Lq, Hq, D)
 
 
+# tolerance of a paged attention op against fp64 dense attention, by the op's dtype
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def compare_paged_attention(
+    attend,
+    seqs,
+    device,
+    *,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    block_size=4,
+    dtype=torch.float32,
+    pad_rows=0,
+    seed=0,
+):
+    """Paged attention of `seqs` ((seq_len after the step, new tokens) each; defaults: the small GQA case)
+    against fp64 dense causal attention. `attend(q, paged, query_start_loc, scale, out)` runs the op under
+    test on q (T, Hq, D) and a PagedKv; it must return `out`, written for every sequence's rows, and leave
+    the `pad_rows` rows of q past the last sequence untouched."""
+    seq_lens = [n for n, _ in seqs]
+    q_lens = [m for _, m in seqs]
+    paged = PagedKv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)  # (B+1,)
+    num_tokens = int(qsl[-1]) + pad_rows
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (T, Hq, D)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    result = attend(q, paged, qsl, scale, out)
+    assert result is out
+    real = int(qsl[-1])
+    assert not torch.isnan(out[:real]).any(), "an output element was not written"
+    assert torch.isnan(out[real:]).all(), "padding rows must stay untouched"
+    for b, (n, m) in enumerate(seqs):
+        start = int(qsl[b])
+        want = dense_attention(q[start : start + m], paged.keys[b], paged.values[b], scale, first_pos=n - m)
+        torch.testing.assert_close(out[start : start + m].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
 @pytest.fixture
-def dense_attn():
-    """The fp64 dense attention used as ground truth by the attention tests."""
-    return dense_attention
+def compare_with_dense():
+    """compare_paged_attention: a paged attention op against fp64 dense attention (the ground truth)."""
+    return compare_paged_attention

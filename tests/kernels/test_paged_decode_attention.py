@@ -8,59 +8,36 @@ from splitserve.kernels.paged_decode_attention import choose_num_splits
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 RAGGED = [1, 7, 37, 18]
 
 
-def run_and_compare(
-    make_paged_kv,
-    dense_attn,
-    device,
-    *,
-    seq_lens=RAGGED,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    block_size=4,
-    dtype=torch.float32,
-    num_splits=None,
-    impl="triton",
-    seed=0,
-):
-    """Decode attention over `seq_lens` cached tokens (defaults: the small GQA case) against fp64 dense attention."""
-    paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (B, Hq, D)
-    scale = head_dim**-0.5
-    out = torch.full_like(q, float("nan"))
-    result = paged_decode_attention(
-        q,
-        paged.k_cache,
-        paged.v_cache,
-        paged.block_tables,
-        paged.seq_lens,
-        scale,
-        out=out,
-        num_splits=num_splits,
-        impl=impl,
-    )
-    assert result is out
-    assert not torch.isnan(out).any(), "an output element was not written"
-    for b, n in enumerate(seq_lens):
-        want = dense_attn(q[b : b + 1], paged.keys[b], paged.values[b], scale, first_pos=n - 1)[0]
-        torch.testing.assert_close(out[b].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
+def run_and_compare(compare_with_dense, device, *, seq_lens=RAGGED, num_splits=None, impl="triton", **shape):
+    """Decode attention (one new token per sequence) over `seq_lens` cached tokens against fp64 dense attention;
+    `shape`: compare_paged_attention's keywords (defaults: the small GQA case)."""
+
+    def attend(q, paged, query_start_loc, scale, out):
+        return paged_decode_attention(
+            q,
+            paged.k_cache,
+            paged.v_cache,
+            paged.block_tables,
+            paged.seq_lens,
+            scale,
+            out=out,
+            num_splits=num_splits,
+            impl=impl,
+        )
+
+    compare_with_dense(attend, [(n, 1) for n in seq_lens], device, **shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [4, 8])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_matches_dense(
-    make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads, block_size, num_splits
-):
+def test_triton_matches_dense(compare_with_dense, device, dtype, num_q_heads, num_kv_heads, block_size, num_splits):
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         device,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -71,15 +48,14 @@ def test_triton_matches_dense(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(make_paged_kv, dense_attn, device, dtype=dtype, impl="ref")
+def test_reference_matches_dense(compare_with_dense, device, dtype):
+    run_and_compare(compare_with_dense, device, dtype=dtype, impl="ref")
 
 
-def test_mqa_odd_head_dim_and_heuristic_splits(make_paged_kv, dense_attn, device):
+def test_mqa_odd_head_dim_and_heuristic_splits(compare_with_dense, device):
     """One KV head for 8 query heads, head_dim 24 (masked columns), block 16, splits by heuristic."""
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         device,
         seq_lens=[70, 3],
         num_q_heads=8,
@@ -149,10 +125,9 @@ def test_unknown_impl_error(device):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 1, 64)])
-def test_gpu_large(make_paged_kv, dense_attn, dtype, num_splits, block_size, num_q_heads, num_kv_heads, head_dim):
+def test_gpu_large(compare_with_dense, dtype, num_splits, block_size, num_q_heads, num_kv_heads, head_dim):
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         "cuda",
         seq_lens=[3000, 1, 517, 2048, 33, 1500],
         num_q_heads=num_q_heads,

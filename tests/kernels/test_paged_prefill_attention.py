@@ -8,61 +8,32 @@ from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_t
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (seq_len after the step, new tokens): a full prefill, a chunk after a cached prefix, a
 # decode-like row, a block multiple, a ragged chunk
 SEQS = [(37, 37), (23, 6), (9, 1), (16, 16), (40, 17)]
 
 
-def run_and_compare(
-    make_paged_kv,
-    dense_attn,
-    device,
-    *,
-    seqs=SEQS,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    block_size=4,
-    dtype=torch.float32,
-    impl="triton",
-    config=None,
-    pad_rows=0,
-    seed=0,
-):
-    """Prefill attention of `seqs` (seq_len, new tokens) (defaults: the small GQA case) against fp64 dense attention;
-    `config` runs the Triton kernel with those tiles, `pad_rows` rows of q past the last sequence stay untouched."""
-    seq_lens = [n for n, _ in seqs]
-    q_lens = [m for _, m in seqs]
-    paged = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
-    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)  # (B+1,)
-    num_tokens = int(qsl[-1]) + pad_rows
-    gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype).to(device)  # (T, Hq, D)
-    scale = head_dim**-0.5
-    out = torch.full_like(q, float("nan"))
-    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl.to(device), paged.seq_lens, max(q_lens), scale)
-    if config is None:
-        result = paged_prefill_attention(*args, out=out, impl=impl)
-    else:
-        result = paged_prefill_attention_triton(*args, out=out, config=config)
-    assert result is out
-    real = int(qsl[-1])
-    assert not torch.isnan(out[:real]).any(), "an output element was not written"
-    assert torch.isnan(out[real:]).all(), "padding rows must stay untouched"
-    for b, (n, m) in enumerate(seqs):
-        start = int(qsl[b])
-        want = dense_attn(q[start : start + m], paged.keys[b], paged.values[b], scale, first_pos=n - m)
-        torch.testing.assert_close(out[start : start + m].double().cpu(), want, atol=ATOL[dtype], rtol=ATOL[dtype])
+def run_and_compare(compare_with_dense, device, *, seqs=SEQS, impl="triton", config=None, **shape):
+    """Prefill attention of `seqs` (seq_len, new tokens) against fp64 dense attention; `config` runs the Triton
+    kernel with those tiles; `shape`: compare_paged_attention's keywords (defaults: the small GQA case;
+    `pad_rows` rows of q past the last sequence stay untouched)."""
+    max_query_len = max(m for _, m in seqs)
+
+    def attend(q, paged, query_start_loc, scale, out):
+        args = (q, paged.k_cache, paged.v_cache, paged.block_tables, query_start_loc.to(device), paged.seq_lens)
+        if config is None:
+            return paged_prefill_attention(*args, max_query_len, scale, out=out, impl=impl)
+        return paged_prefill_attention_triton(*args, max_query_len, scale, out=out, config=config)
+
+    compare_with_dense(attend, seqs, device, **shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_heads, num_kv_heads, block_size):
+def test_triton_matches_dense(compare_with_dense, device, dtype, num_q_heads, num_kv_heads, block_size):
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         device,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -72,19 +43,18 @@ def test_triton_matches_dense(make_paged_kv, dense_attn, device, dtype, num_q_he
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reference_matches_dense(make_paged_kv, dense_attn, device, dtype):
-    run_and_compare(make_paged_kv, dense_attn, device, dtype=dtype, impl="ref", pad_rows=3)
+def test_reference_matches_dense(compare_with_dense, device, dtype):
+    run_and_compare(compare_with_dense, device, dtype=dtype, impl="ref", pad_rows=3)
 
 
 @pytest.mark.parametrize("block_m,block_n,single_loop", [(32, 16, False), (16, 32, False), (16, 16, True)])
-def test_tile_shapes_and_padding_rows(make_paged_kv, dense_attn, device, block_m, block_n, single_loop):
+def test_tile_shapes_and_padding_rows(compare_with_dense, device, block_m, block_n, single_loop):
     """Tiles wider or taller than the block size move the masked/unmasked boundary (or every tile
     goes through the masked loop); trailing padding rows of q (beyond query_start_loc[-1]) are not
     written."""
     config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, SINGLE_LOOP=single_loop)
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         device,
         seqs=[(50, 45), (70, 3)],
         num_q_heads=2,
@@ -116,11 +86,10 @@ def test_cache_length_mismatch_error(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 64)])
-def test_gpu_large(make_paged_kv, dense_attn, dtype, block_size, num_q_heads, num_kv_heads, head_dim):
+def test_gpu_large(compare_with_dense, dtype, block_size, num_q_heads, num_kv_heads, head_dim):
     seqs = [(1000, 1000), (812, 300), (2077, 77), (31, 1), (513, 513)]
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         "cuda",
         seqs=seqs,
         num_q_heads=num_q_heads,
@@ -133,12 +102,11 @@ def test_gpu_large(make_paged_kv, dense_attn, dtype, block_size, num_q_heads, nu
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_short_queries_use_small_tiles(make_paged_kv, dense_attn):
+def test_gpu_short_queries_use_small_tiles(compare_with_dense):
     """max_query_len 5 picks BLOCK_M 16 (a mixed chunked-prefill/decode batch)."""
     seqs = [(300, 5), (17, 2), (64, 1)]
     run_and_compare(
-        make_paged_kv,
-        dense_attn,
+        compare_with_dense,
         "cuda",
         seqs=seqs,
         num_q_heads=32,
