@@ -6,7 +6,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from splitserve.common.config_fields import option
+from splitserve.common.config_fields import internal_token_option, option
 from splitserve.common.sampling_params import MAX_STOP_STRINGS
 
 # engine.kv_transfer.io.TRANSPORTS, repeated here so the gateway never imports torch
@@ -88,12 +88,7 @@ class GatewayConfig:
     internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
-    internal_token: str = option(
-        "",
-        "shared secret every internal call carries and every internal service checks (set it through "
-        "SPLITSERVE_INTERNAL_TOKEN: a flag shows in ps); empty = none",
-        secret=True,
-    )
+    internal_token: str = internal_token_option()
     tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
     tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
     rate_limit_rps: float = option(

@@ -41,6 +41,17 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def internal_token_option() -> Any:
+    """The shared secret of internal calls (splitserve.runtime.grpc_server.InternalAuth), one option for
+    every process that makes or serves them."""
+    return option(
+        "",
+        "shared secret every internal call carries and every internal service checks (set it through "
+        "SPLITSERVE_INTERNAL_TOKEN: a flag shows in ps); empty = none",
+        secret=True,
+    )
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.common.config_fields import ConfigError, option, validate_fields
+from splitserve.common.config_fields import ConfigError, internal_token_option, option, validate_fields
 from splitserve.engine.kv_transfer.io import TRANSPORTS
 from splitserve.engine.kv_transfer.keepalive import MIN_PERIOD_MS
 
@@ -56,12 +56,7 @@ class ServiceConfig:
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
-    internal_token: str = option(
-        "",
-        "shared secret every internal call carries and every internal service checks (set it through "
-        "SPLITSERVE_INTERNAL_TOKEN: a flag shows in ps); empty = none",
-        secret=True,
-    )
+    internal_token: str = internal_token_option()
 
     def __post_init__(self) -> None:
         validate_fields(self)  # built directly too, not only from flags
