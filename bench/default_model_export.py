@@ -1,4 +1,4 @@
-"""Turn the GPU run's outputs into engine/default_model/ and measure it (CPU, here).
+"""Turn the GPU run's outputs into engine/common/default_model/ and measure it (CPU, here).
 
   python -m bench.default_model_export export --run <dir the GPU run's $OUT was fetched to>
   python -m bench.default_model_export check   # plain-torch TinyLlama == LlamaForCausalLM
@@ -24,7 +24,7 @@ import torch
 from bench.train_default_model import TinyLlama, TinyLlamaConfig
 
 REPO = Path(__file__).resolve().parent.parent
-DEST = REPO / "engine" / "default_model"
+DEST = REPO / "engine" / "common" / "default_model"
 PREPARED = REPO / "gpu_carry" / "model"
 EOS_ID = 0
 SAMPLE_PROMPT = "def fibonacci(n):"
