@@ -375,7 +375,12 @@ class RequestRun:
     ) -> generation_pb2.GenerateResponse:
         if ids and not self._first_message_ns:
             self._first_message_ns = time.time_ns()
-        return generation_pb2.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs)
+        message = generation_pb2.GenerateResponse(
+            request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs
+        )
+        message.usage.prompt_tokens = len(self._prompt)  # counts so far (vLLM's continuous_usage_stats)
+        message.usage.completion_tokens = self.num_output_tokens
+        return message
 
     def _final(
         self,
@@ -401,13 +406,7 @@ class RequestRun:
         message.finish_reason = finish_reason
         message.stop_reason = stop_reason
         message.error = error
-        message.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=len(self._prompt),
-                completion_tokens=self.num_output_tokens,
-                cached_prompt_tokens=self.cached_prompt_tokens,
-            )
-        )
+        message.usage.cached_prompt_tokens = self.cached_prompt_tokens
         message.timings.CopyFrom(self._timings(decode_timings))
         if error:
             log.warning("request_id=%s failed: %s", self.request_id, error)

@@ -267,7 +267,10 @@ async def _sse(
                     choice["text"] = message.text
                 if finish:
                     choice["stop_reason"] = message.stop_reason or None
-                yield _event(shape.envelope([choice], ".chunk" if shape.chat else ""))
+                chunk = shape.envelope([choice], ".chunk" if shape.chat else "")
+                if req.continuous_usage:
+                    chunk["usage"] = usage_dict(message.usage)
+                yield _event(chunk)
             if finish:
                 if req.include_usage:
                     body = shape.envelope([], ".chunk" if shape.chat else "")

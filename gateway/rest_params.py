@@ -120,6 +120,7 @@ class RestRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # completions: top-n; chat: top_logprobs when logprobs is true
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 def _check_fields(body: Any, allowed: frozenset[str], unsupported: dict[str, tuple]) -> dict[str, Any]:
@@ -163,8 +164,9 @@ def _optional_int(body: dict, name: str) -> int | None:
     return value
 
 
-def _common(body: dict) -> tuple[dict[str, Any], bool, bool]:
-    """Sampling values, stream, include_usage; checks model, n and user."""
+def _common(body: dict) -> tuple[dict[str, Any], bool, tuple[bool, bool]]:
+    """Sampling values, stream, (include_usage, continuous_usage_stats); checks model, n and user.
+    As vLLM, continuous_usage_stats (usage on every chunk) takes effect with include_usage."""
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise invalid(f"model must be a string, got {body['model']!r}", "model")
     n = _optional_int(body, "n")
@@ -181,10 +183,11 @@ def _common(body: dict) -> tuple[dict[str, Any], bool, bool]:
         if not stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         include_usage = _bool(options, "include_usage", False)
+    continuous = include_usage and _bool(options or {}, "continuous_usage_stats", False)
     values = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
-    return values, stream, include_usage
+    return values, stream, (include_usage, continuous)
 
 
 def _priority(body: dict) -> int:
@@ -232,7 +235,7 @@ def _prompt(body: dict) -> dict[str, Any]:
 def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/completions body -> RestRequest."""
     body = _check_fields(body, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION)
-    values, stream, include_usage = _common(body)
+    values, stream, (include_usage, continuous) = _common(body)
     if body.get("max_tokens") is not None:
         values["max_tokens"] = body["max_tokens"]
     if body.get("logprobs") is not None:
@@ -247,7 +250,7 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
         add_special_tokens=_bool(body, "add_special_tokens", True),
         **_prompt(body),
     )
-    return RestRequest(inp, stream, include_usage, params.logprobs)
+    return RestRequest(inp, stream, include_usage, params.logprobs, continuous)
 
 
 def messages_of(body: dict) -> tuple[tuple[str, str], ...]:
@@ -282,7 +285,7 @@ def messages_of(body: dict) -> tuple[tuple[str, str], ...]:
 def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/chat/completions body -> RestRequest."""
     body = _check_fields(body, CHAT_FIELDS, UNSUPPORTED_CHAT)
-    values, stream, include_usage = _common(body)
+    values, stream, (include_usage, continuous) = _common(body)
     renames = {}
     if body.get("max_completion_tokens") is not None:
         values["max_tokens"], renames["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
@@ -316,4 +319,4 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
             template_kwargs=tuple(sorted((kwargs or {}).items())),
         ),
     )
-    return RestRequest(inp, stream, include_usage, params.logprobs)
+    return RestRequest(inp, stream, include_usage, params.logprobs, continuous)

@@ -62,7 +62,7 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Stream a completion: one message per batch of new tokens, the last one with finish_reason and usage.
+        """Stream a completion: one message per batch of new tokens, the last one with finish_reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -457,3 +457,27 @@ def test_served_model_names_are_listed_and_accepted(tokenizer_dir):
         assert [m.id for m in listed] == ["alias-a", "alias-b"]
     finally:
         s.stop()
+
+
+def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(stack):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries usage."""
+    body = {
+        "model": MODEL,
+        "prompt": "w20 w21",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    r = post(stack, "/v1/completions", body)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    with_text = [e for e in events if e["choices"]]
+    assert [e["choices"][0]["text"] for e in with_text] == [" w22", " w23", " w24"]
+    assert [(e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"]) for e in with_text] == [
+        (2, 1),
+        (2, 2),
+        (2, 3),
+    ]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 5
+    plain = post(stack, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in plain.text.splitlines() if line.startswith("data: {")]
+    assert [("usage" in c) for c in chunks] == [False, False, False, True]
