@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,18 +36,12 @@ from starlette.requests import ClientDisconnect
 from splitserve.gateway.auth import ANONYMOUS, ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from splitserve.gateway.rest_tokens import add_token_routes
 from splitserve.gateway.service import GatewayService
-from splitserve.protos import common_pb2, generation_pb2
 
-FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 _DISCONNECT_POLL_S = 0.25
 BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is cut off (HTTP 408)
 log = logging.getLogger("splitserve.gateway")
@@ -116,177 +110,6 @@ def _too_large(size: int, limit: int) -> GatewayError:
     )
 
 
-class _Shape:
-    """OpenAI response shapes of one endpoint (completions or chat)."""
-
-    def __init__(self, chat: bool, tokenizer: Any, model: str, request_id: str, top: int | None) -> None:
-        self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self._text_offset = 0
-
-    def envelope(self, choices: list, object_suffix: str = "") -> dict:
-        return {
-            "id": self.id,
-            "object": self.object + object_suffix,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def logprobs(self, message: generation_pb2.GenerateResponse) -> dict | None:
-        if self.top is None:
-            return None
-        entries = [(self._token(lp.token_id), lp) for lp in message.logprobs]
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": tok,
-                        "logprob": lp.logprob,
-                        "bytes": list(tok.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": self._token(t.token_id),
-                                "logprob": t.logprob,
-                                "bytes": list(self._token(t.token_id).encode()),
-                            }
-                            for t in lp.top
-                        ],
-                    }
-                    for tok, lp in entries
-                ]
-            }
-        # offsets into the output text: tokens of one message share its text span
-        start, end = self._text_offset, self._text_offset + len(message.text)
-        offsets, position = [], start
-        for tok, _ in entries:
-            offsets.append(min(position, end))
-            position += len(tok)
-        self._text_offset = end
-        return {
-            "tokens": [tok for tok, _ in entries],
-            "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
-            "text_offset": offsets,
-        }
-
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def usage_dict(usage: common_pb2.Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }
-
-
-def _server_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-
-
-def _merge_logprobs(shape: _Shape, parts: list[dict]) -> dict | None:
-    if shape.top is None:
-        return None
-    if shape.chat:
-        return {"content": [entry for part in parts for entry in part["content"]]}
-    return {
-        key: [x for part in parts for x in part[key]]
-        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-    }
-
-
-async def _complete(
-    shape: _Shape, first: generation_pb2.GenerateResponse, stream: AsyncIterator[generation_pb2.GenerateResponse]
-) -> JSONResponse:
-    """Non-streaming answer: every message merged into one choice."""
-    texts, logprobs, last = [], [], first
-    message = first
-    while True:
-        texts.append(message.text)
-        if shape.top is not None:
-            logprobs.append(shape.logprobs(message))
-        last = message
-        if message.finish_reason:
-            break
-        message = await stream.__anext__()
-    if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-        return JSONResponse(_server_error(last.error), status_code=500)
-    text = "".join(texts)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": _merge_logprobs(shape, logprobs),
-        "finish_reason": FINISH_NAMES[last.finish_reason],
-        "stop_reason": last.stop_reason or None,
-    }
-    if shape.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    body = shape.envelope([choice])
-    body["usage"] = usage_dict(last.usage)
-    return JSONResponse(body)
-
-
-async def _sse(
-    shape: _Shape,
-    req: RestRequest,
-    first: generation_pb2.GenerateResponse,
-    stream: AsyncIterator[generation_pb2.GenerateResponse],
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per message, then usage (if asked) and [DONE]."""
-    try:
-        if shape.chat:
-            yield _event(
-                shape.envelope(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    ".chunk",
-                )
-            )
-        message = first
-        while True:
-            if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                yield _event(_server_error(message.error))
-                break
-            finish = FINISH_NAMES.get(message.finish_reason)
-            if message.text or finish or (shape.top is not None and message.token_ids):
-                choice: dict[str, Any] = {"index": 0, "logprobs": shape.logprobs(message), "finish_reason": finish}
-                if shape.chat:
-                    choice["delta"] = {"content": message.text} if message.text else {}
-                else:
-                    choice["text"] = message.text
-                if finish:
-                    choice["stop_reason"] = message.stop_reason or None
-                chunk = shape.envelope([choice], ".chunk" if shape.chat else "")
-                if req.continuous_usage:
-                    chunk["usage"] = usage_dict(message.usage)
-                yield _event(chunk)
-            if finish:
-                if req.include_usage:
-                    body = shape.envelope([], ".chunk" if shape.chat else "")
-                    body["usage"] = usage_dict(message.usage)
-                    yield _event(body)
-                break
-            message = await stream.__anext__()
-        yield "data: [DONE]\n\n"
-    finally:
-        await stream.aclose()  # client gone: abort the request on every hop
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
 async def _until_disconnect(request: Request, work: asyncio.Future) -> None:
     while not work.done():
         await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
@@ -321,32 +144,39 @@ def create_app(
 
     async def generate(request: Request, parse: Callable, chat: bool):
         prefix = "chatcmpl" if chat else "cmpl"
+        streams: list = []
         try:
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
-            stream = service.generate(
-                req.inp,
-                client_id=request.scope.get(CLIENT_ID_KEY, ANONYMOUS),
-                trace_carrier={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")},
-            )
-            first = await stream.__anext__()
+            inputs = [req.inp, *req.more]  # a batch of prompts: one request each, run side by side
+            carrier = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+            client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)
+            streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+            refused = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if refused is not None:  # one prompt refused: the whole request is, and the others stop
+                for stream in streams:
+                    await stream.aclose()
+                raise refused
         except GatewayError as exc:
             return error_response(exc)
-        shape = _Shape(chat, service.tokenizer, req.inp.model or service.model_id, req.inp.request_id, req.logprobs)
+        model = req.inp.model or service.model_id
+        shapes = [Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs) for _ in inputs]
         if req.stream:
             return StreamingResponse(
-                _sse(shape, req, first, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                sse(shapes, req, firsts, streams), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        work = asyncio.ensure_future(_complete(shape, first, stream))
+        work = asyncio.ensure_future(complete(shapes, firsts, streams))
         try:
             await _until_disconnect(request, work)
         finally:
             if not work.done():
                 work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            await stream.aclose()  # runs the request's cleanup now, not at garbage collection
+            for stream in streams:
+                await stream.aclose()  # runs the request's cleanup now, not at garbage collection
         if work.cancelled():
-            return JSONResponse(_server_error("client disconnected"), status_code=499)
+            return JSONResponse(server_error("client disconnected"), status_code=499)
         return work.result()
 
     @app.post("/v1/completions")
@@ -380,7 +210,7 @@ def create_app(
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if metrics is None:
-            return JSONResponse(_server_error("metrics are off"), status_code=404)
+            return JSONResponse(server_error("metrics are off"), status_code=404)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def readiness() -> dict:

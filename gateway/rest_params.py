@@ -121,6 +121,7 @@ class RestRequest:
     include_usage: bool
     logprobs: int | None  # completions: top-n; chat: top_logprobs when logprobs is true
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    more: tuple[GenerationInput, ...] = ()  # a batch of prompts: the ones after `inp` (choice i = prompt i)
 
 
 def _check_fields(body: Any, allowed: frozenset[str], unsupported: dict[str, tuple]) -> dict[str, Any]:
@@ -209,20 +210,24 @@ def _params(values: dict[str, Any], max_stop_strings: int, renames: dict[str, st
         raise
 
 
-def _prompt(body: dict) -> dict[str, Any]:
-    """prompt: a string, a list of token ids, or a one-element list of either."""
+MAX_PROMPTS = 64  # prompts in one completion request (each runs as a request of its own)
+
+
+def _prompts(body: dict) -> list[dict[str, Any]]:
+    """prompt: a string, a list of token ids, or a list of either (a batch: one choice per prompt)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        return [_prompt(p) for p in prompt]
+    return [_prompt(prompt)]
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    """One prompt: a string or a list of token ids."""
     if isinstance(prompt, str):
         return {"text": prompt}
     if isinstance(prompt, list):
-        if prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise invalid(
-                f"prompt must be one prompt (a string or a list of token ids); a batch of "
-                f"{len(prompt)} prompts is not supported",
-                "prompt",
-            )
         for token_id in prompt:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise invalid(f"prompt token ids must be non-negative integers, got {token_id!r}", "prompt")
@@ -241,16 +246,19 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     if body.get("logprobs") is not None:
         values["logprobs"] = body["logprobs"]
     params = _params(values, max_stop_strings, {})
-    inp = GenerationInput(
-        request_id=request_id,
-        model=body.get("model") or "",
-        params=params,
-        max_tokens_param="max_tokens" if "max_tokens" in values else None,
-        priority=_priority(body),
-        add_special_tokens=_bool(body, "add_special_tokens", True),
-        **_prompt(body),
-    )
-    return RestRequest(inp, stream, include_usage, params.logprobs, continuous)
+    inputs = [
+        GenerationInput(
+            request_id=request_id if i == 0 else f"{request_id}-{i}",
+            model=body.get("model") or "",
+            params=params,
+            max_tokens_param="max_tokens" if "max_tokens" in values else None,
+            priority=_priority(body),
+            add_special_tokens=_bool(body, "add_special_tokens", True),
+            **prompt,
+        )
+        for i, prompt in enumerate(_prompts(body))
+    ]
+    return RestRequest(inputs[0], stream, include_usage, params.logprobs, continuous, tuple(inputs[1:]))
 
 
 def messages_of(body: dict) -> tuple[tuple[str, str], ...]:

@@ -143,10 +143,11 @@ COMPLETION_ERRORS = [
     ({"stop": 5}, "stop", "stop must be a list of strings, got 5"),
     ({"seed": -1}, "seed", "seed must be >= 0 and <= 2**63-1, got -1"),
     ({"prompt": ""}, "prompt", "prompt must not be empty"),
+    ({"prompt": ["w1"] * 65}, "prompt", "prompt holds 65 prompts; at most 64 per request"),
     (
-        {"prompt": ["a", "b"]},
+        {"prompt": ["w1", [1, 500]]},
         "prompt",
-        "prompt must be one prompt (a string or a list of token ids); a batch of 2 prompts is not supported",
+        "prompt token id 500 is out of range; the vocabulary has 200 tokens (ids 0..199)",
     ),
     ({"prompt": [1, 500]}, "prompt", "prompt token id 500 is out of range; the vocabulary has 200 tokens (ids 0..199)"),
     (
@@ -481,3 +482,26 @@ def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(stack):
     plain = post(stack, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     chunks = [json.loads(line[6:]) for line in plain.text.splitlines() if line.startswith("data: {")]
     assert [("usage" in c) for c in chunks] == [False, False, False, True]
+
+
+def test_a_batch_of_prompts_gets_one_choice_per_prompt(stack):
+    """vLLM/OpenAI: prompt may be a list; choice i answers prompt i, usage is the batch's sum."""
+    body = {"model": MODEL, "prompt": ["w20", [40, 41], "w150"], "max_tokens": 2, "temperature": 0}
+    r = post(stack, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+        (0, " w21 w22", "length"),
+        (1, " w42 w43", "length"),
+        (2, " w151 w152", "length"),
+    ]
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (4, 6)
+    streamed = post(stack, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    by_choice: dict[int, str] = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        by_choice[choice["index"]] = by_choice.get(choice["index"], "") + choice["text"]
+    assert by_choice == {0: " w21 w22", 1: " w42 w43", 2: " w151 w152"}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 10
+    assert streamed.text.rstrip().endswith("data: [DONE]")

@@ -1,0 +1,248 @@
+"""The OpenAI response shapes of the REST shim: one non-streamed answer, or server-sent chunks, for one
+prompt or a batch of them (choice i = prompt i; chunks of a batch interleave as tokens come, each naming
+its choice; usage is the batch's sum)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from splitserve.gateway.rest_params import RestRequest
+from splitserve.protos import common_pb2, generation_pb2
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class Shape:
+    """OpenAI response shapes of one endpoint (completions or chat)."""
+
+    def __init__(self, chat: bool, tokenizer: Any, model: str, request_id: str, top: int | None) -> None:
+        self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self._text_offset = 0
+
+    def envelope(self, choices: list, object_suffix: str = "") -> dict:
+        return {
+            "id": self.id,
+            "object": self.object + object_suffix,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def logprobs(self, message: generation_pb2.GenerateResponse) -> dict | None:
+        if self.top is None:
+            return None
+        entries = [(self._token(lp.token_id), lp) for lp in message.logprobs]
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": tok,
+                        "logprob": lp.logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self._token(t.token_id),
+                                "logprob": t.logprob,
+                                "bytes": list(self._token(t.token_id).encode()),
+                            }
+                            for t in lp.top
+                        ],
+                    }
+                    for tok, lp in entries
+                ]
+            }
+        # offsets into the output text: tokens of one message share its text span
+        start, end = self._text_offset, self._text_offset + len(message.text)
+        offsets, position = [], start
+        for tok, _ in entries:
+            offsets.append(min(position, end))
+            position += len(tok)
+        self._text_offset = end
+        return {
+            "tokens": [tok for tok, _ in entries],
+            "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def usage_dict(usage: common_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
+def _merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
+    if shape.top is None:
+        return None
+    if shape.chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    return {
+        key: [x for part in parts for x in part[key]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+
+
+def _add_usage(total: dict | None, usage: common_pb2.Usage) -> dict:
+    """`usage_dict(usage)` added into `total` (the usage of a batch of prompts)."""
+    one = usage_dict(usage)
+    if total is None:
+        return one
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        total[key] += one[key]
+    total["prompt_tokens_details"]["cached_tokens"] += one["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+async def _choice(
+    shape: Shape,
+    first: generation_pb2.GenerateResponse,
+    stream: AsyncIterator[generation_pb2.GenerateResponse],
+    index: int,
+) -> tuple[dict | None, common_pb2.GenerateResponse | str]:
+    """One prompt's non-streamed choice and its last message, or (None, the error)."""
+    texts, logprobs, message = [], [], first
+    while True:
+        texts.append(message.text)
+        if shape.top is not None:
+            logprobs.append(shape.logprobs(message))
+        if message.finish_reason:
+            break
+        message = await stream.__anext__()
+    if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        return None, message.error
+    text = "".join(texts)
+    choice: dict[str, Any] = {
+        "index": index,
+        "logprobs": _merge_logprobs(shape, logprobs),
+        "finish_reason": FINISH_NAMES[message.finish_reason],
+        "stop_reason": message.stop_reason or None,
+    }
+    if shape.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return choice, message
+
+
+async def complete(
+    shapes: list[Shape],
+    firsts: list[generation_pb2.GenerateResponse],
+    streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
+) -> JSONResponse:
+    """Non-streaming answer: each prompt's messages merged into its choice (choice i = prompt i)."""
+    results = await asyncio.gather(*(_choice(sh, f, s, i) for i, (sh, f, s) in enumerate(zip(shapes, firsts, streams))))
+    choices, usage = [], None
+    for choice, last in results:
+        if choice is None:
+            return JSONResponse(server_error(last), status_code=500)
+        choices.append(choice)
+        usage = _add_usage(usage, last.usage)
+    body = shapes[0].envelope(choices)
+    body["usage"] = usage
+    return JSONResponse(body)
+
+
+async def _choice_events(
+    shape: Shape,
+    req: RestRequest,
+    first: generation_pb2.GenerateResponse,
+    stream: AsyncIterator[generation_pb2.GenerateResponse],
+    index: int,
+    finals: list,
+) -> AsyncIterator[str]:
+    """One prompt's server-sent chunks (choice `index`); its last message goes to `finals` (none on error)."""
+    suffix = ".chunk" if shape.chat else ""
+    if shape.chat:
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield event(shape.envelope([role], suffix))
+    message = first
+    while True:
+        if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            yield event(server_error(message.error))
+            return
+        finish = FINISH_NAMES.get(message.finish_reason)
+        if message.text or finish or (shape.top is not None and message.token_ids):
+            choice: dict[str, Any] = {"index": index, "logprobs": shape.logprobs(message), "finish_reason": finish}
+            if shape.chat:
+                choice["delta"] = {"content": message.text} if message.text else {}
+            else:
+                choice["text"] = message.text
+            if finish:
+                choice["stop_reason"] = message.stop_reason or None
+            chunk = shape.envelope([choice], suffix)
+            if req.continuous_usage:
+                chunk["usage"] = usage_dict(message.usage)
+            yield event(chunk)
+        if finish:
+            finals.append(message)
+            return
+        message = await stream.__anext__()
+
+
+async def sse(
+    shapes: list[Shape],
+    req: RestRequest,
+    firsts: list[generation_pb2.GenerateResponse],
+    streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
+) -> AsyncIterator[str]:
+    """Server-sent events of every prompt (interleaved as they come, each chunk naming its choice), then
+    the usage (if asked, when every prompt finished) and [DONE]."""
+    finals: list = []
+    parts = [_choice_events(sh, req, f, s, i, finals) for i, (sh, f, s) in enumerate(zip(shapes, firsts, streams))]
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(part):
+        try:
+            async for item in part:
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(part)) for part in parts[1:]]
+    try:
+        async for item in parts[0]:  # the common case, one prompt: no queue in between
+            yield item
+        for _ in tasks:
+            while (item := await queue.get()) is not None:
+                yield item
+        if req.include_usage and len(finals) == len(streams):
+            usage = None
+            for last in finals:
+                usage = _add_usage(usage, last.usage)
+            body = shapes[0].envelope([], ".chunk" if shapes[0].chat else "")
+            body["usage"] = usage
+            yield event(body)
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()  # client gone: abort the request on every hop
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
