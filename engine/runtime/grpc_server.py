@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import signal
@@ -99,6 +100,14 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"internal call without a valid {TOKEN_KEY}")
 
         async def deny_stream(request_iterator, context):
+            # let the client finish writing first (1 s at most): a status sent while it still writes reaches
+            # it as a failed write ("Internal error from Core"), not as the refusal
+            async def drain():
+                async for _ in request_iterator:
+                    pass
+
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(drain(), 1.0)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"internal call without a valid {TOKEN_KEY}")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
