@@ -45,6 +45,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         super().__init__(engine_config, service_config)
         self.role = engine_config.role
         self.owner: dict[str, GatewayStream] = {}
+        self.prefill_peers = tuple(a.strip() for a in service_config.prefill_peers.split(",") if a.strip())
         self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
@@ -54,7 +55,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
         or map their KV pools (shm, cuda_ipc), so no first request waits for it. Waits at most one
         transfer timeout; a peer that is not up yet is prepared in the background."""
-        peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
+        peers = list(self.prefill_peers)
         if peers:
             self._preparing = asyncio.create_task(self.pulls.prepare_peers(peers))
             try:
@@ -142,7 +143,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
     def _check_prefill_address(self, req) -> None:
         """With --prefill-peers set, a KV handle may name only one of them: a decode never dials an
         address a caller chose (a forged handle could point it anywhere)."""
-        peers = [a.strip() for a in self.config.prefill_peers.split(",") if a.strip()]
+        peers = self.prefill_peers
         if peers and req.HasField("kv") and req.kv.prefill_address not in peers:
             raise ValueError(
                 f"kv.prefill_address {req.kv.prefill_address[:128]!r} is not one of this decode's "

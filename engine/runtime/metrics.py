@@ -1,7 +1,8 @@
 """Prometheus metrics of every splitserve process (names follow vLLM's, prefixed `splitserve:`).
 
 The ones vLLM also exports (VLLM_NAMES) are exported a second time under vLLM's own `vllm:` prefix,
-same labels and values, so dashboards, autoscalers and routers written for vLLM read them unchanged.
+same labels and values (copied at scrape time), so dashboards, autoscalers and routers written for vLLM read
+them unchanged.
 
 Each process builds one `Metrics` on its own registry with constant labels model_name and
 instance, and serves it on `/metrics` (gRPC-only processes on a separate HTTP port via
@@ -15,6 +16,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS_S = (
     0.001,
@@ -86,25 +88,19 @@ VLLM_NAMES = frozenset(
 )
 
 
-class _Twin:
-    """A metric child and its `vllm:` twin: every update goes to both."""
+class _VllmAliases:
+    """A collector that, at scrape time, repeats the VLLM_NAMES metrics under the `vllm:` prefix: the
+    hot path updates one metric, the copy costs only the scrape."""
 
-    __slots__ = ("_a", "_b")
+    def __init__(self) -> None:
+        self.metrics: list = []
 
-    def __init__(self, a, b) -> None:
-        self._a, self._b = a, b
-
-    def inc(self, amount: float = 1) -> None:
-        self._a.inc(amount)
-        self._b.inc(amount)
-
-    def set(self, value: float) -> None:
-        self._a.set(value)
-        self._b.set(value)
-
-    def observe(self, value: float) -> None:
-        self._a.observe(value)
-        self._b.observe(value)
+    def collect(self):
+        for metric in self.metrics:
+            for family in metric.collect():
+                alias = Metric(family.name.replace("splitserve:", "vllm:", 1), family.documentation, family.type)
+                alias.samples = [s._replace(name=s.name.replace("splitserve:", "vllm:", 1)) for s in family.samples]
+                yield alias
 
 
 class Metrics:
@@ -115,24 +111,22 @@ class Metrics:
         labels = ["model_name", "instance"]
         self.labels = {"model_name": model_name, "instance": instance}
         r, p = self.registry, "splitserve:"
-        self._twins: dict[int, object] = {}  # id(metric) -> its vllm: twin
+        aliases = _VllmAliases()
+        r.register(aliases)
 
-        def twin(metric, name, make):
+        def alias(metric, name):
             if name in VLLM_NAMES:
-                self._twins[id(metric)] = make("vllm:" + name)
+                aliases.metrics.append(metric)
             return metric
 
         def hist(name, doc, buckets):
-            make = lambda full: Histogram(full, doc, labels, registry=r, buckets=buckets)  # noqa: E731
-            return twin(make(p + name), name, make)
+            return alias(Histogram(p + name, doc, labels, registry=r, buckets=buckets), name)
 
         def counter(name, doc, extra=()):
-            make = lambda full: Counter(full, doc, labels + list(extra), registry=r)  # noqa: E731
-            return twin(make(p + name), name, make)
+            return alias(Counter(p + name, doc, labels + list(extra), registry=r), name)
 
         def gauge(name, doc):
-            make = lambda full: Gauge(full, doc, labels, registry=r)  # noqa: E731
-            return twin(make(p + name), name, make)
+            return alias(Gauge(p + name, doc, labels, registry=r), name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S)
         self.itl = hist(
@@ -173,11 +167,7 @@ class Metrics:
         key = (id(metric), *self.labels.values(), *extra.items())  # the labels may change (the gateway's model)
         child = self._children.get(key)
         if child is None:
-            child = metric.labels(**self.labels, **extra)
-            twin = self._twins.get(id(metric))
-            if twin is not None:
-                child = _Twin(child, twin.labels(**self.labels, **extra))
-            self._children[key] = child
+            child = self._children[key] = metric.labels(**self.labels, **extra)
         return child
 
     def observe_engine_stats(self, stats: dict[str, int]) -> None:
