@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -141,6 +142,13 @@ def create_app(
             }
         }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        """A body the request models refuse (gateway/rest_models.py): HTTP 400 as vLLM answers (FastAPI's
+        default is 422), OpenAI's error shape, the first error's message and top-level field."""
+        first = exc.errors()[0]
+        return error_response(invalid(first["msg"], str(first["loc"][0]) if first["loc"] else "body"))
 
     async def generate(request: Request, parse: Callable, chat: bool):
         prefix = "chatcmpl" if chat else "cmpl"

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, error_response
-from splitserve.gateway.rest_params import messages_of
+from splitserve.gateway.rest_models import ChatMessages, validate
 from splitserve.gateway.service import GatewayService
 
 TOKENIZE_FIELDS = frozenset(
@@ -62,7 +62,7 @@ async def tokenize(service: GatewayService, body: Any) -> dict:
             raise invalid(
                 "add_generation_prompt=false is not supported; the template adds the prompt", "add_generation_prompt"
             )
-        ids = await service.tokenize_chat(messages_of(body))
+        ids = await service.tokenize_chat(validate(ChatMessages, {"messages": body["messages"]}).turns)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -161,6 +161,13 @@ COMPLETION_ERRORS = [
         "stream_options",
         "stream_options is only allowed when stream is true",
     ),
+    ({"stream": True, "stream_options": {"usage": True}}, "stream_options", "stream_options has no field 'usage'"),
+    ({"priority": 2**31}, "priority", "priority must be >= -2147483648 and <= 2147483647, got 2147483648"),
+    ({"prompt": None}, "prompt", "prompt is required"),
+    ({"prompt": [1, -2]}, "prompt", "prompt token ids must be non-negative integers, got -2"),
+    ({"stop": ["x", 3]}, "stop", "stop must be a list of strings"),
+    ({"add_special_tokens": 1}, "add_special_tokens", "add_special_tokens must be a boolean, got 1"),
+    ({"max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer, got 2.0"),
 ]
 
 
@@ -186,6 +193,19 @@ CHAT_ERRORS = [
         "messages[0].content must be a string or a list of text parts, got 3",
     ),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs to be true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be >= 0 and <= 20, got 21"),
+    (
+        {"messages": [{"role": "user", "content": None}]},
+        "messages",
+        "messages[0].content must be a string or a list of text parts, got None",
+    ),
+    ({"messages": [{"content": "x"}]}, "messages", "messages[0].role is required"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages",
+        "messages[0].content must be a string or a list of text parts",
+    ),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "chat_template_kwargs must be an object, got [1]"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1 or None, got 0"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be >= -2 and <= 2, got 3.0"),
 ]
