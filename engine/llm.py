@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
+from splitserve.common.model_source import resolve_model_config
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer, load_tokenizer
 from splitserve.engine.engine_core import EngineCore
@@ -41,7 +42,7 @@ class LLM:
     """Runs an EngineCore in this process until every prompt is done."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args) -> None:
-        self.config = EngineConfig(model=str(model or ""), **engine_args)
+        self.config = resolve_model_config(EngineConfig(model=str(model or ""), **engine_args), name_by_hub_id=True)
         self.engine = EngineCore(self.config)
         self.tokenizer = self._load_tokenizer(tokenizer or self.config.resolved_model())
         self._counter = 0

@@ -35,7 +35,12 @@ class GatewayConfig:
     host: str = option("127.0.0.1", "address to bind the gRPC and REST servers")
     grpc_port: int = option(50051, "gRPC port of the Generation API; 0 = any free port", min=0, max=65535)
     http_port: int = option(8000, "REST (OpenAI-compatible) port; 0 = no REST", min=0, max=65535)
-    model: str = option("", "model directory whose tokenizer the gateway uses; empty = the embedded default model")
+    model: str = option(
+        "",
+        "model directory or Hugging Face id (through the hub cache) whose tokenizer the gateway uses; "
+        "empty = the embedded default model",
+    )
+    revision: str = option("", "branch, tag or commit of a Hugging Face id; empty = main; ignored for a directory")
     model_id: str = option("", "model id served; empty = the instances' Describe model_id")
     served_model_name: str = option(
         "", "names clients may give the model, comma-separated, as vLLM's --served-model-name; empty = the model id"
@@ -163,6 +168,7 @@ UP_SETS_ITSELF = frozenset(
         "grpc_port",
         "http_port",
         "model",
+        "revision",
         "model_id",
         "prefill",
         "decode",

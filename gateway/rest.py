@@ -168,7 +168,7 @@ def create_app(
                 raise refused
         except GatewayError as exc:
             return error_response(exc)
-        model = req.inp.model or service.model_id
+        model = service.reported_name or req.inp.model
         shapes = [Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs) for _ in inputs]
         if req.stream:
             return StreamingResponse(

@@ -175,6 +175,12 @@ class GatewayService:
             return self._served_model_names
         return (self.model_id,) if self.model_id else ()
 
+    @property
+    def reported_name(self) -> str:
+        """The model name answers carry: the first served name, whichever one a request gave (as vLLM)."""
+        served = self.served_names
+        return served[0] if served else ""
+
     def check_model(self, model: str) -> None:
         """NOT_FOUND unless `model` is empty or one of the served names."""
         served = self.served_names

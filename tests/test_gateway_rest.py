@@ -454,7 +454,8 @@ def test_chat_template_fields_reach_the_template_as_transformers_renders_them(kw
 
 
 def test_served_model_names_are_listed_and_accepted(tokenizer_dir):
-    """vLLM's --served-model-name: several names, each usable in requests and listed by /v1/models."""
+    """vLLM's --served-model-name: several names, each usable in requests and listed by /v1/models; answers
+    carry the first one, whichever a request named (vLLM's OpenAIServingModels.model_name)."""
     s = Stack(
         tokenizer_dir, [FakePrefill()], [FakeDecode()], {"model_id": MODEL, "served_model_name": "alias-a, alias-b"}
     ).start()
@@ -467,7 +468,9 @@ def test_served_model_names_are_listed_and_accepted(tokenizer_dir):
         ]
         body = {"prompt": "w20", "max_tokens": 1}
         r = httpx.post(s.base_url + "/v1/completions", json={**body, "model": "alias-b"})
-        assert r.status_code == 200 and r.json()["model"] == "alias-b"
+        assert r.status_code == 200 and r.json()["model"] == "alias-a"
+        r = httpx.post(s.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}]})
+        assert r.status_code == 200 and r.json()["model"] == "alias-a"
         r = httpx.post(s.base_url + "/v1/completions", json={**body, "model": MODEL})
         assert r.status_code == 404
         assert r.json()["error"]["message"] == (

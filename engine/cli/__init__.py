@@ -117,6 +117,20 @@ def build_configs(loaded: Loaded, ns: argparse.Namespace) -> dict[str, object]:
     return configs
 
 
+def resolve_models(configs: dict[str, object]) -> dict[str, object]:
+    """Each config's `--model` given as a Hugging Face id replaced by its snapshot directory in the hub
+    cache (an engine's model_id becomes the id), once, before anything starts: the processes a
+    subcommand starts (`up`'s children) and the engine core get a directory. ConfigError when it
+    cannot be resolved (splitserve.common.model_source)."""
+    from splitserve.common.model_source import resolve_model_config
+
+    resolved = {}
+    for name, config in configs.items():
+        has_model = hasattr(config, "revision")
+        resolved[name] = resolve_model_config(config, name_by_hub_id=name == "EngineConfig") if has_model else config
+    return resolved
+
+
 def parse_args(argv: list[str]) -> tuple[str, Loaded, argparse.Namespace]:
     """Parse `COMMAND FLAGS...`: (command, what it runs, its flags). Exits 2 (0 for --help) as argparse does."""
     if not argv or argv[0] not in SUBCOMMANDS:
@@ -130,7 +144,7 @@ def parse_args(argv: list[str]) -> tuple[str, Loaded, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     command, loaded, ns = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        configs = build_configs(loaded, ns)
+        configs = resolve_models(build_configs(loaded, ns))
     except ConfigError as exc:
         print(f"splitserve {command}: error: {exc}", file=sys.stderr)
         return 2

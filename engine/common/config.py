@@ -28,10 +28,12 @@ class EngineConfig:
 
     model: str = option(
         "",
-        "model directory (Hugging Face layout) or, with --load-format dummy, a config.json; "
+        "model directory (Hugging Face layout), a Hugging Face id (org/name, through the hub cache: HF_HUB_CACHE "
+        "or HF_HOME, HF_HUB_OFFLINE honoured) or, with --load-format dummy, a config.json; "
         "empty = the embedded default model",
     )
-    model_id: str = option("", "id the model is served under; empty = the directory name")
+    revision: str = option("", "branch, tag or commit of a Hugging Face id; empty = main; ignored for a directory")
+    model_id: str = option("", "id the model is served under; empty = the Hugging Face id, else the directory name")
     dtype: str = option("auto", "weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     device: str = option("auto", "where to run; auto = cuda when available", choices=DEVICES)
     load_format: str = option("auto", "auto reads safetensors; dummy makes random weights", choices=("auto", "dummy"))
