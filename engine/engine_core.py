@@ -212,6 +212,8 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise RequestError(f"logit_bias token id {params.logit_bias[-1][0]} is out of range [0, {vocab})")
         if num_prompt >= max_len:
             raise RequestError(
                 f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate"

@@ -5,6 +5,7 @@ Order of processing for each row (vLLM semantics):
     raw logits ──► logprobs (log_softmax of the raw logits, if asked)
         │
         ├─ min_tokens: EOS ids and stop_token_ids -> -inf while fewer outputs than min_tokens
+        ├─ logit_bias: the request's per-token biases added
         ├─ penalties: repetition (HF, prompt + output), frequency and presence (OpenAI, output)
         ├─ greedy rows ──► argmax
         └─ other rows: / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► exponential race
@@ -212,6 +213,23 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's logit_bias (token id -> bias; ids unique per row) to its logits. In place."""
+    row_index: list[int] = []
+    token_index: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            row_index.append(i)
+            token_index.append(token_id)
+            biases.append(bias)
+    if row_index:
+        r = _index(row_index, logits.device)  # (N,)
+        t = _index(token_index, logits.device)  # (N,)
+        logits.index_put_((r, t), _as_tensor(biases, logits.dtype, logits.device), accumulate=True)
+    return logits
+
+
 # ---------------------------------------------------------------- the sampler
 
 
@@ -221,6 +239,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         params.is_greedy
         and params.logprobs is None
         and not params.has_penalties
+        and not params.logit_bias
         and len(row.output_token_ids) >= params.min_tokens
     )
 
@@ -252,6 +271,7 @@ class Sampler:
             raw_logprobs = work[_index(logprob_rows, work.device)].log_softmax(dim=-1)  # (L, V)
 
         apply_min_tokens(work, rows)
+        apply_logit_bias(work, rows)
         penalty_rows = [i for i, row in enumerate(rows) if row.params.has_penalties]
         if penalty_rows:
             work = self._penalize(work, rows, penalty_rows)

@@ -31,7 +31,7 @@ _INT32 = (-(2**31), 2**31 - 1)
 _MAX_SHOWN_CHARS = 80  # a client's value quoted in a message is cut to this many characters
 
 # OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
-_UNSUPPORTED_COMMON = {"logit_bias": ({},), "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
+_UNSUPPORTED_COMMON = {"service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
 UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "echo": (False,), "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
@@ -101,6 +101,17 @@ class _Request(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        for key in bias:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise _custom(f"keys must be token ids (decimal integers), got {_shown(key)}")
+        return {int(key): value for key, value in bias.items()}
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +169,7 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "logit_bias",
 )
 
 
@@ -341,10 +353,13 @@ def _locate(model: type[BaseModel], loc: tuple) -> tuple[str, Any]:
     """(the path of `loc` as a client writes it: "messages[0].role", the FieldInfo there).
 
     Walks the models' fields and list indices; stops at anything else (a union member's tag)."""
-    path, field, current = "", None, model
+    path, field, current, keyed = "", None, model, False
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
+            continue
+        if keyed:  # a key of a dict field: logit_bias['5']
+            path, keyed = f"{path}[{part!r}]", False
             continue
         fields = getattr(current, "model_fields", None) if isinstance(current, type) else None
         if not fields or part not in fields:
@@ -352,6 +367,7 @@ def _locate(model: type[BaseModel], loc: tuple) -> tuple[str, Any]:
         field = fields[part]
         path = f"{path}.{part}" if path else part
         current = _inner_model(field.annotation)
+        keyed = any(typing.get_origin(a) is dict for a in (field.annotation, *typing.get_args(field.annotation)))
     return path, field
 
 

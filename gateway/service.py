@@ -116,6 +116,7 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
     values: dict[str, Any] = {name: getattr(msg, name) for name in wire.OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     values["stop_token_ids"] = list(msg.stop_token_ids)
     values["ignore_eos"] = msg.ignore_eos
+    values["logit_bias"] = dict(msg.logit_bias)
     return values
 
 
@@ -288,7 +289,7 @@ class GatewayService:
             )
 
     def check_request_limits(self, inp: GenerationInput, num_prompt_tokens: int) -> None:
-        """Values the wire or the context cannot hold: top_k, stop_token_ids, max_tokens."""
+        """Values the wire, the vocabulary or the context cannot hold: top_k, stop_token_ids, logit_bias, max_tokens."""
         params = inp.params
         if params.top_k > MAX_TOP_K:
             raise invalid(f"top_k must be -1, 0 (off) or at most {MAX_TOP_K}, got {params.top_k}", "top_k")
@@ -297,6 +298,12 @@ class GatewayService:
                 raise invalid(
                     f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, got {token_id}",
                     "stop_token_ids",
+                )
+        for token_id, _ in params.logit_bias[-1:]:  # ascending ids: the last is the largest
+            if token_id >= self.vocab_size:
+                raise invalid(
+                    f"logit_bias keys must be token ids below the vocabulary size {self.vocab_size}, got {token_id}",
+                    "logit_bias",
                 )
         param, max_tokens, limit = inp.max_tokens_param or "max_tokens", params.max_tokens, self.registry.max_model_len
         if inp.max_tokens_param and max_tokens is not None and limit and num_prompt_tokens + max_tokens > limit:

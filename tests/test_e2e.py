@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from splitserve.common.default_model_path import default_model_path
-from splitserve.engine import LLM
+from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.model_factory import engine_reference
 from tests.service_client import describe
@@ -127,6 +127,34 @@ def test_openai_client_through_the_real_stack(stack):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="default_model", prompt="x", max_tokens=4, temperature=-1)
     assert info.value.status_code == 400 and "temperature" in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def biased_reference():
+    """The in-process engine's greedy tokens after prompt 0 with -100 on the token it picks first, and that token."""
+    llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
+    prompt = make_prompts(vocab=8192)[0]
+    params = dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (first,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**params))
+    banned_id = first.token_ids[0]
+    (out,) = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(**params, logit_bias={banned_id: -100})
+    )
+    return prompt, banned_id, out.token_ids
+
+
+def test_logit_bias_forces_and_bans_tokens_through_rest_and_grpc(stack, biased_reference):
+    """The prefill's first token and the decode's later ones obey logit_bias: +100 forces a token at
+    every step, -100 on the greedy first token gives the in-process engine's tokens with that bias."""
+    prompt, banned_id, expected = biased_reference
+    greedy = dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    forced, _ = asyncio.run(generate(stack.grpc_port, prompt, **greedy, logit_bias={42: 100}))
+    assert forced == [42] * MAX_TOKENS
+    banned, messages = asyncio.run(generate(stack.grpc_port, prompt, **greedy, logit_bias={banned_id: -100}))
+    assert banned == expected and banned_id not in banned[:1]
+    body = {"prompt": prompt, **greedy, "logit_bias": {str(banned_id): -100}}
+    r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "".join(m.text for m in messages)
 
 
 def test_cancel_mid_stream_frees_blocks_everywhere(stack):

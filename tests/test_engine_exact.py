@@ -121,3 +121,31 @@ def test_refuses_requests_that_can_never_fit(model_dirs):
     with pytest.raises(RequestError, match=r"^prompt token id 503 is out of range \[0, 503\)$"):
         llm.generate(prompt_token_ids=[[503]])
     assert llm.engine.num_free_blocks == 8 and not llm.engine.has_unfinished()
+
+
+def test_logit_bias_forces_and_bans_tokens_as_transformers_logits_say(model_dirs, prompts):
+    """+100 on a token makes greedy pick it at every step; -100 on the token transformers' greedy
+    would pick makes the engine pick the best of the rest: the argmax of transformers' float64
+    logits with the same bias added, step by step."""
+    import torch
+
+    from tests.model_factory import hf_logits, load_hf_reference
+
+    path = model_dirs["llama-gqa2"]
+    llm = LLM(model=str(path), dtype="float64", device="cpu", block_size=4, num_kv_blocks=64)
+    free_before = llm.engine.num_free_blocks
+    hf = load_hf_reference(path)
+    greedy = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    forced = llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(**greedy, logit_bias={7: 100}))
+    assert [o.token_ids for o in forced] == [[7] * MAX_NEW, [7] * MAX_NEW]
+    banned_id = hf_logits(hf, prompts[0])[-1].argmax().item()
+    bias = {banned_id: -100, 11: 0.5}
+    banned = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(**greedy, logit_bias=bias))
+    expected = []
+    for _ in range(MAX_NEW):
+        logits = hf_logits(hf, prompts[0] + expected)[-1].clone()
+        for token_id, value in bias.items():
+            logits[token_id] += value
+        expected.append(int(torch.argmax(logits)))
+    assert banned[0].token_ids == expected and banned_id not in expected
+    assert llm.engine.num_free_blocks == free_before

@@ -81,6 +81,7 @@ FIELDS = [
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "logit_bias",
     "an_unknown_field",
 ]
 WORDS = ["hello", "world", "user", "w9", "w20", "w150", "w199", "<s>", "</s>", "zzz", " ", "\n", "é", "😀"]
@@ -172,6 +173,11 @@ def plausible(field):
         "add_generation_prompt": st.booleans(),
         "continue_final_message": st.booleans(),
         "chat_template_kwargs": st.dictionaries(st.sampled_from(["greet", "messages", "x"]), json_values, max_size=2),
+        "logit_bias": st.dictionaries(
+            st.integers(-1, 205).map(str) | st.sampled_from(["x", "1.0", " 1", ""]),
+            st.floats(-300, 300) | st.integers(-200, 200) | st.sampled_from(["1", None, float("nan")]),
+            max_size=4,
+        ),
         "an_unknown_field": json_values,  # ignored with a log line, as vLLM does
     }[field]
 
@@ -269,6 +275,9 @@ def _sampling(plausible: bool):
             "logprobs": st.integers(0, 20 if plausible else 25),
             "stop_token_ids": st.lists(big | st.integers(0, 210), max_size=3),
             "ignore_eos": st.booleans(),
+            "logit_bias": st.dictionaries(
+                st.integers(0, 205) | big, floats if plausible else st.floats(-300, 300, width=32), max_size=3
+            ),
         },
     ).map(lambda kw: common_pb2.SamplingParams(**kw))
 

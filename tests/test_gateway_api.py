@@ -97,6 +97,16 @@ REFUSALS = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "stop must have at most 2 strings, got 3",
     ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(logit_bias={200: 1.0})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logit_bias keys must be token ids below the vocabulary size 200, got 200",
+    ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(logit_bias={3: float("nan")})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logit_bias values must be finite numbers in [-100, 100], got nan",
+    ),
     (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt must be set (text, token_ids or chat)"),
     (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"),
     (dict(chat=generation_pb2.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty"),

@@ -168,6 +168,13 @@ COMPLETION_ERRORS = [
     ({"stop": ["x", 3]}, "stop", "stop must be a list of strings"),
     ({"add_special_tokens": 1}, "add_special_tokens", "add_special_tokens must be a boolean, got 1"),
     ({"max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer, got 2.0"),
+    (
+        {"logit_bias": {"200": 5}},
+        "logit_bias",
+        "logit_bias keys must be token ids below the vocabulary size 200, got 200",
+    ),
+    ({"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias keys must be token ids (decimal integers), got '-1'"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias", "logit_bias['5'] must be a number, got 'x'"),
 ]
 
 
@@ -528,3 +535,23 @@ def test_a_batch_of_prompts_gets_one_choice_per_prompt(stack):
     assert by_choice == {0: " w21 w22", 1: " w42 w43", 2: " w151 w152"}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 10
     assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_logit_bias_reaches_prefill_and_decode_over_rest_and_grpc(tokenizer_dir):
+    """OpenAI's logit_bias (JSON keys are token id strings) reaches both hops as token id -> bias,
+    biases clamped to [-100, 100] as vLLM does; gRPC sends the same map."""
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = Stack(tokenizer_dir, [prefill], [decode]).start()
+    try:
+        wait_until(lambda: httpx.get(stack.base_url + "/health").status_code == 200, 5, "the stack never served")
+        body = {"model": MODEL, "prompt": "w20", "max_tokens": 2, "logit_bias": {"21": 100, "7": -250, "9": 1.5}}
+        r = httpx.post(stack.base_url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+        sampling = {"max_tokens": 2, "logit_bias": {21: 100.0, 7: -100.0, 9: 1.5}}
+        list(stub.Generate(generation_pb2.GenerateRequest(text="w20", sampling=sampling), timeout=5))
+        expected = {21: 100.0, 7: -100.0, 9: 1.5}
+        assert [dict(p.sampling.logit_bias) for p in prefill.requests] == [expected, expected]
+        assert [dict(d.sampling.logit_bias) for d in decode.requests] == [expected, expected]
+    finally:
+        stack.stop()

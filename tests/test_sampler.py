@@ -10,6 +10,7 @@ from splitserve.engine.sampler import (
     Sampler,
     SamplingRow,
     _mix64,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -318,3 +319,27 @@ def test_cuda_matches_cpu():
 def test_math_reference_for_uniform_range():
     assert _py_uniform(0, 0) > 0 and _py_uniform(0, 0) < 1
     assert math.isclose(sum(_py_uniform(row_key(1, 1), v) for v in range(20000)) / 20000, 0.5, abs_tol=0.01)
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_adds_to_each_rows_own_tokens():
+    logits = torch.zeros(2, 6)
+    rows = [make_row(SamplingParams(logit_bias={1: 2.5, 4: -1})), make_row(SamplingParams(logit_bias={0: 3}))]
+    apply_logit_bias(logits, rows)
+    assert logits.tolist() == [[0, 2.5, 0, 0, -1, 0], [3, 0, 0, 0, 0, 0]]
+
+
+def test_plus_100_forces_a_token_and_minus_100_bans_one():
+    logits = seeded_logits(3, 50, seed=4)
+    greedy = logits.argmax(dim=-1).tolist()
+    top2 = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    rows = [
+        make_row(SamplingParams(temperature=0, logit_bias={17: 100})),  # forced: 17 however unlikely
+        make_row(SamplingParams(temperature=0, logit_bias={greedy[1]: -100})),  # banned: the runner-up wins
+        make_row(SamplingParams(temperature=0.8, logit_bias={33: 100}), seed=5),  # sampled, still forced
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [17, top2[1], 33]
+    assert greedy[0] != 17 and greedy[2] != 33  # the bias, not the logits, chose them

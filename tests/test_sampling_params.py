@@ -70,6 +70,13 @@ def test_greedy_and_penalty_flags():
         ({"stop": ["x" * 257]}, "stop strings must be at most 256 characters, got one of 257"),
         ({"stop": ["s"] * 17}, "stop must have at most 16 strings, got 17"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool, got 1"),
+        ({"logit_bias": {-1: 5}}, "logit_bias token ids must be >= 0, got -1"),
+        ({"logit_bias": {"3": 5}}, "logit_bias token ids must be an integer, got '3'"),
+        ({"logit_bias": {3: "x"}}, "logit_bias values must be a number, got 'x'"),
+        ({"logit_bias": {3: float("inf")}}, "logit_bias values must be finite numbers in [-100, 100], got inf"),
+        ({"logit_bias": [(3, 1), (3, 2)]}, "logit_bias has token id 3 twice"),
+        ({"logit_bias": 5}, "logit_bias must map token ids to numbers, got 5"),
+        ({"logit_bias": {i: 1 for i in range(1025)}}, "logit_bias must have at most 1024 tokens, got 1025"),
     ],
 )
 def test_validation_messages(kwargs, message):
@@ -96,9 +103,21 @@ def test_boundaries_accepted():
     assert p.top_k == -1 and p.max_tokens is None and p.logprobs == 20
 
 
+def test_logit_bias_becomes_sorted_pairs_clamped_to_plus_minus_100_as_vllm():
+    p = SamplingParams(logit_bias={9: 250, 2: -0.5, 5: -1e9, 1024: 7})
+    assert p.logit_bias == ((2, -0.5), (5, -100.0), (9, 100.0), (1024, 7.0))
+
+
 def test_dict_round_trip_through_json():
     p = SamplingParams(
-        temperature=0.7, top_k=40, seed=7, stop=["\n\n"], stop_token_ids=[2], logprobs=3, max_tokens=None
+        temperature=0.7,
+        top_k=40,
+        seed=7,
+        stop=["\n\n"],
+        stop_token_ids=[2],
+        logprobs=3,
+        max_tokens=None,
+        logit_bias={4: 1.5, 2: -100},
     )
     d = json.loads(json.dumps(p.to_dict()))
     assert d["stop"] == ["\n\n"] and d["stop_token_ids"] == [2]

@@ -7,6 +7,7 @@ and sends `to_dict()` over the wire, so both ends agree on the same field set.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -14,6 +15,8 @@ MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias (OpenAI's bias range is [-100, 100])
+MAX_LOGIT_BIAS = 100.0
 # Temperatures below this are treated as greedy (dividing logits by ~0 overflows).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -51,6 +54,8 @@ class SamplingParams:
     min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
     logprobs: None = no logprobs; n >= 0 = the chosen token's logprob plus the top n.
     stop: stop strings, matched on the detokenized text by the detokenizer.
+    logit_bias: (token id, bias) pairs, ascending ids, added to the logits before penalties and
+        sampling (OpenAI semantics); biases beyond [-100, 100] are clamped to it, as vLLM does.
     """
 
     temperature: float = 1.0
@@ -69,11 +74,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_floats()
         self._validate_ints()
         self._validate_stops()
+        self._validate_logit_bias()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -135,6 +142,26 @@ class SamplingParams:
                 )
         self._set("stop", tuple(stop))
 
+    def _validate_logit_bias(self) -> None:
+        """A {token id: bias} dict or (id, bias) pairs -> sorted pairs; ids >= 0, finite biases clamped."""
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}")
+        out: dict[int, float] = {}
+        for token_id, value in pairs:
+            if _check_int("logit_bias token ids", token_id) < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+            value = _check_number("logit_bias values", value)
+            if not math.isfinite(value):
+                raise ValueError(f"logit_bias values must be finite numbers in [-100, 100], got {value!r}")
+            if token_id in out:
+                raise ValueError(f"logit_bias has token id {token_id} twice")
+            out[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        self._set("logit_bias", tuple(sorted(out.items())))
+
     @property
     def is_greedy(self) -> bool:
         """True when the sampler takes the argmax (temperature ~ 0)."""
@@ -150,6 +177,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod

@@ -40,12 +40,15 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, **extra) -> SamplingParam
         values["temperature"] = float(values["temperature"])
     values["stop_token_ids"] = tuple(pb.stop_token_ids)
     values["ignore_eos"] = pb.ignore_eos
+    values["logit_bias"] = dict(pb.logit_bias)
     values.update(extra)
     return SamplingParams(**values)
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    pb = common_pb2.SamplingParams(
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logit_bias=dict(params.logit_bias)
+    )
     for name in OPTIONAL_SAMPLING_FIELDS:
         value = getattr(params, name)
         if value is not None:
