@@ -214,6 +214,30 @@ def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     from splitserve import kernels
 
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention_cuda(q, k_cache, v_cache, meta, scale)
+
+
+def all_fresh(meta: AttentionMetadata) -> bool:
+    """No sequence of the step has cached tokens (each one's context is its new tokens); once per step."""
+    fresh = getattr(meta, "_all_fresh", None)
+    if fresh is None:
+        qsl = meta.query_start_loc_cpu
+        fresh = all(qsl[i + 1] - qsl[i] == n for i, n in enumerate(meta.seq_lens_cpu))
+        meta._all_fresh = fresh
+    return fresh
+
+
+def paged_attention_cuda(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None, v_new=None):
+    """Attention over keys/values already in the cache (Triton): paged decode when every sequence has
+    one new token; when none has cached tokens and the step's own k_new/v_new (T, Hkv, D) are given,
+    the fresh-prompt kernel reading those (TMA); else paged prefill. q (T, Hq, D) -> (T, Hq, D)."""
+    from splitserve import kernels
+
+    if not meta.is_decode_only and k_new is not None and all_fresh(meta):
+        from splitserve.kernels.fresh_prefill_attention import fresh_prefill_attention, fresh_supported
+
+        if fresh_supported(q, k_new, v_new):
+            return fresh_prefill_attention(q, k_new, v_new, meta.query_start_loc, meta.max_query_len, scale)
     if meta.is_decode_only:
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     return kernels.paged_prefill_attention(

@@ -1,0 +1,99 @@
+"""Fused GPU paths of the decoder's ops, each with the unfused ops as its fallback.
+
+    norm_linear     RMSNorm(x [+ residual]) then a projection     one launch when skinny (off, see below)
+    silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below)
+    rope_write_attend  rotary + KV write, then attention             two launches instead of three;
+                    a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention)
+
+Why: at batch 1 an 8B decode step is ~350 small launches, ~0.7 ms of its 4.4 ms graph beyond the
+GEMMs (docs/perf.md, "Decode-step time"). The few-row projections can run `kernels.skinny_linear`
+(the weight read once, the op before it recomputed from x in every program), which measured slower
+inside the graph and is off (SKINNY_MAX_ROWS). A projection whose weight is not a plain
+float16/bfloat16 matrix of x's dtype (a quantized layer, a CPU-packed one) takes the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata, attention_forward, paged_attention_cuda
+from splitserve.engine.layers import rotary_embedding
+
+_SKINNY_DTYPES = (torch.float16, torch.bfloat16)
+# Rows up to which projections run as one few-row launch (kernels.skinny_linear): 0, off. Measured on
+# the H200 (docs/perf.md, issue 20): at batch 1 the 8B decode graph took 5.31 ms with the fused
+# norm/SiLU projections against 4.52 ms with cuBLAS and the separate norm/SiLU launches, although
+# the fused SiLU-mul + down projection alone beat its two launches (0.043 vs 0.084 ms). Set to 1 to
+# measure again (bench/kernel_gaps.py mode "fused").
+SKINNY_MAX_ROWS = 0
+
+
+def skinny_applies(x: torch.Tensor, linear) -> bool:
+    """Whether `linear` on x (M, K) runs as one few-row Triton launch."""
+    weight = getattr(linear, "weight", None)
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype in _SKINNY_DTYPES
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and getattr(linear, "packed", None) is None
+    )
+
+
+def norm_linear(norm, linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual); without a residual the stream is x itself."""
+    if skinny_applies(x, linear):
+        from splitserve.kernels.skinny_linear import skinny_linear
+
+        out = skinny_linear(x, linear.weight, linear.bias, "norm", residual, norm.weight, norm.eps)
+        return out if residual is not None else (out, x)
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm(x, residual)
+    return linear(h), residual
+
+
+def silu_linear(linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """linear(silu(gate) * up) of gate_up (T, 2F) = [gate | up]."""
+    from splitserve.engine.layers import silu_and_mul
+
+    if skinny_applies(gate_up, linear):
+        from splitserve.kernels.skinny_linear import skinny_linear
+
+        return skinny_linear(gate_up, linear.weight, linear.bias, "silu")
+    return linear(silu_and_mul(gate_up))
+
+
+def plain_linear(linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), as one few-row launch when that applies (no split-K reduce behind it)."""
+    if skinny_applies(x, linear):
+        from splitserve.kernels.skinny_linear import skinny_linear
+
+        return skinny_linear(x, linear.weight, linear.bias)
+    return linear(x)
+
+
+def rope_write_attend(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Rotate q/k, write k/v into the cache, attend: q (T, Hq, D) -> (T, Hq, D). On CUDA the rotation
+    and the write are one kernel (`kernels.rotary_kv_write`); elsewhere the unfused ops."""
+    if q.is_cuda and k_cache.dtype == k.dtype:
+        from splitserve.kernels.rotary_kv_write import rotary_kv_write
+
+        rotary_kv_write(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin_cache)
+        return paged_attention_cuda(q, k_cache, v_cache, meta, scale, k, v)
+    rotary_embedding(positions, q, k, cos_sin_cache)
+    return attention_forward(q, k, v, k_cache, v_cache, meta, scale)
