@@ -76,6 +76,7 @@ class PullCoordinator:
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._pairs: dict[str, asyncio.Task] = {}
+        self.pairing: dict[str, tuple[str, int]] = {}  # prefill instance -> the store of a PairKv in flight
         self._endpoints: dict[str, dict[str, str]] = {}  # prefill address -> its pool endpoint, from its Describe
         self._tasks: set[asyncio.Task] = set()
 
@@ -330,11 +331,17 @@ class PullCoordinator:
             )
         )
         await asyncio.sleep(0.05)  # let the store come up before the peer connects
-        await self.stub(prefill_address).PairKv(
-            prefill_pb2.PairKvRequest(decode_instance=self.instance, store_host=host, store_port=port, backend=backend),
-            timeout=30.0 if patient else self.config.kv_transfer_timeout_s,
-            wait_for_ready=True,
-        )
+        self.pairing[prefill_instance] = (host, port)  # what ConfirmPair answers the prefill meanwhile
+        try:
+            await self.stub(prefill_address).PairKv(
+                prefill_pb2.PairKvRequest(
+                    decode_instance=self.instance, store_host=host, store_port=port, backend=backend
+                ),
+                timeout=30.0 if patient else self.config.kv_transfer_timeout_s,
+                wait_for_ready=True,
+            )
+        finally:
+            self.pairing.pop(prefill_instance, None)
         await mine
         self.counters.count("pairs_created")
         log.info("paired with %s over %s", prefill_instance, backend)

@@ -154,6 +154,23 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         for request_id in list(self.owner):
             self.fail_request(request_id, f"{self.name}: {why}")
 
+    async def ConfirmPair(self, request, context):
+        """A prefill with --decode-peers checks a PairKv with us: confirmed only when we are the instance it
+        names and our own pairing with that prefill, through that store, is in flight now."""
+        store = self.pulls.pairing.get(request.prefill_instance)
+        confirmed = request.decode_instance == self.name and store == (request.store_host, request.store_port)
+        if not confirmed:
+            log.warning(
+                "%s: a PairKv as %r with store %s:%d reached %s; not ours (we pair through %s)",
+                self.name,
+                request.decode_instance[:128],
+                request.store_host[:128],
+                request.store_port,
+                request.prefill_instance[:128],
+                f"{store[0]}:{store[1]}" if store else "no store now",
+            )
+        return decode_pb2.ConfirmPairResponse(confirmed=confirmed)
+
     # -- gateway → core --------------------------------------------------------------------
     async def Generate(self, request_iterator, context):
         stream = GatewayStream()
@@ -200,8 +217,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
     def _admit(self, req, stream: GatewayStream) -> None:
         rid = req.request_id
         try:
-            if self.draining:
-                raise ValueError(f"{self.name} is draining")
+            if self.draining or self.starting:
+                raise ValueError(f"{self.name} is {'draining' if self.draining else 'starting'}")
             if rid in self.owner:
                 raise ValueError(f"request_id {rid!r} is already in use")
             check_token_ids(req, self.client.info.vocab_size)

@@ -185,6 +185,8 @@ def stack_commands(
         ]
         if role == "decode":
             argv += ["--prefill-peers", prefill_address]
+        else:  # the prefill pairs (nccl) only with the decodes it starts, each confirming its own pairing
+            argv += ["--decode-peers", ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode))]
         argv += ["--device", device]
         if metrics_port:
             argv += ["--metrics-port", str(metrics_port)]

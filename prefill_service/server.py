@@ -3,7 +3,8 @@
 Prefill(request) ─▶ core: AddRequest ─▶ step(s) ─▶ first token + HeldKv
                  ◀─ PrefillResponse{first token, KvHandle(blocks, hashes, lease)}
 ReleaseKv(lease) ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
-PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side)
+PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side; with --decode-peers a
+                    PairKv counts only once a listed decode confirms it: pair_check.py)
 every 50 ms: expired leases ─▶ ReleaseHeld, counted
 """
 
@@ -19,6 +20,7 @@ from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_
 from splitserve.engine import core_messages as m
 from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
 from splitserve.prefill_service.leases import LeaseTable
+from splitserve.prefill_service.pair_check import DecodePeers, PairRefused
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.service_base import Refuse, ServiceBase, setup_logging
@@ -34,6 +36,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         super().__init__(engine_config, service_config)
         self.leases = LeaseTable(service_config.lease_s)
         self.held: dict[str, m.HeldKv] = {}
+        self.decode_peers = DecodePeers(service_config.decode_peers, self.name, self.internal_auth)
 
     def on_core_message(self, msg) -> None:
         if isinstance(msg, m.StepBatch):
@@ -156,6 +159,12 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"backend must be gloo or nccl, got {request.backend!r}"
             )
+        try:  # before the core hears of it: a pairing drops the pair's communicator first
+            await self.decode_peers.check(request.decode_instance, request.store_host, request.store_port)
+        except PairRefused as exc:
+            self.counters.count("pairs_refused")
+            log.warning("%s", exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         pair = pair_name(self.name, request.decode_instance)
         try:
             await self.client.call(

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConfirmPairRequest(_message.Message):
+    __slots__ = ("prefill_instance", "decode_instance", "store_host", "store_port")
+    PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    prefill_instance: str
+    decode_instance: str
+    store_host: str
+    store_port: int
+    def __init__(self, prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+
+class ConfirmPairResponse(_message.Message):
+    __slots__ = ("confirmed",)
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    confirmed: bool
+    def __init__(self, confirmed: _Optional[bool] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "first_token_id", "first_logprobs", "kv", "priority", "trace_context")
     class TraceContextEntry(_message.Message):

@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.ConfirmPair = channel.unary_unary(
+                '/splitserve.v1.Decode/ConfirmPair',
+                request_serializer=splitserve_dot_protos_dot_decode__pb2.ConfirmPairRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_decode__pb2.ConfirmPairResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -66,6 +71,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfirmPair(self, request, context):
+        """Called by a prefill with --decode-peers on each PairKv it gets: is this decode the one named, and
+        pairing with that prefill through that rendezvous store right now? (a forged PairKv gets "no")
+        Answered from the moment the server listens, before the decode serves requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=splitserve_dot_protos_dot_common__pb2.DescribeRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_common__pb2.DescribeResponse.SerializeToString,
+            ),
+            'ConfirmPair': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmPair,
+                    request_deserializer=splitserve_dot_protos_dot_decode__pb2.ConfirmPairRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_decode__pb2.ConfirmPairResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class Decode:
             '/splitserve.v1.Decode/Describe',
             splitserve_dot_protos_dot_common__pb2.DescribeRequest.SerializeToString,
             splitserve_dot_protos_dot_common__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmPair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Decode/ConfirmPair',
+            splitserve_dot_protos_dot_decode__pb2.ConfirmPairRequest.SerializeToString,
+            splitserve_dot_protos_dot_decode__pb2.ConfirmPairResponse.FromString,
             options,
             channel_credentials,
             insecure,

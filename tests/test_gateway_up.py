@@ -73,9 +73,10 @@ def test_stack_commands_forward_non_default_engine_flags():
         ]
 
     peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
+    decodes = ["--decode-peers", "127.0.0.1:50071,127.0.0.1:50072"]  # the prefill pairs only with these
     cpu = ["--device", "cpu"]  # placed as on a machine without GPUs (tests/test_up_placement.py has the rest)
     assert commands == [
-        ("prefill-0", service("prefill", "prefill-0", 50061) + cpu + eflags),
+        ("prefill-0", service("prefill", "prefill-0", 50061) + decodes + cpu + eflags),
         ("decode-0", service("decode", "decode-0", 50071) + peers + cpu + eflags),
         ("decode-1", service("decode", "decode-1", 50072) + peers + cpu + eflags),
         (

@@ -33,6 +33,7 @@ class ServiceBase:
         self.instance_id = f"{self.name}@{self.start_unix_ns}"
         self.counters = ServiceCounters()  # Describe's counters and Prometheus, one call per fact
         self.inflight = 0
+        self.starting = True  # listening, preparing peers (before_serving): only ConfirmPair is answered
         self.draining = False
         self.internal_auth = InternalAuth.from_config(service_config)  # mTLS and/or the shared secret
         kv_options = {
@@ -77,6 +78,8 @@ class ServiceBase:
         """Refuse new work while draining or over the queue bound (raises via context.abort)."""
         if self.client.dead:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
+        if self.starting:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
         if self.draining:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
         if self.inflight >= self.config.max_queued_requests:
@@ -100,6 +103,8 @@ class ServiceBase:
     async def Describe(self, request, context) -> common_pb2.DescribeResponse:
         if self.client.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
+        if self.starting:  # not ready to be registered: a gateway routes nothing here yet
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
         # The core reports its stats with every step (and after aborts/releases), so the last
         # snapshot is current; a round trip to a busy core would make health checks time out.
         stats = self.client.stats
@@ -130,11 +135,15 @@ class ServiceBase:
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
-        await self.before_serving()
         server, health, port = build_server(
             self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
         )
+        # Listen before preparing peers: a prefill with --decode-peers asks this decode to confirm the
+        # pairing it starts there. Until ready, health says NOT_SERVING and Describe and requests are refused.
+        set_serving(health, self.service_names, False)
         await server.start()
+        await self.before_serving()
+        self.starting = False
         set_serving(health, self.service_names, True)
         await self.on_started()
         log.info(
@@ -167,7 +176,7 @@ class ServiceBase:
         log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
         return self.exit_code
 
-    async def before_serving(self) -> None:  # the core runs; nothing can reach this service yet
+    async def before_serving(self) -> None:  # the core runs; the server listens but serves no request yet
         pass
 
     async def on_started(self) -> None:

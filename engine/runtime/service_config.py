@@ -49,6 +49,11 @@ class ServiceConfig:
         "decode: comma-separated prefill addresses to prepare at start (nccl: pair; shm, cuda_ipc: map the KV pool); "
         "when set, the only prefills whose KV handles it accepts",
     )
+    decode_peers: str = option(
+        "",
+        "prefill: comma-separated decode addresses allowed to pair (nccl); when set, a PairKv is accepted only "
+        "when one of them confirms it (ConfirmPair): a forged one never replaces a real pair's communicator",
+    )
     max_queued_requests: int = option(
         1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20
     )
