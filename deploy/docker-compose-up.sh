@@ -29,12 +29,16 @@
 # Environment: SOURCE (worktree, default: tracked and untracked-not-ignored files; head: the
 # committed tree), WORK (default /tmp/splitserve-docker; kept between runs as a cache, `rm -rf` it
 # to reclaim the disk), GATEWAY_HTTP_PORT / GATEWAY_GRPC_PORT (published ports, default 18000 /
-# 15051 so a `splitserve up` on 8000 is left alone), MIRROR (Debian mirror for debootstrap).
+# 15051 so a `splitserve up` on 8000 is left alone), MIRROR (Debian mirror for debootstrap),
+# SPLITSERVE_INTERNAL_TOKEN (default: a random one per run).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-/tmp/splitserve-docker}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 export GATEWAY_HTTP_PORT=${GATEWAY_HTTP_PORT:-18000} GATEWAY_GRPC_PORT=${GATEWAY_GRPC_PORT:-15051}
+# compose.yaml requires the internal calls' shared secret: a fresh one per run unless given
+SPLITSERVE_INTERNAL_TOKEN=${SPLITSERVE_INTERNAL_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
+export SPLITSERVE_INTERNAL_TOKEN
 BASE_IMAGE=splitserve-base:bookworm
 IMAGE=splitserve:cpu
 root=$WORK/root

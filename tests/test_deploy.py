@@ -28,6 +28,7 @@ DEPLOY = REPO / "deploy"
 SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
 ALL_SERVICES = SPLITSERVE_SERVICES | {"otel-collector", "jaeger", "prometheus", "grafana"}
 METRIC_NAME = re.compile(r"splitserve:[A-Za-z0-9_:]+")
+COMPOSE_TOKEN = "compose-test-token"
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -52,8 +53,9 @@ def compose(tmp_path_factory):
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(config), "DOCKER_CONFIG": str(config)}
     base = ["docker", "compose"] if shutil.which("docker") else [binary]
 
-    def run(*args):
-        p = subprocess.run([*base, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    def run(*args, token=COMPOSE_TOKEN):
+        extra = {"SPLITSERVE_INTERNAL_TOKEN": token} if token else {}  # compose.yaml requires one
+        p = subprocess.run([*base, *args], cwd=REPO, env=env | extra, capture_output=True, text=True, timeout=60)
         return p.returncode, p.stdout, p.stderr
 
     return run
@@ -153,6 +155,25 @@ def test_compose_environment_names_real_options(config):
     configmap = yaml.safe_load((DEPLOY / "k8s/configmap.yaml").read_text())["data"]
     used |= {k for k in configmap if k.startswith("SPLITSERVE_")}
     assert used - known == set()
+
+
+@pytest.mark.slow
+def test_compose_requires_the_internal_token_and_names_the_peers(compose, config):
+    """Issue 22: internal auth is on in the shipped compose file: every splitserve service gets the token
+    (config refuses to render without one), decodes know their prefill and the prefill its decodes."""
+    services = config["services"]
+    for name in SPLITSERVE_SERVICES:
+        assert services[name]["environment"]["SPLITSERVE_INTERNAL_TOKEN"] == COMPOSE_TOKEN, name
+    for name in ALL_SERVICES - SPLITSERVE_SERVICES:
+        assert "SPLITSERVE_INTERNAL_TOKEN" not in services[name].get("environment", {}), name
+    addresses = {n: f"{n}:{command_option(services[n], '--port')}" for n in SPLITSERVE_SERVICES - {"gateway"}}
+    env = services["prefill"]["environment"]
+    assert env["SPLITSERVE_PREFILL_PEERS"] == addresses["prefill"]
+    assert env["SPLITSERVE_DECODE_PEERS"] == f"{addresses['decode-0']},{addresses['decode-1']}"
+    gateway = services["gateway"]
+    assert command_option(gateway, "--decode") == env["SPLITSERVE_DECODE_PEERS"]
+    rc, _, err = compose("-f", "compose.yaml", "config", token="")
+    assert rc != 0 and "set SPLITSERVE_INTERNAL_TOKEN" in err, err
 
 
 @pytest.mark.slow
@@ -375,6 +396,18 @@ def test_k8s_manifests_have_gpus_probes_and_settings():
         service_ports = {p["port"] for p in docs["Service"][name]["spec"]["ports"]}
         assert service_ports == {port, 9100}
         assert f"{name}:{port}" in settings["SPLITSERVE_PREFILL"] + "," + settings["SPLITSERVE_DECODE"]
+    assert settings["SPLITSERVE_DECODE_PEERS"] == settings["SPLITSERVE_DECODE"]
+    for name in ("decode-0", "decode-1"):  # a decode pairs before it is ready: the prefill must reach it
+        assert docs["Service"][name]["spec"]["publishNotReadyAddresses"] is True
+    # internal auth on: every splitserve pod gets the token from the Secret, never from the ConfigMap
+    assert not any("TOKEN" in key for key in settings)
+    for name, deployment in docs["Deployment"].items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert env["SPLITSERVE_INTERNAL_TOKEN"] == {
+            "name": "SPLITSERVE_INTERNAL_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "splitserve-internal", "key": "token"}},
+        }, name
     (gateway,) = docs["Deployment"]["gateway"]["spec"]["template"]["spec"]["containers"]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
