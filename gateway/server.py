@@ -162,7 +162,7 @@ class GatewayServer:
         tls = load_tls(config)
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
-        from splitserve.runtime.grpc_server import InternalAuth, internal_channel
+        from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS, InternalAuth, internal_channel
 
         internal_auth = InternalAuth.from_config(config)
         self.registry = Registry(
@@ -178,6 +178,7 @@ class GatewayServer:
             options=[
                 ("grpc.max_receive_message_length", config.max_body_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
+                *SERVER_QUEUE_OPTIONS,  # a burst of streams reaches the handlers (and their named limits)
             ]
         )
         address = f"{config.host}:{config.grpc_port}"

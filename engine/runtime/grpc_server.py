@@ -19,6 +19,18 @@ log = logging.getLogger("splitserve.server")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+# gRPC C-core queues a call that the application has not picked up yet; over 1,000 queued calls it rejects
+# new ones at random, over 3,000 all of them, and the client sees a bare CANCELLED with no message, a
+# call no handler (and no counter) ever saw. grpc.aio picks up one call per event-loop turn, so a burst
+# outruns it: 3,000 streams opened at once lost 24% that way, on a bare grpc.aio server as on the gateway
+# (bench/stream_burst.py). With the queue this deep, every call reaches its handler, and the handler's
+# own cap answers the excess with a named status (RESOURCE_EXHAUSTED and a message).
+MAX_PENDING_CALLS = 16384
+SERVER_QUEUE_OPTIONS = [
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),  # soft limit: random rejections above it
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -185,6 +197,7 @@ def build_server(
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            *SERVER_QUEUE_OPTIONS,
         ],
     )
     add_servicers(server)
