@@ -1,9 +1,18 @@
 """The engine core: add requests, step (schedule → run → update), abort, KV hand-off.
 
     step():  out = scheduler.schedule()          which requests compute which tokens
-             sampled = runner.execute(out)       one forward pass + sampling
-             changed = scheduler.update(...)     append tokens, finish, free blocks
+             launched = runner.launch(out)       one forward pass + sampling, not waited for
+             changed = scheduler.update(...)     read a launched step: append tokens, finish, free blocks
              → one RequestOutput per request that progressed or ended
+
+Asynchronous scheduling (EngineConfig.async_scheduling, on with CUDA): step() launches step N+1
+and then reads step N, so the host schedules and prepares N+1 while the device runs N:
+
+    host:    schedule N+1 | prepare, launch N+1 | read N (wait), outputs | schedule N+2 | ...
+    device:  ......... step N ..........| step N+1 ...................................|
+
+N's tokens are pending when N+1 is built (fed to it on the device); a request that N's tokens
+end may be in N+1, whose token for it is discarded. Synchronously, step() reads what it launched.
 
 Roles (EngineConfig.role): "prefill" parks each request after its first token with its
 blocks held (`held_kv`, `release_kv`); "decode" imports prompt KV into blocks it
@@ -18,6 +27,7 @@ import logging
 import operator
 import random
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +40,10 @@ from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
 from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
 from splitserve.engine.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from splitserve.engine.model_runner import LaunchedStep
 
 log = logging.getLogger("splitserve.engine")
 
@@ -166,6 +179,9 @@ class EngineCore:
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)
+        lagged = config.async_scheduling
+        self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
+        self._unread: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not read yet
         self.num_steps = 0
         log.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
@@ -262,17 +278,45 @@ class EngineCore:
         return False
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests to run, or a launched step still to read."""
+        return self.scheduler.num_unfinished > 0 or self._unread is not None
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that progressed."""
+        """Schedule and launch a step, read the step before it (asynchronous) or this one, and report every
+        request that progressed."""
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id) for s in out.scheduled}
-        sampled = self.runner.execute(out, tables)
-        changed = self.scheduler.update_from_output(out, sampled)
-        self.num_steps += 1
+        changed: list[Request] = []
+        if self._unread is not None and self._reads_pending_ids(out):
+            # penalties read the ids of earlier outputs: learn the pending ones first, and drop what they ended
+            changed = self._read()
+            out.scheduled = [s for s in out.scheduled if s.request.status == RequestStatus.RUNNING]
+        if not out.is_empty:
+            tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id) for s in out.scheduled}
+            launched = self.runner.launch(out, tables)
+            self.scheduler.step_launched(out)
+            self.num_steps += 1
+            previous, self._unread = self._unread, (out, launched)
+            if previous is not None:
+                changed += self._read(previous)
+            if not self.async_scheduling:
+                changed += self._read()
+        elif self._unread is not None:
+            changed += self._read()
+        return self._outputs(changed)
+
+    @staticmethod
+    def _reads_pending_ids(out: SchedulerOutput) -> bool:
+        """A row with penalties samples on top of a token the host has not read."""
+        return any(s.request.num_pending_tokens > 1 and s.request.sampling_params.has_penalties for s in out.scheduled)
+
+    def _read(self, step: tuple[SchedulerOutput, LaunchedStep] | None = None) -> list[Request]:
+        """Wait for a launched step (the unread one by default) and apply its tokens."""
+        if step is None:
+            step, self._unread = self._unread, None
+        out, launched = step
+        return self.scheduler.update_from_output(out, launched.read())
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             status = request.status
@@ -406,5 +450,5 @@ class EngineCore:
             "prefix_hit_tokens": self.kv.num_prefix_hit_tokens,
             "num_steps": self.num_steps,
             "num_queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.scheduler.running),
+            + sum(r.num_tokens_with_pending - r.num_computed_tokens - 1 for r in self.scheduler.running),
         }

@@ -10,6 +10,12 @@ From a SchedulerOutput it builds, as flat lists on the host and then one tensor 
     block_tables   (B, M)   each request's block ids, padded with 0
 
 The model reads them; nothing else builds device inputs.
+
+A step is launched without waiting for the device (`launch`): its sampled tokens stay on the
+device, their copy to pinned host memory is queued behind them with an event, and
+`LaunchedStep.read` waits for that event. A token the host has not read yet (a pending one,
+asynchronous scheduling) is the input of its request's next one-token step: that input is
+taken on the device from the previous launch's sampled tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import DeviceSample, Sampler, SamplingRow
 from splitserve.engine.scheduler import SchedulerOutput
 
 
@@ -30,6 +37,38 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
     sampling_request_ids: list[str]
+
+
+@dataclass
+class LaunchedStep:
+    """A launched step's sampled tokens on their way to the host."""
+
+    request_ids: list[str]  # one per sampled row
+    sample: DeviceSample | None  # host copies on CUDA (filled when `done` has passed)
+    done: torch.cuda.Event | None = None
+
+    def read(self) -> dict[str, tuple[int, object]]:
+        """request_id -> (sampled token id, logprobs or None); waits for the step to end."""
+        if self.sample is None:
+            return {}
+        if self.done is not None:
+            self.done.synchronize()
+        result = self.sample.read()
+        return dict(zip(self.request_ids, zip(result.token_ids, result.logprobs)))
+
+
+def sampling_row(request: Request) -> SamplingRow:
+    """The sampler's view of a request at the token it samples next (pending tokens counted in)."""
+    params = request.sampling_params
+    penalized = params.has_penalties  # only penalties read the ids (the engine reads pending ones first)
+    return SamplingRow(
+        params=params,
+        seed=request.seed,
+        output_position=request.num_output_tokens + request.num_pending_tokens - 1,
+        prompt_token_ids=request.prompt_token_ids if penalized else (),
+        output_token_ids=request.output_token_ids if penalized else (),
+        eos_token_ids=request.eos_token_ids,
+    )
 
 
 class ModelRunner:
@@ -43,6 +82,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pin = device.type == "cuda"
+        # the latest launch's sampled tokens (S,) and each sampled request's row in them
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for bucketed batch sizes (CUDA only)."""
@@ -75,12 +117,20 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_ids: list[str] = []
+        pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
+        pending_src: list[int] = []  # ... and its row in the latest launch's sampled tokens
         for s in out.scheduled:
             request = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             blocks = block_tables[request.request_id]
             if end - start == 1:  # a decode step: one token
-                input_ids.append(request.token_ids[start])
+                token_ids = request.token_ids
+                if start < len(token_ids):
+                    input_ids.append(token_ids[start])
+                else:  # pending: sampled by the latest launch, not read yet
+                    pending_dst.append(len(input_ids))
+                    pending_src.append(self._last_rows[request.request_id])
+                    input_ids.append(0)
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
@@ -103,17 +153,26 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
+        input_ids_device = self._to_device(input_ids, torch.int64)
+        if pending_dst:
+            dst = self._to_device(pending_dst, torch.int64)
+            src = self._to_device(pending_src, torch.int64)
+            input_ids_device.index_copy_(0, dst, self._last_tokens.index_select(0, src))
         return StepInputs(
-            input_ids=self._to_device(input_ids, torch.int64),
+            input_ids=input_ids_device,
             positions=self._to_device(positions, torch.int64),
             meta=meta,
             logits_indices=self._to_device(logits_indices, torch.int64),
             sampling_request_ids=sampling_ids,
         )
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, tuple[int, object]]:
-        """Run one step; returns request_id -> (sampled token id, logprobs or None)."""
+        """Run one step and wait for it; returns request_id -> (sampled token id, logprobs or None)."""
+        return self.launch(out, block_tables).read()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> LaunchedStep:
+        """Queue one step (inputs, model, sampler, the tokens' copy to the host) without waiting for the device."""
         inputs = self.prepare_inputs(out, block_tables)
         meta = inputs.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket_for(meta.num_seqs) is not None:
@@ -123,21 +182,17 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)  # (T, H)
         if not inputs.sampling_request_ids:
-            return {}
+            self._last_tokens, self._last_rows = None, {}
+            return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)
         by_id = {s.request.request_id: s.request for s in out.scheduled}
-        rows = []
-        for request_id in inputs.sampling_request_ids:
-            request = by_id[request_id]
-            rows.append(
-                SamplingRow(
-                    params=request.sampling_params,
-                    seed=request.seed,
-                    output_position=request.num_output_tokens,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-        result = self.sampler(logits, rows)
-        return {rid: (tok, lp) for rid, tok, lp in zip(inputs.sampling_request_ids, result.token_ids, result.logprobs)}
+        rows = [sampling_row(by_id[request_id]) for request_id in inputs.sampling_request_ids]
+        sample = self.sampler.sample(logits, rows)
+        self._last_tokens = sample.token_ids
+        self._last_rows = {request_id: i for i, request_id in enumerate(inputs.sampling_request_ids)}
+        if not sample.token_ids.is_cuda:
+            return LaunchedStep(inputs.sampling_request_ids, sample)
+        host = sample.copy_to_host()
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(inputs.sampling_request_ids, host, done)

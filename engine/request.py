@@ -36,9 +36,17 @@ _FINISHED = {
 class Request:
     """One generation request.
 
-    `token_ids` is prompt followed by output; `num_computed_tokens` of them have KV in
-    the cache. A step schedules `num_tokens - num_computed_tokens` (or a chunk of it);
-    when a step brings it level, the step's last logits are sampled.
+    `token_ids` is prompt followed by the output tokens the host has read. With asynchronous
+    scheduling a sampled token stays on the device a step longer: `num_pending_tokens` counts
+    those (0 or 1 when a step is scheduled, 2 while the next one is being launched), and the
+    scheduler treats them as present. `num_computed_tokens` (advanced when a step is scheduled)
+    counts the positions whose KV a launched step writes. A step schedules
+    `num_tokens_with_pending - num_computed_tokens` (or a chunk of it); when a step brings it
+    level, the step's last logits are sampled.
+
+        token_ids:  [ prompt ........ | outputs read ]  pending: [ t ]  (on the device)
+                    |<------ num_tokens ------------>|
+                    |<------ num_tokens_with_pending ------------->|
     """
 
     request_id: str
@@ -54,6 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set at first schedule)
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled on the device, not yet read by the host
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
@@ -73,6 +82,10 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
@@ -84,6 +97,12 @@ class Request:
         self.token_ids.append(token_id)
         if self.sampling_params.logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """True when the tokens sampled so far (pending ones included) already end this request by length:
+        it needs no further step, whatever those tokens are."""
+        num = self.num_tokens_with_pending
+        return num - self.num_prompt_tokens >= self.max_tokens or num >= max_model_len
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status this request reached after its last token, or None."""

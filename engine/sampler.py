@@ -23,7 +23,7 @@ lists that become (B,) tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -41,7 +41,11 @@ class SamplingRow:
     """What the sampler needs to know about one row of the logits.
 
     seed: the effective seed (params.seed, or the one the engine drew at request creation).
-    output_position: index in the output of the token being sampled (0 = first token).
+    output_position: index in the output of the token being sampled (0 = first token); also the
+    number of outputs before it, which min_tokens counts.
+    prompt_token_ids, output_token_ids: read only by penalties; the engine fills them only for
+    rows with penalties, after reading their pending tokens (asynchronous scheduling), and
+    leaves them empty otherwise.
     """
 
     params: SamplingParams
@@ -56,6 +60,52 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class DeviceSample:
+    """One step's sampled tokens, and the logprobs asked for, still where the logits were.
+
+    `copy_to_host` queues their copies to (pinned) host memory without waiting; `read` gives the host
+    lists, after the caller has waited for those copies (an event behind them), or at once on CPU."""
+
+    token_ids: torch.Tensor  # (S,) int64
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    chosen_logprobs: torch.Tensor | None = None  # (L,) raw logprob of each such row's token
+    top_logprobs: torch.Tensor | None = None  # (L, n_max) the top raw logprobs, descending
+    top_ids: torch.Tensor | None = None  # (L, n_max)
+    num_top: list[int] = field(default_factory=list)  # n asked by each such row
+
+    def copy_to_host(self) -> DeviceSample:
+        if not self.token_ids.is_cuda:
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return DeviceSample(
+            host(self.token_ids),
+            self.logprob_rows,
+            host(self.chosen_logprobs),
+            host(self.top_logprobs),
+            host(self.top_ids),
+            self.num_top,
+        )
+
+    def read(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            chosen_lp = self.chosen_logprobs.tolist()
+            top_vals = self.top_logprobs.tolist() if self.top_logprobs is not None else [[]] * len(chosen_lp)
+            top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(chosen_lp)
+            for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top)):
+                pairs = list(zip(top_ids[j][:n], top_vals[j][:n]))
+                logprobs[i] = TokenLogprobs(token_ids[i], chosen_lp[j], pairs)
+        return SamplerOutput(token_ids, logprobs)
 
 
 # ---------------------------------------------------------------- counter-based randomness
@@ -102,7 +152,7 @@ def random_uniform(keys: Sequence[int], vocab_size: int, device: torch.device) -
     23 bits m of the hash: 2m + 1 < 2**24 is exact in float32, so u is never 0 or 1.
     """
     key_halves = [[k & _M32, (k >> 32) & _M32] for k in keys]
-    k = torch.tensor(key_halves, dtype=torch.int64).to(device)  # (B, 2)
+    k = _as_tensor(key_halves, torch.int64, device)  # (B, 2)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)  # (V,)
     vocab_hash = _fmix32(_mul32(vocab, 0x9E3779B1))  # (V,)
     h = _fmix32(vocab_hash[None, :] ^ k[:, 0:1]) ^ k[:, 1:2]  # (B, V)
@@ -113,7 +163,12 @@ def random_uniform(keys: Sequence[int], vocab_size: int, device: torch.device) -
 
 
 def _as_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=dtype).to(device)
+    """Host values -> a tensor on `device`; on CUDA through pinned memory without waiting for the device
+    (a plain copy from pageable memory would wait for every step queued before it)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype)
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -201,14 +256,14 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     token_index: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
-        if params.min_tokens and len(row.output_token_ids) < params.min_tokens:
+        if params.min_tokens and row.output_position < params.min_tokens:
             ids = sorted({*row.eos_token_ids, *params.stop_token_ids})
             ids = [t for t in ids if 0 <= t < vocab_size]
             row_index.extend([i] * len(ids))
             token_index.extend(ids)
     if row_index:
-        r = torch.tensor(row_index, dtype=torch.int64).to(logits.device)
-        t = torch.tensor(token_index, dtype=torch.int64).to(logits.device)
+        r = _as_tensor(row_index, torch.int64, logits.device)
+        t = _as_tensor(token_index, torch.int64, logits.device)
         logits[r, t] = float("-inf")
     return logits
 
@@ -240,12 +295,12 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         and params.logprobs is None
         and not params.has_penalties
         and not params.logit_bias
-        and len(row.output_token_ids) >= params.min_tokens
+        and row.output_position >= params.min_tokens
     )
 
 
 def _index(indices: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(indices, dtype=torch.int64).to(device)
+    return _as_tensor(indices, torch.int64, device)
 
 
 class Sampler:
@@ -257,11 +312,16 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample and read the result on the host (waits for the device)."""
+        return self.sample(logits, rows).read()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """Sample without waiting for the device: the tokens (and logprobs) stay where the logits are."""
         batch, vocab_size = logits.shape
         if batch != len(rows):
             raise ValueError(f"logits have {batch} rows but {len(rows)} sampling rows were given")
         if all(_is_plain_greedy(row) for row in rows):  # fast path: no per-row tensor work
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+            return DeviceSample(logits.argmax(dim=-1))
 
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         work = logits.to(dtype=work_dtype, copy=True)  # (B, V)
@@ -282,13 +342,10 @@ class Sampler:
             index = _index(random_rows, work.device)
             tokens[index] = self._sample(work[index], [rows[i] for i in random_rows])
 
-        logprobs: list[TokenLogprobs | None] = [None] * batch
-        if raw_logprobs is not None:
-            chosen = tokens[_index(logprob_rows, work.device)]  # (L,)
-            found = _gather_logprobs(raw_logprobs, chosen, [rows[i] for i in logprob_rows])
-            for i, entry in zip(logprob_rows, found):
-                logprobs[i] = entry
-        return SamplerOutput(tokens.tolist(), logprobs)
+        if raw_logprobs is None:
+            return DeviceSample(tokens)
+        chosen = tokens[_index(logprob_rows, work.device)]  # (L,)
+        return _with_logprobs(tokens, logprob_rows, raw_logprobs, chosen, [rows[i] for i in logprob_rows])
 
     @staticmethod
     def _penalize(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
@@ -323,20 +380,19 @@ class Sampler:
         return (probs / exponential).argmax(dim=-1)  # (R,)
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[TokenLogprobs]:
-    """The chosen token's raw logprob and the top-n raw logprobs of each row; one copy to CPU."""
-    chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()  # (L,)
-    chosen_ids = chosen.tolist()
+def _with_logprobs(
+    tokens: torch.Tensor,
+    logprob_rows: list[int],
+    raw_logprobs: torch.Tensor,
+    chosen: torch.Tensor,
+    rows: Sequence[SamplingRow],
+) -> DeviceSample:
+    """The chosen token's raw logprob and the top-n raw logprobs of each row asking for them."""
+    chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)  # (L,)
     ns = [row.params.logprobs for row in rows]
     n_max = max(ns)
-    top_vals: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values = top_ids = None
     if n_max > 0:
         top = raw_logprobs.topk(min(n_max, raw_logprobs.shape[-1]), dim=-1)  # (L, n_max)
-        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    return [
-        TokenLogprobs(tid, lp, list(zip(ids[:n], vals[:n])))
-        for tid, lp, ids, vals, n in zip(chosen_ids, chosen_lp, top_ids, top_vals, ns)
-    ]
+        top_values, top_ids = top.values, top.indices
+    return DeviceSample(tokens, logprob_rows, chosen_lp, top_values, top_ids, ns)

@@ -8,7 +8,16 @@ to its `num_tokens` under a per-step token budget. One step, in named phases:
                            newest (or lowest priority) running request by recompute
     2. _schedule_waiting   admit waiting requests while budget, sequence cap and blocks
                            allow, reusing their cached prefix blocks
-    3. (runner executes)   then update_from_output appends sampled tokens and finishes
+    3. _advance            the scheduled tokens count as computed at once, and a
+                           sampling step adds a pending token (its id stays on the device)
+    4. (runner executes)   then update_from_output appends the sampled tokens and finishes
+
+Asynchronous scheduling: step N+1 is scheduled while step N still runs, so N's sampled
+tokens are pending when N+1 is built (the runner feeds them to N+1 on the device) and
+update_from_output(N) comes after N+1 is launched. A request that N's tokens end may thus
+be in step N+1: that step's token for it is discarded, and its blocks are freed once N+1
+has been read (`in_flight`), never while a step that writes them may still run. The
+synchronous loop is the same code with update_from_output right after each launch.
 
 Roles: "prefill" admits prompt work and parks each request as PREFILLED after its
 first token, keeping its blocks until release; "decode" takes requests whose KV was
@@ -33,17 +42,22 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # before this step
+    samples: bool | None = None  # this step brings the request level, so its last logits are sampled
+
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_pending
 
     @property
-    def samples(self) -> bool:
-        """True when this step brings the request level, so its last logits are sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def num_computed_after(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    step_number: int = 0  # set at launch (Scheduler.step_launched)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +134,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_launched = 0  # steps launched so far; SchedulerOutput.step_number of the latest
+        self.in_flight: set[str] = set()  # request ids of the latest launched step until it is read
+        self._free_when_read: list[tuple[int, list[int]]] = []  # (step number, blocks) waiting for it
 
     # -- intake ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -133,15 +150,40 @@ class Scheduler:
         self.running.append(request)
 
     def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
-        """End a request wherever it is; free its blocks unless they stay held (prefill role)."""
+        """End a request wherever it is; free its blocks unless they stay held (prefill role). Blocks of a
+        request in the launched step not yet read are freed when it is read (`step_read`)."""
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request in self.running:
             self.running.remove(request)
         request.status = status
         if free_blocks:
+            if request.request_id in self.in_flight:
+                blocks = self.kv.blocks_of(request.request_id)
+                self.kv.pool.touch(blocks)  # our own reference until the step is read
+                self._free_when_read.append((self.num_launched, blocks))
             self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
+
+    def step_launched(self, out: SchedulerOutput) -> None:
+        """`out` runs now; update_from_output reads it later (after the next launch, when asynchronous)."""
+        self.num_launched += 1
+        out.step_number = self.num_launched
+        self.in_flight = {s.request.request_id for s in out.scheduled}
+
+    def _step_read(self, out: SchedulerOutput) -> None:
+        """Step `out` has ended and been read: free the blocks that waited for it (each request's tail first).
+        Preempted requests free theirs at once: only the next steps reuse them, in stream order after this
+        one, and a KV transfer's side stream starts after the work queued before it (kv_transfer/io.py)."""
+        if out.step_number == self.num_launched:
+            self.in_flight = set()
+        waiting = []
+        for step_number, blocks in self._free_when_read:
+            if step_number <= out.step_number:
+                self.kv.pool.free(reversed(blocks))
+            else:
+                waiting.append((step_number, blocks))
+        self._free_when_read = waiting
 
     @property
     def num_unfinished(self) -> int:
@@ -153,15 +195,32 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self._advance(out)
         return out
+
+    @staticmethod
+    def _advance(out: SchedulerOutput) -> None:
+        """The scheduled tokens count as computed now (the next step may be scheduled before this one is
+        read); a sampling step adds the pending token it will produce."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.num_computed_after
+            if s.samples:
+                s.request.num_pending_tokens += 1
+
+    def _needs_no_step(self, request: Request) -> bool:
+        """Its pending tokens already end it (by length, or the prefill role's hand-off after the first
+        token): scheduling it again would compute a token that is discarded."""
+        if self.role == "prefill" and request.num_computed_tokens >= request.num_prompt_tokens:
+            return True
+        return request.num_pending_tokens > 0 and request.ends_by_length(self.max_model_len)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._needs_no_step(request):
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -181,7 +240,7 @@ class Scheduler:
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """The running request to preempt: lowest priority, then latest arrival."""
-        candidates = [r for r in self.running if r.request_id not in exclude]
+        candidates = [r for r in self.running if r.request_id not in exclude and not self._needs_no_step(r)]
         if not candidates:
             return None
         return max(candidates, key=lambda r: (r.priority, r.arrival_time))
@@ -199,8 +258,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if request is None:
-                break
+            if request is None or request.num_pending_tokens:
+                break  # a preempted request's last token is still on the device: it is read first
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
@@ -219,25 +278,31 @@ class Scheduler:
 
     # -- after the runner ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests. Returns the
-        requests that produced a token or finished this step."""
+        """Read a step that has ended: append its sampled tokens, register full blocks, finish requests.
+        Returns the requests that got a token or finished. A request that ended (or was aborted) after
+        the step was launched gets nothing: its token lies past its end and is discarded, never shown.
+        A request preempted after the launch keeps its token (it was computed before the preemption)."""
         changed = []
         for s in out.scheduled:
             request = s.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if s.samples:
+                request.num_pending_tokens -= 1
+            status = request.status
+            if status == RequestStatus.RUNNING:
+                self.kv.cache_blocks(request, s.num_computed_after)
+            elif status != RequestStatus.WAITING:
+                continue  # ended after this step was launched: its token is past its end
             if not s.samples:
                 continue
             token_id, logprobs = sampled[request.request_id]
             request.append_output(token_id, logprobs)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            status = request.check_stop(self.max_model_len)
-            if status is not None:
-                self.finish(request, status)
-            elif self.role == "prefill":
+            stop = request.check_stop(self.max_model_len)
+            if stop is not None:
+                self.finish(request, stop)
+            elif self.role == "prefill" and status == RequestStatus.RUNNING:
                 self.finish(request, RequestStatus.PREFILLED, free_blocks=False)
             changed.append(request)
+        self._step_read(out)
         return changed

@@ -244,12 +244,14 @@ def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[5.0, 1.0, 4.0, 3.0, 2.0]])  # eos = 0, stop id = 2
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
     sampler = Sampler()
-    assert sampler(logits, [make_row(params, output=[4], eos=(0,))]).token_ids == [3]
-    assert sampler(logits, [make_row(params, output=[4, 4], eos=(0,))]).token_ids == [0]
+    # the outputs before the sampled token are counted by its position (pending ones have no id on the host)
+    assert sampler(logits, [make_row(params, position=1, output=[4], eos=(0,))]).token_ids == [3]
+    assert sampler(logits, [make_row(params, position=1, output=[], eos=(0,))]).token_ids == [3]
+    assert sampler(logits, [make_row(params, position=2, output=[4, 4], eos=(0,))]).token_ids == [0]
     ignore = SamplingParams(temperature=0, ignore_eos=True)  # ignore_eos alone masks nothing
     assert sampler(logits, [make_row(ignore, eos=(0,))]).token_ids == [0]
     seeded = SamplingParams(min_tokens=3, stop_token_ids=[2])
-    rows = [make_row(seeded, seed=1, position=p, output=[4], eos=(0, 1)) for p in range(200)]
+    rows = [make_row(seeded, seed=s, position=1, output=[4], eos=(0, 1)) for s in range(200)]
     tokens = sampler(logits.expand(200, 5), rows).token_ids
     assert set(tokens) == {3, 4}
 

@@ -61,6 +61,11 @@ class EngineConfig:
     role: str = option("both", "prefill (prompt work only), decode (imported KV) or both", choices=ROLES)
     seed: int = option(0, "seed for dummy weights and for requests without a seed", min=0, max=2**63 - 1)
     enforce_eager: bool = option(False, "disable CUDA graphs")
+    async_scheduling: bool | None = option(
+        None,
+        "schedule and prepare step N+1 while step N runs, reading N's tokens a step later (outputs are the "
+        "same); unset = on with CUDA, off on CPU (where nothing overlaps)",
+    )
     num_threads: int = option(0, "torch CPU threads; 0 = torch's default", min=0, max=1024)
 
     def __post_init__(self) -> None:
