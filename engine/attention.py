@@ -13,6 +13,10 @@ q_len_i = query_start_loc[i+1] - query_start_loc[i] are new:
 (slot_mapping; negative slots are padding and skipped), then attends reading
 everything from the cache. On CUDA it dispatches to the Triton kernels in
 `kernels/`; elsewhere it runs the torch path below.
+
+An fp8 cache holds k / k_scale and v / v_scale (per-layer scales): the write divides, and the
+readers fold the scales in instead of multiplying every element back:
+q . (k_scale k_c) = (scale k_scale) q . k_c, and sum p (v_scale v_c) = v_scale sum p v_c.
 """
 
 from __future__ import annotations
@@ -48,8 +52,24 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x in the cache's dtype: an fp8 cache stores clamp(x / scale) (e4m3 casts do not saturate)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return x.to(cache.dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+
+
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter new keys/values (T, Hkv, D) into the caches (N, bs, Hkv, D) at their slots."""
     block_size = k_cache.shape[1]
@@ -58,8 +78,8 @@ def write_kv(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+    k_cache[blocks, offsets] = _to_cache(key, k_cache, k_scale)
+    v_cache[blocks, offsets] = _to_cache(value, v_cache, v_scale)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -148,7 +168,8 @@ def attention_torch(
     """
     num_kv_heads = k_cache.shape[2]
     gqa = q.shape[1] != num_kv_heads
-    op = cpu_ops_for(q, (torch.float32, torch.float64))  # the C++ decode attention, when built
+    # the C++ decode attention, when built (it reads caches of q's dtype only)
+    op = cpu_ops_for(q, (torch.float32, torch.float64)) if k_cache.dtype == q.dtype else None
     if meta.is_decode_only and op is not None:
         return op.paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
@@ -197,24 +218,31 @@ def attention_forward(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D)."""
+    """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D).
+
+    k_scale / v_scale: what an fp8 cache's values are multiplied by to be keys / values (1.0 else)."""
     if q.is_cuda:
-        return _attention_cuda(q, k, v, k_cache, v_cache, meta, scale)
-    ops = cpu_ops_for(k) if k_cache.dtype == k.dtype else None
-    if ops is not None:
-        ops.write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = _attention_cuda(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
     else:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attention_torch(q, k_cache, v_cache, meta, scale, k, v)
+        ops = cpu_ops_for(k) if k_cache.dtype == k.dtype else None
+        if ops is not None:
+            ops.write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        fresh = k_cache.dtype == k.dtype  # an fp8 cache's prompts attend over the stored (quantized) keys
+        out = attention_torch(q, k_cache, v_cache, meta, scale * k_scale, k if fresh else None, v if fresh else None)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
-def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale, v_scale) -> torch.Tensor:
     """The Triton kernels: KV write, then paged decode (all one-token) or paged prefill attention."""
     from splitserve import kernels
 
-    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention_cuda(q, k_cache, v_cache, meta, scale)
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale)
 
 
 def all_fresh(meta: AttentionMetadata) -> bool:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.common.config import EngineConfig, RuntimeInfo
-from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool
@@ -93,6 +93,16 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return name
 
 
+def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str) -> KvLayout:
+    """The KV layout of --kv-cache-dtype: the model's dtype, or fp8 with per-layer scales (the
+    checkpoint's, else 1.0), which the model's attention then applies."""
+    if config.kv_cache_dtype != "fp8":
+        return model_config.kv_layout(config.block_size, dtype_name)
+    scales = getattr(model, "checkpoint_kv_scales", None) or [(1.0, 1.0)] * model_config.num_layers
+    model.set_kv_scales(scales)
+    return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales)
+
+
 def _queue_ns(request: Request) -> int:
     if request.num_output_tokens != 1 or request.first_scheduled_time is None:
         return 0
@@ -145,9 +155,10 @@ class EngineCore:
                 load_format=config.load_format,
                 seed=config.seed,
                 model_id=config.model_id or None,
+                quantization=config.quantization,
             )
         self.model_config = model_config
-        self.layout: KvLayout = model_config.kv_layout(config.block_size, dtype_name)
+        self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name)
         max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )

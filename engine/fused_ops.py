@@ -87,13 +87,16 @@ def rope_write_attend(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q/k, write k/v into the cache, attend: q (T, Hq, D) -> (T, Hq, D). On CUDA the rotation
-    and the write are one kernel (`kernels.rotary_kv_write`); elsewhere the unfused ops."""
+    and the write are one kernel (`kernels.rotary_kv_write`); elsewhere, and into an fp8 cache (which
+    stores k / k_scale, v / v_scale: engine.attention), the unfused ops."""
     if q.is_cuda and k_cache.dtype == k.dtype:
         from splitserve.kernels.rotary_kv_write import rotary_kv_write
 
         rotary_kv_write(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin_cache)
         return paged_attention_cuda(q, k_cache, v_cache, meta, scale, k, v)
     rotary_embedding(positions, q, k, cos_sin_cache)
-    return attention_forward(q, k, v, k_cache, v_cache, meta, scale)
+    return attention_forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -11,6 +11,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 assert set(_DTYPES) == set(DTYPE_ITEMSIZE)
 
@@ -31,6 +32,12 @@ def torch_dtype(layout: KvLayout) -> torch.dtype:
 def allocate_kv_cache(layout: KvLayout, num_blocks: int, device: torch.device | str) -> torch.Tensor:
     """A zeroed KV cache tensor of `num_blocks` blocks on `device`: layout.cache_shape(num_blocks)."""
     return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout), device=device)
+
+
+def as_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """An fp8 KV tensor (or slice) viewed as uint8 for copies: CPU index_copy_, gloo and NCCL lack fp8.
+    Other dtypes come back as they are."""
+    return kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else kv
 
 
 def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,11 @@
 Every checkpoint tensor must map to a parameter of the model (fused q|k|v and gate|up
 rows included) with the same shape; every parameter must be filled. Any violation is a
 ValueError naming the tensor; missing files are FileNotFoundError naming the path.
+
+FP8: a checkpoint whose config.json has an fp8 `quantization_config` loads its e4m3 weights and
+scales as they are (engine/fp8_checkpoint.py); `quantization="fp8"` quantizes an unquantized
+checkpoint after loading. KV cache scales found in the checkpoint are kept on the model as
+`checkpoint_kv_scales` (the engine applies them when the KV cache is fp8).
 """
 
 from __future__ import annotations
@@ -21,9 +26,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from splitserve.engine.fp8_checkpoint import (
+    finalize_fp8_model,
+    kv_scale_of,
+    prepare_fp8_model,
+    quantize_model,
+    read_fp8_scheme,
+)
 from splitserve.engine.kv_layout import dtype_from_name
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import model_class
+from splitserve.engine.models.llama import FUSED_PARTS
 
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 1 << 30  # always show the bar above this (and whenever stderr is a TTY)
@@ -38,12 +51,15 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     model_id: str | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load `model` (a directory; for load_format="dummy" also a config JSON file).
 
     dtype: a torch dtype or its name ("bfloat16", ...), or "auto" for the checkpoint's own
     dtype (float32 when the config names none). load_format "dummy" fills weights with
-    N(0, DUMMY_STD) from `seed` (norm weights 1). Returns (model in eval mode, config).
+    N(0, DUMMY_STD) from `seed` (norm weights 1). quantization "fp8" quantizes the projections of
+    an unquantized checkpoint (an fp8 checkpoint loads as fp8 either way). Returns (model in eval
+    mode, config).
     """
     path = Path(model)
     if load_format not in ("auto", "dummy"):
@@ -58,13 +74,22 @@ def load_model(
                 f"model path {path} is not a directory (a config file alone needs load_format='dummy')"
             )
         weight_files = checkpoint_files(path)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization {quantization!r} is not supported; choose fp8 or none")
     config = ModelConfig.from_pretrained(path, model_id=model_id)
     torch_dtype = resolve_dtype(dtype, config)
     net = model_class(config)(config, torch_dtype, torch.device(device))
+    scheme = read_fp8_scheme(path) if load_format == "auto" else None
+    if scheme is not None:
+        prepare_fp8_model(net, scheme, FUSED_PARTS)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
         load_safetensors(net, weight_files, path)
+    if scheme is not None:
+        finalize_fp8_model(net)
+    elif quantization == "fp8":
+        quantize_model(net)
     if hasattr(net, "pack_for_cpu"):
         net.pack_for_cpu()  # float32 on CPU: MKL-packed GEMM weights
     return net.eval(), config
@@ -99,6 +124,7 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
 
     targets = net.checkpoint_targets()
     loaded: set[str] = set()
+    kv_scales: dict[tuple[int, str], float] = {}
     progress = Progress("loading weights", sum(f.stat().st_size for f in files))
     with torch.no_grad():
         for file in files:
@@ -106,25 +132,57 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                 for name in reader.keys():
                     target = targets.get(name)
                     if target is None:
+                        kv_scale = kv_scale_of(name)
+                        if kv_scale is not None:
+                            kv_scales[kv_scale] = float(reader.get_tensor(name).float().reshape(-1)[0])
+                            continue
                         if net.is_ignored_checkpoint_tensor(name):
                             continue
                         raise ValueError(
                             f"unexpected tensor {name!r} in {file.name}: {net.config.architecture} has no such weight"
                         )
                     tensor = reader.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(
-                            f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor)
+                    target.copy_(_fitted(tensor, target, name, file.name))
                     loaded.add(name)
                     progress.advance(tensor.numel() * tensor.element_size())
     progress.close()
+    net.checkpoint_kv_scales = _kv_scale_pairs(kv_scales, net.config.num_layers) if kv_scales else None
     missing = sorted(set(targets) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint in {path} is missing tensor {missing[0]!r}{more}")
+
+
+def _fitted(tensor: torch.Tensor, target: torch.Tensor, name: str, file_name: str) -> torch.Tensor:
+    """`tensor` in `target`'s shape: equal shapes; a (N, 1) per-channel scale for (N,) rows; a
+    per-tensor scale ((), (1,)) repeated over the rows of its part. An fp8 weight only into fp8."""
+    fp8_target = target.dtype == torch.float8_e4m3fn
+    if fp8_target != (tensor.dtype == torch.float8_e4m3fn):
+        raise ValueError(
+            f"tensor {name!r} in {file_name} is {str(tensor.dtype).removeprefix('torch.')}, expected "
+            f"{str(target.dtype).removeprefix('torch.')} (quantization_config and the tensors disagree)"
+        )
+    if tuple(tensor.shape) == tuple(target.shape):
+        return tensor
+    if name.endswith("_scale") and tensor.numel() in (1, target.numel()):
+        return tensor.reshape(-1).expand(target.shape) if tensor.numel() == 1 else tensor.reshape(target.shape)
+    raise ValueError(f"tensor {name!r} in {file_name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+
+
+def _kv_scale_pairs(found: dict[tuple[int, str], float], num_layers: int) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) from the checkpoint's KV scale tensors (each layer needs both)."""
+    pairs = []
+    for layer in range(num_layers):
+        both = found.get((layer, "kv"))
+        k, v = found.get((layer, "k"), both), found.get((layer, "v"), both)
+        if k is None or v is None:
+            raise ValueError(
+                f"the checkpoint has KV cache scales but none for layer {layer}'s {'k' if k is None else 'v'}"
+            )
+        if not (k > 0 and v > 0):
+            raise ValueError(f"layer {layer}'s KV cache scales must be positive, got k={k}, v={v}")
+        pairs.append((k, v))
+    return pairs
 
 
 def init_dummy_weights(net: nn.Module, seed: int) -> None:
@@ -134,7 +192,7 @@ def init_dummy_weights(net: nn.Module, seed: int) -> None:
         for name, param in net.named_parameters():
             if generator is None:
                 generator = torch.Generator(device=param.device).manual_seed(seed)
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "_scale")):  # fp8 scales of dummy weights too
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)

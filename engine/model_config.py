@@ -145,8 +145,11 @@ class ModelConfig:
             checkpoint_dtype=_dtype_name_of(hf),
         )
 
-    def kv_layout(self, block_size: int, dtype_name: str) -> KvLayout:
-        """The KV cache layout this model needs with `block_size` tokens per block."""
+    def kv_layout(
+        self, block_size: int, dtype_name: str, kv_scales: list[tuple[float, float]] | None = None
+    ) -> KvLayout:
+        """The KV cache layout this model needs with `block_size` tokens per block; `kv_scales`
+        (per-layer (k, v)) only for an fp8 dtype."""
         return KvLayout(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
@@ -154,6 +157,8 @@ class ModelConfig:
             block_size=block_size,
             dtype=dtype_name,
             model_id=self.model_id,
+            k_scales=tuple(float(k) for k, _ in kv_scales or ()),
+            v_scales=tuple(float(v) for _, v in kv_scales or ()),
         )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.kv_layout import describe_layout_fields
 from splitserve.gateway.decode_link import DecodeLink
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.runtime.grpc_server import OWN_CONNECTION
@@ -46,13 +47,25 @@ MAX_DESCRIBE_FAILURES = 3
 # Consecutive Describe timeouts after which an instance counts as down (hung, not busy): a busy
 # instance answering late keeps its requests (3,000 streams made three 1 s timeouts in a row).
 MAX_SLOW_DESCRIBES = 10
-_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout")
+_LAYOUT_FIELDS = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "dtype",
+    "model_id",
+    "layout",
+    "k_scales",
+    "v_scales",
+)
 _POOL_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
 
 def describe_layout(layout: common_pb2.KvLayout) -> str:
     """One line naming every KvLayout field, in engine.kv_layout.KvLayout.describe()'s format."""
-    return ", ".join(f"{name}={getattr(layout, name)}" for name in _LAYOUT_FIELDS)
+    fields = {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
+    fields["k_scales"], fields["v_scales"] = tuple(layout.k_scales), tuple(layout.v_scales)  # repeated fields
+    return describe_layout_fields(fields)
 
 
 def layout_mismatch(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> str | None:

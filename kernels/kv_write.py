@@ -5,6 +5,9 @@
 
 The caches are strided views into the block-major KV tensor (see engine/kv_layout.py), so the
 block stride is not block_size * Hkv * D; every stride is passed to the kernel.
+
+An fp8 (e4m3) cache stores clamp(key / k_scale, -448, 448) and clamp(value / v_scale, ...): the
+kernel quantizes as it writes (e4m3 casts do not saturate, hence the clamp).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    inv_k_scale,
+    inv_v_scale,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -42,6 +47,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -53,6 +59,9 @@ def _write_kv_kernel(
         mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)  # (BLOCK_H, BLOCK_D)
         k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
         v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+        if FP8:
+            k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -448.0), 448.0)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -448.0), 448.0)
         kc = k_cache_ptr + block_id * stride_kcb + offset * stride_kct
         vc = v_cache_ptr + block_id * stride_vcb + offset * stride_vct
         tl.store(kc + h[:, None] * stride_kch + d[None, :] * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -77,20 +86,38 @@ def _check(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"write_kv: slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
 
 
+def _stored(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    if cache.dtype != torch.float8_e4m3fn:
+        return x.to(cache.dtype)
+    return (x.float() / scale).clamp(-448.0, 448.0).to(cache.dtype)
+
+
 def write_kv_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference: scatter key/value (T, Hkv, D) into the caches in place."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0  # (T,)
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = _stored(key[valid], k_cache, k_scale)
+    v_cache[blocks, offsets] = _stored(value[valid], v_cache, v_scale)
 
 
 def write_kv_triton(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton kernel: one program per token; padding tokens (slot < 0) write nothing."""
     num_tokens, num_heads, head_dim = key.shape
@@ -103,6 +130,8 @@ def write_kv_triton(
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -112,6 +141,7 @@ def write_kv_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         PAGE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )
 
@@ -123,11 +153,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     impl: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at
-    slot_mapping (T,) int64; negative slots are padding and are skipped. In place."""
+    slot_mapping (T,) int64; negative slots are padding and are skipped. In place.
+    An fp8 cache stores key / k_scale and value / v_scale (the scales are ignored otherwise)."""
     _check(key, value, k_cache, v_cache, slot_mapping)
     if use_triton(impl, key, "write_kv"):
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

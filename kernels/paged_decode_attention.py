@@ -16,6 +16,8 @@ contiguous ranges processed in parallel; a second kernel merges the partial soft
 
 Scores are kept in log2 units (x = q.k * scale * log2(e)) so the kernel uses exp2.
 A sequence with seq_len 0 (batch padding) gets a zero output.
+The caches may be float8_e4m3fn (half the bytes): tiles are upcast to q's dtype after loading;
+any cache scale is the caller's (fold k's into `scale`, multiply the output by v's).
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def _decode_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:  # an fp8 cache: upcast to q's dtype (its scale is folded into qk_scale by the caller)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=PREC) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

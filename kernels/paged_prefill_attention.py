@@ -93,6 +93,9 @@ def _attend_tile(
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # an fp8 cache: upcast to q's dtype (its scale is folded into qk_scale by the caller)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, k, input_precision=PREC)  # (BLOCK_M, BLOCK_N) raw scores; * qk_scale -> log2 units
     if MASKED:
         visible = (n[None, :] <= offs_pos[:, None]) & n_mask[None, :]

@@ -88,7 +88,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout", "k_scales", "v_scales")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class KvLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -103,7 +105,9 @@ class KvLayout(_message.Message):
     dtype: str
     model_id: str
     layout: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "epoch", "expires_unix_ns")

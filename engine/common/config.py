@@ -8,6 +8,8 @@ from splitserve.common.config_fields import ConfigError, option, validate_fields
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float16", "bfloat16", "float32", "float64")
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DEVICES = ("auto", "cpu", "cuda") + tuple(f"cuda:{i}" for i in range(16))
 
 
@@ -36,6 +38,18 @@ class EngineConfig:
     model_id: str = option("", "id the model is served under; empty = the Hugging Face id, else the directory name")
     dtype: str = option("auto", "weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     device: str = option("auto", "where to run; auto = cuda when available", choices=DEVICES)
+    quantization: str | None = option(
+        None,
+        "fp8: quantize the projections of an unquantized checkpoint to float8 e4m3 at load (per-channel weight "
+        "scales, per-token activation scales); unset = as the checkpoint is (an fp8 checkpoint loads as fp8)",
+        choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache element type; auto = --dtype's; fp8 = float8 e4m3 with per-layer k/v scales (the checkpoint's, "
+        "else 1.0), half the bytes of bfloat16 to store, read and transfer",
+        choices=KV_CACHE_DTYPES,
+    )
     load_format: str = option("auto", "auto reads safetensors; dummy makes random weights", choices=("auto", "dummy"))
     block_size: int = option(16, "tokens per KV block", min=1, max=256)
     num_kv_blocks: int | None = option(None, "KV blocks in the pool; unset = sized from memory", min=1, max=10_000_000)

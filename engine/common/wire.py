@@ -77,6 +77,8 @@ def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
         dtype=layout.dtype,
         model_id=layout.model_id,
         layout=layout.layout,
+        k_scales=layout.k_scales,
+        v_scales=layout.v_scales,
     )
 
 
@@ -89,4 +91,6 @@ def layout_from_proto(pb: common_pb2.KvLayout) -> KvLayout:
         dtype=pb.dtype,
         model_id=pb.model_id,
         layout=pb.layout,
+        k_scales=tuple(pb.k_scales),
+        v_scales=tuple(pb.v_scales),
     )

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from splitserve.common.kv_layout import KvLayout
-from splitserve.engine.kv_layout import allocate_kv_cache, torch_dtype
+from splitserve.engine.kv_layout import allocate_kv_cache, as_bytes, torch_dtype
 from splitserve.engine.kv_transfer.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
 from splitserve.engine.kv_transfer.keepalive import CudaLink, LinkKeepalive, gpu_uuid, local_index
 from splitserve.engine.kv_transfer.shm import SharedKvPool, copy_blocks, segment_name, unlink_stale
@@ -216,7 +216,7 @@ class KvIo:
         group = self.groups.get(pair)
         if group is None:
             raise RuntimeError(f"no communicator with {spec.prefill_instance} (pair {pair} not registered)")
-        kv_cache = target.kv_cache
+        kv_cache = as_bytes(target.kv_cache)  # fp8 pools move as bytes (neither gloo nor NCCL takes fp8)
         src_ids = [spec.block_ids[i] for i in indices]
         # Receive straight into the destination blocks only over NCCL, whose abort (drop_pair) cancels a
         # timed-out receive; a gloo receive left pending could land in blocks reused by then, so CPU stages.
@@ -262,6 +262,7 @@ class KvIo:
         if group is None:
             raise RuntimeError(f"pair {pair} is not registered")
         start = time.perf_counter_ns()
+        kv_cache = as_bytes(kv_cache)  # fp8 pools move as bytes, as the receiver takes them
         with self._side_stream(kv_cache) as stream:
             if block_run(block_ids) is not None:  # consecutive blocks: send the pool's own slice, no gather
                 staging = kv_cache[block_ids[0] : block_ids[0] + len(block_ids)]  # (n, L, 2, bs, Hkv, D)
@@ -449,6 +450,7 @@ def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, ds
             raise ValueError(
                 f"copy_block_runs: {side} block ids {min(ids)}..{max(ids)} outside the pool's {pool.shape[0]} blocks"
             )
+    src, dst = as_bytes(src), as_bytes(dst)  # fp8 pools move as bytes
     runs = block_runs(src_ids, dst_ids)
     if len(runs) > MAX_DIRECT_RUNS:
         return copy_blocks(src, src_ids, dst, dst_ids)

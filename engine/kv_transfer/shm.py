@@ -14,7 +14,7 @@ from multiprocessing import shared_memory
 import torch
 
 from splitserve.common.kv_layout import KvLayout
-from splitserve.engine.kv_layout import torch_dtype
+from splitserve.engine.kv_layout import as_bytes, torch_dtype
 
 PREFIX = "splitserve-kv-"
 
@@ -96,6 +96,7 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
         raise ValueError(f"copy_blocks: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
     if not src_ids:
         return 0
+    src, dst = as_bytes(src), as_bytes(dst)  # fp8: CPU index_copy_ has no fp8 kernel
     src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
     dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
     staged = src.index_select(0, src_index).to(dst.device, non_blocking=True)  # (n, L, 2, bs, Hkv, D)

@@ -93,6 +93,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        # KV cache scales (fp8 KV: cached = k / k_scale); 1.0 unless set_kv_scales gives others
+        self.k_scale = self.v_scale = 1.0
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype, device)
@@ -124,11 +126,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = layer_kv(kv_cache, self.layer_idx)
+        scales = (self.k_scale, self.v_scale)
         if fused:
-            out = rope_write_attend(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale)
+            out = rope_write_attend(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale, *scales)
             return plain_linear(self.o_proj, out.reshape(num_tokens, self.num_heads * self.head_dim))  # (T, H)
         rotary_embedding(positions, q, k, cos_sin_cache)
-        out = attention_forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        out = attention_forward(q, k, v, k_cache, v_cache, meta, self.scale, *scales)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # (T, H)
 
 
@@ -264,10 +267,20 @@ class DecoderForCausalLM(nn.Module):
                 continue
             module = self.get_submodule(module_path)
             start = 0
-            for part, rows in zip(parts, module.output_sizes):
+            for i, (part, rows) in enumerate(zip(parts, module.output_sizes)):
+                if leaf == "input_scale":  # fp8 static activations: one scale per part (engine/quant.py)
+                    targets[f"{prefix}.{part}.{leaf}"] = param.data.narrow(0, i, 1)
+                    continue
                 targets[f"{prefix}.{part}.{leaf}"] = param.data.narrow(0, start, rows)
                 start += rows
         return targets
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Per-layer (k_scale, v_scale) of an fp8 KV cache: keys are cached as k / k_scale."""
+        if len(scales) != self.config.num_layers:
+            raise ValueError(f"set_kv_scales: {len(scales)} (k, v) scale pairs for {self.config.num_layers} layers")
+        for layer, (k_scale, v_scale) in zip(self.model.layers, scales):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = float(k_scale), float(v_scale)
 
     def is_ignored_checkpoint_tensor(self, name: str) -> bool:
         """Tensors a checkpoint may hold that we do not load (tied lm_head, rotary buffers)."""

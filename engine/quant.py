@@ -1,0 +1,149 @@
+"""FP8 (e4m3) quantization: the math, and the linear layer that multiplies in eight bits.
+
+    weight (N, K) -> w_q (N, K) float8_e4m3fn, weight_scale (N,) fp32     w ~= w_q * weight_scale[:, None]
+    x (T, K)      -> x_q (T, K) float8_e4m3fn, x_scale (T, 1) fp32         x ~= x_q * x_scale
+    y = (x_q @ w_q^T) * x_scale * weight_scale^T (+ bias)                  (T, N) in x's dtype
+
+Weights have one scale per output channel (row), activations one per token (row), computed as
+each step runs (dynamic); a checkpoint with static activation scales gives one per layer
+(`input_scale`). Scales are amax / 448 (448 = e4m3's largest finite value), so every row uses
+the whole range; values are clamped to +-448 before the cast (the cast itself does not saturate).
+
+`Fp8Linear` runs `torch._scaled_mm` on CUDA devices of compute capability 8.9 or more (Ada,
+Hopper) when K and N are multiples of 16 (cuBLASLt/CUTLASS need it); everywhere else it runs the
+reference: dequantize both operands to x's dtype and multiply. The two paths see the same
+quantized operands, so they differ only by accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# Smallest scale: a row of zeros quantizes to zeros instead of dividing by zero.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# (major, minor) compute capability from which cuBLASLt/CUTLASS multiply e4m3 operands (Ada, Hopper).
+SCALED_MM_MIN_CAPABILITY = (8, 9)
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Clamp to +-FP8_MAX and cast to e4m3 (round to nearest even)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) -> (w_q (N, K) e4m3, scale (N,) fp32), one scale per output row."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)  # (N,)
+    return to_fp8(w / scale[:, None]), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) -> (x_q (T, K) e4m3, scale (T, 1) fp32), one scale per row (token)."""
+    if x.is_cuda:
+        from splitserve.kernels.fp8_quant import quantize_per_token as fused
+
+        return fused(x, MIN_SCALE)
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # (T, 1)
+    return to_fp8(xf / scale), scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (T, K) with one given scale () fp32 -> x_q (T, K) e4m3."""
+    return to_fp8(x.float() / scale)
+
+
+def dequantize(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_q * scale in `dtype` (scale broadcasts: (N, 1) per row, () per tensor)."""
+    return (x_q.to(dtype) * scale.to(dtype)).to(dtype)
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` multiplies e4m3 operands on `device` (CUDA, capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= SCALED_MM_MIN_CAPABILITY
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W stored in e4m3 and one fp32 scale per output row.
+
+    `output_sizes` are the row blocks of a fused weight (q|k|v, gate|up), as in models.llama.Linear;
+    a checkpoint's per-tensor scales fill their rows of `weight_scale`. `num_input_scales` > 0 makes
+    activations static: one scale per fused part (a checkpoint's `input_scale`s), of which the
+    largest is used, as vLLM does; 0 (default) quantizes each token's activations as it runs.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device, num_input_scales=0):
+        super().__init__()
+        self.output_sizes = tuple(output_sizes)
+        out_features = sum(output_sizes)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype = dtype  # the model's dtype: what x and y are
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=FP8_DTYPE, device=device), False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device), False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        self.input_scale = None
+        if num_input_scales:
+            self.input_scale = nn.Parameter(torch.ones(num_input_scales, dtype=torch.float32, device=device), False)
+        self.use_scaled_mm = False  # decided by finalize(), once the weights sit on their device
+        self._static_scale = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Fp8Linear:
+        """Quantize an unquantized linear (models.llama.Linear) per output channel."""
+        weight = linear.weight.data
+        bias = linear.bias is not None
+        layer = cls(weight.shape[1], list(linear.output_sizes), bias, weight.dtype, weight.device)
+        w_q, scale = quantize_per_channel(weight)
+        layer.weight.data.copy_(w_q)
+        layer.weight_scale.data.copy_(scale)
+        if bias:
+            layer.bias.data.copy_(linear.bias.data)
+        layer.finalize()
+        return layer
+
+    def finalize(self) -> None:
+        """After loading: pick the path and fold the static activation scales into one."""
+        self.use_scaled_mm = (
+            scaled_mm_supported(self.weight.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        )
+        if self.input_scale is not None:
+            self._static_scale = self.input_scale.data.max().reshape(1, 1)  # (1, 1)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, K) -> (x_q, scale (T, 1)): dynamic per token, or the static per-layer scale."""
+        if self._static_scale is None:
+            return quantize_per_token(x)
+        return quantize_static(x, self._static_scale), self._static_scale.expand(x.shape[0], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (T, K)
+        x_q, x_scale = self.quantize_input(x2)
+        if self.use_scaled_mm:
+            y = self._scaled_mm(x_q, x_scale)
+        else:
+            w = dequantize(self.weight, self.weight_scale[:, None], self.out_dtype)  # (N, K)
+            y = F.linear(dequantize(x_q, x_scale, self.out_dtype), w, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def _scaled_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """Row-wise scaled e4m3 GEMM (bf16 out: what the row-wise kernels produce), bias added after."""
+        y = torch._scaled_mm(
+            x_q,
+            self.weight.t(),  # (K, N) column-major view of the row-major weight
+            scale_a=x_scale.contiguous(),  # (T, 1)
+            scale_b=self.weight_scale[None, :],  # (1, N)
+            out_dtype=torch.bfloat16,
+        )
+        if y.dtype != self.out_dtype:
+            y = y.to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        path = "scaled_mm" if self.use_scaled_mm else "reference"
+        acts = "dynamic per token" if self.input_scale is None else "static"
+        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3, activations {acts}, {path}"

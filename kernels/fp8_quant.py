@@ -1,0 +1,65 @@
+"""Dynamic per-token FP8 quantization: one launch per linear input instead of five torch ops.
+
+    x (T, K) -> x_q (T, K) float8_e4m3fn,  scale (T, 1) fp32 = max(amax(|x[t]|) / 448, min_scale)
+    x_q[t] = clamp(x[t] / scale[t], -448, 448) cast to e4m3
+
+One program per row: a first pass over the row finds its amax, a second writes the quantized
+row (the row is in L2 by then). The torch reference beside it does the same in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.kernels._common import next_pow2, use_triton
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xt, stride_qt, min_scale, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + t * stride_xt + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, min_scale)
+    inv = 1.0 / scale
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + t * stride_xt + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + t * stride_qt + k0 + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + t, scale)
+
+
+def quantize_per_token_ref(x: torch.Tensor, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference: (x_q (T, K) e4m3, scale (T, 1) fp32)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=min_scale)  # (T, 1)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_per_token_triton(x: torch.Tensor, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, k = x.shape
+    x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return x_q, scale
+    block_k = min(4096, next_pow2(k))
+    _quant_kernel[(num_tokens,)](
+        x, x_q, scale, k, x.stride(0), x_q.stride(0), min_scale, BLOCK_K=block_k, num_warps=4 if block_k >= 1024 else 1
+    )
+    return x_q, scale
+
+
+def quantize_per_token(x: torch.Tensor, min_scale: float, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of x (T, K) (unit stride along K) to e4m3 with its own fp32 scale (T, 1)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_per_token: x must be (T, K) with unit stride along K, got {tuple(x.shape)}")
+    if use_triton(impl, x, "quantize_per_token"):
+        return quantize_per_token_triton(x, min_scale)
+    return quantize_per_token_ref(x, min_scale)

@@ -1,0 +1,295 @@
+"""FP8 weights and KV cache on CPU: the quantization math against float64, Fp8Linear's reference path,
+fp8 checkpoints (compressed-tensors and vLLM's fp8) written here, loaded and generating, quantize-at-load,
+KV scales, the fp8 KvLayout across the wire and the gateway's refusal, and fp8 blocks moving as bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitserve.common.kv_layout import KvLayout
+from splitserve.common.wire import layout_from_proto, layout_to_proto
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.fp8_checkpoint import read_fp8_scheme
+from splitserve.engine.kv_transfer.io import copy_block_runs
+from splitserve.engine.kv_transfer.shm import copy_blocks
+from splitserve.engine.loader import load_model
+from splitserve.engine.quant import (
+    FP8_DTYPE,
+    Fp8Linear,
+    dequantize,
+    quantize_per_channel,
+    quantize_per_token,
+    quantize_static,
+)
+from splitserve.gateway.registry import layout_mismatch
+from tests.model_factory import make_tiny_model_dir
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# every finite e4m3 value, for exact checks of rounding to the nearest one
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).double()
+E4M3_VALUES = E4M3_VALUES[E4M3_VALUES.isfinite()].unique()
+
+
+def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float64 reference of the e4m3 cast: the nearest representable value (ties: even mantissa)."""
+    x = x.double().clamp(-448, 448)
+    dist = (x[..., None] - E4M3_VALUES).abs()  # (..., 253)
+    best = dist.min(dim=-1, keepdim=True).values
+    candidates = torch.where(dist == best, E4M3_VALUES, torch.nan)
+    low, high = candidates.nan_to_num(float("inf")).min(-1).values, candidates.nan_to_num(-float("inf")).max(-1).values
+    even = (low.to(FP8_DTYPE).view(torch.uint8) & 1) == 0
+    return torch.where(low == high, low, torch.where(even, low, high))
+
+
+def test_per_channel_weight_quantization_matches_float64():
+    gen = torch.Generator().manual_seed(0)
+    w = (
+        torch.randn(48, 32, generator=gen, dtype=torch.float64)
+        * torch.logspace(-3, 1, 48, dtype=torch.float64)[:, None]
+    )
+    w[5] = 0.0  # an all-zero row: quantizes to zeros (no division by zero)
+    w_q, scale = quantize_per_channel(w)
+    assert w_q.dtype == FP8_DTYPE and w_q.shape == (48, 32) and scale.dtype == torch.float32 and scale.shape == (48,)
+    amax = w.float().abs().amax(dim=1).double()
+    expected_scale = torch.where(amax > 0, amax / 448, torch.tensor(1 / (448 * 512), dtype=torch.float64))
+    torch.testing.assert_close(scale.double(), expected_scale, rtol=1e-7, atol=0)
+    expected = nearest_e4m3(w.float().double() / scale.double()[:, None])  # what the fp32 division feeds the cast
+    assert torch.equal(w_q.double(), nearest_e4m3(w.float() / scale[:, None]))
+    torch.testing.assert_close(w_q.double(), expected, rtol=2**-20, atol=0)
+    assert w_q.double().abs().amax(dim=1)[amax > 0].eq(448).all()  # each row uses the whole range
+    assert torch.equal(w_q[5].double(), torch.zeros(32, dtype=torch.float64))
+    # e4m3 keeps 3 mantissa bits: relative error of a normal value at most 2^-4
+    err = (dequantize(w_q, scale[:, None], torch.float64) - w).abs()
+    assert bool((err <= w.abs() * 2**-4 + scale.double()[:, None] * 2**-9).all())
+
+
+def test_per_token_and_static_activation_quantization():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 40, generator=gen) * torch.tensor([1e-3, 0.1, 1, 10, 100, 1000, 0.5])[:, None]
+    x_q, scale = quantize_per_token(x)
+    assert x_q.dtype == FP8_DTYPE and scale.shape == (7, 1)
+    torch.testing.assert_close(scale.double(), x.double().abs().amax(dim=1, keepdim=True) / 448, rtol=1e-6, atol=0)
+    assert torch.equal(x_q.double(), nearest_e4m3(x / scale))
+    static = torch.tensor(0.01)
+    assert torch.equal(quantize_static(x, static).double(), nearest_e4m3((x / static).clamp(-448, 448)))
+    assert quantize_static(x, static).double().abs().max() == 448  # clamped, not inf/nan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp8_linear_reference_path_matches_float64(dtype):
+    gen = torch.Generator().manual_seed(2)
+    linear = torch.nn.Module()
+    linear.weight = torch.nn.Parameter(torch.randn(48, 32, generator=gen, dtype=dtype) * 0.1, requires_grad=False)
+    linear.bias = torch.nn.Parameter(torch.randn(48, generator=gen, dtype=dtype), requires_grad=False)
+    linear.output_sizes = (16, 16, 16)
+    layer = Fp8Linear.from_linear(linear)
+    assert not layer.use_scaled_mm and layer.weight.dtype == FP8_DTYPE and layer.output_sizes == (16, 16, 16)
+    x = torch.randn(5, 32, generator=gen, dtype=dtype)
+    y = layer(x)
+    x_q, x_scale = quantize_per_token(x)
+    # float64 of what the layer multiplies: dequantized operands, exact products
+    expected = (x_q.double() * x_scale.double()) @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    expected += linear.bias.double()
+    assert y.dtype == dtype and y.shape == (5, 48)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
+    # and the quantization error itself stays small against the unquantized product
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_cpu_scaled_mm_agrees_with_the_reference_path():
+    """torch's own e4m3 GEMM (what CUDA runs) on the same operands gives the reference's numbers."""
+    gen = torch.Generator().manual_seed(3)
+    w_q, w_scale = quantize_per_channel(torch.randn(32, 64, generator=gen))
+    x_q, x_scale = quantize_per_token(torch.randn(4, 64, generator=gen))
+    try:
+        got = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"this torch has no CPU _scaled_mm: {err}")
+    expected = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).T
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def f64_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("fp8"), "llama", num_kv_heads=2)
+
+
+def _write_fp8_checkpoint(src: Path, dst: Path, quantization_config: dict, per_tensor: bool, kv_scales=None) -> Path:
+    """Copy `src` with every projection quantized: e4m3 weights, weight_scale (and input_scale when static)."""
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    static = quantization_config.get("activation_scheme") == "static"
+    for name, tensor in tensors.items():
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if module not in PROJECTIONS:
+            out[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        if per_tensor:
+            scale = (tensor.float().abs().max() / 448).reshape(())
+            out[name] = (tensor.float() / scale).clamp(-448, 448).to(FP8_DTYPE)
+            out[prefix + ".weight_scale"] = scale
+        else:
+            w_q, scale = quantize_per_channel(tensor)
+            out[name], out[prefix + ".weight_scale"] = w_q, scale[:, None]  # (N, 1), as llm-compressor writes
+        if static:
+            out[prefix + ".input_scale"] = torch.tensor(0.05 if "q_proj" in name else 0.02)
+    for layer, (k, v) in enumerate(kv_scales or ()):
+        out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        }
+    },
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+}
+
+
+def _greedy(model_dir: Path, **engine_args) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float64", num_kv_blocks=64, block_size=4, **engine_args)
+    prompts = [[5, 17, 99, 3, 250], [7, 7, 7], [100, 200, 300, 400, 12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def test_compressed_tensors_checkpoint_loads_exactly_and_generates_like_quantize_at_load(f64_dir, tmp_path):
+    path = _write_fp8_checkpoint(f64_dir, tmp_path / "ct", COMPRESSED_TENSORS, per_tensor=False)
+    assert read_fp8_scheme(path).static_activations is False
+    net, _ = load_model(path, dtype=torch.float64, device="cpu")
+    written = load_file(path / "model.safetensors")
+    qkv = net.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.input_scale is None
+    parts = [written[f"model.layers.1.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat(parts).view(torch.uint8))
+    scales = [written[f"model.layers.1.self_attn.{p}.weight_scale"][:, 0] for p in ("q_proj", "k_proj", "v_proj")]
+    assert torch.equal(qkv.weight_scale, torch.cat(scales))
+    assert net.lm_head.weight.dtype == torch.float64 and net.checkpoint_kv_scales is None
+    # the same per-channel quantization, done at load from the float64 checkpoint: the same tokens
+    assert _greedy(path) == _greedy(f64_dir, quantization="fp8")
+
+
+def test_vllm_fp8_static_per_tensor_checkpoint_with_kv_scales(f64_dir, tmp_path):
+    config = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    kv = [(0.5, 0.25), (2.0, 1.0)]
+    path = _write_fp8_checkpoint(f64_dir, tmp_path / "vllm", config, per_tensor=True, kv_scales=kv)
+    net, _ = load_model(path, dtype=torch.float64, device="cpu")
+    written = load_file(path / "model.safetensors")
+    gate_up = net.model.layers[0].mlp.gate_up_proj
+    assert torch.equal(gate_up.input_scale, torch.tensor([0.02, 0.02]))
+    qkv = net.model.layers[0].self_attn.qkv_proj
+    assert torch.equal(qkv.input_scale, torch.tensor([0.05, 0.02, 0.02])) and torch.equal(
+        qkv._static_scale, torch.tensor([[0.05]])
+    )
+    q_rows = written["model.layers.0.self_attn.q_proj.weight_scale"].expand(64)  # per-tensor scale on every row
+    assert torch.equal(qkv.weight_scale[:64], q_rows)
+    assert net.checkpoint_kv_scales == kv
+    llm = LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
+    assert llm.engine.layout.k_scales == (0.5, 2.0) and llm.engine.layout.v_scales == (0.25, 1.0)
+    attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]
+    assert [(a.k_scale, a.v_scale) for a in attn] == kv
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' in"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            "quantization_config.weight_block_size [128, 128] (block-wise fp8) is not supported",
+        ),
+        (
+            {**COMPRESSED_TENSORS, "format": "pack-quantized"},
+            "quantization_config.format 'pack-quantized' (compressed-tensors) is not supported",
+        ),
+    ],
+)
+def test_unsupported_quantization_configs_are_refused_by_name(f64_dir, tmp_path, edit, message):
+    path = tmp_path / "bad"
+    path.mkdir()
+    (path / "model.safetensors").write_bytes((f64_dir / "model.safetensors").read_bytes())
+    config = json.loads((f64_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": edit}))
+    with pytest.raises(ValueError) as err:
+        load_model(path, dtype=torch.float64, device="cpu")
+    assert message in str(err.value)
+
+
+def test_unquantized_tensor_in_an_fp8_checkpoint_is_refused(f64_dir, tmp_path):
+    path = f64_dir.parent / "plain-claims-fp8"
+    if not path.exists():
+        path.mkdir()
+        (path / "model.safetensors").write_bytes((f64_dir / "model.safetensors").read_bytes())
+        config = json.loads((f64_dir / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": COMPRESSED_TENSORS}))
+    with pytest.raises(ValueError) as err:
+        load_model(path, dtype=torch.float64, device="cpu")
+    assert "is float64, expected float8_e4m3fn (quantization_config and the tensors disagree)" in str(err.value)
+
+
+# -- the fp8 KV cache -------------------------------------------------------------------------
+
+
+def test_fp8_kv_cache_engine_generates_and_halves_the_block_bytes(f64_dir):
+    llm = LLM(str(f64_dir), dtype="float32", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
+    layout = llm.engine.layout
+    assert layout.dtype == "float8_e4m3fn" and layout.k_scales == (1.0, 1.0) and layout.v_scales == (1.0, 1.0)
+    assert layout.block_nbytes == 2 * 2 * 4 * 2 * 16  # layers x (k, v) x tokens x heads x head_dim, one byte each
+    assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    out = llm.generate(
+        prompt_token_ids=[[5, 6, 7, 8, 9]], sampling_params=SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    assert len(out[0].token_ids) == 6
+
+
+def test_fp8_layout_round_trips_the_wire_and_mismatches_name_both():
+    fp8 = KvLayout(2, 2, 16, 4, "float8_e4m3fn", "m", k_scales=(0.5, 1.0), v_scales=(1.0, 1.0))
+    assert layout_from_proto(layout_to_proto(fp8)) == fp8
+    bf16 = KvLayout(2, 2, 16, 4, "bfloat16", "m")
+    text = (
+        "KV layouts differ: [num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=float8_e4m3fn, "
+        "model_id=m, layout=block_major_v1, k_scales=[0.5,1], v_scales=1x2] vs [num_layers=2, num_kv_heads=2, "
+        "head_dim=16, block_size=4, dtype=bfloat16, model_id=m, layout=block_major_v1]"
+    )
+    assert fp8.mismatch(bf16) == text
+    assert layout_mismatch(layout_to_proto(fp8), layout_to_proto(bf16)) == text
+    other_scales = KvLayout(2, 2, 16, 4, "float8_e4m3fn", "m", k_scales=(1.0, 1.0), v_scales=(1.0, 1.0))
+    assert layout_mismatch(layout_to_proto(fp8), layout_to_proto(other_scales)) is not None
+    with pytest.raises(ValueError, match="KV layout of dtype float8_e4m3fn: 0 k_scales and 0 v_scales, expected 2"):
+        KvLayout(2, 2, 16, 4, "float8_e4m3fn", "m")
+
+
+@pytest.mark.parametrize("copy", [copy_block_runs, copy_blocks])
+def test_fp8_blocks_copy_bit_exactly(copy):
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(6, 2, 2, 4, 2, 16, generator=gen).to(FP8_DTYPE)
+    dst = torch.zeros_like(src)
+    num_bytes = copy(src, [4, 0, 1], dst, [1, 2, 3])
+    assert num_bytes == 3 * src[0].numel()  # one byte an element
+    assert torch.equal(dst[[1, 2, 3]].view(torch.uint8), src[[4, 0, 1]].view(torch.uint8))
+    assert torch.equal(dst[[0, 4, 5]].view(torch.uint8), torch.zeros(3, *src.shape[1:], dtype=torch.uint8))
