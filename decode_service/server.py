@@ -270,6 +270,8 @@ def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
     for lp in out.new_logprobs:
         if lp is not None:
             delta.logprobs.append(logprobs_to_proto(lp))
+    if out.prompt_logprobs:  # prefilled here (colocated, or no prefill could serve)
+        delta.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
     info = stream.first_info.pop(out.request_id, None)
     if info is not None:
         delta.cached_prompt_tokens, delta.num_blocks_pulled = info

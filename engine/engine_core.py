@@ -65,6 +65,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     queue_ns: int = 0  # arrival to first scheduled compute, on a request's first output
+    # with the first token, when asked for: the logprobs of prompt tokens 1.. (engine/prompt_logprobs.py)
+    prompt_logprobs: list | None = None
 
     def __reduce__(self):
         # every step pickles one of these per running request (core -> service): a positional tuple
@@ -107,6 +109,13 @@ def _queue_ns(request: Request) -> int:
     if request.num_output_tokens != 1 or request.first_scheduled_time is None:
         return 0
     return int((request.first_scheduled_time - request.arrival_time) * 1e9)
+
+
+def _first_prompt_logprobs(request: Request) -> list | None:
+    """The prompt logprobs, on the output that carries the first token, when the request asked for them."""
+    if request.sampling_params.prompt_logprobs is None or request.num_output_tokens != 1:
+        return None
+    return list(request.prompt_logprobs)
 
 
 # glibc mallopt parameters
@@ -344,6 +353,7 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_ns=_queue_ns(request),
+                    prompt_logprobs=_first_prompt_logprobs(request),
                 )
             )
         return outputs

@@ -32,6 +32,8 @@ class GenerationOutput:
     stop_reason: int | str | None = None
     logprobs: list | None = None
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM)
+    prompt_logprobs: list | None = None
 
     @property
     def outputs(self) -> list[GenerationOutput]:
@@ -114,6 +116,8 @@ class LLM:
                 result.token_ids.extend(out.new_token_ids)
                 if result.logprobs is not None:
                     result.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = [None, *out.prompt_logprobs]
                 result.num_cached_tokens = out.num_cached_tokens
                 detok = detoks.get(out.request_id)
                 if detok is not None:

@@ -20,11 +20,12 @@ taken on the device from the previous launch's sampled tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import DeviceSample, Sampler, SamplingRow
 from splitserve.engine.scheduler import SchedulerOutput
@@ -37,6 +38,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
     sampling_request_ids: list[str]
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
 
 
 @dataclass
@@ -119,6 +121,7 @@ class ModelRunner:
         sampling_ids: list[str] = []
         pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
         pending_src: list[int] = []  # ... and its row in the latest launch's sampled tokens
+        wanted: list[PromptRows] = []
         for s in out.scheduled:
             request = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
@@ -137,6 +140,9 @@ class ModelRunner:
                 input_ids.extend(request.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            rows = prompt_rows(request, start, end, qsl[-1])
+            if rows is not None:
+                wanted.append(rows)
             qsl.append(qsl[-1] + end - start)
             seq_lens.append(end)
             tables.append(blocks)
@@ -164,6 +170,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._to_device(logits_indices, torch.int64),
             sampling_request_ids=sampling_ids,
+            prompt_rows=wanted,
         )
 
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, tuple[int, object]]:
@@ -181,6 +188,8 @@ class ModelRunner:
             )  # (T, H)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)  # (T, H)
+        if inputs.prompt_rows:
+            out.prompt_logprobs.update(compute_prompt_logprobs(self.model.compute_logits, hidden, inputs.prompt_rows))
         if not inputs.sampling_request_ids:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep([], None)

@@ -59,6 +59,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # entry j: prompt token j + 1 (engine/prompt_logprobs.py)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set at first schedule)
     num_preemptions: int = 0
@@ -92,6 +93,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not yet all computed (they are, once the first token is)."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    def store_prompt_logprobs(self, start: int, entries: list) -> None:
+        """A chunk's prompt logprobs from position `start` on (a recompute replaces what it computes again)."""
+        del self.prompt_logprobs[start:]
+        self.prompt_logprobs.extend(entries)
 
     def append_output(self, token_id: int, logprobs=None) -> None:
         self.token_ids.append(token_id)

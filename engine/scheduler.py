@@ -55,9 +55,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step: who computes what. `prompt_logprobs` (request_id -> (start position, entries)) is filled by
+    the runner when it runs the step, the only place the hidden states exist; update_from_output stores it."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     step_number: int = 0  # set at launch (Scheduler.step_launched)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -260,7 +264,9 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None or request.num_pending_tokens:
                 break  # a preempted request's last token is still on the device: it is read first
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            # a request asking for prompt logprobs computes every prompt position: no cached prefix (as vLLM)
+            reads_cache = request.num_computed_tokens == 0 and not request.needs_prompt_logprobs
+            cached = self.kv.find_cached_prefix(request) if reads_cache else []
             num_computed = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(request, num_new, cached):
@@ -292,6 +298,8 @@ class Scheduler:
                 self.kv.cache_blocks(request, s.num_computed_after)
             elif status != RequestStatus.WAITING:
                 continue  # ended after this step was launched: its token is past its end
+            if request.request_id in out.prompt_logprobs:  # computed before any preemption, as the token
+                request.store_prompt_logprobs(*out.prompt_logprobs[request.request_id])
             if not s.samples:
                 continue
             token_id, logprobs = sampled[request.request_id]

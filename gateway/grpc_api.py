@@ -38,6 +38,9 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
     values["include_stop_str_in_output"] = request.include_stop_str_in_output
     values["skip_special_tokens"] = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
     values.setdefault("max_tokens", None)  # unset: up to the context limit (common.proto)
+    echo_only = request.echo and values["max_tokens"] == 0  # the prompt alone (generation.proto)
+    if echo_only:
+        values["max_tokens"] = 1
     params = build_sampling_params(values, max_stop_strings)
     kind = request.WhichOneof("prompt")
     common = dict(
@@ -48,9 +51,11 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
         max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None,
     )
     if kind == "text":
-        return GenerationInput(text=request.text, **common)
+        return GenerationInput(text=request.text, echo=request.echo, echo_only=echo_only, **common)
     if kind == "token_ids":
-        return GenerationInput(token_ids=tuple(request.token_ids.ids), **common)
+        return GenerationInput(token_ids=tuple(request.token_ids.ids), echo=request.echo, echo_only=echo_only, **common)
+    if request.echo:
+        raise invalid("echo applies to text and token_ids prompts (completions), not to chat", "echo")
     if kind == "chat":
         return GenerationInput(chat=tuple((m.role, m.content) for m in request.chat.messages), **common)
     raise invalid("prompt must be set (text, token_ids or chat)", "prompt")

@@ -87,7 +87,12 @@ class RequestRun:
         budget_s: float,
         trace_carrier: dict[str, str] | None = None,
         internal_id: str = "",
+        echo_text: str | None = None,
+        drop_output: bool = False,
     ) -> None:
+        """`echo_text`: completions' echo, the prompt's text that starts the first message's text (and that
+        message then carries the prompt's ids); `drop_output`: answer no output tokens or text (echo with
+        max_tokens 0; usage still counts the token computed, as vLLM's)."""
         self._deps = deps
         self.request_id = request_id  # the caller's: in its responses and in logs
         # on every internal hop (prefill, decode, KV lease): unique across the gateways that share them
@@ -127,6 +132,10 @@ class RequestRun:
         )
         self._first_message_ns = 0
         self._error: str | None = None
+        self._echo_text = echo_text
+        self._drop_output = drop_output
+        self._prompt_logprobs: Sequence[common_pb2.TokenLogprobs] = ()  # from the prefill, for the first message
+        self._num_messages = 0
 
     async def stream(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield the run's messages; always cleans up, also when closed early."""
@@ -313,6 +322,7 @@ class RequestRun:
         return deltas[0] if len(deltas) == 1 else _merge_deltas(deltas)
 
     def _first_message(self, first: prefill_pb2.PrefillResponse) -> generation_pb2.GenerateResponse:
+        self._prompt_logprobs = first.prompt_logprobs
         logprobs = [first.first_logprobs] if first.HasField("first_logprobs") else []
         ids, lps, text = self._accept([first.first_token_id], logprobs)
         if self._detok.stop_str is not None:
@@ -328,6 +338,8 @@ class RequestRun:
         first_output = self.num_output_tokens == 0
         if self._local_prefill and first_output and delta.cached_prompt_tokens:
             self.cached_prompt_tokens = delta.cached_prompt_tokens
+        if first_output:
+            self._prompt_logprobs = delta.prompt_logprobs  # prefilled by the decode itself
         ids, lps, text = self._accept(delta.token_ids, delta.logprobs)
         if self._detok.stop_str is not None:
             self._link.abort(self.internal_id)
@@ -375,12 +387,27 @@ class RequestRun:
     ) -> generation_pb2.GenerateResponse:
         if ids and not self._first_message_ns:
             self._first_message_ns = time.time_ns()
+        if self._drop_output:
+            ids, logprobs, text = (), (), ""
         message = generation_pb2.GenerateResponse(
             request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs
         )
+        self._num_messages += 1
+        if self._num_messages == 1:
+            self._add_prompt_parts(message)
         message.usage.prompt_tokens = len(self._prompt)  # counts so far (vLLM's continuous_usage_stats)
         message.usage.completion_tokens = self.num_output_tokens
         return message
+
+    def _add_prompt_parts(self, message: generation_pb2.GenerateResponse) -> None:
+        """The first message: echo's prompt text before the output, the prompt's ids (echo or prompt
+        logprobs) and the prompt logprobs the prefill computed."""
+        if self._echo_text is not None:
+            message.text = self._echo_text + message.text
+        if self._echo_text is not None or self._params.prompt_logprobs is not None:
+            message.prompt_token_ids.extend(self._prompt)
+        if self._params.prompt_logprobs is not None:
+            message.prompt_logprobs.extend(self._prompt_logprobs)
 
     def _final(
         self,
@@ -471,6 +498,7 @@ def _merge_deltas(deltas: Sequence[decode_pb2.TokenDelta]) -> decode_pb2.TokenDe
         num_blocks_pulled=first.num_blocks_pulled,
         finish_reason=last.finish_reason,
         error=last.error,
+        prompt_logprobs=first.prompt_logprobs,
     )
     for delta in deltas:
         merged.token_ids.extend(delta.token_ids)

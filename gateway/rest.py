@@ -169,7 +169,11 @@ def create_app(
         except GatewayError as exc:
             return error_response(exc)
         model = service.reported_name or req.inp.model
-        shapes = [Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs) for _ in inputs]
+        with_prompt_logprobs = req.inp.params.prompt_logprobs is not None
+        shapes = [
+            Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs, req.inp.echo, with_prompt_logprobs)
+            for _ in inputs
+        ]
         if req.stream:
             return StreamingResponse(
                 sse(shapes, req, firsts, streams), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

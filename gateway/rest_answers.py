@@ -23,11 +23,26 @@ FINISH_NAMES = {
 }
 
 
-class Shape:
-    """OpenAI response shapes of one endpoint (completions or chat)."""
+LOWEST_LOGPROB = -9999.0  # what -inf is answered as (JSON has no infinity; OpenAI and vLLM do the same)
 
-    def __init__(self, chat: bool, tokenizer: Any, model: str, request_id: str, top: int | None) -> None:
+
+class Shape:
+    """OpenAI response shapes of one endpoint (completions or chat). `echo`: completions' logprobs start with
+    the prompt's tokens (the first with None, as vLLM and OpenAI); `prompt_logprobs`: the answer carries
+    vLLM's prompt_logprobs (non-streamed: in the choice for completions, at the top level for chat)."""
+
+    def __init__(
+        self,
+        chat: bool,
+        tokenizer: Any,
+        model: str,
+        request_id: str,
+        top: int | None,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> None:
         self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
+        self.echo, self.with_prompt_logprobs = echo, prompt_logprobs
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._text_offset = 0
@@ -64,6 +79,9 @@ class Shape:
                     for tok, lp in entries
                 ]
             }
+        if self.echo and message.prompt_token_ids:  # the first message: the prompt's tokens first
+            first = self._token(message.prompt_token_ids[0])
+            entries = [(first, None), *((self._token(lp.token_id), lp) for lp in message.prompt_logprobs), *entries]
         # offsets into the output text: tokens of one message share its text span
         start, end = self._text_offset, self._text_offset + len(message.text)
         offsets, position = [], start
@@ -73,10 +91,33 @@ class Shape:
         self._text_offset = end
         return {
             "tokens": [tok for tok, _ in entries],
-            "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{self._token(t.token_id): t.logprob for t in lp.top} for _, lp in entries],
+            "token_logprobs": [None if lp is None else max(lp.logprob, LOWEST_LOGPROB) for _, lp in entries],
+            "top_logprobs": [None if lp is None else self._top_dict(tok, lp) for tok, lp in entries],
             "text_offset": offsets,
         }
+
+    def _top_dict(self, token: str, lp: common_pb2.TokenLogprobs) -> dict[str, float]:
+        """The token itself, then its top alternatives (vLLM's completions: up to logprobs + 1 entries)."""
+        top = {token: max(lp.logprob, LOWEST_LOGPROB)}
+        for t in lp.top:
+            top.setdefault(self._token(t.token_id), max(t.logprob, LOWEST_LOGPROB))
+        return top
+
+    def prompt_logprobs(self, message: generation_pb2.GenerateResponse) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} with the prompt token first and its top alternatives (ranks 1..n)."""
+        if not message.prompt_token_ids:
+            return None
+        out: list = [None]
+        for lp in message.prompt_logprobs:
+            entry = {lp.token_id: self._logprob_entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, t in enumerate(lp.top, start=1):
+                entry.setdefault(t.token_id, self._logprob_entry(t.token_id, t.logprob, rank))
+            out.append({str(k): v for k, v in entry.items()})
+        return out
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": max(logprob, LOWEST_LOGPROB), "rank": rank, "decoded_token": self._token(token_id)}
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -125,6 +166,7 @@ async def _choice(
 ) -> tuple[dict | None, common_pb2.GenerateResponse | str]:
     """One prompt's non-streamed choice and its last message, or (None, the error)."""
     texts, logprobs, message = [], [], first
+    prompt_logprobs = shape.prompt_logprobs(first) if shape.with_prompt_logprobs else None
     while True:
         texts.append(message.text)
         if shape.top is not None:
@@ -143,8 +185,12 @@ async def _choice(
     }
     if shape.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if shape.with_prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs  # moved to the top level by `complete`
     else:
         choice["text"] = text
+        if shape.with_prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs
     return choice, message
 
 
@@ -162,6 +208,8 @@ async def complete(
         choices.append(choice)
         usage = _add_usage(usage, last.usage)
     body = shapes[0].envelope(choices)
+    if shapes[0].chat and shapes[0].with_prompt_logprobs:  # vLLM's chat answer carries them at the top level
+        body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
     body["usage"] = usage
     return JSONResponse(body)
 

@@ -32,7 +32,7 @@ _MAX_SHOWN_CHARS = 80  # a client's value quoted in a message is cut to this man
 
 # OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
 _UNSUPPORTED_COMMON = {"service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
-UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "echo": (False,), "suffix": ("",)}
+UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
     "tools": ([],),
@@ -102,6 +102,8 @@ class _Request(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
+    # vLLM's extension: each prompt token's logprob (from the second on) plus this many alternatives
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -139,6 +141,8 @@ class _Request(_Body):
     def _stream_options_need_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
             raise _custom("is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs and self.stream:  # as vLLM: they would have no chunk to ride on
+            raise _custom("is not available when stream is true (0 is: it asks for no alternatives)", "prompt_logprobs")
         return self
 
     def sampling_values(self) -> dict[str, Any]:
@@ -181,6 +185,8 @@ class CompletionRequest(_Request):
     prompt: Any = None
     logprobs: int | None = None
     add_special_tokens: bool | None = None
+    # the prompt's text before the output (with logprobs: the prompt tokens' too); max_tokens 0 = the prompt only
+    echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

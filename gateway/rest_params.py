@@ -94,6 +94,17 @@ def _params(values: dict[str, Any], max_stop_strings: int, renames: dict[str, st
         raise
 
 
+def add_echo_values(values: dict[str, Any], echo: bool, logprobs: int | None) -> bool:
+    """Completions' echo, as vLLM: with logprobs, the prompt's are computed too (prompt_logprobs = logprobs
+    unless set); max_tokens 0 answers the prompt alone (one token is computed, then dropped). True then."""
+    if echo and logprobs is not None:
+        values.setdefault("prompt_logprobs", logprobs)
+    if echo and values.get("max_tokens") == 0:
+        values["max_tokens"] = 1
+        return True
+    return False
+
+
 def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/completions body -> RestRequest; RequestValidationError when the body is invalid."""
     req: CompletionRequest = validate(CompletionRequest, body)
@@ -101,8 +112,11 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     values = req.sampling_values()
     if req.max_tokens is not None:
         values["max_tokens"] = req.max_tokens
+    if req.prompt_logprobs is not None:
+        values["prompt_logprobs"] = req.prompt_logprobs
     if req.logprobs is not None:
         values["logprobs"] = req.logprobs
+    echo_only = add_echo_values(values, bool(req.echo), req.logprobs)
     params = _params(values, max_stop_strings, {})
     inputs = [
         GenerationInput(
@@ -112,6 +126,8 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
             max_tokens_param="max_tokens" if "max_tokens" in values else None,
             priority=req.priority or 0,
             add_special_tokens=req.add_special_tokens is not False,
+            echo=bool(req.echo),
+            echo_only=echo_only,
             **({"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}),
         )
         for i, prompt in enumerate(req.prompt)
@@ -132,6 +148,8 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         values["max_tokens"] = req.max_tokens
     if req.logprobs:
         values["logprobs"] = req.top_logprobs or 0
+    if req.prompt_logprobs is not None:
+        values["prompt_logprobs"] = req.prompt_logprobs
     max_tokens_param = renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None
     values.setdefault("max_tokens", None)  # unset: up to the context, as vLLM's chat API (completions: 16)
     params = _params(values, max_stop_strings, renames)

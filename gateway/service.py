@@ -74,6 +74,8 @@ class GenerationInput:
     max_tokens_param: str | None = None
     add_special_tokens: bool = True  # text prompts: the tokenizer's BOS/EOS, as vLLM's completions API
     chat_options: ChatOptions | None = None  # chat prompts: how the template renders them
+    echo: bool = False  # completions' echo: the first message's text starts with the prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token computed is dropped)
 
 
 def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
@@ -370,6 +372,9 @@ class GatewayService:
         try:
             prompt_ids, params = await self._prepare(inp, client_id)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
+            echo_text = None
+            if inp.echo:  # the text as given; token ids decoded as they are (special tokens kept, as vLLM)
+                echo_text = inp.text if inp.text is not None else await self.detokenize(prompt_ids, param="prompt")
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
             run = RequestRun(
                 self._run_deps,
@@ -383,6 +388,8 @@ class GatewayService:
                 deadline=time.monotonic() + budget_s,
                 budget_s=budget_s,
                 trace_carrier=trace_carrier,
+                echo_text=echo_text,
+                drop_output=inp.echo_only,
             )
             async with aclosing(run.stream()) as messages:
                 async for message in messages:

@@ -108,6 +108,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         )
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         self.counters.count("prompt_tokens", len(request.prompt_token_ids))
         mt = self.metrics
         mt.lab(mt.queue).observe(out.queue_ns / 1e9)

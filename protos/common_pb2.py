@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/common.proto\x12\rsplitserve.v1\"\xe6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xaf\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x10\n\x08k_scales\x18\x08 \x03(\x01\x12\x10\n\x08v_scales\x18\t \x03(\x01\"A\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ns\x18\x03 \x01(\x04\"\xc5\x02\n\x08KvHandle\x12\x18\n\x10prefill_instance\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12#\n\x05lease\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Lease\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\'\n\x06layout\x18\x08 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x37\n\x08\x65ndpoint\x18\t \x03(\x0b\x32%.splitserve.v1.KvHandle.EndpointEntry\x1a/\n\rEndpointEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x13\n\x0btransfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\"\x92\x01\n\x04Load\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x12\n\nnum_leases\x18\x06 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12!\n\x04load\x18\x05 \x01(\x0b\x32\x13.splitserve.v1.Load\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x44\n\x0bkv_endpoint\x18\x07 \x03(\x0b\x32/.splitserve.v1.DescribeResponse.KvEndpointEntry\x12\x15\n\rstart_unix_ns\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12?\n\x08\x63ounters\x18\n \x03(\x0b\x32-.splitserve.v1.DescribeResponse.CountersEntry\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x1a\x31\n\x0fKvEndpointEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/common.proto\x12\rsplitserve.v1\"\x98\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"h\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xaf\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x10\n\x08k_scales\x18\x08 \x03(\x01\x12\x10\n\x08v_scales\x18\t \x03(\x01\"A\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ns\x18\x03 \x01(\x04\"\xc5\x02\n\x08KvHandle\x12\x18\n\x10prefill_instance\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12#\n\x05lease\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Lease\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\'\n\x06layout\x18\x08 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12\x37\n\x08\x65ndpoint\x18\t \x03(\x0b\x32%.splitserve.v1.KvHandle.EndpointEntry\x1a/\n\rEndpointEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x13\n\x0btransfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\"\x92\x01\n\x04Load\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x12\n\nnum_leases\x18\x06 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xd2\x03\n\x10\x44\x65scribeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvLayout\x12!\n\x04load\x18\x05 \x01(\x0b\x32\x13.splitserve.v1.Load\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x44\n\x0bkv_endpoint\x18\x07 \x03(\x0b\x32/.splitserve.v1.DescribeResponse.KvEndpointEntry\x12\x15\n\rstart_unix_ns\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12?\n\x08\x63ounters\x18\n \x03(\x0b\x32-.splitserve.v1.DescribeResponse.CountersEntry\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x1a\x31\n\x0fKvEndpointEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,36 +39,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE_KVENDPOINTENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2214
-  _globals['_FINISHREASON']._serialized_end=2359
+  _globals['_FINISHREASON']._serialized_start=2278
+  _globals['_FINISHREASON']._serialized_end=2423
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=664
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=452
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=500
-  _globals['_TOKENLOGPROBS']._serialized_start=666
-  _globals['_TOKENLOGPROBS']._serialized_end=756
-  _globals['_TOPLOGPROB']._serialized_start=758
-  _globals['_TOPLOGPROB']._serialized_end=805
-  _globals['_USAGE']._serialized_start=807
-  _globals['_USAGE']._serialized_end=894
-  _globals['_KVLAYOUT']._serialized_start=897
-  _globals['_KVLAYOUT']._serialized_end=1072
-  _globals['_LEASE']._serialized_start=1074
-  _globals['_LEASE']._serialized_end=1139
-  _globals['_KVHANDLE']._serialized_start=1142
-  _globals['_KVHANDLE']._serialized_end=1467
-  _globals['_KVHANDLE_ENDPOINTENTRY']._serialized_start=1420
-  _globals['_KVHANDLE_ENDPOINTENTRY']._serialized_end=1467
-  _globals['_TIMINGS']._serialized_start=1469
-  _globals['_TIMINGS']._serialized_end=1574
-  _globals['_LOAD']._serialized_start=1577
-  _globals['_LOAD']._serialized_end=1723
-  _globals['_DESCRIBEREQUEST']._serialized_start=1725
-  _globals['_DESCRIBEREQUEST']._serialized_end=1742
-  _globals['_DESCRIBERESPONSE']._serialized_start=1745
-  _globals['_DESCRIBERESPONSE']._serialized_end=2211
-  _globals['_DESCRIBERESPONSE_KVENDPOINTENTRY']._serialized_start=2113
-  _globals['_DESCRIBERESPONSE_KVENDPOINTENTRY']._serialized_end=2162
-  _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._serialized_start=2164
-  _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._serialized_end=2211
+  _globals['_SAMPLINGPARAMS']._serialized_end=714
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=482
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=530
+  _globals['_TOKENLOGPROBS']._serialized_start=716
+  _globals['_TOKENLOGPROBS']._serialized_end=820
+  _globals['_TOPLOGPROB']._serialized_start=822
+  _globals['_TOPLOGPROB']._serialized_end=869
+  _globals['_USAGE']._serialized_start=871
+  _globals['_USAGE']._serialized_end=958
+  _globals['_KVLAYOUT']._serialized_start=961
+  _globals['_KVLAYOUT']._serialized_end=1136
+  _globals['_LEASE']._serialized_start=1138
+  _globals['_LEASE']._serialized_end=1203
+  _globals['_KVHANDLE']._serialized_start=1206
+  _globals['_KVHANDLE']._serialized_end=1531
+  _globals['_KVHANDLE_ENDPOINTENTRY']._serialized_start=1484
+  _globals['_KVHANDLE_ENDPOINTENTRY']._serialized_end=1531
+  _globals['_TIMINGS']._serialized_start=1533
+  _globals['_TIMINGS']._serialized_end=1638
+  _globals['_LOAD']._serialized_start=1641
+  _globals['_LOAD']._serialized_end=1787
+  _globals['_DESCRIBEREQUEST']._serialized_start=1789
+  _globals['_DESCRIBEREQUEST']._serialized_end=1806
+  _globals['_DESCRIBERESPONSE']._serialized_start=1809
+  _globals['_DESCRIBERESPONSE']._serialized_end=2275
+  _globals['_DESCRIBERESPONSE_KVENDPOINTENTRY']._serialized_start=2177
+  _globals['_DESCRIBERESPONSE_KVENDPOINTENTRY']._serialized_end=2226
+  _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._serialized_start=2228
+  _globals['_DESCRIBERESPONSE_COUNTERSENTRY']._serialized_end=2275
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 @dataclass
 class TokenLogprobs:
-    """The chosen token's logprob and the top-n alternatives (highest first)."""
+    """The chosen token's logprob and the top-n alternatives (highest first); `rank` is the chosen token's
+    place in the distribution (1 = most likely) where it was computed (prompt logprobs), else None."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None

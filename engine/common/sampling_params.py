@@ -53,6 +53,8 @@ class SamplingParams:
     max_tokens: output length cap (None = up to the model's context).
     min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
     logprobs: None = no logprobs; n >= 0 = the chosen token's logprob plus the top n.
+    prompt_logprobs: None = none; n >= 0 = every prompt token's logprob (from the second on) plus
+        the top n, computed by the prefill (vLLM's extension).
     stop: stop strings, matched on the detokenized text by the detokenizer.
     logit_bias: (token id, bias) pairs, ascending ids, added to the logits before penalties and
         sampling (OpenAI semantics); biases beyond [-100, 100] are clamped to it, as vLLM does.
@@ -71,6 +73,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -115,8 +118,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if self.max_tokens is not None and min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), got {min_tokens}")
-        if self.logprobs is not None:
-            _check_range("logprobs", _check_int("logprobs", self.logprobs), 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_range(name, _check_int(name, getattr(self, name)), 0, MAX_LOGPROBS)
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")

@@ -19,6 +19,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
 )
 
 FINISH_REASONS = {
@@ -60,12 +61,16 @@ def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs | No
     if lp is None:
         return None
     return common_pb2.TokenLogprobs(
-        token_id=lp.token_id, logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank or 0,
     )
 
 
 def logprobs_from_proto(pb: common_pb2.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(token_id=pb.token_id, logprob=pb.logprob, top=[(t.token_id, t.logprob) for t in pb.top])
+    top = [(t.token_id, t.logprob) for t in pb.top]
+    return TokenLogprobs(token_id=pb.token_id, logprob=pb.logprob, top=top, rank=pb.rank or None)
 
 
 def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
