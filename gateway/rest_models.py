@@ -142,7 +142,9 @@ class _Request(_Body):
         if self.stream_options is not None and not self.stream:
             raise _custom("is only allowed when stream is true", "stream_options")
         if self.prompt_logprobs and self.stream:  # as vLLM: they would have no chunk to ride on
-            raise _custom("is not available when stream is true (0 is: it asks for no alternatives)", "prompt_logprobs")
+            raise _custom(
+                f"is {self.prompt_logprobs}: above 0 it is not available when stream is true", "prompt_logprobs"
+            )
         return self
 
     def sampling_values(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from splitserve.engine.engine_core import RequestOutput
 
 def test_a_step_batch_crosses_a_pipe_with_every_output_field_intact():
     outputs = [
-        RequestOutput("a", [5, 6], [{"5": -0.1}], True, "stop", "</s>", 32, None, 1234),
+        RequestOutput("a", [5, 6], [{"5": -0.1}], True, "stop", "</s>", 32, None, 1234, [{"7": -2.5}]),
         RequestOutput("b", [], finished=True, finish_reason="error", error="KV pull failed: x"),
         RequestOutput("c", [9]),
     ]

@@ -75,6 +75,7 @@ FIELDS = [
     "skip_special_tokens",
     "best_of",
     "echo",
+    "prompt_logprobs",
     "tools",
     "priority",
     "add_special_tokens",
@@ -167,6 +168,7 @@ def plausible(field):
         "skip_special_tokens": st.booleans(),
         "best_of": st.integers(0, 2),
         "echo": st.booleans(),
+        "prompt_logprobs": st.integers(-1, 22) | st.booleans(),
         "tools": st.just([]) | json_values,
         "priority": st.integers(-(2**32), 2**32),
         "add_special_tokens": st.booleans(),
@@ -194,6 +196,7 @@ good_completions = st.fixed_dictionaries(
         "temperature": st.floats(0, 2),
         "stop": st.lists(st.sampled_from(["w2", "1 w", "x"]), max_size=2),
         "logprobs": st.integers(0, 3),
+        "echo": st.booleans(),
     },
 )
 good_chats = st.fixed_dictionaries(
@@ -273,6 +276,7 @@ def _sampling(plausible: bool):
             "max_tokens": st.integers(0, 12) | big,
             "min_tokens": st.integers(0, 1) | big,
             "logprobs": st.integers(0, 20 if plausible else 25),
+            "prompt_logprobs": st.integers(0, 20 if plausible else 25),
             "stop_token_ids": st.lists(big | st.integers(0, 210), max_size=3),
             "ignore_eos": st.booleans(),
             "logit_bias": st.dictionaries(
@@ -306,6 +310,7 @@ def _grpc_requests(plausible: bool):
         include_stop_str_in_output=st.booleans(),
         skip_special_tokens=st.none() | st.booleans(),
         priority=st.integers(-(2**31), 2**31 - 1),
+        echo=st.booleans(),
     )
 
 

@@ -109,14 +109,18 @@ REST_CASES = [
             "best_of",
         ),
     ),
+    # vLLM's prompt_logprobs: 0..20, and (as vLLM) not streamed
     (
         "/v1/completions",
-        {**PROMPT, "echo": True},
+        {**PROMPT, "prompt_logprobs": 21},
         400,
-        error(
-            "unsupported parameter: echo (got True); splitserve does not implement it, remove it from the request",
-            "echo",
-        ),
+        error("prompt_logprobs must be >= 0 and <= 20, got 21", "prompt_logprobs"),
+    ),
+    (
+        "/v1/completions",
+        {**PROMPT, "prompt_logprobs": 2, "stream": True},
+        400,
+        error("prompt_logprobs is 2: above 0 it is not available when stream is true", "prompt_logprobs"),
     ),
     (
         "/v1/chat/completions",
