@@ -18,9 +18,11 @@ import asyncio
 import logging
 import time
 
+from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator, PullHooks
 from splitserve.engine import core_messages as m
+from splitserve.engine.structured_output import check_spec
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.service_base import ServiceBase, setup_logging
@@ -224,16 +226,12 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             check_token_ids(req, self.client.info.vocab_size)
             self._check_prefill_address(req)
             params = sampling_from_proto(req.sampling)
+            if params.structured_output is not None:
+                check_spec(params.structured_output)  # refused here, before any work is queued
         except ValueError as exc:
-            stream.out.put_nowait(
-                decode_pb2.DecodeOut(
-                    deltas=[
-                        decode_pb2.TokenDelta(
-                            request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc)
-                        )
-                    ]
-                )
-            )
+            delta = decode_pb2.TokenDelta(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc))
+            delta.refused = refusal_detail(str(exc)) is not None  # the gateway answers 400
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[delta]))
             return
         self.owner[rid] = stream
         self.timing[rid] = [time.monotonic(), 0.0, 0.0, 0]
@@ -281,6 +279,8 @@ def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
         delta.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
         if out.error:
             delta.error = out.error
+            # the engine refused the request's grammar (REFUSAL_PREFIX) before it produced anything
+            delta.refused = not out.new_token_ids and refusal_detail(out.error) is not None
     return delta
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 # what only the engine processes (prefill, decode, worker, generate) import; the gateway tokenizes with
 # `tokenizers` and jinja2 (splitserve.common.tokenizer)
-ENGINE_ONLY = frozenset({"torch", "triton", "safetensors", "ninja", "transformers"})
+# (xgrammar imports torch: engine services validate and compile structured output specs)
+ENGINE_ONLY = frozenset({"torch", "triton", "safetensors", "ninja", "transformers", "xgrammar"})
 
 
 def gateway_requirements(pyproject: Path) -> list[str]:

@@ -41,6 +41,7 @@ from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
 from splitserve.engine.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.structured_output import GrammarBackend
 
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import LaunchedStep
@@ -181,6 +182,8 @@ class EngineCore:
             eos_token_ids=tuple(model_config.eos_token_ids),
             vocab_size=model_config.vocab_size,
         )
+        # structured output: the model's tokenizer is loaded at the first request with a grammar
+        self.grammars = GrammarBackend(config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
         self.scheduler = Scheduler(
@@ -268,6 +271,12 @@ class EngineCore:
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = () if params.ignore_eos else self.info.eos_token_ids
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self.grammars.matcher(params.structured_output)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -276,6 +285,7 @@ class EngineCore:
             max_tokens=max_tokens,
             eos_token_ids=eos,
             priority=priority,
+            grammar=grammar,
         )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **options) -> Request:
@@ -326,8 +336,14 @@ class EngineCore:
 
     @staticmethod
     def _reads_pending_ids(out: SchedulerOutput) -> bool:
-        """A row with penalties samples on top of a token the host has not read."""
-        return any(s.request.num_pending_tokens > 1 and s.request.sampling_params.has_penalties for s in out.scheduled)
+        """A row with penalties, or with a grammar (its matcher must have accepted every earlier token before
+        the host fills the row's mask), samples on top of a token the host has not read: such a request
+        gives up the one-step lag for itself."""
+        return any(
+            s.request.num_pending_tokens > 1
+            and (s.request.sampling_params.has_penalties or s.request.grammar is not None)
+            for s in out.scheduled
+        )
 
     def _read(self, step: tuple[SchedulerOutput, LaunchedStep] | None = None) -> list[Request]:
         """Wait for a launched step (the unread one by default) and apply its tokens."""
@@ -399,7 +415,11 @@ class EngineCore:
         if not self.kv.allocate_slots(request, len(prompt_token_ids) - len(cached) * self.config.block_size, cached):
             return None
         request.num_cached_tokens = len(cached) * self.config.block_size
-        request.append_output(first_token_id, first_logprobs)
+        try:
+            request.append_output(first_token_id, first_logprobs)  # a grammar starts over from the spec here
+        except ValueError as exc:
+            self.kv.free(request_id)
+            raise RequestError(f"first_token_id {first_token_id}: {exc}") from None
         request.status = RequestStatus.IMPORTING
         self.importing[request_id] = request
         return self.kv.blocks_of(request_id), len(cached)

@@ -29,6 +29,7 @@ from splitserve.engine.prompt_logprobs import PromptRows, compute_prompt_logprob
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import DeviceSample, Sampler, SamplingRow
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.structured_output import build_token_mask
 
 
 @dataclass
@@ -193,10 +194,17 @@ class ModelRunner:
         if not inputs.sampling_request_ids:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep([], None)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)
         by_id = {s.request.request_id: s.request for s in out.scheduled}
-        rows = [sampling_row(by_id[request_id]) for request_id in inputs.sampling_request_ids]
-        sample = self.sampler.sample(logits, rows)
+        requests = [by_id[request_id] for request_id in inputs.sampling_request_ids]
+        # structured output: the host fills the grammar rows' bitmask now, while the device runs the model
+        # (a request with a grammar is read before its next step is launched: its matcher is up to date)
+        grammars = [(i, request.grammar) for i, request in enumerate(requests) if request.grammar is not None]
+        token_mask = (
+            build_token_mask(grammars, self.model.config.vocab_size, self.device, self.pin) if grammars else None
+        )
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)
+        rows = [sampling_row(request) for request in requests]
+        sample = self.sampler.sample(logits, rows, token_mask)
         self._last_tokens = sample.token_ids
         self._last_rows = {request_id: i for i, request_id in enumerate(inputs.sampling_request_ids)}
         if not sample.token_ids.is_cuda:

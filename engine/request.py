@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     error: str | None = None
+    grammar: RequestGrammar | None = None  # structured output: advanced by every output token
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -105,6 +107,9 @@ class Request:
         self.prompt_logprobs.extend(entries)
 
     def append_output(self, token_id: int, logprobs=None) -> None:
+        """Append one output token; a request with a grammar advances it (ValueError if it forbids the token)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         if self.sampling_params.logprobs is not None:
             self.output_logprobs.append(logprobs)
@@ -127,6 +132,9 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated:  # the grammar is complete (also with ignore_eos)
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -2,6 +2,7 @@
 
 Order of processing for each row (vLLM semantics):
 
+    logits ─► structured output: tokens the row's grammar forbids -> -inf (engine/structured_output.py)
     raw logits ──► logprobs (log_softmax of the raw logits, if asked)
         │
         ├─ min_tokens: EOS ids and stop_token_ids -> -inf while fewer outputs than min_tokens
@@ -30,6 +31,7 @@ import torch
 
 from splitserve.common.logprobs import TokenLogprobs
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.structured_output import TokenMask, apply_token_mask
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -311,15 +313,22 @@ class Sampler:
     float64 for float64 logits and in float32 otherwise.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_mask: TokenMask | None = None
+    ) -> SamplerOutput:
         """Sample and read the result on the host (waits for the device)."""
-        return self.sample(logits, rows).read()
+        return self.sample(logits, rows, token_mask).read()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
-        """Sample without waiting for the device: the tokens (and logprobs) stay where the logits are."""
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_mask: TokenMask | None = None
+    ) -> DeviceSample:
+        """Sample without waiting for the device: the tokens (and logprobs) stay where the logits are.
+        `token_mask`: the structured-output rows' allowed tokens, applied to the logits first (in place), so
+        logprobs, greedy and sampled rows all see the grammar's distribution, as vLLM's do."""
         batch, vocab_size = logits.shape
         if batch != len(rows):
             raise ValueError(f"logits have {batch} rows but {len(rows)} sampling rows were given")
+        logits = apply_token_mask(logits, token_mask)
         if all(_is_plain_greedy(row) for row in rows):  # fast path: no per-row tensor work
             return DeviceSample(logits.argmax(dim=-1))
 

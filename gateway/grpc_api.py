@@ -50,6 +50,9 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
         priority=request.priority,
         max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None,
     )
+    if request.sampling.HasField("structured_output"):
+        member = request.sampling.structured_output.WhichOneof("kind")
+        common["structured_field"] = f"sampling.structured_output.{member}"
     if kind == "text":
         return GenerationInput(text=request.text, echo=request.echo, echo_only=echo_only, **common)
     if kind == "token_ids":

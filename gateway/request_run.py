@@ -28,6 +28,7 @@ import grpc
 from splitserve.common import wire
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_output import refusal_detail
 from splitserve.gateway.decode_link import DecodeLink, LinkDown, LinkFailure
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.registry import Instance
@@ -89,6 +90,7 @@ class RequestRun:
         internal_id: str = "",
         echo_text: str | None = None,
         drop_output: bool = False,
+        structured_field: str = "",
     ) -> None:
         """`echo_text`: completions' echo, the prompt's text that starts the first message's text (and that
         message then carries the prompt's ids); `drop_output`: answer no output tokens or text (echo with
@@ -98,6 +100,7 @@ class RequestRun:
         # on every internal hop (prefill, decode, KV lease): unique across the gateways that share them
         self.internal_id = internal_id or request_id
         self._params = params
+        self._structured_field = structured_field or "structured_output"
         self._prompt = prompt_token_ids
         self._seed = seed
         self._priority = priority
@@ -245,6 +248,7 @@ class RequestRun:
         """Raise when the client must see the failure; else mark the prefill down if broken."""
         code = exc.code()
         if code in _REFUSAL_CODES:
+            self._raise_if_grammar_refused(exc.details() or "")
             raise invalid(f"prefill instance {prefill.name} refused the request: {exc.details()}", "prompt")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._remaining_s() <= 0:
             raise GatewayError("deadline_exceeded", self._timeout_message())
@@ -258,6 +262,13 @@ class RequestRun:
             reason,
         )
         return None
+
+    def _raise_if_grammar_refused(self, error: str) -> None:
+        """400 naming the request field, when an engine service refused the structured output spec."""
+        detail = refusal_detail(error) if self._params.structured_output is not None else None
+        if detail is not None:
+            field = self._structured_field
+            raise invalid(f"{field}: {detail}", field.split(".", 1)[0])
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
         request = decode_pb2.DecodeRequest(**self._engine_fields())
@@ -294,6 +305,8 @@ class RequestRun:
                     self._deps.spawn(_release_kv(*self._handed))
                 yield self._final(FR.FINISH_REASON_ERROR, error=item.message)
                 return
+            if item.refused and self.num_output_tokens == 0:  # refused before any work: a 400, not a stream
+                self._raise_if_grammar_refused(item.error)
             message = self._delta_message(item)
             yield message
             if message.finish_reason:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from splitserve.common.sampling_params import MAX_LOGPROBS
+from splitserve.gateway.rest_structured import UNSUPPORTED_STRUCTURED
 
 MAX_PROMPTS = 64  # prompts in one completion request (each runs as a request of its own)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -31,7 +32,12 @@ _INT32 = (-(2**31), 2**31 - 1)
 _MAX_SHOWN_CHARS = 80  # a client's value quoted in a message is cut to this many characters
 
 # OpenAI parameters splitserve does not implement -> the values that mean "not used" (also null).
-_UNSUPPORTED_COMMON = {"service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
+_UNSUPPORTED_COMMON = {
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "metadata": ({},),
+    **UNSUPPORTED_STRUCTURED,
+}
 UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
@@ -39,7 +45,6 @@ UNSUPPORTED_CHAT = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True, False),
     "audio": (),
     "modalities": (["text"],),
@@ -104,6 +109,13 @@ class _Request(_Body):
     logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
     # vLLM's extension: each prompt token's logprob (from the second on) plus this many alternatives
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # structured output: read and checked by gateway/rest_structured.py (one spec, errors naming the field)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -14,6 +14,7 @@ from typing import Any
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.rest_models import ChatCompletionRequest, CompletionRequest, validate
+from splitserve.gateway.rest_structured import STRUCTURED_FIELDS, structured_output_of
 from splitserve.gateway.service import ChatOptions, GenerationInput, build_sampling_params
 
 log = logging.getLogger("splitserve.gateway")
@@ -105,6 +106,14 @@ def add_echo_values(values: dict[str, Any], echo: bool, logprobs: int | None) ->
     return False
 
 
+def _structured(req: CompletionRequest | ChatCompletionRequest, values: dict[str, Any]) -> str:
+    """Put the request's structured output spec (if any) into `values`; the field it came from."""
+    spec, field = structured_output_of({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+    if spec is not None:
+        values["structured_output"] = spec
+    return field
+
+
 def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
     """POST /v1/completions body -> RestRequest; RequestValidationError when the body is invalid."""
     req: CompletionRequest = validate(CompletionRequest, body)
@@ -117,6 +126,7 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     if req.logprobs is not None:
         values["logprobs"] = req.logprobs
     echo_only = add_echo_values(values, bool(req.echo), req.logprobs)
+    structured_field = _structured(req, values)
     params = _params(values, max_stop_strings, {})
     inputs = [
         GenerationInput(
@@ -128,6 +138,7 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
             add_special_tokens=req.add_special_tokens is not False,
             echo=bool(req.echo),
             echo_only=echo_only,
+            structured_field=structured_field,
             **({"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}),
         )
         for i, prompt in enumerate(req.prompt)
@@ -152,6 +163,7 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         values["prompt_logprobs"] = req.prompt_logprobs
     max_tokens_param = renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None
     values.setdefault("max_tokens", None)  # unset: up to the context, as vLLM's chat API (completions: 16)
+    structured_field = _structured(req, values)
     params = _params(values, max_stop_strings, renames)
     inp = GenerationInput(
         request_id=request_id,
@@ -160,6 +172,7 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         chat=req.turns,
         max_tokens_param=max_tokens_param,
         priority=req.priority or 0,
+        structured_field=structured_field,
         chat_options=ChatOptions(
             add_generation_prompt=req.add_generation_prompt is not False,
             continue_final_message=bool(req.continue_final_message),

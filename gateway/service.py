@@ -76,6 +76,9 @@ class GenerationInput:
     chat_options: ChatOptions | None = None  # chat prompts: how the template renders them
     echo: bool = False  # completions' echo: the first message's text starts with the prompt's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token computed is dropped)
+    # where params.structured_output came from (e.g. "response_format.json_schema.schema", "guided_regex"): a
+    # prefill or decode that refuses the spec (xgrammar cannot compile it) is answered 400 naming this field
+    structured_field: str = ""
 
 
 def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
@@ -119,6 +122,11 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
     values["stop_token_ids"] = list(msg.stop_token_ids)
     values["ignore_eos"] = msg.ignore_eos
     values["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_output"):
+        try:
+            values["structured_output"] = wire.structured_from_proto(msg.structured_output)
+        except ValueError as exc:
+            raise invalid(f"sampling.{exc}", "structured_output") from None
     return values
 
 
@@ -390,6 +398,7 @@ class GatewayService:
                 trace_carrier=trace_carrier,
                 echo_text=echo_text,
                 drop_output=inp.echo_only,
+                structured_field=inp.structured_field,
             )
             async with aclosing(run.stream()) as messages:
                 async for message in messages:

@@ -19,6 +19,7 @@ import grpc
 from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine import core_messages as m
 from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.engine.structured_output import check_spec
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.prefill_service.pair_check import DecodePeers, PairRefused
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -73,6 +74,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         try:
             self.check_accepting(context)
             params = sampling_from_proto(request.sampling)
+            if params.structured_output is not None:
+                check_spec(params.structured_output)  # refused here, before any work is queued
             max_lease_ms = int(self.config.lease_s * 1000)
             if request.lease_ms > max_lease_ms:
                 raise ValueError(

@@ -83,6 +83,13 @@ FIELDS = [
     "continue_final_message",
     "chat_template_kwargs",
     "logit_bias",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
     "an_unknown_field",
 ]
 WORDS = ["hello", "world", "user", "w9", "w20", "w150", "w199", "<s>", "</s>", "zzz", " ", "\n", "é", "😀"]
@@ -129,6 +136,9 @@ json_values = st.recursive(
     max_leaves=12,
 )
 words = st.lists(st.sampled_from(WORDS), max_size=20).map(" ".join)
+# structured output specs: the fake services do not compile them, so the gateway's shape checks are what is fuzzed
+schemas = st.fixed_dictionaries({"type": st.sampled_from(["object", "array", "string", "objectx"])}) | st.booleans()
+patterns = st.sampled_from([r"w\d+", "(ab", "", "a|b"]) | any_text
 small_ints = st.integers(-3, 40)
 messages = st.lists(
     st.fixed_dictionaries(
@@ -180,6 +190,22 @@ def plausible(field):
             st.floats(-300, 300) | st.integers(-200, 200) | st.sampled_from(["1", None, float("nan")]),
             max_size=4,
         ),
+        "response_format": st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+            optional={"json_schema": st.fixed_dictionaries({"name": st.just("n"), "schema": schemas}) | json_values},
+        )
+        | json_values,
+        "structured_outputs": st.dictionaries(
+            st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "x"]),
+            schemas | patterns | st.lists(words, max_size=3) | st.booleans(),
+            max_size=3,
+        )
+        | json_values,
+        "guided_json": schemas | schemas.map(json.dumps) | json_values,
+        "guided_regex": patterns | json_values,
+        "guided_choice": st.lists(words, max_size=4) | json_values,
+        "guided_grammar": st.sampled_from(['root ::= "w9"', "root ::= foo", ""]) | json_values,
+        "guided_decoding_backend": st.sampled_from(["xgrammar", "auto", "outlines"]) | json_values,
         "an_unknown_field": json_values,  # ignored with a log line, as vLLM does
     }[field]
 
@@ -282,8 +308,21 @@ def _sampling(plausible: bool):
             "logit_bias": st.dictionaries(
                 st.integers(0, 205) | big, floats if plausible else st.floats(-300, 300, width=32), max_size=3
             ),
+            "structured_output": structured_specs,
         },
     ).map(lambda kw: common_pb2.SamplingParams(**kw))
+
+
+structured_specs = st.one_of(
+    st.builds(common_pb2.StructuredOutput),  # no kind set: refused
+    st.builds(common_pb2.StructuredOutput, json_schema=st.sampled_from(['{"type": "object"}', "{", "[1]", ""])),
+    st.builds(common_pb2.StructuredOutput, json_object=st.booleans(), disable_any_whitespace=st.booleans()),
+    st.builds(common_pb2.StructuredOutput, regex=st.sampled_from([r"w\d+", "(ab", "", "a|b"])),
+    st.builds(
+        common_pb2.StructuredOutput, choice=st.lists(words, max_size=3).map(lambda v: common_pb2.Choices(values=v))
+    ),
+    st.builds(common_pb2.StructuredOutput, grammar=st.sampled_from(['root ::= "w9"', ""])),
+)
 
 
 def _prompt(plausible: bool):

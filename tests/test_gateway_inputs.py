@@ -134,11 +134,10 @@ REST_CASES = [
     ),
     (
         "/v1/chat/completions",
-        {**CHAT, "response_format": {"type": "json_object"}},
+        {**CHAT, "response_format": {"type": "json_schema"}},
         400,
         error(
-            "unsupported parameter: response_format (got {'type': 'json_object'}); splitserve does not implement it, "
-            "remove it from the request",
+            'response_format.json_schema must be an object with "name" and "schema" when type is json_schema',
             "response_format",
         ),
     ),

@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from splitserve.common.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -58,6 +60,8 @@ class SamplingParams:
     stop: stop strings, matched on the detokenized text by the detokenizer.
     logit_bias: (token id, bias) pairs, ascending ids, added to the logits before penalties and
         sampling (OpenAI semantics); biases beyond [-100, 100] are clamped to it, as vLLM does.
+    structured_output: a grammar the output must match (None = free text); the request ends (stop)
+        when the grammar is complete. Not with min_tokens: the grammar decides where the output ends.
     """
 
     temperature: float = 1.0
@@ -78,12 +82,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._validate_floats()
         self._validate_ints()
         self._validate_stops()
         self._validate_logit_bias()
+        self._validate_structured_output()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -166,6 +172,22 @@ class SamplingParams:
             out[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
         self._set("logit_bias", tuple(sorted(out.items())))
 
+    def _validate_structured_output(self) -> None:
+        spec = self.structured_output
+        if isinstance(spec, dict):  # from_dict / JSON
+            try:
+                spec = StructuredOutput(**spec)
+            except TypeError as exc:
+                raise ValueError(f"structured_output has an unknown field: {exc}") from None
+            self._set("structured_output", spec)
+        if spec is not None and not isinstance(spec, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, got {type(spec).__name__}")
+        if spec is not None and self.min_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) cannot be combined with structured output: the grammar decides "
+                "where the output ends; remove min_tokens"
+            )
+
     @property
     def is_greedy(self) -> bool:
         """True when the sampler takes the argmax (temperature ~ 0)."""
@@ -182,6 +204,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        d["structured_output"] = self.structured_output.to_dict() if self.structured_output is not None else None
         return d
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.logprobs import TokenLogprobs
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_output import StructuredOutput
 from splitserve.protos import common_pb2
 
 OPTIONAL_SAMPLING_FIELDS = (
@@ -42,6 +43,8 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, **extra) -> SamplingParam
     values["stop_token_ids"] = tuple(pb.stop_token_ids)
     values["ignore_eos"] = pb.ignore_eos
     values["logit_bias"] = dict(pb.logit_bias)
+    if pb.HasField("structured_output"):
+        values["structured_output"] = structured_from_proto(pb.structured_output)
     values.update(extra)
     return SamplingParams(**values)
 
@@ -54,6 +57,32 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(pb, name, value)
+    if params.structured_output is not None:
+        pb.structured_output.CopyFrom(structured_to_proto(params.structured_output))
+    return pb
+
+
+# StructuredOutput field -> the proto's oneof member
+_STRUCTURED_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "grammar": "grammar"}
+
+
+def structured_from_proto(pb: common_pb2.StructuredOutput) -> StructuredOutput:
+    """StructuredOutput from the proto; ValueError naming the field when no kind is set or a value is invalid."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output must set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(pb.choice.values), disable_any_whitespace=pb.disable_any_whitespace)
+    field = next(name for name, member in _STRUCTURED_KINDS.items() if member == kind)
+    return StructuredOutput(**{field: getattr(pb, kind)}, disable_any_whitespace=pb.disable_any_whitespace)
+
+
+def structured_to_proto(spec: StructuredOutput) -> common_pb2.StructuredOutput:
+    pb = common_pb2.StructuredOutput(disable_any_whitespace=spec.disable_any_whitespace)
+    if spec.choice is not None:
+        pb.choice.values.extend(spec.choice)
+    else:
+        setattr(pb, _STRUCTURED_KINDS[spec.kind], getattr(spec, spec.kind))
     return pb
 
 
