@@ -165,9 +165,11 @@ def parse_variant(text: str) -> tuple[str, float]:
 
 
 def engine_flags(args, max_num_seqs: int) -> list[str]:
-    """The engine flags a bench's prefill and decode share: `args`' dtype, max_model_len and num_kv_blocks."""
+    """The engine flags a bench's prefill and decode share: `args`' dtype, KV cache dtype, max_model_len and
+    num_kv_blocks."""
     sizes = ["--max-model-len", str(args.max_model_len), "--num-kv-blocks", str(args.num_kv_blocks)]
-    return ["--dtype", args.dtype, *sizes, "--max-num-seqs", str(max_num_seqs)]
+    dtypes = ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
+    return [*dtypes, *sizes, "--max-num-seqs", str(max_num_seqs)]
 
 
 async def run_transport(args, transport: str, prompts: list[list[int]], logs: Path, variant: str = "plain") -> dict:
@@ -330,6 +332,7 @@ def colocated(args, prompts) -> list[list[int]]:
         model=args.config,
         load_format="dummy",
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.prefill_device,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
@@ -346,6 +349,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "bench" / "configs" / "llama3-8b.json"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="both services' and colocated")
     ap.add_argument("--prefill-device", default="cuda:0")
     ap.add_argument("--decode-device", default="cuda:1")
     ap.add_argument("--transports", default="nccl,cuda_ipc")

@@ -3,6 +3,11 @@ against their unfused torch equivalents, and the sweeps behind the decode split-
 
     PYTHONPATH=. python bench/kernels.py --json out/kernels.json          # on a GPU
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/kernels.py --smoke       # tiny shapes, CPU
+    PYTHONPATH=. python bench/kernels.py --sections fp8                   # only the fp8 tables
+
+`--sections fp8`: paged decode attention over a bf16 cache beside the same values in an fp8 (e4m3)
+cache (rate against the copy rate for the bytes each reads; a tile sweep for fp8), and the 8B
+projections in bf16 (cuBLAS) beside fp8 (per-token quantization + row-wise `torch._scaled_mm`).
 
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between calls, warm-up
 first). Decode bytes count each cached K/V element of the context once (block tables, q and out
@@ -299,6 +304,112 @@ def bench_fused(p, device, dtype):
     return rows
 
 
+# fp8 decode tiles tried: DOT_F16 (upcast to f16, q too) or the upcast to q's bf16; tile width, warps, stages
+FP8_CONFIGS = [dict(DOT_F16=False, BLOCK_N=64, num_warps=4, num_stages=2)] + [
+    dict(DOT_F16=True, BLOCK_N=n, num_warps=w, num_stages=st)
+    for n, w, st in ((64, 4, 2), (64, 4, 1), (64, 4, 3), (32, 4, 2), (128, 4, 2), (128, 8, 2))
+]
+# (name, N, K) of Llama-3-8B's projections; a decode step runs each once per layer (32 layers)
+FP8_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+
+
+def bench_fp8_decode(p, copy_bw, device, gen):
+    """Decode attention over a bf16 cache and the same values in e4m3, side by side, + fp8 tile sweep."""
+    fp8 = torch.float8_e4m3fn
+    cache = PagedCache(p, device, torch.bfloat16)
+    kv8 = cache.kv.to(fp8)
+    k8, v8 = kv8[:, 1, 0], kv8[:, 1, 1]
+    kv_up = kv8.to(torch.bfloat16)  # the fp8 values in bf16: the reference the fp8 kernel must match
+    ku, vu = kv_up[:, 1, 0], kv_up[:, 1, 1]
+    rows, sweep, scale = [], [], p["head_dim"] ** -0.5
+    for batch, ctx in p["decode"]:
+        table = cache.tables(batch, ctx, gen)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        q = torch.randn(batch, p["num_q_heads"], p["head_dim"], device=device, dtype=torch.bfloat16)
+        elems = 2 * batch * ctx * p["num_kv_heads"] * p["head_dim"]
+        row = dict(batch=batch, ctx=ctx)
+        for name, (kc, vc), nbytes in (("bf16", (cache.k_cache, cache.v_cache), 2 * elems), ("fp8", (k8, v8), elems)):
+            run = lambda kc=kc, vc=vc: paged_decode_attention_triton(q, kc, vc, table, seq_lens, scale)  # noqa: E731
+            t = time_ms(run)
+            row[f"{name}_ms"], row[f"{name}_pct_copy"] = t, 100 * nbytes / (t * 1e-3) / copy_bw
+        ref = paged_decode_attention_triton(q, ku, vu, table, seq_lens, scale)
+        row["fp8_max_abs_err"] = (
+            (paged_decode_attention_triton(q, k8, v8, table, seq_lens, scale) - ref).abs().max().item()
+        )
+        best = None
+        for cfg in FP8_CONFIGS if device == "cuda" else FP8_CONFIGS[:1]:
+            t = time_ms(lambda cfg=cfg: paged_decode_attention_triton(q, k8, v8, table, seq_lens, scale, config=cfg))
+            sweep.append(dict(batch=batch, ctx=ctx, **cfg, ms=t))
+            best = min(best or (t, cfg), (t, cfg), key=lambda x: x[0])
+        row["fp8_best_ms"], row["fp8_best_config"] = best[0], best[1]
+        row["fp8_best_pct_copy"] = 100 * elems / (best[0] * 1e-3) / copy_bw
+        rows.append(row)
+    del cache, kv8, kv_up
+    print("fp8 decode tiles (ms):")
+    for x in sweep:
+        tile = f"f16={x['DOT_F16']} N{x['BLOCK_N']} w{x['num_warps']} s{x['num_stages']}"
+        print(f"  ({x['batch']}, {x['ctx']}) {tile}: {x['ms']:.4f}")
+    return rows, sweep
+
+
+def bench_fp8_linear(device, batches=(1, 128)):
+    """The 8B projections: bf16 F.linear beside Fp8Linear (per-token quantization + row-wise _scaled_mm)."""
+    from splitserve.engine.quant import Fp8Linear
+
+    rows = []
+    for batch in batches:
+        for name, n, k in FP8_LINEARS:
+            lin = torch.nn.Module()
+            lin.weight = torch.nn.Parameter(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, False)
+            lin.bias, lin.output_sizes = None, (n,)
+            fp8 = Fp8Linear.from_linear(lin)
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            t16 = time_ms(lambda: F.linear(x, lin.weight))
+            t8 = time_ms(lambda: fp8(x))
+            tq = time_ms(lambda: fp8.quantize_input(x))
+            rel = (fp8(x).float() - F.linear(x, lin.weight).float()).norm() / F.linear(x, lin.weight).float().norm()
+            rows.append(
+                dict(
+                    batch=batch,
+                    op=name,
+                    n=n,
+                    k=k,
+                    bf16_ms=t16,
+                    fp8_ms=t8,
+                    quant_ms=tq,
+                    bf16_gbps=2 * n * k / t16 / 1e6,
+                    fp8_gbps=n * k / t8 / 1e6,
+                    rel_err=rel.item(),
+                    scaled_mm=fp8.use_scaled_mm,
+                )
+            )
+    return rows
+
+
+def print_fp8_tables(r) -> None:
+    print(f"\ncopy bandwidth: {r['copy_gbps']:.0f} GB/s (read + write)")
+    print(
+        "\n| decode (B, ctx) | bf16 ms | bf16 % copy | fp8 ms | fp8 % copy | fp8 best ms | best % copy | best tile "
+        "| fp8 err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in r["fp8_decode"]:
+        c = x["fp8_best_config"]
+        print(
+            f"| ({x['batch']}, {x['ctx']}) | {x['bf16_ms']:.4f} | {x['bf16_pct_copy']:.1f} | {x['fp8_ms']:.4f} | "
+            f"{x['fp8_pct_copy']:.1f} | {x['fp8_best_ms']:.4f} | {x['fp8_best_pct_copy']:.1f} | "
+            f"{'f16' if c['DOT_F16'] else 'bf16'} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} | "
+            f"{x['fp8_max_abs_err']:.1e} |"
+        )
+    print("\n| projection (8B) | batch | bf16 ms | bf16 GB/s | fp8 ms | fp8 GB/s | of which quant ms | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for x in r["fp8_linear"]:
+        print(
+            f"| {x['op']} {x['n']}x{x['k']} | {x['batch']} | {x['bf16_ms']:.4f} | {x['bf16_gbps']:.0f} | "
+            f"{x['fp8_ms']:.4f} | {x['fp8_gbps']:.0f} | {x['quant_ms']:.4f} | {x['rel_err']:.3f} |"
+        )
+
+
 def print_tables(r) -> None:
     print(f"\ncopy bandwidth: {r['copy_gbps']:.0f} GB/s (read + write)")
     print("\n| decode (B, ctx) | splits | ms | GB/s | % copy | SDPA ms | SDPA GB/s | % of SDPA rate | max err |")
@@ -349,6 +460,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--sections", default="all", choices=("all", "fp8"), help="fp8: only the fp8 tables")
     args = parser.parse_args(argv)
     p = SMOKE if args.smoke else FULL
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,6 +477,14 @@ def main(argv=None) -> int:
 
     r["triton"] = triton.__version__
     r["copy_gbps"] = copy_bandwidth(device, (2 << 30) if device == "cuda" else (1 << 20)) / 1e9
+    if args.sections == "fp8":
+        r["fp8_decode"], r["fp8_decode_sweep"] = bench_fp8_decode(p, r["copy_gbps"] * 1e9, device, gen)
+        r["fp8_linear"] = bench_fp8_linear(device) if device == "cuda" else []
+        print_fp8_tables(r)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1, default=str)
+        return 0
     cache = PagedCache(p, device, dtype)
     r["decode"] = bench_decode(p, cache, r["copy_gbps"] * 1e9, device, dtype, gen)
     r["prefill"], r["prefill_configs"] = bench_prefill(p, cache, device, dtype, gen)

@@ -8,6 +8,10 @@ tokens each request asked for are counted):
     cpu       64 requests, prompts U[16, 512], outputs U[16, 256]   (the engine issue's workload)
     nanovllm  256 requests, prompts and outputs U[100, 1024]
 vLLM runs in its own virtual environment (--vllm-python), as a subprocess of this script.
+
+splitserve variants (in --engines, each measured in the same run): `splitserve` (the --dtype model and
+KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `splitserve:fp8`
+(both), e.g. --engines splitserve,splitserve:fp8kv --workload nanovllm.
 """
 
 from __future__ import annotations
@@ -40,10 +44,28 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> list[tuple[list[
     return requests
 
 
-def run_splitserve(config_path: str, requests, dtype: str, device: str, args) -> dict:
+# splitserve variant -> its engine options
+VARIANTS = {
+    "": {},
+    "fp8kv": {"kv_cache_dtype": "fp8"},
+    "fp8w": {"quantization": "fp8"},
+    "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
+
+
+def variant_options(engine: str) -> dict:
+    """`splitserve` or `splitserve:VARIANT` -> the engine options of that variant."""
+    _, _, variant = engine.partition(":")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown splitserve variant {variant!r}; choose one of {', '.join(v for v in VARIANTS if v)}")
+    return VARIANTS[variant]
+
+
+def run_splitserve(config_path: str, requests, dtype: str, device: str, args, variant: str = "splitserve") -> dict:
     from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(
+        **variant_options(variant),
         model=config_path,
         load_format="dummy",
         dtype=dtype,
@@ -229,8 +251,17 @@ def fixed_hf(model, batch: int, prompt_len: int, output_len: int, vocab: int, de
     }
 
 
-def roofline_ms(config: dict, batch: int, context: int, bytes_per_s: float = 4.28e12, flops: float = 790e12) -> float:
-    """PERF.md's decode-step floor for this config (weights + KV read, or matmul FLOPs)."""
+def roofline_ms(
+    config: dict,
+    batch: int,
+    context: int,
+    bytes_per_s: float = 4.28e12,
+    flops: float = 790e12,
+    weight_bytes: float = 2,
+    kv_bytes_per_elem: float = 2,
+) -> float:
+    """PERF.md's decode-step floor for this config (weights + KV read, or matmul FLOPs); fp8 weights
+    read one byte a projection parameter (embeddings and LM head stay 16-bit), an fp8 KV one an element."""
     h, layers, ffn, vocab = (
         config["hidden_size"],
         config["num_hidden_layers"],
@@ -239,11 +270,11 @@ def roofline_ms(config: dict, batch: int, context: int, bytes_per_s: float = 4.2
     )
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim", h // heads)
-    params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * (
-        h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn
-    )
-    kv_bytes = 2 * layers * kv_heads * d * 2
-    t_mem = (params * 2 + batch * context * kv_bytes) / bytes_per_s
+    head_params = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    layer_params = layers * (h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn)
+    params = head_params + layer_params
+    kv_bytes = 2 * layers * kv_heads * d * kv_bytes_per_elem
+    t_mem = (head_params * 2 + layer_params * weight_bytes + batch * context * kv_bytes) / bytes_per_s
     t_flop = 2 * params * batch / flops
     return 1e3 * max(t_mem, t_flop)
 
@@ -254,10 +285,11 @@ def run_fixed(args) -> list[dict]:
     vocab = config["vocab_size"]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
-    if "splitserve" in args.engines:
+    for engine in [e for e in args.engines.split(",") if e.partition(":")[0] == "splitserve"]:
         from splitserve.engine import LLM
 
         llm = LLM(
+            **variant_options(engine),
             model=args.config,
             load_format="dummy",
             dtype=args.dtype,
@@ -271,7 +303,7 @@ def run_fixed(args) -> list[dict]:
         fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
         for b in batches:
             row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
-            rows.append({"engine": "splitserve", **row})
+            rows.append({"engine": engine, **row})
             print(rows[-1], flush=True)
             if args.profile and llm.engine.runner.graphs is not None:
                 from bench.decode_profile import format_profile, profile_decode
@@ -305,13 +337,20 @@ def run_fixed(args) -> list[dict]:
         f"{args.dtype}, {args.device}"
     )
     print(
-        f"{'engine':<12}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}"
+        f"{'engine':<18}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}"
     )
     for r in rows:
-        floor = roofline_ms(config, r["batch"], context)
+        options = variant_options(r["engine"]) if r["engine"].startswith("splitserve") else {}
+        floor = roofline_ms(
+            config,
+            r["batch"],
+            context,
+            weight_bytes=1 if "quantization" in options else 2,
+            kv_bytes_per_elem=1 if "kv_cache_dtype" in options else 2,
+        )
         r["floor_ms"] = floor
         print(
-            f"{r['engine']:<12}{r['batch']:>6}{r['decode_step_ms']:>16.2f}{floor:>10.2f}"
+            f"{r['engine']:<18}{r['batch']:>6}{r['decode_step_ms']:>16.2f}{floor:>10.2f}"
             f"{r['decode_step_ms'] / floor:>9.2f}"
             f"{r['prefill_ms']:>12.1f}{r['output_tok_s']:>10.0f}"
         )
@@ -363,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     asked = sum(n for _, n in requests)
     rows = []
     for name in args.engines.split(","):
-        result = ENGINES[name](args.config, requests, args.dtype, args.device, args)
+        if name.startswith("splitserve"):
+            result = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)
+        else:
+            result = ENGINES[name](args.config, requests, args.dtype, args.device, args)
         result["engine"] = name
         result["useful_tok_s"] = asked / result["seconds"]
         rows.append(result)
@@ -373,10 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\nworkload={args.workload} requests={len(requests)} asked_tokens={asked} config={Path(args.config).name} "
         f"dtype={args.dtype} device={args.device} threads={args.threads}"
     )
-    print(f"{'engine':<12}{'seconds':>10}{'useful tok/s':>15}{'vs splitserve':>15}")
+    print(f"{'engine':<18}{'seconds':>10}{'useful tok/s':>15}{'splitserve / it':>17}")
     for r in rows:
         ratio = base.get("splitserve", r["useful_tok_s"]) / r["useful_tok_s"]
-        print(f"{r['engine']:<12}{r['seconds']:>10.1f}{r['useful_tok_s']:>15.1f}{ratio:>14.2f}x")
+        print(f"{r['engine']:<18}{r['seconds']:>10.1f}{r['useful_tok_s']:>15.1f}{ratio:>16.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
     return 0

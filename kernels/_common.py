@@ -36,6 +36,12 @@ def interpreting(tensor: torch.Tensor) -> bool:
     return not tensor.is_cuda
 
 
+def fp8_dot_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Attention over an fp8 (e4m3) cache with a 16-bit q: dot in float16 (q cast once, tiles upcast by one
+    packed convert per two values; bf16 would take a second convert each). A float32 q keeps float32 dots."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -16,8 +16,10 @@ contiguous ranges processed in parallel; a second kernel merges the partial soft
 
 Scores are kept in log2 units (x = q.k * scale * log2(e)) so the kernel uses exp2.
 A sequence with seq_len 0 (batch padding) gets a zero output.
-The caches may be float8_e4m3fn (half the bytes): tiles are upcast to q's dtype after loading;
-any cache scale is the caller's (fold k's into `scale`, multiply the output by v's).
+The caches may be float8_e4m3fn (half the bytes): tiles are upcast after loading, to float16 with
+q cast to float16 too (DOT_F16: one packed e4m3 -> f16 convert per two values; bf16 would need a
+second convert for each); any cache scale is the caller's (fold k's into `scale`, multiply the
+output by v's).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton.language as tl
 from splitserve.kernels._common import (
     check_paged_attention_shapes,
     dot_precision,
+    fp8_dot_f16,
     gather_sequence_kv,
     interpreting,
     next_pow2,
@@ -79,6 +82,7 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -100,6 +104,8 @@ def _decode_kernel(
     )  # (BLOCK_G, BLOCK_D)
     if DOT_F32:
         q = q.to(tl.float32)
+    elif DOT_F16:  # fp8 cache: e4m3 -> f16 is one packed convert per two values, -> bf16 takes one more each
+        q = q.to(tl.float16)
 
     m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -199,12 +205,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return 1 << (limit.bit_length() - 1)
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool) -> dict:
-    """Tile sizes and launch parameters for the decode kernel."""
+def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool, kv_dtype: torch.dtype | None = None) -> dict:
+    """Tile sizes and launch parameters for the decode kernel (`kv_dtype`: the cache's, default q's)."""
     if on_cpu:
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32 or head_dim > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    if kv_dtype == torch.float8_e4m3fn:  # 128-token fp8 tiles: best of docs/perf.md's fp8 sweep at all 3 shapes
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)  # best of the sweep in docs/perf.md
 
 
@@ -245,7 +253,7 @@ def paged_decode_attention_triton(
     if batch == 0:
         return out
     on_cpu = interpreting(q)
-    cfg = dict(decode_config(head_dim, q.dtype, on_cpu), **(config or {}))
+    cfg = dict(decode_config(head_dim, q.dtype, on_cpu, k_cache.dtype), **(config or {}))
     if num_splits is None:
         sms = 4 if on_cpu else num_sms(q.device.index or 0)
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
@@ -282,6 +290,7 @@ def paged_decode_attention_triton(
         IS_SPLIT=is_split,
         DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype),
+        DOT_F16=cfg.get("DOT_F16", fp8_dot_f16(q, k_cache)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -25,6 +25,7 @@ import triton.language as tl
 from splitserve.kernels._common import (
     check_paged_attention_shapes,
     dot_precision,
+    fp8_dot_f16,
     gather_sequence_kv,
     interpreting,
     next_pow2,
@@ -143,6 +144,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     SINGLE_LOOP: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = num_m_tiles - 1 - tl.program_id(1)  # longest tiles first
@@ -162,6 +164,8 @@ def _prefill_kernel(
         )  # (BLOCK_M, BLOCK_D)
         if DOT_F32:
             q = q.to(tl.float32)
+        elif DOT_F16:  # fp8 cache: tiles upcast to f16 (one packed convert per two e4m3 values), q with them
+            q = q.to(tl.float16)
         offs_pos = ctx + offs_m  # absolute position of each row
         kv_head = head // group
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -297,6 +301,7 @@ def paged_prefill_attention_triton(
         BLOCK_N=cfg["BLOCK_N"],
         DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype),
+        DOT_F16=fp8_dot_f16(q, k_cache),
         SINGLE_LOOP=cfg.get("SINGLE_LOOP", False),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

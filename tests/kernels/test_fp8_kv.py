@@ -8,6 +8,7 @@ import torch
 from splitserve.engine.attention import attention_forward
 from splitserve.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from splitserve.kernels.fp8_quant import quantize_per_token
+from splitserve.kernels.paged_decode_attention import decode_config, paged_decode_attention_triton
 from tests.kernels.conftest import PagedKv, dense_attention
 from tests.model_factory import SeqSpec, build_meta
 
@@ -64,11 +65,34 @@ def test_decode_attention_reads_fp8(impl, q_dtype, num_splits):
     out = paged_decode_attention(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale, num_splits=num_splits, impl=impl
     )
+    _check_decode(out, q, paged, seq_lens, scale, q_dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", [dict(DOT_F16=False), dict(BLOCK_N=64, num_warps=4, num_stages=3)])
+def test_decode_attention_fp8_tile_variants(config):
+    """The bf16 upcast (not the f16 default) and another tile, as bench/kernels.py's fp8 sweep runs them."""
+    seq_lens = [1, 13, 200, 7]
+    paged = _fp8_paged(seq_lens, "cuda")
+    q = torch.randn(len(seq_lens), 4, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+    scale = 32**-0.5
+    out = paged_decode_attention_triton(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale, config=config
+    )
+    _check_decode(out, q, paged, seq_lens, scale, torch.bfloat16)
+
+
+def _check_decode(out, q, paged, seq_lens, scale, q_dtype):
     assert out.dtype == q_dtype
     for b, n in enumerate(seq_lens):
         want = dense_attention(q[b : b + 1], paged.keys[b], paged.values[b], scale, first_pos=n - 1)
         tol = 2e-5 if q_dtype == torch.float32 else 1.6e-2
         torch.testing.assert_close(out[b : b + 1].double().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_fp8_caches_get_the_measured_decode_tile():
+    assert decode_config(128, torch.bfloat16, False, FP8) == dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    assert decode_config(128, torch.bfloat16, False, torch.bfloat16) == dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 19 on one H200, bf16 beside fp8, in one device call (each step bounded; everything printed lands
+# in $OUT/fp8.log and each bench writes its JSON under $OUT as it ends, so a call cut short keeps what ran):
+#   1. GPU tests of the fp8 KV kernels (Triton write/decode/prefill over e4m3, scales, the activation quantizer)
+#   2. bench/kernels.py --sections fp8: decode attention bf16 vs fp8 cache against the copy rate, 8B projections
+#   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed)
+#   4. the nano-vllm workload (Qwen3-0.6B shape): bf16 KV beside fp8 KV
+#   5. quality: the default model's held-out perplexity and greedy tokens, bf16 beside fp8
+#   6. a disaggregated hand-off on the one GPU over cuda_ipc with fp8 blocks (tokens vs colocated fp8)
+# `bash bench/fp8_gpu.sh` runs them all; `bash bench/fp8_gpu.sh 2 3 4` only those steps.
+set -uo pipefail
+STEPS=${*:-1 2 3 4 5 6}
+OUT=${OUT:-/tmp/fp8-gpu}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/fp8.log") 2>&1
+export PYTHONUNBUFFERED=1
+source bench/gpu_setup.sh || { echo "carry .whl (bash bench/gpu_wheels.sh here)"; exit 1; }
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
+step() { echo; echo "=== $1 ($(date +%T))"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if want 1; then
+  step "1 GPU tests"
+  timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_kv.py 2>&1 | tail -15
+fi
+if want 2; then
+  step "2 kernels"
+  timeout 100 python3 bench/kernels.py --sections fp8 --json "$OUT/kernels_fp8.json" 2>&1 | tail -45
+fi
+if want 3; then
+  step "3 8B decode step"
+  timeout 150 python3 -m bench.offline_throughput --workload fixed --engines splitserve,splitserve:fp8 \
+      --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 --output-len 32 \
+      --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -8
+fi
+if want 4; then
+  step "4 nano-vllm workload"
+  timeout 110 python3 -m bench.offline_throughput --workload nanovllm --engines splitserve,splitserve:fp8kv \
+      --config bench/configs/qwen3-0.6b.json --dtype bfloat16 --device cuda --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --json "$OUT/nanovllm_fp8.json" 2>&1 | tail -6
+fi
+if want 5; then
+  step "5 quality"
+  timeout 60 python3 -m bench.fp8_quality --device cuda --json "$OUT/quality.json" 2>&1 | tail -7
+fi
+if want 6; then
+  step "6 disaggregated cuda_ipc hand-off, fp8 KV"
+  timeout 100 python3 -m bench.disagg_handoff --config bench/configs/qwen3-0.6b.json --prefill-device cuda:0 \
+      --decode-device cuda:0 --transports cuda_ipc --kv-cache-dtype fp8 --num-prompts 3 --prompt-len 2048 \
+      --num-kv-blocks 1024 --logs /tmp/disagg-logs --json "$OUT/disagg_fp8.json" 2>&1 | tail -8
+fi
+step "done"
