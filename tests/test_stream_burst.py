@@ -55,3 +55,51 @@ def test_a_burst_of_streams_all_reach_the_gateway_and_end_named(tmp_path):
     route = ("route", "/splitserve.v1.Generation/Generate")
     assert metrics[("splitserve:requests_total", (route, ("status", "OK")))] == NUM_STREAMS
     assert [i["up"] for i in ready["instances"]] == [True, True]  # no instance marked down meanwhile
+
+
+def test_calls_the_server_picks_up_late_still_reach_their_handler():
+    """An internal server whose event loop is held for 33 s (a loaded machine): gRPC cancelled every call
+    it had queued for over 30 s (a bare CANCELLED); now each is answered once the loop is back."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from splitserve.runtime.grpc_server import build_server
+
+    async def handler(request: bytes, context) -> bytes:
+        if request == b"hold":
+            time.sleep(33)  # holds the event loop (a coroutine, not run on a thread): no call is picked up
+        return request
+
+    same = bytes
+    method = grpc.unary_unary_rpc_method_handler(handler, same, same)
+    generic = grpc.method_handlers_generic_handler("t.Held", {"Echo": method})
+
+    async def serve_and_call() -> collections.Counter:
+        server, _, port = build_server("127.0.0.1", 0, lambda s: s.add_generic_rpc_handlers((generic,)), ["t.Held"])
+        await server.start()
+        try:
+            return await asyncio.to_thread(call_from_threads, port)
+        finally:
+            await server.stop(0)
+
+    def call_from_threads(port: int) -> collections.Counter:
+        ended = collections.Counter()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            echo = channel.unary_unary("/t.Held/Echo", request_serializer=same, response_deserializer=same)
+            holder = threading.Thread(target=lambda: echo(b"hold", timeout=120))
+            holder.start()
+            time.sleep(1.0)  # the loop is held from here
+
+            def one(i: int) -> None:
+                try:
+                    ended[echo(b"%d" % i, timeout=120) == b"%d" % i] += 1
+                except grpc.RpcError as exc:
+                    ended[(exc.code().name, exc.details())] += 1
+
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(one, range(8)))
+            holder.join()
+        return ended
+
+    assert dict(asyncio.run(serve_and_call())) == {True: 8}

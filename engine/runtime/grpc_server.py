@@ -20,15 +20,19 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 # gRPC C-core queues a call that the application has not picked up yet; over 1,000 queued calls it rejects
-# new ones at random, over 3,000 all of them, and the client sees a bare CANCELLED with no message, a
-# call no handler (and no counter) ever saw. grpc.aio picks up one call per event-loop turn, so a burst
-# outruns it: 3,000 streams opened at once lost 24% that way, on a bare grpc.aio server as on the gateway
-# (bench/stream_burst.py). With the queue this deep, every call reaches its handler, and the handler's
-# own cap answers the excess with a named status (RESOURCE_EXHAUSTED and a message).
+# new ones at random, over 3,000 all of them, and any call left there 30 s: the client sees a bare
+# CANCELLED with no message, a call no handler (and no counter) ever saw. grpc.aio picks up one call per
+# event-loop turn, so a burst outruns it: 3,000 streams opened at once lost 24% that way, on a bare
+# grpc.aio server as on the gateway (bench/stream_burst.py); on a loaded machine the prefill took over
+# 30 s to pick up the gateway's 1,024 Prefill calls and 819 came back CANCELLED (bench/adversarial.py).
+# With the queue this deep and no time limit of its own, every call reaches its handler, whose caps
+# answer the excess with a named status (RESOURCE_EXHAUSTED and a message), or the caller's deadline
+# ends it (DEADLINE_EXCEEDED).
 MAX_PENDING_CALLS = 16384
 SERVER_QUEUE_OPTIONS = [
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),  # soft limit: random rejections above it
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+    ("grpc.server_max_unrequested_time_in_server", 24 * 3600),  # seconds; the callers' deadlines are shorter
 ]
 
 CHANNEL_OPTIONS = [
