@@ -11,7 +11,9 @@
     write_kv_cpu                scatter k/v (T, Hkv, D) into the caches at slot_mapping (< 0 skipped)
 
 Each op reads its input once and writes its output once, in place of 2-6 torch ops with their
-temporaries; float32 paths use AVX-512 where the compiler targets it. `load()` returns None (and
+temporaries; the float32 decode attention, RMSNorm and SiLU-mul have AVX-512 and AVX2 (8-wide FMA)
+paths, one build per instruction set, the one the CPU runs loaded (`chosen_isa`); the other loops are
+left to the compiler's vectoriser under the same -march. `load()` returns None (and
 callers keep the torch path) when no compiler is available; `for_tensor(x)` is the module when x
 is a CPU tensor of a dtype the caller's op takes and the module is built.
 """
@@ -35,6 +37,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 // A dot product with 8 independent partial sums, so the compiler vectorizes it without
@@ -238,6 +241,171 @@ static void decode_f32(const torch::Tensor& q, const torch::Tensor& k, const tor
 }
 #endif
 
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- AVX2 (8-wide fp32, FMA): the same algorithms as the AVX-512 ones above, for CPUs without AVX-512 ----
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// exp of 8 floats, exp16's method; 2^n is built in the exponent bits, so x is clamped to [-87, 88]
+// (n in [-126, 127]: normal floats; below, a weight is < 2e-38 of the maximum's).
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 y = _mm256_set1_ps(1.0f / 5040.0f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+static inline void prefetch_rows8(const float* p, int64_t rows, int64_t row_stride, int64_t row_len) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < row_len; c += 32) _mm_prefetch(reinterpret_cast<const char*>(p + r * row_stride + c), _MM_HINT_T1);
+}
+
+static inline void prefetch_block8(const float* base, const int32_t* table, int64_t blk, int64_t L, int64_t bs,
+                                   int64_t s0, int64_t s1, int64_t row_len) {
+  const int64_t t0 = blk * bs;
+  if (t0 < L) prefetch_rows8(base + table[blk] * s0, std::min(bs, L - t0), s1, row_len);
+}
+
+constexpr int64_t PREFETCH_BLOCKS8 = 4;
+
+// Eight 8-wide partial sums -> one vector of their eight totals (hadd tree; one horizontal sum for
+// eight tokens instead of eight).
+static inline __m256 hsum8x8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores of up to 8 tokens from row i0 on (rows past n repeat row n - 1; the caller masks them):
+// eight independent FMA chains, one per token.
+template <int NV>
+static inline __m256 scores8(const float* q, const float* kh, int64_t i0, int64_t n, int64_t ks1) {
+  const float* rows[8];
+  for (int t = 0; t < 8; ++t) rows[t] = kh + std::min<int64_t>(i0 + t, n - 1) * ks1;
+  __m256 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+  for (int c = 0; c < NV; ++c) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[t] + 8 * c), a[t]);
+  }
+  return hsum8x8(a);
+}
+
+// One block (<= 16 tokens) of one query head: scores (two 8-wide vectors), online-softmax update of
+// (m, l), acc += p V. q: the scaled query (D floats), kh/vh: the block's rows of this KV head.
+template <int NV>
+static inline void attend_block8(const float* q, const float* kh, const float* vh, int64_t n, int64_t ks1,
+                                 int64_t vs1, float& m, float& l, float* acc) {
+  constexpr int CV = NV >= 8 ? 8 : 4;  // output vectors accumulated at once: independent FMA chains
+  alignas(32) float sc[16];
+  const __m256 nv = _mm256_set1_ps(float(n));
+  const __m256 live0 = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nv, _CMP_LT_OQ);
+  const __m256 live1 = _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), nv, _CMP_LT_OQ);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 s0 = _mm256_blendv_ps(ninf, scores8<NV>(q, kh, 0, n, ks1), live0);
+  const __m256 s1 = n > 8 ? _mm256_blendv_ps(ninf, scores8<NV>(q, kh, 8, n, ks1), live1) : ninf;
+  const float m_new = std::max(m, hmax8(_mm256_max_ps(s0, s1)));
+  const float rescale = std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  const __m256 mv = _mm256_set1_ps(m_new);
+  const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, mv)), live0);
+  const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, mv)), live1);
+  l = l * rescale + hsum8(_mm256_add_ps(p0, p1));
+  m = m_new;
+  _mm256_store_ps(sc, p0);
+  _mm256_store_ps(sc + 8, p1);
+  const __m256 r = _mm256_set1_ps(rescale);
+  for (int c0 = 0; c0 < NV; c0 += CV) {
+    __m256 av[CV];
+    for (int c = 0; c < CV; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (c0 + c)), r);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vh + i * vs1 + 8 * c0;
+      const __m256 pi = _mm256_set1_ps(sc[i]);
+      for (int c = 0; c < CV; ++c) av[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8 * c), av[c]);
+    }
+    for (int c = 0; c < CV; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), av[c]);
+  }
+}
+
+// float32, head_dim = 8 * NV (NV a multiple of 4), block size <= 16: decode_f32's task layout
+// (sequences longest first, handed out dynamically; a task per KV-head range when the batch is small).
+template <int NV>
+static void decode_f32_avx2(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  constexpr int64_t D = 8 * NV;
+  const Paged<float> P(q, k, v, tables, lens, out);
+  const int64_t G = P.Hq / P.Hkv;
+  const int64_t split = P.B >= 4 * at::get_num_threads() ? 1 : P.Hkv;
+  const int64_t heads_per_task = P.Hkv / split;
+  std::vector<int64_t> order(P.B);
+  for (int64_t b = 0; b < P.B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return P.lp[x] > P.lp[y]; });
+  const int64_t num_tasks = P.B * split;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    const int64_t nq = heads_per_task * G;
+    std::vector<float> acc(nq * D), qs(nq * D), m(nq), l(nq);
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const int64_t b = order[task / split], h0 = (task % split) * heads_per_task;
+      const int64_t L = P.lp[b];
+      const int32_t* table = P.tp + b * P.ts0;
+      const int64_t row_len = (heads_per_task - 1) * P.ks2 + D;
+      const int64_t vrow_len = (heads_per_task - 1) * P.vs2 + D;
+      for (int64_t j = 0; j < nq; ++j) {
+        const float* qg = P.qp + b * P.qs0 + (h0 * G + j) * P.qs1;
+        for (int64_t d = 0; d < D; ++d) qs[j * D + d] = qg[d] * scale;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t blk = 0; blk < PREFETCH_BLOCKS8; ++blk) {
+        prefetch_block8(P.kp + h0 * P.ks2, table, blk, L, P.bs, P.ks0, P.ks1, row_len);
+        prefetch_block8(P.vp + h0 * P.vs2, table, blk, L, P.bs, P.vs0, P.vs1, vrow_len);
+      }
+      for (int64_t t0 = 0; t0 < L; t0 += P.bs) {
+        const int64_t blk = t0 / P.bs, n = std::min(P.bs, L - t0);
+        prefetch_block8(P.kp + h0 * P.ks2, table, blk + PREFETCH_BLOCKS8, L, P.bs, P.ks0, P.ks1, row_len);
+        prefetch_block8(P.vp + h0 * P.vs2, table, blk + PREFETCH_BLOCKS8, L, P.bs, P.vs0, P.vs1, vrow_len);
+        const float* kb = P.kp + table[blk] * P.ks0;
+        const float* vb = P.vp + table[blk] * P.vs0;
+        for (int64_t j = 0; j < nq; ++j) {
+          const int64_t h = h0 + j / G;
+          attend_block8<NV>(qs.data() + j * D, kb + h * P.ks2, vb + h * P.vs2, n, P.ks1, P.vs1, m[j], l[j],
+                            acc.data() + j * D);
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* o = P.op + b * P.os0 + (h0 * G + j) * P.os1;
+        const float inv = L > 0 ? 1.0f / l[j] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[j * D + d] * inv;
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
                            torch::Tensor lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous");
@@ -262,6 +430,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       case 32: decode_f32<2>(q, k, v, tables, lens, float(scale), out); return out;
       case 64: decode_f32<4>(q, k, v, tables, lens, float(scale), out); return out;
       case 128: decode_f32<8>(q, k, v, tables, lens, float(scale), out); return out;
+      default: break;
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (q.scalar_type() == torch::kFloat && q.size(1) % k.size(2) == 0 && k.size(1) <= 16) {
+    switch (q.size(2)) {
+      case 32: decode_f32_avx2<4>(q, k, v, tables, lens, float(scale), out); return out;
+      case 64: decode_f32_avx2<8>(q, k, v, tables, lens, float(scale), out); return out;
+      case 128: decode_f32_avx2<16>(q, k, v, tables, lens, float(scale), out); return out;
       default: break;
     }
   }
@@ -314,6 +491,18 @@ std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, c10::optional<torch::Te
         acc = _mm512_fmadd_ps(v, v, acc);
       }
       sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // 16 partial sums of squares
+      for (; d + 16 <= H; d += 16) {
+        const __m256 v0 = _mm256_loadu_ps(h + d), v1 = _mm256_loadu_ps(h + d + 8);
+        acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+        acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+      }
+      for (; d + 8 <= H; d += 8) {
+        const __m256 v0 = _mm256_loadu_ps(h + d);
+        acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+      }
+      sum = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
       for (; d < H; ++d) sum += h[d] * h[d];
       const float inv = 1.0f / std::sqrt(sum / float(H) + float(eps));
@@ -370,6 +559,13 @@ torch::Tensor silu_and_mul_f32(torch::Tensor x) {
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + d)));
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; d + 8 <= F; d += 8) {  // silu(g) = g / (1 + exp(-g)); the tail below
+        const __m256 gv = _mm256_loadu_ps(g + d);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(s, _mm256_loadu_ps(u + d)));
+      }
 #endif
       for (; d < F; ++d) o[d] = g[d] / (1.0f + std::exp(-g[d])) * u[d];
     }
@@ -404,7 +600,19 @@ void write_kv_f32(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   });
 }
 
+// The vector path this build compiled in (its -march), for logs and tests.
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the vector instruction set this build uses: avx512, avx2 or generic");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm, optionally after a residual add (CPU, float32)");
   m.def("rotary", &rotary_f32, "neox rotary embedding in place (CPU, float32)");
@@ -413,8 +621,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_NAME = "splitserve_cpu_ops_v5"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_NAME = "splitserve_cpu_ops_v6"  # + "_<isa>": one build per instruction set
+# The vector path is chosen at build time by -march; which build to load, at run time from the CPU's
+# flags (torch's own detection): AVX-512 CPUs keep the build they always had (-march=native), AVX2
+# ones get the 8-wide FMA paths (x86-64-v3), anything else the plain loops. SPLITSERVE_CPU_ISA forces
+# one (auto | avx512 | avx2 | generic), e.g. to run the AVX2 build on an AVX-512 machine.
+ISA_CFLAGS = {
+    "avx512": ("-O3", "-march=native", "-fopenmp"),
+    "avx2": ("-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp"),
+    "generic": ("-O3", "-fopenmp"),
+}
 _LDFLAGS = ("-fopenmp",)
 # torch's load_inline holds a lock file in the build directory while it checks the build, even when there
 # is nothing to build; a process killed inside that window (a crash test, Ctrl-C at start) leaves the
@@ -424,31 +640,62 @@ _module = None
 _tried = False
 
 
-def _stamp() -> str:
+def cpu_isa() -> str:
+    """The widest vector path this CPU runs: avx512, avx2 or generic (torch's CPU capability)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        return "avx512"
+    if capability == "AVX2":
+        return "avx2"
+    return "generic"
+
+
+def chosen_isa() -> str:
+    """SPLITSERVE_CPU_ISA when set (checked against the CPU), else cpu_isa()."""
+    wanted = os.environ.get("SPLITSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if wanted == "auto":
+        return cpu_isa()
+    if wanted not in ISA_CFLAGS:
+        raise ValueError(f"SPLITSERVE_CPU_ISA={wanted!r}: choose one of auto, {', '.join(ISA_CFLAGS)}")
+    order = ["generic", "avx2", "avx512"]
+    if order.index(wanted) > order.index(cpu_isa()):
+        raise ValueError(
+            f"SPLITSERVE_CPU_ISA={wanted}: this CPU runs at most {cpu_isa()}; unset it or choose a narrower one"
+        )
+    return wanted
+
+
+def module_name(isa: str) -> str:
+    return f"{_NAME}_{isa}"
+
+
+def _stamp(isa: str) -> str:
     """What the built library was made from: the source, the flags, torch's version."""
     import hashlib
 
-    return hashlib.sha256("\0".join([_SOURCE, *_CFLAGS, *_LDFLAGS, torch.__version__]).encode()).hexdigest()
+    parts = [_SOURCE, *ISA_CFLAGS[isa], *_LDFLAGS, torch.__version__]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _import_built(build_dir: str):
+def _import_built(build_dir: str, isa: str):
     """The library already built from this very source, imported without touching the lock; else None."""
     import importlib.util
 
-    library, stamp = os.path.join(build_dir, f"{_NAME}.so"), os.path.join(build_dir, "splitserve.stamp")
+    name = module_name(isa)
+    library, stamp = os.path.join(build_dir, f"{name}.so"), os.path.join(build_dir, "splitserve.stamp")
     try:
         with open(stamp) as f:
-            if f.read() != _stamp() or not os.path.exists(library):
+            if f.read() != _stamp(isa) or not os.path.exists(library):
                 return None
     except OSError:
         return None
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+    spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _build(build_dir: str):
+def _build(build_dir: str, isa: str):
     """Build (or check) through torch, then record the stamp for later processes."""
     import time
 
@@ -462,33 +709,40 @@ def _build(build_dir: str):
     except OSError:
         pass
     module = load_inline(
-        name=_NAME,
+        name=module_name(isa),
         cpp_sources=[_SOURCE],
-        extra_cflags=list(_CFLAGS),  # torch appends to them
+        extra_cflags=list(ISA_CFLAGS[isa]),  # torch appends to them
         extra_ldflags=list(_LDFLAGS),
         build_directory=build_dir,
         verbose=False,
     )
     tmp = os.path.join(build_dir, f"splitserve.stamp.{os.getpid()}")
     with open(tmp, "w") as f:
-        f.write(_stamp())
+        f.write(_stamp(isa))
     os.replace(tmp, os.path.join(build_dir, "splitserve.stamp"))
     return module
 
 
+def build_isa(isa: str):
+    """The compiled module for one instruction set (built once per machine, then imported)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = _get_build_directory(module_name(isa), verbose=False)
+    return _import_built(build_dir, isa) or _build(build_dir, isa)
+
+
 def load():
-    """The compiled module, or None when it cannot be built here (logged once)."""
+    """The compiled module for chosen_isa(), or None when it cannot be built here (logged once)."""
     global _module, _tried
     if _tried:
         return _module
     _tried = True
     if os.environ.get("SPLITSERVE_CPU_KERNELS", "1") in ("0", "false", "off"):
         return None
+    isa = chosen_isa()  # a bad SPLITSERVE_CPU_ISA is an error, not a silent fallback
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        build_dir = _get_build_directory(_NAME, verbose=False)
-        _module = _import_built(build_dir) or _build(build_dir)
+        _module = build_isa(isa)
+        log.info("CPU ops: %s build", _module.isa())
     except Exception as exc:  # no compiler, no ninja: the torch path still works
         log.warning("CPU ops unavailable (%s); using the torch path", exc)
         _module = None

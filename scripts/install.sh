@@ -15,4 +15,4 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 "${pip[@]}" -e ".[dev]"
 # Build the CPU paged-attention op once now (cached per machine) rather than at the first request.
-"$venv/bin/python" -c "from splitserve.kernels import cpu_ops as c; print('CPU ops:', 'built' if c.load() else 'unavailable (torch path)')"
+"$venv/bin/python" -c "from splitserve.kernels import cpu_ops as c; m = c.load(); print('CPU ops:', f'built ({m.isa()})' if m else 'unavailable (torch path)')"

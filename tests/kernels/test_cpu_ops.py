@@ -22,11 +22,39 @@ def dense_reference(q, k_cache, v_cache, tables, seq_lens, scale):
     return out
 
 
-@pytest.fixture(scope="module")
-def op():
-    module = cpu_ops.load()
+ISAS = ("generic", "avx2", "avx512")  # narrowest first
+
+
+def runnable_isas() -> list[str]:
+    """Every build this CPU can run: the AVX2 and plain-loop builds also on an AVX-512 machine."""
+    return list(ISAS[: ISAS.index(cpu_ops.cpu_isa()) + 1])
+
+
+@pytest.fixture(scope="module", params=runnable_isas())
+def op(request):
+    """Each build this CPU runs, installed as the module's active one for the tests using it."""
+    module = cpu_ops.build_isa(request.param)
     assert module is not None, "the C++ op did not build (needs g++ and ninja; see scripts/install.sh)"
-    return module
+    # a build's vector path follows its -march: the plain one compiles no intrinsics on any x86 CPU
+    assert module.isa() == request.param
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_ops, "_module", module)
+        patch.setattr(cpu_ops, "_tried", True)
+        yield module
+
+
+def test_isa_choice_follows_the_cpu_and_the_override(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_CPU_ISA", raising=False)
+    assert cpu_ops.chosen_isa() == cpu_ops.cpu_isa()
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "generic")
+    assert cpu_ops.chosen_isa() == "generic"
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="SPLITSERVE_CPU_ISA='sse9': choose one of auto, avx512, avx2, generic"):
+        cpu_ops.chosen_isa()
+    if cpu_ops.cpu_isa() != "avx512":
+        monkeypatch.setenv("SPLITSERVE_CPU_ISA", "avx512")
+        with pytest.raises(ValueError, match=f"this CPU runs at most {cpu_ops.cpu_isa()}"):
+            cpu_ops.chosen_isa()
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
@@ -155,7 +183,8 @@ def test_a_built_library_loads_even_with_a_leftover_build_lock(op):
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = os.path.join(_get_build_directory(cpu_ops._NAME, verbose=False), "lock")
+    name = cpu_ops.module_name(cpu_ops.chosen_isa())
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     made = not os.path.exists(lock)
     if made:
         open(lock, "w").close()
