@@ -135,6 +135,7 @@ class PullCoordinator:
                 first_lp,
                 req.priority,
                 spec,
+                list(req.fork_ids),
             )
         )
 

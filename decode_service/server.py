@@ -218,37 +218,46 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
 
     def _admit(self, req, stream: GatewayStream) -> None:
         rid = req.request_id
+        forks = list(req.fork_ids)
         try:
             if self.draining or self.starting:
                 raise ValueError(f"{self.name} is {'draining' if self.draining else 'starting'}")
-            if rid in self.owner:
-                raise ValueError(f"request_id {rid!r} is already in use")
+            if len({rid, *forks}) != 1 + len(forks):
+                raise ValueError(f"fork_ids must be distinct and differ from request_id {rid!r}")
+            if any(i in self.owner for i in (rid, *forks)):
+                raise ValueError(f"request_id {rid!r} or one of its fork_ids is already in use")
             check_token_ids(req, self.client.info.vocab_size)
             self._check_prefill_address(req)
             params = sampling_from_proto(req.sampling)
             if params.structured_output is not None:
                 check_spec(params.structured_output)  # refused here, before any work is queued
         except ValueError as exc:
-            delta = decode_pb2.TokenDelta(request_id=rid, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc))
-            delta.refused = refusal_detail(str(exc)) is not None  # the gateway answers 400
-            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=[delta]))
+            deltas = []
+            for sequence_id in dict.fromkeys((rid, *forks)):  # the request's other sequences end with it
+                delta = decode_pb2.TokenDelta(
+                    request_id=sequence_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc)
+                )
+                delta.refused = refusal_detail(str(exc)) is not None  # the gateway answers 400
+                deltas.append(delta)
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas))
             return
-        self.owner[rid] = stream
-        self.timing[rid] = [time.monotonic(), 0.0, 0.0, 0]
+        for sequence_id in (rid, *forks):  # fork ids: the request's other sequences (n > 1), outputs of their own
+            self.owner[sequence_id] = stream
+            self.timing[sequence_id] = [time.monotonic(), 0.0, 0.0, 0]
+            stream.request_ids.add(sequence_id)
+            self.inflight += 1
         if tracing.enabled():
             self.spans[rid] = tracing.start_span(
                 "decode",
                 tracing.extract(req.trace_context),
                 {"request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")},
             )
-        stream.request_ids.add(rid)
-        self.inflight += 1
         self.counters.count("requests_received")
         if req.HasField("kv") and req.HasField("first_token_id"):
             self.pulls.start(req, params)
         else:
             self.counters.count("prompt_tokens", len(req.prompt_token_ids))
-            self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed))
+            self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed, forks))
 
 
 def check_token_ids(req, vocab_size: int) -> None:

@@ -22,6 +22,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     seed: int | None = None
+    fork_ids: list[str] = field(default_factory=list)  # more sequences of this prompt (n > 1)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class ImportKv:
     first_logprobs: Any
     priority: int
     spec: PullSpec
+    fork_ids: list[str] = field(default_factory=list)  # more sequences of this prompt, forked once imported
 
 
 @dataclass

@@ -123,17 +123,32 @@ class CoreLoop:
 
         try:
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority, seed=msg.seed
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                fork_ids=msg.fork_ids,
+                priority=msg.priority,
+                seed=msg.seed,
             )
-        except ValueError as exc:
-            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
-            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+        except ValueError as exc:  # the request and its forks end here
+            outs = [
+                RequestOutput(rid, [], finished=True, finish_reason="error", error=str(exc))
+                for rid in (msg.request_id, *msg.fork_ids)
+            ]
+            self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
 
     def on_abort(self, msg: m.Abort) -> None:
         from splitserve.engine.engine_core import RequestOutput
 
         ids = set(msg.request_ids)
+        dropped = [p for p in self.pending_imports if p.request_id in ids]
         self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
+        for pull in dropped:  # its forks outlive it (engine/forks.py): each computes the prompt itself
+            for i, fork_id in enumerate(pull.fork_ids, start=1):
+                if fork_id not in ids:
+                    self.engine.add_request(
+                        fork_id, pull.prompt_token_ids, pull.params, priority=pull.priority, seed=pull.seed + i
+                    )
         self.transfers.forget(msg.request_ids)  # a pull in flight runs to its end, its blocks pinned till then
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
@@ -156,12 +171,16 @@ class CoreLoop:
                 msg.first_token_id,
                 msg.first_logprobs,
                 msg.priority,
+                msg.fork_ids,
             )
         except ValueError as exc:  # a bad request, not a failed pull: it ends here
             from splitserve.engine.engine_core import RequestOutput
 
-            out = RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=str(exc))
-            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+            outs = [
+                RequestOutput(rid, [], finished=True, finish_reason="error", error=str(exc))
+                for rid in (msg.request_id, *msg.fork_ids)
+            ]
+            self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
             return
         if started is None:
             self.pending_imports.append(msg)  # no room now; retried every loop turn

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.forks import ParallelSampling
 from splitserve.engine.kv_cache_manager import KvCacheManager, cdiv
 from splitserve.engine.kv_layout import allocate_kv_cache, dtype_from_name
 from splitserve.engine.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
@@ -197,6 +199,7 @@ class EngineCore:
         factory = kv_cache_factory or allocate_kv_cache
         kv_cache = factory(self.layout, num_blocks, device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device)
+        self.forks = ParallelSampling(self.kv, self.scheduler, kv_cache)  # n > 1: sequences sharing a prompt's KV
         if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":
             self.runner.capture_graphs(config.max_num_seqs, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
@@ -241,7 +244,12 @@ class EngineCore:
         seed: int | None = None,
     ) -> Request:
         """Validate and build a Request (does not queue it)."""
-        if request_id in self.scheduler.requests or request_id in self.held or request_id in self.importing:
+        if (
+            request_id in self.scheduler.requests
+            or request_id in self.held
+            or request_id in self.importing
+            or self.forks.waiting(request_id)
+        ):
             raise RequestError(f"request_id {request_id!r} is already in use")
         num_prompt = len(prompt_token_ids)
         max_len = self.info.max_model_len
@@ -288,14 +296,36 @@ class EngineCore:
             grammar=grammar,
         )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **options) -> Request:
-        """Validate, build and queue a request; `options`: make_request's `priority` and `seed`."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        fork_ids: Sequence[str] = (),
+        **options,
+    ) -> Request:
+        """Validate, build and queue a request; `options`: make_request's `priority` and `seed`.
+        `fork_ids`: more sequences of the same prompt (engine/forks.py), sequence i + 1 seeded seed + i + 1."""
         request = self.make_request(request_id, prompt_token_ids, params, **options)
+        children = self._children(request, fork_ids)
         self.scheduler.add(request)
+        self.forks.expect(request, children)
         return request
+
+    def _children(self, parent: Request, fork_ids: Sequence[str]) -> list[Request]:
+        """The child sequences of `parent` (validated like it; ids distinct and unused)."""
+        if len(set(fork_ids)) != len(fork_ids) or parent.request_id in fork_ids:
+            raise RequestError(f"fork ids must be distinct and differ from the request's id, got {list(fork_ids)}")
+        return [
+            self.make_request(
+                fork_id, parent.prompt_token_ids, parent.sampling_params, parent.priority, parent.seed + i
+            )
+            for i, fork_id in enumerate(fork_ids, start=1)
+        ]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request anywhere (queued, running, held or importing); frees its blocks."""
+        self.forks.release(request_id)  # children not forked yet compute their prompts themselves
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
@@ -305,7 +335,7 @@ class EngineCore:
             self.kv.free(request_id)
             held.status = RequestStatus.FINISHED_ABORTED
             return True
-        return False
+        return self.forks.drop(request_id)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or a launched step still to read."""
@@ -324,6 +354,7 @@ class EngineCore:
             tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id) for s in out.scheduled}
             launched = self.runner.launch(out, tables)
             self.scheduler.step_launched(out)
+            self.forks.on_step(out)  # before this step's outputs apply: a parent ending then still holds its blocks
             self.num_steps += 1
             previous, self._unread = self._unread, (out, launched)
             if previous is not None:
@@ -399,17 +430,20 @@ class EngineCore:
         first_token_id: int,
         first_logprobs=None,
         priority: int = 0,
+        fork_ids: Sequence[str] = (),
     ) -> tuple[list[int], int] | None:
         """Allocate blocks for an incoming prompt's KV, reusing locally cached prefix blocks.
 
         Returns (block ids for the whole prompt, number of leading blocks already cached
-        here and so not to be pulled), or None when the pool cannot hold it now.
+        here and so not to be pulled), or None when the pool cannot hold it now. `fork_ids`:
+        as add_request's; they fork when the import commits.
         """
         if not 0 <= first_token_id < self.info.vocab_size:
             raise RequestError(
                 f"first_token_id {first_token_id} is not a token id of this model (vocab_size {self.info.vocab_size})"
             )
         request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+        children = self._children(request, fork_ids)
         hashes = hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys)
         cached = self.kv.lookup_hashes(hashes)
         if not self.kv.allocate_slots(request, len(prompt_token_ids) - len(cached) * self.config.block_size, cached):
@@ -422,6 +456,7 @@ class EngineCore:
             raise RequestError(f"first_token_id {first_token_id}: {exc}") from None
         request.status = RequestStatus.IMPORTING
         self.importing[request_id] = request
+        self.forks.expect(request, children)
         return self.kv.blocks_of(request_id), len(cached)
 
     def finish_import(self, request_id: str) -> RequestOutput | None:
@@ -430,6 +465,7 @@ class EngineCore:
         request = self.importing.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request, request.num_prompt_tokens)
+        self.forks.fork(request)  # before the parent may end below and free its blocks
         status = request.check_stop(self.info.max_model_len)
         if status is not None:
             request.status = status
@@ -455,6 +491,7 @@ class EngineCore:
             self.scheduler.add(request)
         else:
             request.status = RequestStatus.FINISHED_ERROR
+            self.forks.release(request_id)
 
     # -- transfers in flight: blocks pinned -------------------------------------------------
     def pin_blocks(self, block_ids: list[int]) -> None:

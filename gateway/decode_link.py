@@ -73,19 +73,33 @@ class DecodeLink:
         return len(self._queues)
 
     def submit(self, request: decode_pb2.DecodeRequest) -> asyncio.Queue:
-        """Send a request; return the queue its TokenDeltas (then maybe a LinkFailure) arrive on."""
+        """Send a request; return the queue its TokenDeltas (then maybe a LinkFailure) arrive on (those of its
+        fork ids: `follow`)."""
         if not self.alive:
             raise LinkDown(f"decode instance {self.name} is not connected: {self.error or 'stream not open'}")
         if request.request_id in self._queues:
             raise ValueError(f"request_id {request.request_id!r} is already running on decode {self.name}")
+        if any(fork_id in self._queues for fork_id in request.fork_ids):
+            raise ValueError(f"a fork id of {request.request_id!r} is already running on decode {self.name}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        for fork_id in request.fork_ids:  # the request's other sequences: their deltas wait for follow()
+            self._queues[fork_id] = asyncio.Queue()
         self._outbox.put_nowait(decode_pb2.DecodeIn(request=request))
         return queue
 
-    def abort(self, request_id: str) -> None:
-        """Stop routing the request's deltas and ask the decode to abort it (non-blocking)."""
-        if self._queues.pop(request_id, None) is not None and self.alive:
+    def follow(self, fork_id: str) -> asyncio.Queue:
+        """The queue of a fork id submitted with its request (its deltas since then, or a LinkFailure)."""
+        queue = self._queues.get(fork_id)
+        if queue is None:  # the link failed (or the fork was aborted) before its sequence came to follow it
+            queue = asyncio.Queue()
+            queue.put_nowait(LinkFailure(f"decode instance {self.name} failed: {self.error or 'stream closed'}"))
+        return queue
+
+    def abort(self, request_id: str, running: bool = False) -> None:
+        """Stop routing the request's deltas and ask the decode to abort it (non-blocking); only if its deltas
+        were still routed, unless `running` (a request whose queue was dropped while it still runs)."""
+        if (self._queues.pop(request_id, None) is not None or running) and self.alive:
             self._outbox.put_nowait(decode_pb2.DecodeIn(abort=decode_pb2.AbortRequest(request_id=request_id)))
 
     def finish(self, request_id: str) -> None:

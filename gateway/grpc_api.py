@@ -23,6 +23,7 @@ from splitserve.gateway.service import (
     GatewayService,
     GenerationInput,
     build_sampling_params,
+    check_sequences,
     sampling_values_from_proto,
 )
 from splitserve.protos import generation_pb2
@@ -43,12 +44,17 @@ def input_from_proto(request: generation_pb2.GenerateRequest, max_stop_strings: 
         values["max_tokens"] = 1
     params = build_sampling_params(values, max_stop_strings)
     kind = request.WhichOneof("prompt")
+    n = request.n if request.HasField("n") else 1
+    best_of = request.best_of if request.HasField("best_of") else None
+    check_sequences(n, best_of, stream=False)  # a stream either way: with best_of > n, the n messages come last
     common = dict(
         request_id=request.request_id,
         model=request.model,
         params=params,
         priority=request.priority,
         max_tokens_param="max_tokens" if request.sampling.HasField("max_tokens") else None,
+        n=n,
+        best_of=best_of,
     )
     if request.sampling.HasField("structured_output"):
         member = request.sampling.structured_output.WhichOneof("kind")

@@ -91,10 +91,14 @@ class RequestRun:
         echo_text: str | None = None,
         drop_output: bool = False,
         structured_field: str = "",
+        index: int = 0,
+        fork_ids: Sequence[str] = (),
     ) -> None:
         """`echo_text`: completions' echo, the prompt's text that starts the first message's text (and that
         message then carries the prompt's ids); `drop_output`: answer no output tokens or text (echo with
-        max_tokens 0; usage still counts the token computed, as vLLM's)."""
+        max_tokens 0; usage still counts the token computed, as vLLM's). `index`: the sequence this run is
+        (n > 1, gateway/sequences.py); `fork_ids`: the internal ids of the request's other sequences, which
+        the decode forks from this one's prompt KV."""
         self._deps = deps
         self.request_id = request_id  # the caller's: in its responses and in logs
         # on every internal hop (prefill, decode, KV lease): unique across the gateways that share them
@@ -104,6 +108,13 @@ class RequestRun:
         self._prompt = prompt_token_ids
         self._seed = seed
         self._priority = priority
+        self._index = index
+        self._fork_ids = list(fork_ids)
+        # resolved with (the decode, its link) once the request is on a decode (None if it never gets there):
+        # the other sequences of the request follow their fork ids on that link
+        self.submitted: asyncio.Future[tuple[Instance, DecodeLink] | None] = asyncio.get_running_loop().create_future()
+        self._owns_decode = True  # holds the router's assignment of the decode (sequence runs do not)
+        self._abort_once_forked: DecodeLink | None = None  # ended at its first token: abort it after the fork
         self._arrival_ns = arrival_ns
         self._deadline = deadline  # time.monotonic() seconds
         self._budget_s = budget_s
@@ -160,6 +171,8 @@ class RequestRun:
             message = self._first_message(first)
             yield message
             if message.finish_reason:
+                if self._fork_ids:  # the other sequences still need the prompt on a decode
+                    self._submit_forks(prefill, first)
                 return
             decode = router.pick_decode(router.decode_candidates(prefill), self._prompt)
             if decode is None:
@@ -271,7 +284,7 @@ class RequestRun:
             raise invalid(f"{field}: {detail}", field.split(".", 1)[0])
 
     def _decode_request(self, first: prefill_pb2.PrefillResponse | None) -> decode_pb2.DecodeRequest:
-        request = decode_pb2.DecodeRequest(**self._engine_fields())
+        request = decode_pb2.DecodeRequest(**self._engine_fields(), fork_ids=self._fork_ids)
         if first is not None:
             request.first_token_id = first.first_token_id
             if first.HasField("first_logprobs"):
@@ -283,11 +296,46 @@ class RequestRun:
     def _submit(self, decode: Instance, request: decode_pb2.DecodeRequest) -> None:
         assert decode.link is not None
         self._queue = decode.link.submit(request)  # raises LinkDown
-        loop = asyncio.get_running_loop()
-        self._deadline_timer = loop.call_at(loop.time() + self._remaining_s(), self._queue.put_nowait, _DEADLINE)
+        self._start_deadline_timer()
         self._decode, self._link = decode, decode.link
         self._handed, self._held = self._held, None  # the decode owns the lease now
         self._deps.router.assign(decode, self._prompt)
+        if not self.submitted.done():
+            self.submitted.set_result((decode, decode.link))
+
+    def _submit_forks(self, prefill: Instance, first: prefill_pb2.PrefillResponse) -> None:
+        """This sequence ended at its first token, the others have not started: hand the prompt (its KV
+        if the prefill kept it, else for a local prefill) to a decode, then stop this sequence there."""
+        router = self._deps.router
+        decode = router.pick_decode(router.decode_candidates(prefill if self._held else None), self._prompt)
+        if decode is None:
+            return  # the other sequences end with this run's error-free end: no decode (see SequenceRun)
+        try:
+            self._submit(decode, self._decode_request(first if self._held else None))
+        except LinkDown:
+            return
+        # this sequence's output is complete, but aborting it now could drop the forks with it (an import not
+        # begun yet): the first sequence run that hears from the decode aborts it (`forked`)
+        self._abort_once_forked = self._link
+
+    def forked(self) -> None:
+        """A sequence forked from this run's prompt has output: the decode no longer needs this one."""
+        link, self._abort_once_forked = self._abort_once_forked, None
+        if link is not None:
+            link.abort(self.internal_id, running=True)
+
+    def _start_deadline_timer(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        self._deadline_timer = loop.call_at(loop.time() + self._remaining_s(), self._queue.put_nowait, _DEADLINE)
+
+    @property
+    def local_prefill(self) -> bool:
+        return self._local_prefill
+
+    @property
+    def error(self) -> str | None:
+        return self._error
 
     # -- streaming -----------------------------------------------------------------------
 
@@ -403,7 +451,7 @@ class RequestRun:
         if self._drop_output:
             ids, logprobs, text = (), (), ""
         message = generation_pb2.GenerateResponse(
-            request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs
+            request_id=self.request_id, text=text, token_ids=ids, logprobs=logprobs, index=self._index
         )
         self._num_messages += 1
         if self._num_messages == 1:
@@ -487,15 +535,20 @@ class RequestRun:
                 {"output_tokens": self.num_output_tokens},
             )
         tracing.end_span(self._span, self._error)
+        if not self.submitted.done():
+            self.submitted.set_result(None)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
         if self._link is not None:
-            self._link.abort(self.internal_id)  # no-op once finished or failed
+            if self._abort_once_forked is not None:
+                self._link.finish(self.internal_id)  # its deltas are dropped; `forked` aborts it
+            else:
+                self._link.abort(self.internal_id)  # no-op once finished or failed
             self._link = None
-        if self._decode is not None:
+        if self._decode is not None and self._owns_decode:
             self._deps.router.release(self._decode)
-            self._decode = None
+        self._decode = None
         if self._held is not None:
             prefill, kv = self._held
             self._held = None

@@ -41,6 +41,7 @@ from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from splitserve.gateway.rest_tokens import add_token_routes
+from splitserve.gateway.sequences import split
 from splitserve.gateway.service import GatewayService
 
 _DISCONNECT_POLL_S = 0.25
@@ -168,11 +169,14 @@ def create_app(
                 raise refused
         except GatewayError as exc:
             return error_response(exc)
+        if req.n > 1:  # n sequences per prompt: choice i * n + j is prompt i's sequence j, as vLLM numbers them
+            streams = [part for first, stream in zip(firsts, streams) for part in split(first, stream, req.n)]
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         model = service.reported_name or req.inp.model
         with_prompt_logprobs = req.inp.params.prompt_logprobs is not None
         shapes = [
             Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs, req.inp.echo, with_prompt_logprobs)
-            for _ in inputs
+            for _ in streams
         ]
         if req.stream:
             return StreamingResponse(

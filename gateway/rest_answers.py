@@ -147,9 +147,13 @@ def _merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
     }
 
 
-def _add_usage(total: dict | None, usage: common_pb2.Usage) -> dict:
-    """`usage_dict(usage)` added into `total` (the usage of a batch of prompts)."""
+def _add_usage(total: dict | None, usage: common_pb2.Usage, with_prompt: bool = True) -> dict:
+    """`usage_dict(usage)` added into `total` (the usage of a batch of prompts); `with_prompt` false for a
+    prompt's sequences after its first (n > 1: the prompt counts once, as vLLM counts it)."""
     one = usage_dict(usage)
+    if not with_prompt:
+        one["total_tokens"] -= one["prompt_tokens"]
+        one["prompt_tokens"] = one["prompt_tokens_details"]["cached_tokens"] = 0
     if total is None:
         return one
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
@@ -199,14 +203,15 @@ async def complete(
     firsts: list[generation_pb2.GenerateResponse],
     streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
 ) -> JSONResponse:
-    """Non-streaming answer: each prompt's messages merged into its choice (choice i = prompt i)."""
+    """Non-streaming answer: each prompt's messages merged into its choice (choice i * n + j = prompt i's
+    sequence j)."""
     results = await asyncio.gather(*(_choice(sh, f, s, i) for i, (sh, f, s) in enumerate(zip(shapes, firsts, streams))))
     choices, usage = [], None
     for choice, last in results:
         if choice is None:
             return JSONResponse(server_error(last), status_code=500)
         choices.append(choice)
-        usage = _add_usage(usage, last.usage)
+        usage = _add_usage(usage, last.usage, with_prompt=last.index == 0)
     body = shapes[0].envelope(choices)
     if shapes[0].chat and shapes[0].with_prompt_logprobs:  # vLLM's chat answer carries them at the top level
         body["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
@@ -280,7 +285,7 @@ async def sse(
         if req.include_usage and len(finals) == len(streams):
             usage = None
             for last in finals:
-                usage = _add_usage(usage, last.usage)
+                usage = _add_usage(usage, last.usage, with_prompt=last.index == 0)
             body = shapes[0].envelope([], ".chunk" if shapes[0].chat else "")
             body["usage"] = usage
             yield event(body)

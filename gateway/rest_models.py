@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from splitserve.common.sampling_params import MAX_LOGPROBS
+from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_structured import UNSUPPORTED_STRUCTURED
+from splitserve.gateway.service import MAX_SEQUENCES, check_sequences
 
 MAX_PROMPTS = 64  # prompts in one completion request (each runs as a request of its own)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -38,7 +40,7 @@ _UNSUPPORTED_COMMON = {
     "metadata": ({},),
     **UNSUPPORTED_STRUCTURED,
 }
-UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "best_of": (1,), "suffix": ("",)}
+UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
     "tools": ([],),
@@ -88,7 +90,8 @@ class _Request(_Body):
     max_tokens: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, description="1 (one choice per request is supported)")
+    n: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
+    best_of: int | None = Field(None, ge=1, le=MAX_SEQUENCES)
     user: str | None = None
     priority: int | None = Field(None, ge=_INT32[0], le=_INT32[1])
     # sampling values: types here, ranges in SamplingParams
@@ -142,13 +145,6 @@ class _Request(_Body):
                     )
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise _custom(f"must be 1 (one choice per request is supported), got {n}")
-        return n
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
@@ -157,6 +153,14 @@ class _Request(_Body):
             raise _custom(
                 f"is {self.prompt_logprobs}: above 0 it is not available when stream is true", "prompt_logprobs"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sequences(self) -> _Request:
+        try:
+            check_sequences(self.n or 1, self.best_of, bool(self.stream))
+        except GatewayError as exc:
+            raise _custom(exc.message, exc.param, whole=True) from None
         return self
 
     def sampling_values(self) -> dict[str, Any]:

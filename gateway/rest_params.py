@@ -68,6 +68,7 @@ class RestRequest:
     logprobs: int | None  # completions: top-n; chat: top_logprobs when logprobs is true
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     more: tuple[GenerationInput, ...] = ()  # a batch of prompts: the ones after `inp` (choice i = prompt i)
+    n: int = 1  # choices per prompt: choice i * n + j is prompt i's sequence j
 
 
 def _log_ignored(names: list[str]) -> None:
@@ -139,12 +140,16 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
             echo=bool(req.echo),
             echo_only=echo_only,
             structured_field=structured_field,
+            n=req.n or 1,
+            best_of=req.best_of,
             **({"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}),
         )
         for i, prompt in enumerate(req.prompt)
     ]
     include_usage, continuous = _stream_flags(req)
-    return RestRequest(inputs[0], bool(req.stream), include_usage, params.logprobs, continuous, tuple(inputs[1:]))
+    return RestRequest(
+        inputs[0], bool(req.stream), include_usage, params.logprobs, continuous, tuple(inputs[1:]), req.n or 1
+    )
 
 
 def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
@@ -173,6 +178,8 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         max_tokens_param=max_tokens_param,
         priority=req.priority or 0,
         structured_field=structured_field,
+        n=req.n or 1,
+        best_of=req.best_of,
         chat_options=ChatOptions(
             add_generation_prompt=req.add_generation_prompt is not False,
             continue_final_message=bool(req.continue_final_message),
@@ -180,4 +187,4 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
         ),
     )
     include_usage, continuous = _stream_flags(req)
-    return RestRequest(inp, bool(req.stream), include_usage, params.logprobs, continuous)
+    return RestRequest(inp, bool(req.stream), include_usage, params.logprobs, continuous, n=req.n or 1)

@@ -33,11 +33,13 @@ from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.registry import Registry
 from splitserve.gateway.request_run import RequestRun, RunDeps
 from splitserve.gateway.router import Router
+from splitserve.gateway.sequences import SequenceRun, best_of, merged
 from splitserve.protos import common_pb2, generation_pb2
 
 log = logging.getLogger("splitserve.gateway")
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_SEQUENCES = 16  # n and best_of: sequences of one request (each a sequence of the decode's batch)
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 MAX_UINT32 = 2**32 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -79,6 +81,23 @@ class GenerationInput:
     # where params.structured_output came from (e.g. "response_format.json_schema.schema", "guided_regex"): a
     # prefill or decode that refuses the spec (xgrammar cannot compile it) is answered 400 naming this field
     structured_field: str = ""
+    n: int = 1  # sequences returned (gateway/sequences.py)
+    best_of: int | None = None  # sequences generated (None: n); the n best are returned
+
+
+def check_sequences(n: int, best_of: int | None, stream: bool) -> None:
+    """OpenAI's n and vLLM's best_of: 1 <= n <= best_of <= MAX_SEQUENCES; best_of > n is not streamed."""
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and not 1 <= value <= MAX_SEQUENCES:
+            raise invalid(f"{name} must be >= 1 and <= {MAX_SEQUENCES}, got {value}", name)
+    if best_of is not None and best_of < n:
+        raise invalid(f"best_of must be >= n ({n}), got {best_of}", "best_of")
+    if stream and best_of is not None and best_of > n:
+        raise invalid(
+            f"best_of > n ({best_of} > {n}) cannot be streamed: the best {n} are known only when all {best_of} "
+            "have ended; set stream to false or best_of to n",
+            "best_of",
+        )
 
 
 def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
@@ -326,7 +345,9 @@ class GatewayService:
         if max_tokens is not None and max_tokens > MAX_UINT32:
             raise invalid(f"{param} must be at most {MAX_UINT32}, got {max_tokens}", param)
 
-    async def _prepare(self, inp: GenerationInput, client_id: str) -> tuple[list[int], SamplingParams]:
+    async def _prepare(
+        self, inp: GenerationInput, client_id: str, num_sequences: int = 1
+    ) -> tuple[list[int], SamplingParams]:
         """Validate and tokenize the prompt, check the limits, fit a default max_tokens into the
         context, charge the client's tokens; the prompt ids and the params to run with."""
         self.check_model(inp.model)
@@ -344,7 +365,7 @@ class GatewayService:
                 )
             params = dataclasses.replace(params, max_tokens=room)  # the default, cut to what the context holds
         self.limiter.take_tokens(
-            client_id, len(prompt_ids), params.max_tokens or 0, inp.max_tokens_param or "max_tokens"
+            client_id, len(prompt_ids), (params.max_tokens or 0) * num_sequences, inp.max_tokens_param or "max_tokens"
         )
         return prompt_ids, params
 
@@ -378,19 +399,16 @@ class GatewayService:
         prompt_ids: list[int] = []
         closed_early = False
         try:
-            prompt_ids, params = await self._prepare(inp, client_id)
+            num_sequences = inp.best_of or inp.n
+            prompt_ids, params = await self._prepare(inp, client_id, num_sequences)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             echo_text = None
             if inp.echo:  # the text as given; token ids decoded as they are (special tokens kept, as vLLM)
                 echo_text = inp.text if inp.text is not None else await self.detokenize(prompt_ids, param="prompt")
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
-            run = RequestRun(
-                self._run_deps,
+            run_fields = dict(
                 request_id=request_id,
-                internal_id=f"{request_id}@{self.instance_tag}",
-                params=params,
                 prompt_token_ids=prompt_ids,
-                seed=seed,
                 priority=inp.priority,
                 arrival_ns=arrival_ns,
                 deadline=time.monotonic() + budget_s,
@@ -400,7 +418,13 @@ class GatewayService:
                 drop_output=inp.echo_only,
                 structured_field=inp.structured_field,
             )
-            async with aclosing(run.stream()) as messages:
+            internal_id = f"{request_id}@{self.instance_tag}"
+            if num_sequences == 1:
+                run = RequestRun(self._run_deps, internal_id=internal_id, params=params, seed=seed, **run_fields)
+                stream = run.stream()
+            else:
+                stream = self._sequences(inp, params, seed, internal_id, num_sequences, run_fields)
+            async with aclosing(stream) as messages:
                 async for message in messages:
                     if observer is not None:
                         observer.message(message)
@@ -412,6 +436,33 @@ class GatewayService:
             self._enter(request_id, -1)
             if observer is not None:
                 observer.end(len(prompt_ids), closed_early)
+
+    def _sequences(
+        self,
+        inp: GenerationInput,
+        params: SamplingParams,
+        seed: int,
+        internal_id: str,
+        num_sequences: int,
+        run_fields: dict,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The messages of an n > 1 (or best_of > 1) request: one lead run, the others forked from its prompt
+        (gateway/sequences.py). best_of > n ranks by cumulative logprob, so logprobs are computed then."""
+        run_params = params
+        if num_sequences > inp.n and params.logprobs is None:
+            run_params = dataclasses.replace(params, logprobs=0)
+        fork_ids = [f"{internal_id}~{i}" for i in range(1, num_sequences)]  # the decode seeds them seed + i
+        lead = RequestRun(
+            self._run_deps, internal_id=internal_id, params=run_params, seed=seed, fork_ids=fork_ids, **run_fields
+        )
+        others = [
+            SequenceRun(lead, internal_id=fork_id, params=run_params, seed=seed, index=i, **run_fields)
+            for i, fork_id in enumerate(fork_ids, start=1)
+        ]
+        messages = merged([lead, *others])
+        if num_sequences > inp.n:
+            return best_of(messages, num_sequences, inp.n, keep_logprobs=params.logprobs is not None)
+        return messages
 
     def _enter(self, request_id: str, step: int) -> None:
         """Count a request in (+1) or out (-1) of the active set."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos import common_pb2 as splitserve_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/protos/generation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xe6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokens\"\xee\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\"\x9e\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/protos/generation.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x9e\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x0e\n\x01n\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\r \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_of\"\xfd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\x12\r\n\x05index\x18\x0c \x01(\r\"\x9e\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=156
   _globals['_CHATMESSAGES']._serialized_end=216
   _globals['_GENERATEREQUEST']._serialized_start=219
-  _globals['_GENERATEREQUEST']._serialized_end=577
-  _globals['_GENERATERESPONSE']._serialized_start=580
-  _globals['_GENERATERESPONSE']._serialized_end=946
-  _globals['_TOKENIZEREQUEST']._serialized_start=949
-  _globals['_TOKENIZEREQUEST']._serialized_end=1107
-  _globals['_TOKENIZERESPONSE']._serialized_start=1109
-  _globals['_TOKENIZERESPONSE']._serialized_end=1169
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1171
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1282
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1284
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1318
-  _globals['_LISTMODELSREQUEST']._serialized_start=1320
-  _globals['_LISTMODELSREQUEST']._serialized_end=1339
-  _globals['_MODELINFO']._serialized_start=1341
-  _globals['_MODELINFO']._serialized_end=1387
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1389
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1451
-  _globals['_GENERATION']._serialized_start=1454
-  _globals['_GENERATION']._serialized_end=1788
+  _globals['_GENERATEREQUEST']._serialized_end=633
+  _globals['_GENERATERESPONSE']._serialized_start=636
+  _globals['_GENERATERESPONSE']._serialized_end=1017
+  _globals['_TOKENIZEREQUEST']._serialized_start=1020
+  _globals['_TOKENIZEREQUEST']._serialized_end=1178
+  _globals['_TOKENIZERESPONSE']._serialized_start=1180
+  _globals['_TOKENIZERESPONSE']._serialized_end=1240
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1242
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1353
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1355
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1389
+  _globals['_LISTMODELSREQUEST']._serialized_start=1391
+  _globals['_LISTMODELSREQUEST']._serialized_end=1410
+  _globals['_MODELINFO']._serialized_start=1412
+  _globals['_MODELINFO']._serialized_end=1458
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1460
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1522
+  _globals['_GENERATION']._serialized_start=1525
+  _globals['_GENERATION']._serialized_end=1859
 # @@protoc_insertion_point(module_scope)

@@ -249,6 +249,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 )
                 run = _Running(req, req.prompt_token_ids[-1] if local else req.first_token_id, 0 if local else 1, limit)
                 mine[req.request_id] = self.running[req.request_id] = run
+                for fork_id in req.fork_ids:  # the other sequences (n > 1): from the prompt, as a local prefill
+                    fork = _Running(req, req.prompt_token_ids[-1], 0, limit)
+                    mine[fork_id] = self.running[fork_id] = fork
             else:
                 rid = message.abort.request_id
                 self.aborts.append(rid)

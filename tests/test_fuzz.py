@@ -166,7 +166,7 @@ def plausible(field):
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
         "logprobs": st.integers(0, 22) | st.booleans(),
         "top_logprobs": st.integers(-1, 22),
-        "n": st.integers(0, 2),
+        "n": st.integers(0, 3) | st.integers(15, 17),
         "user": words,
         "min_tokens": small_ints,
         "presence_penalty": st.floats(-3, 3),
@@ -176,7 +176,7 @@ def plausible(field):
         "ignore_eos": st.booleans(),
         "include_stop_str_in_output": st.booleans(),
         "skip_special_tokens": st.booleans(),
-        "best_of": st.integers(0, 2),
+        "best_of": st.integers(0, 4) | st.integers(15, 17),
         "echo": st.booleans(),
         "prompt_logprobs": st.integers(-1, 22) | st.booleans(),
         "tools": st.just([]) | json_values,
@@ -350,6 +350,8 @@ def _grpc_requests(plausible: bool):
         skip_special_tokens=st.none() | st.booleans(),
         priority=st.integers(-(2**31), 2**31 - 1),
         echo=st.booleans(),
+        n=st.none() | st.integers(0, 3) | (st.just(17) if not plausible else st.integers(1, 2)),
+        best_of=st.none() | st.integers(0, 4),
     )
 
 
@@ -365,8 +367,13 @@ def check_grpc_call(call, outcomes: Counter) -> None:
         assert exc.code() not in SERVER_FAILURES and exc.code() != grpc.StatusCode.OK, (exc.code(), exc.details())
         assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) and exc.details()
         return
-    assert out and out[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), out[-1]
-    assert not any(m.finish_reason for m in out[:-1]) and not out[-1].error
+    # every sequence (index; n > 1) ends once, normally, with its last message
+    last = {m.index: m for m in out}
+    assert out and all(
+        m.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH) and not m.error
+        for m in last.values()
+    ), out[-1]
+    assert sum(1 for m in out if m.finish_reason) == len(last) and sorted(last) == list(range(len(last)))
 
 
 def test_grpc_random_messages(stack):

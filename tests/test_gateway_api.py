@@ -107,6 +107,8 @@ REFUSALS = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "logit_bias values must be finite numbers in [-100, 100], got nan",
     ),
+    (dict(text="hi", n=17), grpc.StatusCode.INVALID_ARGUMENT, "n must be >= 1 and <= 16, got 17"),
+    (dict(text="hi", n=2, best_of=1), grpc.StatusCode.INVALID_ARGUMENT, "best_of must be >= n (2), got 1"),
     (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt must be set (text, token_ids or chat)"),
     (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"),
     (dict(chat=generation_pb2.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty"),
@@ -174,3 +176,23 @@ def test_stop_drains_in_flight_requests_and_refuses_new_ones(tokenizer_dir):
         assert time.monotonic() - start < 2.0  # nothing left to wait for
     finally:
         stack.stop()
+
+
+def test_n_sequences_stream_with_their_index_and_best_of_comes_last(channel):
+    """n=2: both sequences' messages, each naming its index (the fake decode runs both greedily); best_of=3
+    with n=1: one message, at the end, holding the best sequence whole."""
+    sampling = common_pb2.SamplingParams(max_tokens=3)
+    out = generate(channel, text="hello world w20", sampling=sampling, n=2)
+    by_index = {0: [], 1: []}
+    for message in out:
+        by_index[message.index].extend(message.token_ids)
+    assert by_index == {0: [21, 22, 23], 1: [21, 22, 23]}
+    assert sorted(m.index for m in out if m.finish_reason) == [0, 1]
+    (best,) = generate(channel, text="hello world w20", sampling=sampling, best_of=3)
+    assert (best.index, list(best.token_ids), best.text, best.finish_reason) == (
+        0,
+        [21, 22, 23],
+        " w21 w22 w23",
+        FR.FINISH_REASON_LENGTH,
+    )
+    assert not best.logprobs and best.usage.completion_tokens == 3

@@ -102,11 +102,11 @@ REST_CASES = [
     # unsupported OpenAI parameters are named (their neutral values are accepted: see below)
     (
         "/v1/completions",
-        {**PROMPT, "best_of": 2},
+        {**PROMPT, "suffix": "}"},
         400,
         error(
-            "unsupported parameter: best_of (got 2); splitserve does not implement it, remove it from the request",
-            "best_of",
+            "unsupported parameter: suffix (got '}'); splitserve does not implement it, remove it from the request",
+            "suffix",
         ),
     ),
     # vLLM's prompt_logprobs: 0..20, and (as vLLM) not streamed

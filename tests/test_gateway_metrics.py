@@ -66,7 +66,7 @@ def test_counts_tokens_and_latencies_match_the_batch(stack):
         usages.append(
             {"prompt_tokens": out[-1].usage.prompt_tokens, "completion_tokens": sum(len(m.token_ids) for m in out)}
         )
-    assert post(stack, "/v1/completions", {**completion, "n": 2}).status_code == 400
+    assert post(stack, "/v1/completions", {**completion, "n": 17}).status_code == 400
     assert post(stack, "/v1/completions", b"{oops").status_code == 400
     assert post(stack, "/v1/completions", {**completion, "model": "gpt-4"}).status_code == 404
     with pytest.raises(grpc.RpcError) as info:

@@ -121,16 +121,53 @@ def test_models_health_ready(client, stack):
     assert ready.status_code == 200 and ready.json()["ready"] is True
 
 
-def test_openai_client_sees_400_naming_n(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hello", n=2)
-    assert info.value.status_code == 400
-    assert info.value.body == {
-        "message": "n must be 1 (one choice per request is supported), got 2",
-        "type": "invalid_request_error",
-        "param": "n",
-        "code": None,
-    }
+def test_n_choices_through_the_openai_client(client, stack):
+    """n=2: one prompt, one DecodeRequest whose fork id is the second sequence; choices 0 and 1; the
+    prompt counted once in usage, as vLLM counts it. (The fake decode runs every sequence greedily.)"""
+    (decode,) = [s.servicer for s in stack.servers.values() if isinstance(s.servicer, FakeDecode)]
+    before = len(decode.requests)
+    r = client.completions.create(model=MODEL, prompt="hello world w20", max_tokens=5, n=2)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [
+        (0, " w21 w22 w23 w24 w25", "length"),
+        (1, " w21 w22 w23 w24 w25", "length"),
+    ]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 10, 13)
+    (sent,) = decode.requests[before:]
+    assert list(sent.fork_ids) == [sent.request_id + "~1"]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello w30"}], max_tokens=3, n=2, stream=True
+        )
+    )
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: " hello world w8", 1: " hello world w8"}
+
+
+def test_n_sequences_when_the_first_ends_at_the_prefill(stack):
+    """max_tokens=1: the prefill's answer ends sequence 0 (and keeps no KV); the decode still gets the
+    prompt for sequence 1, and sequence 0 is aborted there once sequence 1 has output."""
+    (decode,) = [s.servicer for s in stack.servers.values() if isinstance(s.servicer, FakeDecode)]
+    before = len(decode.requests)
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello world w20", "max_tokens": 1, "n": 2})
+    assert r.status_code == 200, r.text
+    assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [(0, " w21"), (1, " w21")]
+    (sent,) = decode.requests[before:]
+    assert not sent.HasField("kv") and list(sent.fork_ids) == [sent.request_id + "~1"]
+    stack.wait_for(lambda: sent.request_id in decode.aborts, what="sequence 0 aborted at the decode")
+    stack.wait_for(lambda: not decode.running, what="nothing left running at the decode")
+
+
+def test_best_of_returns_the_n_best_not_streamed(stack):
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello world w20", "max_tokens": 2, "best_of": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, " w21 w22", None)]
+    assert body["usage"]["completion_tokens"] == 2  # only the returned sequence's tokens, as vLLM counts
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "w20", "best_of": 2, "n": 2, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")  # best_of == n streams
 
 
 COMPLETION_ERRORS = [
@@ -168,6 +205,15 @@ COMPLETION_ERRORS = [
     ({"stop": ["x", 3]}, "stop", "stop must be a list of strings"),
     ({"add_special_tokens": 1}, "add_special_tokens", "add_special_tokens must be a boolean, got 1"),
     ({"max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer, got 2.0"),
+    ({"n": 17}, "n", "n must be >= 1 and <= 16, got 17"),
+    ({"n": 0}, "n", "n must be >= 1 and <= 16, got 0"),
+    ({"n": 3, "best_of": 2}, "best_of", "best_of must be >= n (3), got 2"),
+    (
+        {"n": 1, "best_of": 2, "stream": True},
+        "best_of",
+        "best_of > n (2 > 1) cannot be streamed: the best 1 are known only when all 2 have ended; "
+        "set stream to false or best_of to n",
+    ),
     (
         {"logit_bias": {"200": 5}},
         "logit_bias",
@@ -233,11 +279,11 @@ def test_unknown_fields_are_ignored_with_a_log_line_and_unsupported_ones_named(s
         r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "w20", "max_tokens": 2, "foo": 1, "guided_x": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w21 w22"
     assert "ignoring unknown request fields: 'foo', 'guided_x'" in caplog.text
-    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello", "foo": 1, "best_of": 2})
+    r = post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello", "foo": 1, "suffix": "x"})
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "best_of"
+    assert r.json()["error"]["param"] == "suffix"
     assert r.json()["error"]["message"] == (
-        "unsupported parameter: best_of (got 2); splitserve does not implement it, remove it from the request"
+        "unsupported parameter: suffix (got 'x'); splitserve does not implement it, remove it from the request"
     )
 
 

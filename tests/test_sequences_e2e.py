@@ -1,0 +1,166 @@
+"""n and best_of through the real stack (gateway + engines as processes, the default model in float64),
+disaggregated (prefill + decode over shm) and colocated (one worker): every sequence's exact tokens
+equal the in-process engine's for its derived seed, best_of returns the sequence of highest cumulative
+logprob, and every block is back on every instance when the sequences end or the client leaves."""
+
+import asyncio
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from splitserve.common.default_model_path import default_model_path
+from splitserve.engine import LLM, SamplingParams
+from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from tests.service_client import describe
+from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service, wait_until
+from tests.test_engine_exact import make_prompts
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 6
+SEED = 1234
+SEEDED = dict(temperature=1.0, top_k=50, max_tokens=MAX_TOKENS, ignore_eos=True)
+GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine: prompt 0's greedy tokens, and its seeded tokens and cumulative logprob for
+    seeds SEED, SEED + 1, SEED + 2 (what sequences 0, 1, 2 of one request with seed SEED must give)."""
+    llm = LLM(model=str(default_model_path()), device="cpu", **ENGINE)
+    prompt = make_prompts(vocab=8192)[0]
+    (greedy,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**GREEDY))
+    seeded = llm.generate(
+        prompt_token_ids=[prompt] * 3,
+        sampling_params=[SamplingParams(**SEEDED, seed=SEED + i, logprobs=0) for i in range(3)],
+    )
+    return prompt, greedy.token_ids, [(o.token_ids, sum(lp.logprob for lp in o.logprobs)) for o in seeded]
+
+
+class Colocated:
+    """One worker (prefill and decode in one engine) behind a gateway."""
+
+    def __init__(self, logs):
+        worker, self.worker = start_service("worker", default_model_path(), logs, "worker-0", **ENGINE)
+        self.grpc_port, self.http_port = free_port(), free_port()
+        ports = ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]
+        self.gateway = Proc("gateway", [*ports, "--decode", self.worker, "--health-interval-s", "0.2"], logs, "gateway")
+        self.procs = [worker, self.gateway]
+        worker.wait_ready()
+        wait_until(self._ready, 60, "the colocated gateway never became ready")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.http_port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def free_blocks(self):
+        d = await describe(self.worker, decode_pb2_grpc.DecodeStub)
+        return [(d.load.num_free_blocks, d.load.num_total_blocks)]
+
+    def stop(self):
+        for proc in self.procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def stack(request, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"sequences-{request.param}")
+    if request.param == "colocated":
+        s = Colocated(logs)
+    else:
+        s = Stack("shm", logs, num_decode=1)
+
+        async def free_blocks():
+            p = await describe(s.prefill[1], prefill_pb2_grpc.PrefillStub)
+            d = await describe(s.decodes[0], decode_pb2_grpc.DecodeStub)
+            return [
+                (p.load.num_free_blocks, p.load.num_total_blocks),
+                (d.load.num_free_blocks, d.load.num_total_blocks),
+            ]
+
+        s.free_blocks = free_blocks
+    yield s
+    s.stop()
+
+
+async def sequences(port, prompt, n=None, best_of=None, **sampling) -> tuple[dict[int, list[int]], list]:
+    """Each index's token ids, and every message, of one request through the gateway's gRPC API."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=prompt), sampling=common_pb2.SamplingParams(**sampling)
+        )
+        if n is not None:
+            request.n = n
+        if best_of is not None:
+            request.best_of = best_of
+        messages = [m async for m in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)]
+    tokens: dict[int, list[int]] = {}
+    for m in messages:
+        tokens.setdefault(m.index, []).extend(m.token_ids)
+    return tokens, messages
+
+
+def wait_all_free(stack):
+    last = []
+
+    def all_free():
+        last[:] = [asyncio.run(stack.free_blocks())]
+        return all(f == t for f, t in last[0])
+
+    wait_until(all_free, 15, lambda: f"blocks still held: (free, total) = {last[0]}")
+
+
+def test_greedy_sequences_are_identical(stack, reference):
+    prompt, greedy, _ = reference
+    tokens, messages = asyncio.run(sequences(stack.grpc_port, prompt, n=3, **GREEDY))
+    assert tokens == {0: greedy, 1: greedy, 2: greedy}
+    assert sorted(m.index for m in messages if m.finish_reason) == [0, 1, 2]
+    wait_all_free(stack)
+
+
+def test_seeded_sequences_equal_separate_requests_with_the_derived_seeds(stack, reference):
+    prompt, _, seeded = reference
+    tokens, _ = asyncio.run(sequences(stack.grpc_port, prompt, n=3, seed=SEED, **SEEDED))
+    assert tokens == {i: seeded[i][0] for i in range(3)}
+    assert len({tuple(t) for t, _ in seeded}) == 3  # the derived seeds do give three different sequences
+    wait_all_free(stack)
+
+
+def test_best_of_returns_the_sequence_of_highest_cumulative_logprob(stack, reference):
+    prompt, _, seeded = reference
+    best = max(range(3), key=lambda i: (seeded[i][1], -i))
+    tokens, messages = asyncio.run(sequences(stack.grpc_port, prompt, best_of=3, seed=SEED, **SEEDED))
+    assert tokens == {0: seeded[best][0]} and len(messages) == 1 and not messages[0].logprobs
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(
+        model="default_model",
+        prompt=prompt,
+        n=2,
+        best_of=3,
+        seed=SEED,
+        logprobs=0,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        extra_body={"top_k": 50, "ignore_eos": True},
+    )
+    ranked = sorted(range(3), key=lambda i: (-seeded[i][1], i))[:2]
+    assert [sum(c.logprobs.token_logprobs) for c in r.choices] == pytest.approx([seeded[i][1] for i in ranked])
+    assert r.usage.completion_tokens == 2 * MAX_TOKENS
+    wait_all_free(stack)
+
+
+def test_a_client_leaving_mid_stream_frees_every_block(stack, reference):
+    prompt, _, _ = reference
+    body = {"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True, "n": 3}
+    with httpx.stream("POST", f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=60) as r:
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.add(line.split('"index":', 1)[1].split(",", 1)[0])
+            if len(seen) == 3:
+                break  # every sequence streams: leave
+    assert seen == {"0", "1", "2"}
+    wait_all_free(stack)
