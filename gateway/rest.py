@@ -13,7 +13,10 @@
 
 With API keys configured every route but /health, /live, /ready and /metrics needs
 `Authorization: Bearer <key>` (gateway/rest_guard.py).
-Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}. A request is
+Bodies are validated by the pydantic models of gateway/rest_models.py; a refused body is HTTP 400 (as
+vLLM's server answers a validation error; FastAPI's default would be 422) naming the field and the limit.
+`n` > 1 gives n choices per prompt (choice i * n + j = prompt i's sequence j), from one prefill
+(gateway/sequences.py). Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}. A request is
 refused (4xx/5xx) only before its first token; a failure after that is a final SSE event
 {"error": ...} (streaming) or HTTP 500 with the error (non-streaming).
 """
