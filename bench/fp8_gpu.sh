@@ -2,6 +2,7 @@
 # Issue 19 on one H200, bf16 beside fp8, in one device call (each step bounded; everything printed lands
 # in $OUT/fp8.log and each bench writes its JSON under $OUT as it ends, so a call cut short keeps what ran):
 #   1. GPU tests of the fp8 KV kernels (Triton write/decode/prefill over e4m3, scales, the activation quantizer)
+#      and of Fp8Linear's row-wise _scaled_mm against its reference path
 #   2. bench/kernels.py --sections fp8: decode attention bf16 vs fp8 cache against the copy rate, 8B projections
 #   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed)
 #   4. the nano-vllm workload (Qwen3-0.6B shape): bf16 KV beside fp8 KV
@@ -22,6 +23,7 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want 1; then
   step "1 GPU tests"
   timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_kv.py 2>&1 | tail -15
+  timeout 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py -k on_gpu 2>&1 | tail -5
 fi
 if want 2; then
   step "2 kernels"

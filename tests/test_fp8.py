@@ -115,6 +115,29 @@ def test_cpu_scaled_mm_agrees_with_the_reference_path():
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 7, 128])
+def test_fp8_linear_scaled_mm_matches_its_reference_path_on_gpu(rows):
+    """On sm_89+ the row-wise e4m3 GEMM runs; its output equals the dequantize + matmul reference on the
+    same operands (bf16 output rounding apart)."""
+    gen = torch.Generator().manual_seed(6)
+    linear = torch.nn.Module()
+    linear.weight = torch.nn.Parameter((torch.randn(96, 64, generator=gen) * 0.05).bfloat16().cuda(), False)
+    linear.bias = torch.nn.Parameter(torch.randn(96, generator=gen).bfloat16().cuda(), False)
+    linear.output_sizes = (32, 64)
+    layer = Fp8Linear.from_linear(linear)
+    if torch.cuda.get_device_capability() < (8, 9):
+        assert not layer.use_scaled_mm
+        pytest.skip("no e4m3 GEMM before compute capability 8.9")
+    assert layer.use_scaled_mm
+    x = torch.randn(rows, 64, generator=gen).bfloat16().cuda()
+    got = layer(x)
+    x_q, x_scale = quantize_per_token(x)
+    want = (x_q.double() * x_scale.double()) @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
+    want += linear.bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 
 
