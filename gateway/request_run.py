@@ -330,6 +330,11 @@ class RequestRun:
         self._deadline_timer = loop.call_at(loop.time() + self._remaining_s(), self._queue.put_nowait, _DEADLINE)
 
     @property
+    def prompt_logprobs(self) -> Sequence[common_pb2.TokenLogprobs]:
+        """The prompt logprobs the prefill (or a decode prefilling locally) computed, once they came."""
+        return self._prompt_logprobs
+
+    @property
     def local_prefill(self) -> bool:
         return self._local_prefill
 

@@ -47,6 +47,10 @@ class SequenceRun(RequestRun):
             async for message in messages:
                 yield message
 
+    def _add_prompt_parts(self, message: generation_pb2.GenerateResponse) -> None:
+        self._prompt_logprobs = self._lead.prompt_logprobs  # computed once, for the lead: every choice has them
+        super()._add_prompt_parts(message)
+
     def _delta_message(self, delta):
         self._lead.forked()  # this sequence runs: the lead, if it ended early, may be aborted now
         return super()._delta_message(delta)

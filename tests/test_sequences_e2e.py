@@ -164,3 +164,14 @@ def test_a_client_leaving_mid_stream_frees_every_block(stack, reference):
                 break  # every sequence streams: leave
     assert seen == {"0", "1", "2"}
     wait_all_free(stack)
+
+
+def test_every_choice_carries_the_prompt_logprobs_computed_once(stack, reference):
+    prompt, greedy, _ = reference
+    body = {"prompt": prompt, "n": 2, "prompt_logprobs": 1, "echo": True, **GREEDY}
+    r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    first, second = r.json()["choices"]
+    assert first["prompt_logprobs"] is not None and len(first["prompt_logprobs"]) == len(prompt)
+    assert (second["prompt_logprobs"], second["text"]) == (first["prompt_logprobs"], first["text"])
+    wait_all_free(stack)
