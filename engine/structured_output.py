@@ -40,6 +40,7 @@ _LABELS = {
     "choice": "choice",
     "grammar": "grammar",
 }
+GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept per engine (xgrammar's cache)
 _EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -129,7 +130,8 @@ class GrammarBackend:
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            # bounded: every distinct spec a client sends stays cached (LRU) only up to this much memory
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         return self._compiler
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:

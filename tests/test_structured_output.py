@@ -23,6 +23,7 @@ from splitserve.engine.structured_output import (
 )
 from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_structured import structured_output_of
+from splitserve.protos import common_pb2
 
 CODE = "def f(x):\n    return "
 SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4}
@@ -369,3 +370,34 @@ def test_async_scheduling_reads_a_grammar_request_before_its_next_step():
         assert llm.engine.num_free_blocks == llm.engine.pool.num_blocks
     assert results[0] == results[1]
     assert results[0][0][1] == "stop" and results[0][2][1] == "stop"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            common_pb2.StructuredOutput(),
+            "sampling.structured_output must set one of json_schema, json_object, regex, choice, grammar",
+        ),
+        (
+            common_pb2.StructuredOutput(regex=""),
+            "sampling.structured_output.regex is invalid: structured output regex must be a non-empty string, got ''",
+        ),
+        (
+            common_pb2.StructuredOutput(json_schema="[1]"),
+            "sampling.structured_output.json_schema is invalid: structured "
+            "output json must be a JSON schema (an object), got list",
+        ),
+        (
+            common_pb2.StructuredOutput(choice=common_pb2.Choices(values=["a", ""])),
+            "sampling.structured_output.choice "
+            "is invalid: structured output choice must hold non-empty strings, got ''",
+        ),
+    ],
+)
+def test_grpc_spec_errors_name_the_proto_field(spec, message):
+    from splitserve.gateway.service import sampling_values_from_proto
+
+    with pytest.raises(GatewayError) as err:
+        sampling_values_from_proto(common_pb2.SamplingParams(structured_output=spec))
+    assert (err.value.kind, err.value.message, err.value.param) == ("invalid_argument", message, "structured_output")

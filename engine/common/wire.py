@@ -71,10 +71,12 @@ def structured_from_proto(pb: common_pb2.StructuredOutput) -> StructuredOutput:
     kind = pb.WhichOneof("kind")
     if kind is None:
         raise ValueError("structured_output must set one of json_schema, json_object, regex, choice, grammar")
-    if kind == "choice":
-        return StructuredOutput(choice=tuple(pb.choice.values), disable_any_whitespace=pb.disable_any_whitespace)
-    field = next(name for name, member in _STRUCTURED_KINDS.items() if member == kind)
-    return StructuredOutput(**{field: getattr(pb, kind)}, disable_any_whitespace=pb.disable_any_whitespace)
+    value = tuple(pb.choice.values) if kind == "choice" else getattr(pb, kind)
+    field = next((name for name, member in _STRUCTURED_KINDS.items() if member == kind), kind)
+    try:
+        return StructuredOutput(**{field: value}, disable_any_whitespace=pb.disable_any_whitespace)
+    except ValueError as exc:
+        raise ValueError(f"structured_output.{kind} is invalid: {exc}") from None
 
 
 def structured_to_proto(spec: StructuredOutput) -> common_pb2.StructuredOutput:
