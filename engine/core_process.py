@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from splitserve.engine import core_messages as m
@@ -41,6 +42,8 @@ class CoreLoop:
         self.conn = conn
         self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pairs and maps here; pulls and sends on workers
         self.pending_imports: list[m.ImportKv] = []
+        # requests with a structured output spec, held back while a worker thread compiles their grammar
+        self.compiling: list[tuple[m.AddRequest | m.ImportKv, Future]] = []
         self.outbox: list = []
         self._send_lock = threading.Lock()  # the pipe: this thread's flushes and a receive's NeedSend
         self.transfers = KvTransfers(engine, kv_io, self._emit, self.send_now)
@@ -70,6 +73,7 @@ class CoreLoop:
             self.outbox.append(self.background_replies.get())
             self.num_background -= 1
         self.transfers.poll()  # ended pulls (ImportDone) and sends (Reply); their blocks unpinned
+        self._admit_compiled()
         self._retry_imports()
         self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
         if self.engine.has_unfinished():
@@ -83,7 +87,7 @@ class CoreLoop:
         get it from one: a commit, an abort, a release)."""
         if self.engine.has_unfinished():
             return 0
-        if self.transfers.num_in_flight:
+        if self.transfers.num_in_flight or self.compiling:
             return TRANSFER_POLL_S
         return 0.01 if self.num_background else 0.5
 
@@ -115,7 +119,21 @@ class CoreLoop:
         handler = HANDLERS.get(type(msg))
         if handler is None:
             raise TypeError(f"core received unknown message {type(msg).__name__}")
+        spec = getattr(msg.params, "structured_output", None) if isinstance(msg, (m.AddRequest, m.ImportKv)) else None
+        if spec is not None:
+            self.compiling.append((msg, self.engine.grammars.prepare(spec)))
+            return  # admitted by _admit_compiled once its grammar is compiled
         handler(self, msg)
+
+    def _admit_compiled(self) -> None:
+        """Hand on the requests whose grammar is compiled: the engine finds it in xgrammar's cache (a spec that
+        failed to compile fails again there, at once, and the request ends with its error)."""
+        waiting, self.compiling = self.compiling, []
+        for msg, future in waiting:
+            if future.done():
+                HANDLERS[type(msg)](self, msg)
+            else:
+                self.compiling.append((msg, future))
 
     # -- handlers --------------------------------------------------------------------------
     def on_add(self, msg: m.AddRequest) -> None:
@@ -149,12 +167,15 @@ class CoreLoop:
                     self.engine.add_request(
                         fork_id, pull.prompt_token_ids, pull.params, priority=pull.priority, seed=pull.seed + i
                     )
+        compiling = [c for c, _ in self.compiling if c.request_id in ids]
+        self.compiling = [(c, f) for c, f in self.compiling if c.request_id not in ids]
         self.transfers.forget(msg.request_ids)  # a pull in flight runs to its end, its blocks pinned till then
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
             for rid in msg.request_ids
             if self.engine.abort(rid)
         ]
+        outs += [RequestOutput(c.request_id, [], finished=True, finish_reason="abort") for c in compiling]
         self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
 
     def on_release(self, msg: m.ReleaseHeld) -> None:

@@ -19,6 +19,8 @@ xgrammar imports torch, so the gateway never imports this module (pyproject's im
 from __future__ import annotations
 
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,25 +116,39 @@ class GrammarBackend:
         self.vocab_size = vocab_size  # the lm_head's width: the bitmask covers every logit
         self.stop_token_ids = stop_token_ids
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._lock = threading.Lock()  # the compiler is made once, by whichever thread asks first
+        self._pool: ThreadPoolExecutor | None = None
+
+    def prepare(self, spec: StructuredOutput) -> Future:
+        """Compile `spec` on a worker thread, so that `compile` in the step loop then finds it in xgrammar's
+        cache. The core loop holds a request back until this is done: a 128k-token vocabulary takes ~0.35 s
+        to compile a small schema, and xgrammar releases the GIL for most of it, so the loop steps on."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._pool.submit(self.compile, spec)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            directory = Path(self.model_dir)
-            if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
-                raise ValueError(
-                    f"{REFUSAL_PREFIX}this engine serves {self.model_dir!r}, which has no tokenizer files; "
-                    "structured output needs the model's tokenizer"
-                )
-            from transformers import AutoTokenizer
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
 
-            xgr = _xgr()
-            tokenizer = AutoTokenizer.from_pretrained(directory)
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+    def _make_compiler(self) -> xgrammar.GrammarCompiler:
+        directory = Path(self.model_dir)
+        if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+            raise ValueError(
+                f"{REFUSAL_PREFIX}this engine serves {self.model_dir!r}, which has no tokenizer files; "
+                "structured output needs the model's tokenizer"
             )
-            # bounded: every distinct spec a client sends stays cached (LRU) only up to this much memory
-            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-        return self._compiler
+        from transformers import AutoTokenizer
+
+        xgr = _xgr()
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+        )
+        # bounded: every distinct spec a client sends stays cached (LRU) only up to this much memory
+        return xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The compiled grammar of `spec` (cached by xgrammar); ValueError (REFUSAL_PREFIX ...) when invalid."""

@@ -401,3 +401,51 @@ def test_grpc_spec_errors_name_the_proto_field(spec, message):
     with pytest.raises(GatewayError) as err:
         sampling_values_from_proto(common_pb2.SamplingParams(structured_output=spec))
     assert (err.value.kind, err.value.message, err.value.param) == ("invalid_argument", message, "structured_output")
+
+
+def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_request():
+    """A request with a spec waits in the core loop while a worker compiles its grammar (the engine then finds it
+    in xgrammar's cache); the loop keeps stepping the running batch meanwhile; an abort while compiling ends it."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from splitserve.engine import core_messages as m
+    from tests.test_core_loop import Driver, Engine, FakeKvIo, Gate, Pipe
+
+    futures: dict[str, Future] = {}
+
+    class GrammarEngine(Engine):
+        def __init__(self, pipe):
+            super().__init__(pipe)
+            self.added: list[tuple[str, int]] = []  # (request id, steps run before it was added)
+            self.grammars = SimpleNamespace(prepare=lambda spec: futures.setdefault(spec.regex, Future()))
+
+        def add_request(self, request_id, *args, **kwargs):
+            self.added.append((request_id, self.steps))
+
+        def abort(self, request_id):
+            return False
+
+    pipe = Pipe()
+    engine = GrammarEngine(pipe)
+    driver = Driver(engine, FakeKvIo(Gate(opened=True)), pipe).start()
+    try:
+        params = SamplingParams(structured_output=StructuredOutput(regex="a+"))
+        driver.send(m.AddRequest("g", [1, 2], params), m.AddRequest("free", [1, 2], SamplingParams()))
+        other = SamplingParams(structured_output=StructuredOutput(regex="b+"))
+        driver.send(m.AddRequest("gone", [1, 2], other))
+        driver.until(lambda: engine.added == [("free", engine.added[0][1])] and engine.steps >= 5, 10, "no steps")
+        assert [rid for rid, _ in engine.added] == ["free"]  # "g" and "gone" wait for their grammars
+        driver.send(m.Abort(["gone"]))
+        driver.until(lambda: "gone" in driver.finished, 10, "no abort output for the compiling request")
+        assert driver.finished["gone"].finish_reason == "abort"
+        steps = engine.steps
+        futures["a+"].set_result(None)
+        driver.until(lambda: len(engine.added) == 2, 10, "the compiled request was never added")
+        assert engine.added[1][0] == "g" and engine.added[1][1] >= steps
+        futures["b+"].set_result(None)
+        driver.until(lambda: engine.steps > steps + 5, 10, "no steps")
+        assert [rid for rid, _ in engine.added] == ["free", "g"]  # the aborted one never reaches the engine
+    finally:
+        engine.has_work = False
+        driver.stop()
