@@ -449,3 +449,24 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
     finally:
         engine.has_work = False
         driver.stop()
+
+
+def test_parallel_sequences_each_follow_the_grammar(llm):
+    """n > 1 (engine/forks.py): every forked sequence has a matcher of its own (made from the spec like the
+    parent's) and its own seed; each output is inside the grammar and ends with stop."""
+    engine = llm.engine
+    spec = StructuredOutput(regex=r"[a-z]{1,6}-\d{2}")
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, structured_output=spec)
+    engine.add_request("n0", llm.tokenizer.encode(CODE), params, fork_ids=["n1", "n2", "n3"])
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    texts = {rid: llm.tokenizer.decode(ids, skip_special_tokens=True) for rid, ids in tokens.items()}
+    assert finish == dict.fromkeys(["n0", "n1", "n2", "n3"], "stop")
+    assert all(re.fullmatch(r"[a-z]{1,6}-\d{2}", text) for text in texts.values()), texts
+    assert len(set(texts.values())) > 1, texts  # their own seeds: not one answer four times
+    assert engine.num_free_blocks == engine.pool.num_blocks
