@@ -109,6 +109,24 @@ REFUSALS = [
     ),
     (dict(text="hi", n=17), grpc.StatusCode.INVALID_ARGUMENT, "n must be >= 1 and <= 16, got 17"),
     (dict(text="hi", n=2, best_of=1), grpc.StatusCode.INVALID_ARGUMENT, "best_of must be >= n (2), got 1"),
+    (
+        dict(
+            chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="hi")]),
+            echo=True,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "echo applies to text and token_ids prompts (completions), not to chat",
+    ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(prompt_logprobs=21)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt_logprobs must be >= 0 and <= 20, got 21",
+    ),
+    (
+        dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens must be >= 1 or None, got 0",
+    ),
     (dict(), grpc.StatusCode.INVALID_ARGUMENT, "prompt must be set (text, token_ids or chat)"),
     (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty"),
     (dict(chat=generation_pb2.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages must not be empty"),

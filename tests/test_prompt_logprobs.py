@@ -208,6 +208,20 @@ def test_prompt_logprobs_field_rest_and_grpc(gateway, default_reference):
 
 
 @pytest.mark.slow
+def test_grpc_echo_with_max_tokens_0_answers_the_prompt_alone(gateway):
+    """GenerateRequest.echo with max_tokens 0 (vLLM's echo without generation): one message, the prompt's text
+    and ids, no output tokens; usage counts the one token computed, as vLLM's."""
+    base, target = gateway
+    text = "for i in range(10):"
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
+    request = generation_pb2.GenerateRequest(text=text, echo=True, sampling=common_pb2.SamplingParams(max_tokens=0))
+    [message] = list(stub.Generate(request, timeout=60))
+    assert (message.text, list(message.token_ids), message.finish_reason) == (text, [], common_pb2.FINISH_REASON_LENGTH)
+    assert list(message.prompt_token_ids) == _ids(base, text) and not message.prompt_logprobs
+    assert (message.usage.prompt_tokens, message.usage.completion_tokens) == (len(message.prompt_token_ids), 1)
+
+
+@pytest.mark.slow
 def test_echo_streams_the_prompt_first_and_prompt_logprobs_do_not_stream(gateway):
     base, _ = gateway
     body = {"prompt": "def f(x):", "echo": True, "max_tokens": 4, "temperature": 0, "stream": True}
