@@ -53,7 +53,11 @@ class Case:
     body: dict
 
 
-def cases() -> list[Case]:
+def cases(model: str) -> list[Case]:
+    """The requests, in order; `model`'s tokenizer gives the ids of a token-id prompt that decodes cleanly."""
+    from splitserve.common.tokenizer import load_tokenizer
+
+    clean_ids = load_tokenizer(model).encode(PROMPTS[0], add_special_tokens=True)
     out = []
     for p in PROMPTS:
         out.append(Case("completion max_tokens=32", False, {"prompt": p, "max_tokens": 32}))
@@ -72,7 +76,11 @@ def cases() -> list[Case]:
             Case("completion echo max_tokens=0", False, {"prompt": p, "max_tokens": 0, "echo": True, "logprobs": 1})
         )
         out.append(Case("completion prompt_logprobs=2", False, {"prompt": p, "max_tokens": 4, "prompt_logprobs": 2}))
-    out.append(Case("completion token-id prompt", False, {"prompt": [13, 400, 27, 99], "max_tokens": 16}))
+    out.append(Case("completion token-id prompt", False, {"prompt": clean_ids, "max_tokens": 16}))
+    # ends inside a UTF-8 character ("* to8\ufffd" with the default model's tokenizer)
+    out.append(
+        Case("completion token-id prompt, cut character", False, {"prompt": [13, 400, 27, 99], "max_tokens": 16})
+    )
     out.append(Case("completion stream", False, {"prompt": PROMPTS[0], "max_tokens": 24, "stream": True}))
     for messages in CHATS:
         out.append(Case("chat max_tokens=32", True, {"messages": messages, "max_tokens": 32}))
@@ -283,8 +291,9 @@ def compare(all_cases: list[Case], ours: list[dict], theirs: list[dict]) -> tupl
         equal = same(va, vb)
         note = "" if equal else first_difference(va, vb)
         kinds.setdefault(case.kind, []).append((equal, note))
+        errors = {f"{who}_error": x["error"]["message"] for who, x in (("ours", a), ("vllm", b)) if "error" in x}
         details.append(
-            {"kind": case.kind, "body": case.body, "equal": equal, "difference": note, "ours": va, "vllm": vb}
+            {"kind": case.kind, "body": case.body, "equal": equal, "difference": note, "ours": va, "vllm": vb, **errors}
         )
     rows = []
     for kind, results in kinds.items():
@@ -309,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.common.default_model_path import default_model_path
 
         args.model = str(default_model_path())
-    all_cases = cases()
+    all_cases = cases(args.model)
     logs = Path(tempfile.mkdtemp(prefix="parity-vllm-"))
     results: dict[str, tuple[float, list[dict]]] = {}
     servers = [("ours", lambda: start_ours(args.model, logs))]
