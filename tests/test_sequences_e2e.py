@@ -175,3 +175,22 @@ def test_every_choice_carries_the_prompt_logprobs_computed_once(stack, reference
     assert first["prompt_logprobs"] is not None and len(first["prompt_logprobs"]) == len(prompt)
     assert (second["prompt_logprobs"], second["text"]) == (first["prompt_logprobs"], first["text"])
     wait_all_free(stack)
+
+
+def test_structured_output_holds_for_every_sequence(stack):
+    """Each forked sequence starts its own grammar matcher: every choice is one of the allowed answers."""
+    allowed = ["red", "green", "blue"]
+    body = {
+        "prompt": "The colour is",
+        "n": 3,
+        "seed": 5,
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "structured_outputs": {"choice": allowed},
+    }
+    r = httpx.post(f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert all(c["text"] in allowed and c["finish_reason"] == "stop" for c in choices), choices
+    wait_all_free(stack)
