@@ -195,17 +195,12 @@ def build_token_mask(
     return TokenMask(rows.to(device, non_blocking=True), host.to(device, non_blocking=True))
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
     """Set the logits of forbidden tokens to -inf, in place; (B, V) in, the same tensor out."""
     if mask is None:
         return logits
     vocab_size = logits.shape[-1]
-    shifts = _BIT_SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
     bits = (mask.bitmask[:, :, None] >> shifts) & 1  # (G, W, 32)
     allowed = bits.reshape(bits.shape[0], -1)[:, :vocab_size].bool()  # (G, V)
     constrained = logits[mask.rows]  # (G, V)
