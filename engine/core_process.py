@@ -170,10 +170,12 @@ class CoreLoop:
         compiling = [c for c, _ in self.compiling if c.request_id in ids]
         self.compiling = [(c, f) for c, f in self.compiling if c.request_id not in ids]
         self.transfers.forget(msg.request_ids)  # a pull in flight runs to its end, its blocks pinned till then
+        # a dropped pending import never reached the engine: it (and its aborted forks) ends here all the same
+        gone = {p.request_id for p in dropped} | {f for p in dropped for f in p.fork_ids if f in ids}
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
             for rid in msg.request_ids
-            if self.engine.abort(rid)
+            if self.engine.abort(rid) or rid in gone
         ]
         outs += [RequestOutput(c.request_id, [], finished=True, finish_reason="abort") for c in compiling]
         self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))

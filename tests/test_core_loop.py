@@ -471,3 +471,21 @@ def test_a_prefill_prefills_while_a_send_waits_and_keeps_the_blocks_until_the_se
     d.send(m.ReleaseHeld("y"))
     d.until(lambda: d.stats()["num_free_blocks"] == baseline, 10, "blocks still held after the send")
     d.stop()
+
+
+def test_forks_of_an_imported_prompt_share_its_pulled_kv_with_the_exact_tokens(model, prefill, decode, device):
+    """n = 3 on the decode role: the prompt's KV is pulled once, the forks start when the import commits
+    (greedy: each gives the same tokens as the request), every block is back at the end."""
+    _, prompts, greedy = model
+    d = decode(Gate(opened=True))
+    x = prefilled(prefill, "x", prompts[2])
+    x.fork_ids = ["x~1", "x~2"]
+    d.send(x)
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert (done.ok, done.num_blocks_pulled) == (True, num_prompt_blocks(prompts[2], device))  # pulled once
+    prefill[0].release_kv("x")
+    d.send(m.CommitImport("x", ok=True))
+    d.until(lambda: {"x", "x~1", "x~2"} <= d.finished.keys(), 30, "not every sequence finished")
+    assert [x.first_token_id, *d.tokens["x"]] == greedy[2]
+    assert d.tokens["x~1"] == d.tokens["x~2"] == greedy[2]
+    assert d.stats()["num_free_blocks"] == d.baseline
