@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.block_pool import NoFreeBlocksError
 from splitserve.engine.kv_cache_manager import KvCacheManager
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -74,8 +75,9 @@ class ParallelSampling:
         copies = []
         for child in children:
             del self._parent_of[child.request_id]
-            copy = self._kv.fork(parent.request_id, child.request_id, num_tokens)
-            if copy is False:  # no block for the copy: the child computes its prompt itself
+            try:
+                copy = self._kv.fork(parent.request_id, child.request_id, num_tokens)
+            except NoFreeBlocksError:  # no block for the copy: the child computes its prompt itself
                 self._scheduler.add(child)
                 continue
             if copy is not None:

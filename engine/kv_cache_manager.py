@@ -119,26 +119,19 @@ class KvCacheManager:
             self.pool.register_hash(blocks[i], hashes[i])
         self._num_registered[request.request_id] = num_full
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None | bool:
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Give `child_id` the parent's KV of its first `num_tokens` tokens: the full blocks shared (one
         more reference each), the partial block after them, if any, as a fresh block to copy it into.
 
-        Returns that copy as (parent's block, child's block), None when there is no partial block,
-        or False, changing nothing, when no block is free for the copy.
+        Returns that copy as (parent's block, child's block), or None when there is no partial block.
+        Raises NoFreeBlocksError, changing nothing, when no block is free for the copy.
         """
         parent_blocks = self.req_blocks[parent_id]
         num_full, partial = divmod(num_tokens, self.block_size)
-        if partial and not self.pool.num_free_blocks:
-            return False
+        copy = (parent_blocks[num_full], self.pool.allocate(1)[0]) if partial else None
         shared = parent_blocks[:num_full]
         self.pool.touch(shared)
-        blocks = list(shared)
-        copy = None
-        if partial:
-            (block_id,) = self.pool.allocate(1)
-            copy = (parent_blocks[num_full], block_id)
-            blocks.append(block_id)
-        self.req_blocks[child_id] = blocks
+        self.req_blocks[child_id] = shared + ([copy[1]] if copy else [])
         self._num_registered[child_id] = min(num_full, self._num_registered.get(parent_id, 0))
         return copy
 

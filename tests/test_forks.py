@@ -110,3 +110,18 @@ def test_fork_ids_are_checked(engine):
     engine.add_request("r", PROMPT, SamplingParams(**GREEDY), fork_ids=["r~1"])
     with pytest.raises(ValueError, match="request_id 'r~1' is already in use"):
         engine.add_request("r~1", PROMPT, SamplingParams(**GREEDY))
+
+
+def test_a_child_with_no_block_for_its_copy_computes_the_prompt_itself(model_dir):
+    """3 blocks in all: the parent holds them when it forks, so the child waits and, once the parent is done,
+    prefills from the prefix cache; its tokens are still the request's."""
+    llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=BLOCK, num_kv_blocks=3)
+    engine, params = llm.engine, dict(GREEDY, max_tokens=2)
+    (alone,) = separate(engine, params, [0])
+    engine.add_request("r", PROMPT, SamplingParams(**params), fork_ids=["r~1"], seed=0)
+    (first,) = engine.step()  # the parent's first token; no block was free for the child's copy
+    assert engine.kv.blocks_of("r~1") == [] and engine.pool.num_free_blocks == 0
+    tokens, finish = run(engine, ["r", "r~1"])
+    assert [*first.new_token_ids, *tokens["r"]] == tokens["r~1"] == alone
+    assert finish == {"r": "length", "r~1": "length"}
+    assert engine.pool.num_free_blocks == 3
