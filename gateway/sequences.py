@@ -139,7 +139,8 @@ def split(
     first: generation_pb2.GenerateResponse, messages: AsyncIterator[generation_pb2.GenerateResponse], n: int
 ) -> list[AsyncIterator[generation_pb2.GenerateResponse]]:
     """The merged stream of an n-sequence request as n streams, stream i holding index i's messages
-    (a REST choice each). Closing all of them closes `messages`."""
+    (a REST choice each). Closing all of them closes `messages`; the caller starts every one (the REST
+    layer awaits each first message), as closing a generator never started runs none of its code."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
     queues[first.index].put_nowait(first)
     state = {"open": n}

@@ -601,3 +601,21 @@ def test_logit_bias_reaches_prefill_and_decode_over_rest_and_grpc(tokenizer_dir)
         assert [dict(d.sampling.logit_bias) for d in decode.requests] == [expected, expected]
     finally:
         stack.stop()
+
+
+def test_a_refused_body_is_400_as_vllm_answers_not_fastapis_422(stack):
+    """vLLM's server turns FastAPI's RequestValidationError into 400 (FastAPI alone answers 422); so do we,
+    in OpenAI's error shape, the message naming the field's path and what it must be."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+    r = post(stack, "/v1/chat/completions", body)
+    assert (r.status_code, r.json()) == (
+        400,
+        {
+            "error": {
+                "message": "messages[1].role must be one of system, user, assistant, developer, tool, got 'bot'",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": None,
+            }
+        },
+    )
