@@ -351,8 +351,7 @@ class EngineCore:
             changed = self._read()
             out.scheduled = [s for s in out.scheduled if s.request.status == RequestStatus.RUNNING]
         if not out.is_empty:
-            tables = {s.request.request_id: self.kv.blocks_of(s.request.request_id) for s in out.scheduled}
-            launched = self.runner.launch(out, tables)
+            launched = self.runner.launch(out, self.kv.req_blocks)  # read only, while it builds the inputs
             self.scheduler.step_launched(out)
             self.forks.on_step(out)  # before this step's outputs apply: a parent ending then still holds its blocks
             self.num_steps += 1

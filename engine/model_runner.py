@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
@@ -60,6 +61,57 @@ class LaunchedStep:
         return dict(zip(self.request_ids, zip(result.token_ids, result.logprobs)))
 
 
+class BlockTableRows:
+    """Each request's block ids kept in a row of one host array, copied in as its block list grows.
+
+    A request's list (KvCacheManager.req_blocks) only grows while the request holds it, and is a new
+    list once freed and allocated again (preemption), so a row is refilled when the list is not the one
+    it was filled from. Rows of requests absent from a step are taken back when rows run out; entries
+    past a request's blocks are 0.
+    """
+
+    def __init__(self, num_rows: int = 64, num_cols: int = 64) -> None:
+        self.table = np.zeros((num_rows, num_cols), dtype=np.int32)
+        self._rows: dict[str, tuple[list[int], int, int]] = {}  # request_id -> (its list, row, blocks copied)
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._step_ids: set[str] = set()
+
+    def start_step(self) -> None:
+        self._step_ids = set()
+
+    def row_of(self, request_id: str, blocks: list[int]) -> int:
+        self._step_ids.add(request_id)
+        entry = self._rows.get(request_id)
+        if entry is not None and entry[0] is blocks:
+            _, row, num_copied = entry
+        else:
+            row = entry[1] if entry is not None else self._take_row()
+            self.table[row] = 0  # a new request, or a new list (its blocks allocated again after preemption)
+            num_copied = 0
+        if len(blocks) > num_copied:
+            if len(blocks) > self.table.shape[1]:
+                self._grow(cols=2 * len(blocks))
+            self.table[row, num_copied : len(blocks)] = blocks[num_copied:]
+        if num_copied != len(blocks) or entry is None or entry[0] is not blocks:
+            self._rows[request_id] = (blocks, row, len(blocks))
+        return row
+
+    def _take_row(self) -> int:
+        if not self._free:  # take back the rows of requests not in this step; grow if that is not enough
+            for request_id in [r for r in self._rows if r not in self._step_ids]:
+                self._free.append(self._rows.pop(request_id)[1])
+        if not self._free:
+            rows = self.table.shape[0]
+            self._grow(rows=2 * rows)
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        old = self.table
+        self.table = np.zeros((rows or old.shape[0], cols or old.shape[1]), dtype=np.int32)
+        self.table[: old.shape[0], : old.shape[1]] = old
+
+
 def sampling_row(request: Request) -> SamplingRow:
     """The sampler's view of a request at the token it samples next (pending tokens counted in)."""
     params = request.sampling_params
@@ -88,6 +140,7 @@ class ModelRunner:
         # the latest launch's sampled tokens (S,) and each sampled request's row in them
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self.tables = BlockTableRows()
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for bucketed batch sizes (CUDA only)."""
@@ -102,22 +155,24 @@ class ModelRunner:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
         return host.to(self.device, non_blocking=True)
 
-    def _table_to_device(self, tables: list[list[int]]) -> torch.Tensor:
-        """Block tables → one (B, M) int32 device tensor padded with 0. Filled row by row through a numpy view:
-        torch.tensor of the padded nested lists costs ~3x as much (~0.8 ms at 190 x 66 on a server core)."""
-        host = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32, pin_memory=self.pin)
-        for row, blocks in zip(host.numpy(), tables):
-            row[: len(blocks)] = blocks
+    def _table_to_device(self, rows: list[int], width: int) -> torch.Tensor:
+        """The step's block tables, rows of `self.tables`, → one (B, width) int32 device tensor padded with 0:
+        one gather into pinned memory (filling a fresh table row by row from the lists cost ~0.5 ms a step at
+        batch 256 on the H200's host)."""
+        host = torch.empty((len(rows), width), dtype=torch.int32, pin_memory=self.pin)
+        np.take(self.tables.table[:, :width], rows, axis=0, out=host.numpy())
         return host.to(self.device, non_blocking=True)
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size
+        self.tables.start_step()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        table_rows: list[int] = []
+        width = 0
         logits_indices: list[int] = []
         sampling_ids: list[str] = []
         pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
@@ -146,14 +201,15 @@ class ModelRunner:
                 wanted.append(rows)
             qsl.append(qsl[-1] + end - start)
             seq_lens.append(end)
-            tables.append(blocks)
+            table_rows.append(self.tables.row_of(request.request_id, blocks))
+            width = max(width, len(blocks))
             if s.samples:
                 logits_indices.append(qsl[-1] - 1)
                 sampling_ids.append(request.request_id)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(qsl, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._table_to_device(tables),
+            block_tables=self._table_to_device(table_rows, width),
             slot_mapping=self._to_device(slots, torch.int64),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),

@@ -224,7 +224,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._needs_no_step(request):
+            if num_new <= 0 or (request.num_pending_tokens or self.role == "prefill") and self._needs_no_step(request):
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):

@@ -43,3 +43,21 @@ def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables(devi
         {"d": [7, 3], "p": [4, 9, 11, 12, 13]},
     )
     assert ragged.meta.block_tables.tolist() == [[7, 3, 0, 0, 0], [4, 9, 11, 12, 13]]
+
+
+def test_block_table_rows_follow_each_request_s_growing_list_and_refill_after_preemption():
+    from splitserve.engine.model_runner import BlockTableRows
+
+    tables = BlockTableRows(num_rows=2, num_cols=2)
+    a, b = [5, 6], [7]
+    tables.start_step()
+    assert (tables.row_of("a", a), tables.row_of("b", b)) == (0, 1)
+    a.extend([8, 9, 10])  # grows past the columns: the table widens, zeros beyond each request's blocks
+    assert tables.row_of("a", a) == 0
+    assert tables.table.tolist() == [[5, 6, 8, 9, 10, 0, 0, 0, 0, 0], [7] + [0] * 9]
+    tables.start_step()
+    again = [3]  # "a" preempted and allocated again: a new list refills its row
+    assert tables.row_of("a", again) == 0 and tables.table[0].tolist() == [3] + [0] * 9
+    assert tables.row_of("c", [4, 4]) == 1  # rows run out: "b", absent from this step, gives its row back
+    assert tables.table[1].tolist()[:3] == [4, 4, 0]
+    assert tables.row_of("d", [2]) == 2 and tables.table.shape[0] == 4  # no row to take back: more rows
