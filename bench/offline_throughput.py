@@ -11,7 +11,9 @@ vLLM runs in its own virtual environment (--vllm-python), as a subprocess of thi
 
 splitserve variants (in --engines, each measured in the same run): `splitserve` (the --dtype model and
 KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `splitserve:fp8`
-(both), e.g. --engines splitserve,splitserve:fp8kv --workload nanovllm.
+(both), e.g. --engines splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in
+every --scheduling mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named
+VARIANT-MODE; --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
 """
 
 from __future__ import annotations
@@ -61,11 +63,15 @@ def variant_options(engine: str) -> dict:
     return VARIANTS[variant]
 
 
-def run_splitserve(config_path: str, requests, dtype: str, device: str, args, variant: str = "splitserve") -> dict:
+def run_splitserve(
+    config_path: str, requests, dtype: str, device: str, args, variant: str = "splitserve"
+) -> list[dict]:
+    """One engine of `variant`, each `--scheduling` mode timed in turn (sync: read each step as it is launched;
+    async: launch step N+1, then read step N), rows named VARIANT-MODE; with --gpu-busy on CUDA, each mode's
+    device share of the wall."""
     from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(
-        **variant_options(variant),
         model=config_path,
         load_format="dummy",
         dtype=dtype,
@@ -74,14 +80,105 @@ def run_splitserve(config_path: str, requests, dtype: str, device: str, args, va
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_fraction=args.kv_fraction,
+        **variant_options(variant),
     )
-    llm.generate(prompt_token_ids=[requests[0][0][:16]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=[p for p, _ in requests], sampling_params=params)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.token_ids) for o in outs)
-    return {"seconds": seconds, "output_tokens": produced, "steps": llm.engine.num_steps}
+    prompts = [p for p, _ in requests]
+    if device.startswith("cuda"):  # the whole workload once: every kernel variant it needs compiled and tuned
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    else:
+        llm.generate(prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    first_tokens = None
+    rows = []
+    for mode in [m for _ in range(args.repeats) for m in args.scheduling.split(",")]:
+        row = _timed_pass(llm, prompts, params, mode, device, f"{variant}-{mode}")
+        tokens = row.pop("tokens")
+        first_tokens = first_tokens if first_tokens is not None else tokens
+        row["same_tokens_as_first_row"] = tokens == first_tokens
+        rows.append(row)
+        print(rows[-1], flush=True)
+    if args.gpu_busy and device.startswith("cuda"):
+        _gpu_busy(llm, prompts, params, rows)
+    if args.host_profile:
+        _host_profile(llm, prompts, params, args.scheduling.split(",")[-1])
+    return rows
+
+
+def _timed_pass(llm, prompts, params, mode: str, device: str, name: str) -> dict:
+    """One run of the workload from a cold prefix cache. Modes: sync, async, and async-nogc (the garbage
+    collector off during the run: what its pauses cost)."""
+    import gc
+
+    from bench.gpu_busy import HostSplit
+
+    llm.engine.async_scheduling = mode.startswith("async")
+    llm.engine.pool.reset_prefix_cache()  # an earlier pass's prompts must not be cache hits
+    steps_before = llm.engine.num_steps
+    _sync(device)
+    with HostSplit(llm.engine) as split:
+        if mode.endswith("nogc"):
+            gc.disable()
+        start = time.perf_counter()
+        try:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            _sync(device)
+        finally:
+            gc.enable()
+        seconds = time.perf_counter() - start
+    host = {k: round(v, 3) for k, v in split.seconds.items()}
+    host["rest"] = round(seconds - sum(split.seconds.values()), 3)
+    return {
+        "engine": name,
+        "seconds": seconds,
+        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "steps": llm.engine.num_steps - steps_before,
+        "host_s": host,
+        "tokens": [o.token_ids for o in outs],
+    }
+
+
+def _host_profile(llm, prompts, params, mode: str, top: int = 25) -> None:
+    """cProfile one run in `mode`: where the host's time goes (cumulative, per step)."""
+    import cProfile
+    import pstats
+
+    llm.engine.async_scheduling = mode.startswith("async")
+    llm.engine.pool.reset_prefix_cache()
+    steps_before = llm.engine.num_steps
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    prof.disable()
+    steps = max(llm.engine.num_steps - steps_before, 1)
+    stats = pstats.Stats(prof)
+    print(f"\nhost profile, {mode}: {steps} steps, {1e3 * stats.total_tt / steps:.2f} ms per step under cProfile")
+    for (file, line, name), (_, calls, own, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]:
+        short = "/".join(file.split("/")[-2:])
+        print(
+            f"  {1e3 * cum / steps:8.3f} ms cum {1e3 * own / steps:7.3f} ms own {calls // steps:6d}/step "
+            f"{short}:{line} {name}"
+        )
+
+
+def _gpu_busy(llm, prompts, params, rows: list[dict]) -> None:
+    """Per mode: device activity (profiled run) and step spans (unprofiled run) as shares of its wall."""
+    from bench.gpu_busy import StepSpans, kernel_busy_s
+
+    for mode in dict.fromkeys(r["engine"].split("-", 1)[1] for r in rows):
+        llm.engine.async_scheduling = mode.startswith("async")
+        llm.engine.pool.reset_prefix_cache()
+        kernel_s = kernel_busy_s(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        llm.engine.pool.reset_prefix_cache()
+        with StepSpans(llm.engine.runner) as spans:
+            _sync("cuda")
+            start = time.perf_counter()
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            _sync("cuda")
+            wall = time.perf_counter() - start
+        span_s = spans.total_s()
+        for row in rows:
+            if row["engine"].split("-", 1)[1] == mode:
+                row.update(kernel_busy_s=kernel_s, step_span_s=span_s, span_run_wall_s=wall)
 
 
 def run_hf(config_path: str, requests, dtype: str, device: str, args) -> dict:
@@ -357,6 +454,27 @@ def run_fixed(args) -> list[dict]:
     return rows
 
 
+def _print_table(rows: list[dict]) -> None:
+    """Seconds, useful tok/s and the ratio to the first row; the device's shares of the wall when measured."""
+    print(
+        f"{'engine':<18}{'seconds':>9}{'useful tok/s':>14}{'vs first':>10}{'steps':>7}"
+        f"{'kernel busy':>13}{'step span':>11}"
+    )
+    for r in rows:
+        busy = span = ""
+        if "kernel_busy_s" in r:
+            busy = f"{r['kernel_busy_s']:.2f}s {100 * r['kernel_busy_s'] / r['seconds']:.0f}%"
+            span = f"{100 * r['step_span_s'] / r['span_run_wall_s']:.0f}%"
+        print(
+            f"{r['engine']:<18}{r['seconds']:>9.2f}{r['useful_tok_s']:>14.1f}"
+            f"{r['useful_tok_s'] / rows[0]['useful_tok_s']:>9.2f}x"
+            f"{r.get('steps', ''):>7}{busy:>13}{span:>11}"
+        )
+    for r in rows:
+        if "host_s" in r:
+            print(f"host seconds, {r['engine']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_s"].items()))
+
+
 def _config_dir(config_path: str) -> str:
     """transformers wants a directory with config.json: make one beside the bench config."""
     directory = Path(tempfile.mkdtemp())
@@ -386,6 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="fixed workload, CUDA graphs: decompose a decode step")
     ap.add_argument("--kv-fraction", type=float, default=0.5, help="kv_cache_memory_fraction on CUDA")
+    ap.add_argument(
+        "--scheduling",
+        default="sync,async",
+        help="modes each splitserve engine is timed in, in turn: sync, async, async-nogc (collector off)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="times each --scheduling mode is timed")
+    ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
@@ -403,22 +529,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.engines.split(","):
         if name.startswith("splitserve"):
-            result = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)
+            results = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)
         else:
-            result = ENGINES[name](args.config, requests, args.dtype, args.device, args)
-        result["engine"] = name
-        result["useful_tok_s"] = asked / result["seconds"]
-        rows.append(result)
-        print(f"{name}: {result['seconds']:.1f} s, {result['useful_tok_s']:.1f} useful tok/s", flush=True)
-    base = {r["engine"]: r["useful_tok_s"] for r in rows}
+            results = [ENGINES[name](args.config, requests, args.dtype, args.device, args)]
+        for result in results:
+            result.setdefault("engine", name)
+            result["useful_tok_s"] = asked / result["seconds"]
+            rows.append(result)
+            print(
+                f"{result['engine']}: {result['seconds']:.2f} s, {result['useful_tok_s']:.1f} useful tok/s", flush=True
+            )
     print(
         f"\nworkload={args.workload} requests={len(requests)} asked_tokens={asked} config={Path(args.config).name} "
         f"dtype={args.dtype} device={args.device} threads={args.threads}"
     )
-    print(f"{'engine':<18}{'seconds':>10}{'useful tok/s':>15}{'splitserve / it':>17}")
-    for r in rows:
-        ratio = base.get("splitserve", r["useful_tok_s"]) / r["useful_tok_s"]
-        print(f"{r['engine']:<18}{r['seconds']:>10.1f}{r['useful_tok_s']:>15.1f}{ratio:>16.2f}x")
+    _print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
     return 0
