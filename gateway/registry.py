@@ -1,8 +1,10 @@
 """Instances the gateway routes to: registration by Describe, health, layout compatibility.
 
 Every configured address is asked `Describe` at start and every `health_interval_s`, on a
-channel of its own (health checks never queue behind request traffic). An instance is up while
-Describe answers (a decode also needs its Decode.Generate stream open: the link is opened when
+channel of its own (health checks never queue behind request traffic), and then at the health server
+its Describe advertises (`health_address`: a server that answers only Describe, so the check never
+waits behind the request calls the instance has queued; back to the main address when that one fails).
+An instance is up while Describe answers (a decode also needs its Decode.Generate stream open: the link is opened when
 it first answers and reopened after it broke). A transport failure (connection refused or
 reset) marks it down at once; a slow answer under load does not: only MAX_SLOW_DESCRIBES
 timeouts in a row do (a hung process). The last DescribeResponse is kept (layout, load, role,
@@ -88,6 +90,7 @@ class Instance:
     pool: str
     channel: grpc.aio.Channel
     health_channel: grpc.aio.Channel | None = None  # Describe only; None: `channel`
+    health_address: str = ""  # where health_channel goes when not `address`: the instance's health server
     describe: common_pb2.DescribeResponse | None = None
     reachable: bool = False
     error: str = "not contacted yet"
@@ -138,6 +141,7 @@ class Registry:
         factory = channel_factory or (
             lambda addr, extra: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + tuple(extra))
         )
+        self._factory = factory
         self.instances = [Instance(a, "prefill", factory(a, ()), factory(a, OWN_CONNECTION)) for a in prefill]
         self.instances += [Instance(a, "decode", factory(a, ()), factory(a, OWN_CONNECTION)) for a in decode]
         for inst in self.instances:
@@ -190,6 +194,8 @@ class Registry:
             resp = await stub.Describe(common_pb2.DescribeRequest(), timeout=self._describe_timeout_s)
         except grpc.aio.AioRpcError as exc:
             reason = f"Describe failed: {exc.code().name}: {exc.details()}"
+            if inst.health_address and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._use_health_server(inst, "")  # gone (a restart moves it): ask the main address again
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inst.reachable:
                 inst.num_slow_describes += 1
                 if inst.num_slow_describes < MAX_SLOW_DESCRIBES:
@@ -204,6 +210,8 @@ class Registry:
             self._describe_failed(inst, reason)
             return
         inst.num_slow_describes = 0
+        if resp.health_address != inst.health_address:
+            self._use_health_server(inst, resp.health_address)
         if not inst.reachable:
             log.info("%s instance %s at %s is up (role %s)", inst.pool, resp.instance_id, inst.address, resp.role)
         inst.describe, inst.reachable, inst.error = resp, True, ""
@@ -219,6 +227,16 @@ class Registry:
                 inst.name, inst.channel, on_broken=lambda link, why, i=inst: self._link_broken(i, link, why)
             )
             inst.link.open()
+
+    def _use_health_server(self, inst: Instance, address: str) -> None:
+        """Send the next Describes to `address`, the server the instance advertises for them ("": its
+        main address), on a connection of its own."""
+        old = inst.health_channel
+        inst.health_address = address
+        inst.health_channel = self._factory(address or inst.address, OWN_CONNECTION)
+        if old is not None:
+            task = asyncio.get_running_loop().create_task(old.close())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed close is ignored
 
     def _describe_failed(self, inst: Instance, reason: str) -> None:
         inst.num_describe_failures += 1

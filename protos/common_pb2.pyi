@@ -211,7 +211,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "role", "model_id", "layout", "load", "transports", "kv_endpoint", "start_unix_ns", "max_model_len", "counters", "draining")
+    __slots__ = ("instance_id", "role", "model_id", "layout", "load", "transports", "kv_endpoint", "start_unix_ns", "max_model_len", "counters", "draining", "health_address")
     class KvEndpointEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class DescribeResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     model_id: str
@@ -248,4 +249,5 @@ class DescribeResponse(_message.Message):
     max_model_len: int
     counters: _containers.ScalarMap[str, int]
     draining: bool
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[_Mapping[str, str]] = ..., start_unix_ns: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    health_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., kv_endpoint: _Optional[_Mapping[str, str]] = ..., start_unix_ns: _Optional[int] = ..., max_model_len: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., health_address: _Optional[str] = ...) -> None: ...

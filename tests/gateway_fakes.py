@@ -123,6 +123,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.queued_tokens = 0  # reported as Describe's load.num_queued_tokens
         self.start_ns = time.time_ns()
         self.address = ""
+        self.health_address = ""  # advertised in Describe (the services' Describe-only server)
+        self.describes = 0
 
     async def Prefill(self, request, context):
         self.requests.append(request)
@@ -163,8 +165,11 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.ReleaseKvResponse(released=True)
 
     async def Describe(self, request, context):
+        self.describes += 1
         load = common_pb2.Load(num_free_blocks=1000, num_total_blocks=1000, num_queued_tokens=self.queued_tokens)
-        return fake_describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
+        response = fake_describe(self.name, "prefill", self.layout, self.max_model_len, load, self.start_ns)
+        response.health_address = self.health_address
+        return response
 
 
 @dataclass

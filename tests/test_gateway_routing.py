@@ -11,7 +11,15 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.gateway.registry import Instance, Registry, describe_layout, layout_mismatch
 from splitserve.gateway.router import Router
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.gateway_fakes import LAYOUT, FakeDecode, FakePrefill, Stack, fake_describe, make_tokenizer_dir
+from tests.gateway_fakes import (
+    LAYOUT,
+    FakeDecode,
+    FakePrefill,
+    FakeServer,
+    Stack,
+    fake_describe,
+    make_tokenizer_dir,
+)
 
 LAYOUT_TEXT = (
     "num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, model_id=tiny-fake, layout=block_major_v1"
@@ -213,5 +221,27 @@ def test_a_slow_describe_under_load_does_not_mark_an_instance_down_but_a_dead_on
         stack.loop.run(stack.servers[decode.name].stop())  # gone: connection refused
         stack.wait_for(lambda: not inst.up, timeout_s=5, what="marked down on the transport failure")
         assert inst.error.startswith("Describe failed: UNAVAILABLE") or inst.error.startswith("decode stream broke")
+    finally:
+        stack.stop()
+
+
+def test_health_checks_go_to_the_health_server_an_instance_advertises(tmp_path):
+    """Issue 22.4: a service answers Describe on a server of its own too (never behind its queued request
+    calls) and says where; the gateway asks there, and back at the main address once that one is gone."""
+    prefill, health = FakePrefill(), FakePrefill()  # `health`: the same instance's Describe-only server
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [prefill], [FakeDecode()], {"health_interval_s": 0.1}).start()
+    try:
+        (inst,) = stack.gateway.registry.prefills()
+        health_server = FakeServer(health)
+        stack.loop.run(health_server.start())
+        prefill.health_address = health.health_address = health_server.address
+        stack.wait_for(lambda: health.describes >= 1, what="a Describe at the health server")
+        at_main = prefill.describes
+        stack.wait_for(lambda: health.describes >= 5, what="more Describes at the health server")
+        assert prefill.describes == at_main and inst.up and inst.health_address == health_server.address
+        stack.loop.run(health_server.stop())  # gone (a restart moves it): refused, then the main address again
+        prefill.health_address = ""
+        stack.wait_for(lambda: prefill.describes > at_main and inst.up, timeout_s=5, what="up via the main address")
+        assert inst.health_address == ""
     finally:
         stack.stop()

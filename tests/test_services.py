@@ -296,3 +296,37 @@ def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, 
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_describe_advertises_a_server_that_answers_only_describe_and_health(stack):
+    """Issue 22.4: health checks sent to `health_address` never wait behind the request calls queued at
+    the main address; that server serves nothing else."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.protos import prefill_pb2
+
+    async def main():
+        p = await describe(stack["prefill"])
+        at_health = await describe(p.health_address)
+        d = await describe(stack["decode"], decode_pb2_grpc.DecodeStub)
+        d_at_health = await describe(d.health_address, decode_pb2_grpc.DecodeStub)
+        async with grpc.aio.insecure_channel(p.health_address) as channel:
+            served = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="splitserve.v1.Prefill"), timeout=10
+            )
+            try:
+                await prefill_stub(p.health_address).ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(lease_id="x", epoch=1), timeout=10
+                )
+                refused = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code()
+        return p, at_health, d, d_at_health, served.status, refused
+
+    p, at_health, d, d_at_health, served, refused = run(main())
+    assert p.health_address.startswith("127.0.0.1:") and p.health_address != stack["prefill"]
+    assert at_health.instance_id == p.instance_id and d_at_health.instance_id == d.instance_id
+    assert d.health_address not in (p.health_address, stack["decode"])
+    assert served == health_pb2.HealthCheckResponse.SERVING
+    assert refused == grpc.StatusCode.UNIMPLEMENTED

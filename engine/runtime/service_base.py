@@ -35,6 +35,7 @@ class ServiceBase:
         self.inflight = 0
         self.starting = True  # listening, preparing peers (before_serving): only ConfirmPair is answered
         self.draining = False
+        self.health_address = ""  # the Describe-only server's, once it listens
         self.internal_auth = InternalAuth.from_config(service_config)  # mTLS and/or the shared secret
         kv_options = {
             "transport": service_config.kv_transport,
@@ -123,6 +124,18 @@ class ServiceBase:
             max_model_len=self.client.info.max_model_len,
             counters=counters,
             draining=self.draining,
+            health_address=self.health_address,
+        )
+
+    def _add_describe(self, server) -> None:
+        """The health server's one method: this service's Describe."""
+        method = grpc.unary_unary_rpc_method_handler(
+            self.Describe,
+            request_deserializer=common_pb2.DescribeRequest.FromString,
+            response_serializer=common_pb2.DescribeResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(self.service_names[0], {"Describe": method}),)
         )
 
     async def serve(self, add_servicers) -> int:
@@ -138,13 +151,24 @@ class ServiceBase:
         server, health, port = build_server(
             self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
         )
+        # gRPC hands a server's calls to it in arrival order: behind a burst of queued requests a Describe
+        # waited long enough (25 s on a loaded machine) for the gateway to mark a busy instance down. A
+        # second server answers only Describe and health; Describe advertises it.
+        health_server, health_health, health_port = build_server(
+            self.config.host, self.config.health_port, self._add_describe, self.service_names, self.internal_auth
+        )
+        self.health_address = f"{self.config.peer_host}:{health_port}"
+        healths = (health, health_health)
         # Listen before preparing peers: a prefill with --decode-peers asks this decode to confirm the
         # pairing it starts there. Until ready, health says NOT_SERVING and Describe and requests are refused.
-        set_serving(health, self.service_names, False)
+        for h in healths:
+            set_serving(h, self.service_names, False)
         await server.start()
+        await health_server.start()
         await self.before_serving()
         self.starting = False
-        set_serving(health, self.service_names, True)
+        for h in healths:
+            set_serving(h, self.service_names, True)
         await self.on_started()
         log.info(
             "%s serving on %s:%d (model=%s, blocks=%d, transport=%s)",
@@ -159,19 +183,22 @@ class ServiceBase:
 
         def begin_drain():
             self.draining = True
-            set_serving(health, self.service_names, False)
+            for h in healths:
+                set_serving(h, self.service_names, False)
 
         self._stop = install_drain(asyncio.get_running_loop(), begin_drain)
         if self.client.dead:  # died before the signal handlers were in place
             self._stop.set()
         await self._stop.wait()
         self.draining = True
-        set_serving(health, self.service_names, False)
+        for h in healths:
+            set_serving(h, self.service_names, False)
         deadline = time.monotonic() + self.config.drain_grace_s
         while self.inflight > 0 and not self.client.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.on_stopping()
         await server.stop(1.0)
+        await health_server.stop(0)
         self.client.shutdown()
         log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
         return self.exit_code

@@ -24,6 +24,13 @@ class ServiceConfig:
         "", "address peers use to reach this instance (KV handles, NCCL rendezvous); empty = --host"
     )
     metrics_port: int = option(0, "HTTP port for /metrics; 0 = off", min=0, max=65535)
+    health_port: int = option(
+        0,
+        "gRPC port of a second server answering only Describe and health (advertised in Describe, so the "
+        "gateway's health checks never wait behind queued requests); 0 = any free port",
+        min=0,
+        max=65535,
+    )
     instance_name: str = option("", "instance name; empty = <role>-<port>")
     kv_transport: str = option(
         "shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS
