@@ -19,7 +19,7 @@
 #                                stepped from its conditions to the services' (kv_copy_variants
 #                                --nccl-set service), then the nccl hand-off under two NCCL settings
 #   bash bench/gpu_checks.sh 5   the same probe and the services with NCCL_DEBUG=INFO (what NCCL chose)
-#   bash bench/gpu_checks.sh 6   after the NCCL wait fix: GPU tests of KvIo (the NCCL receive and its
+#   bash bench/gpu_checks.sh 6   after the NCCL wait fix: GPU tests of the KV connectors (the NCCL receive and its
 #                                timeout), the hand-off sequential, both transports, plain and keepalive:2,
 #                                and overlapped, nccl, plain and keepalive:2
 #   bash bench/gpu_checks.sh 7   one GPU, the new layout and `up`: GPU tests of the engine, the KV I/O and the
@@ -51,7 +51,7 @@ handoff() {  # $1 = seconds allowed, $2 = json name, the rest = flags
 
 case $stage in
 8)
-    timeout 500 python3 -m bench.pull_stall --transport cuda_ipc --device cuda:0 --dtype bfloat16 \
+    timeout 500 python3 -m bench.pull_stall --transports cuda_ipc --device cuda:0 --dtype bfloat16 \
         --config bench/configs/qwen3-0.6b.json --vocab 150000 --rates 0,2,8 --num-running 32 \
         --running-tokens 6000 --prompt-len 2048 --duration-s 5 --num-kv-blocks 24576 --json "$OUT/pull_stall.json"
     ;;
@@ -108,7 +108,7 @@ case $stage in
     grep -h "kv timing" /tmp/disagg-logs/*.log | sed 's/^.*kv timing/kv timing/' | head -20
     ;;
 6)
-    echo "== GPU tests of KvIo"
+    echo "== GPU tests of the KV connectors"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_io.py 2>&1 | tail -15
     echo "== hand-off, sequential pacing, plain and keepalive:2"
     handoff 240 handoff_sequential --transports nccl,cuda_ipc --variants plain,keepalive:2

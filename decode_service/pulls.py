@@ -1,4 +1,5 @@
-"""The decode side's control of KV pulls: one PendingPull per importing request.
+"""The decode side's control of KV pulls: one PendingPull per request waiting for its KV (the lease part of the
+connector's scheduler side; reaching the prefills per transport: decode_service/peers.py).
 
     start(req) ─▶ core: ImportKv ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶ ImportDone
                ─▶ Prefill.ReleaseKv ─▶ released: CommitImport(ok)
@@ -12,18 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
-import torch
 
 from splitserve.common.wire import layout_from_proto, logprobs_from_proto
+from splitserve.decode_service.peers import PEER_LINKS
 from splitserve.engine import core_messages as m
 from splitserve.engine.core_process import EngineClient
-from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.engine.kv_transfer.collective import transfer_tag
 from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.grpc_server import InternalAuth, internal_channel
@@ -75,10 +75,9 @@ class PullCoordinator:
         self.hooks = hooks
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
-        self._pairs: dict[str, asyncio.Task] = {}
-        self.pairing: dict[str, tuple[str, int]] = {}  # prefill instance -> the store of a PairKv in flight
-        self._endpoints: dict[str, dict[str, str]] = {}  # prefill address -> its pool endpoint, from its Describe
         self._tasks: set[asyncio.Task] = set()
+        # how this decode reaches its prefills: chosen once, by transport (the stub looked up at each call)
+        self.link = PEER_LINKS[config.kv_transport](client, config, instance, counters, lambda a: self.stub(a))
 
     @property
     def recompute(self) -> bool:
@@ -103,14 +102,7 @@ class PullCoordinator:
 
     async def _start(self, req, params) -> None:
         handle = req.kv
-        if handle.transport == "nccl":
-            try:
-                await self.ensure_pair(handle.prefill_instance, handle.prefill_address)
-            except Exception as exc:  # the core's pull then fails and the policy applies
-                log.warning("request_id=%s pairing with %s failed: %s", req.request_id, handle.prefill_instance, exc)
-        endpoint = dict(handle.endpoint)
-        if handle.transport in ("shm", "cuda_ipc"):  # pools are mapped: only from what the prefill says itself
-            endpoint = await self._pool_endpoint(req.request_id, handle)
+        endpoint = await self.link.endpoint_for(req.request_id, handle)  # nccl: paired first
         if req.request_id not in self.pending:
             return  # cancelled while pairing or asking: its lease is released, the core never hears of it
         spec = m.PullSpec(
@@ -138,31 +130,6 @@ class PullCoordinator:
                 list(req.fork_ids),
             )
         )
-
-    async def _pool_endpoint(self, request_id: str, handle) -> dict[str, str]:
-        """The pool endpoint the prefill at the handle's address reports in Describe (kept; asked again when
-        a handle names another pool, as after a restart). A handle's own copy is never mapped: mapping
-        hands its fields to the shared-memory and CUDA drivers. {"error": ...} when the prefill cannot say."""
-        from splitserve.protos import common_pb2
-
-        address, claimed = handle.prefill_address, dict(handle.endpoint)
-        known = self._endpoints.get(address)
-        if known == claimed:
-            return known
-        try:
-            info = await self.stub(address).Describe(
-                common_pb2.DescribeRequest(), timeout=self.config.kv_transfer_timeout_s
-            )
-        except Exception as exc:
-            return {"error": f"cannot ask {address} for its KV pool: {exc}"}
-        known = self._endpoints[address] = dict(info.kv_endpoint)
-        if known != claimed:
-            log.warning(
-                "request_id=%s: the KV handle names a pool %s does not report; using the one it reports",
-                request_id,
-                handle.prefill_instance,
-            )
-        return known
 
     def cancel(self, request_id: str) -> None:
         pull = self.pending.pop(request_id, None)
@@ -254,8 +221,7 @@ class PullCoordinator:
                 self.counters.count("kv_pull_recomputes")
             return
         # the pull itself failed: recompute locally or fail, by policy
-        if pull.handle.transport == "nccl":
-            self._pairs.pop(pull.handle.prefill_instance, None)  # rebuilt on the next pull
+        self.link.pull_failed(pull.handle)
         self.counters.count("kv_pull_failures")
         log.warning("request_id=%s %s (policy %s)", done.request_id, reason, self.config.kv_load_failure_policy)
         self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
@@ -264,13 +230,13 @@ class PullCoordinator:
         else:
             self.hooks.fail_request(done.request_id, reason)
 
-    # -- nccl pairs ------------------------------------------------------------------------
+    # -- peers ---------------------------------------------------------------------------
     async def prepare_peers(self, addresses: list[str]) -> None:
-        """At start, for each configured prefill (retrying until it answers Describe): pair with it
-        (nccl) or map its KV pool (shm, cuda_ipc), so that its first request pays for neither."""
+        """At start, for each configured prefill (retrying until it answers Describe): make it ready for its
+        first pull (decode_service/peers.py: map its pool, or pair with it), so that its first request waits for
+        neither."""
         from splitserve.protos import common_pb2
 
-        transport = self.config.kv_transport
         for address in addresses:
             for attempt in range(600):
                 try:
@@ -282,67 +248,7 @@ class PullCoordinator:
                     continue
                 name = info.instance_id.split("@")[0]
                 try:
-                    if transport == "nccl":
-                        await self.ensure_pair(name, address, patient=True)
-                    elif transport in info.transports and info.kv_endpoint:
-                        self._endpoints[address] = dict(info.kv_endpoint)
-                        await self.client.call(
-                            lambda cid: m.MapPeer(
-                                cid, name, transport, dict(info.kv_endpoint), layout_from_proto(info.layout)
-                            ),
-                            timeout_s=60.0,
-                        )
-                        self.counters.count("peers_mapped")
-                        log.info("mapped %s's KV pool (%s)", name, transport)
+                    await self.link.prepare_peer(name, address, info)
                 except Exception as exc:  # its requests will pair or map on their way (or fail by policy)
                     log.warning("preparing prefill %s (%s) failed: %s", name, address, exc)
                 break
-
-    async def ensure_pair(self, prefill_instance: str, prefill_address: str, patient: bool = False) -> None:
-        """Pair with a prefill (once). `patient` (start-up) waits up to 30 s for a peer that is still coming
-        up; on a request's path the wait is one transfer timeout, then the failure policy applies."""
-        task = self._pairs.get(prefill_instance)
-        if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.create_task(self._pair(prefill_instance, prefill_address, patient))
-            self._pairs[prefill_instance] = task
-        await task
-
-    async def _peer_gpu(self, prefill_address: str) -> str:
-        """The GPU UUID a prefill reports in its own Describe ("" when it says none or cannot answer)."""
-        from splitserve.protos import common_pb2
-
-        try:
-            info = await self.stub(prefill_address).Describe(common_pb2.DescribeRequest(), timeout=2.0)
-        except Exception:
-            return ""
-        return info.kv_endpoint.get("gpu_uuid", "")
-
-    async def _pair(self, prefill_instance: str, prefill_address: str, patient: bool) -> None:
-        host = self.config.peer_host  # the prefill dials the store here
-        with socket.socket() as s:
-            s.bind((self.config.host, 0))
-            port = s.getsockname()[1]
-        backend = "nccl" if torch.cuda.is_available() and self.client.info.device.startswith("cuda") else "gloo"
-        pair = pair_name(prefill_instance, self.instance)
-        keepalive = backend == "nccl" and self.config.kv_link_keepalive_ms > 0  # a GPU decode's own link
-        peer_gpu = await self._peer_gpu(prefill_address) if keepalive else ""
-        mine = asyncio.create_task(
-            self.client.call(
-                lambda cid: m.Pair(cid, pair, 0, host, port, backend, peer_gpu_uuid=peer_gpu), timeout_s=60.0
-            )
-        )
-        await asyncio.sleep(0.05)  # let the store come up before the peer connects
-        self.pairing[prefill_instance] = (host, port)  # what ConfirmPair answers the prefill meanwhile
-        try:
-            await self.stub(prefill_address).PairKv(
-                prefill_pb2.PairKvRequest(
-                    decode_instance=self.instance, store_host=host, store_port=port, backend=backend
-                ),
-                timeout=30.0 if patient else self.config.kv_transfer_timeout_s,
-                wait_for_ready=True,
-            )
-        finally:
-            self.pairing.pop(prefill_instance, None)
-        await mine
-        self.counters.count("pairs_created")
-        log.info("paired with %s over %s", prefill_instance, backend)

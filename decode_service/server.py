@@ -159,7 +159,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
     async def ConfirmPair(self, request, context):
         """A prefill with --decode-peers checks a PairKv with us: confirmed only when we are the instance it
         names and our own pairing with that prefill, through that store, is in flight now."""
-        store = self.pulls.pairing.get(request.prefill_instance)
+        store = self.pulls.link.pairing_store(request.prefill_instance)
         confirmed = request.decode_instance == self.name and store == (request.store_host, request.store_port)
         if not confirmed:
             log.warning(

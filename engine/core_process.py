@@ -4,8 +4,9 @@
     ───────────────────────────────            ──────────────────────────────
     EngineClient.send(msg) ─ batched ─pipe──▶  drain commands → poll transfers → step() → StepBatch
     per-request queues  ◀──── StepBatch ─────  (one message per step, all requests)
-                                               KV pulls and sends run on worker threads
-                                               (engine/kv_transfer/transfers.py), never in the loop
+                                               KV pulls and sends: the transport's connector
+                                               (engine/kv_transfer/connector.py) runs them on worker
+                                               threads; engine/kv_transfer/scheduling.py, never in the loop
 
 The loop never waits on gRPC or on a transfer: it blocks on the pipe only when it has nothing to step
 (briefly, while transfers are in flight, so it reports one soon after it ends).
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from splitserve.engine import core_messages as m
-from splitserve.engine.kv_transfer.transfers import KvTransfers
+from splitserve.engine.kv_transfer.scheduling import KvScheduler
 
 log = logging.getLogger("splitserve.core")
 
@@ -37,16 +38,15 @@ TRANSFER_POLL_S = 0.001  # idle with transfers in flight: how often the loop loo
 class CoreLoop:
     """Runs inside the core process: applies commands, steps the engine, reports."""
 
-    def __init__(self, engine, conn, kv_io) -> None:
+    def __init__(self, engine, conn, connector) -> None:
         self.engine = engine
         self.conn = conn
-        self.kv_io = kv_io  # engine.kv_transfer.io.KvIo: pairs and maps here; pulls and sends on workers
-        self.pending_imports: list[m.ImportKv] = []
+        self.connector = connector  # the transport's KvConnector: pairs and maps here; pulls and sends on workers
         # requests with a structured output spec, held back while a worker thread compiles their grammar
         self.compiling: list[tuple[m.AddRequest | m.ImportKv, Future]] = []
         self.outbox: list = []
         self._send_lock = threading.Lock()  # the pipe: this thread's flushes and a receive's NeedSend
-        self.transfers = KvTransfers(engine, kv_io, self._emit, self.send_now)
+        self.kv = KvScheduler(engine, connector, self._emit, self.send_now)
         self.background_replies: queue.SimpleQueue = queue.SimpleQueue()  # from pairing threads
         self.num_background = 0
         self.running = True
@@ -56,7 +56,7 @@ class CoreLoop:
             while self.running and self._turn():
                 pass
         finally:
-            self.transfers.close()  # queued transfers are dropped; running ones get a moment to end
+            self.connector.close()  # queued transfers are dropped; running ones get a moment to end
 
     def _turn(self) -> bool:
         """One loop turn; False when the service process is gone."""
@@ -72,9 +72,9 @@ class CoreLoop:
         while not self.background_replies.empty():
             self.outbox.append(self.background_replies.get())
             self.num_background -= 1
-        self.transfers.poll()  # ended pulls (ImportDone) and sends (Reply); their blocks unpinned
+        self.kv.poll()  # ended pulls (ImportDone) and sends (Reply); their blocks unpinned
         self._admit_compiled()
-        self._retry_imports()
+        self.kv.retry_imports()
         self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
         if self.engine.has_unfinished():
             self._step()
@@ -87,7 +87,7 @@ class CoreLoop:
         get it from one: a commit, an abort, a release)."""
         if self.engine.has_unfinished():
             return 0
-        if self.transfers.num_in_flight or self.compiling:
+        if self.kv.num_in_flight or self.compiling:
             return TRANSFER_POLL_S
         return 0.01 if self.num_background else 0.5
 
@@ -159,19 +159,11 @@ class CoreLoop:
         from splitserve.engine.engine_core import RequestOutput
 
         ids = set(msg.request_ids)
-        dropped = [p for p in self.pending_imports if p.request_id in ids]
-        self.pending_imports = [p for p in self.pending_imports if p.request_id not in ids]
-        for pull in dropped:  # its forks outlive it (engine/forks.py): each computes the prompt itself
-            for i, fork_id in enumerate(pull.fork_ids, start=1):
-                if fork_id not in ids:
-                    self.engine.add_request(
-                        fork_id, pull.prompt_token_ids, pull.params, priority=pull.priority, seed=pull.seed + i
-                    )
         compiling = [c for c, _ in self.compiling if c.request_id in ids]
         self.compiling = [(c, f) for c, f in self.compiling if c.request_id not in ids]
-        self.transfers.forget(msg.request_ids)  # a pull in flight runs to its end, its blocks pinned till then
-        # a dropped pending import never reached the engine: it (and its aborted forks) ends here all the same
-        gone = {p.request_id for p in dropped} | {f for p in dropped for f in p.fork_ids if f in ids}
+        # a pull in flight runs to its end, its blocks pinned till then; an import still waiting for room never
+        # reached the engine: it (and its aborted forks) ends here all the same
+        gone = self.kv.abort(msg.request_ids)
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
             for rid in msg.request_ids
@@ -185,59 +177,13 @@ class CoreLoop:
         self.outbox.append(m.StepBatch([], stats=self.engine.stats()))
 
     def on_import(self, msg: m.ImportKv) -> None:
-        try:
-            started = self.engine.begin_import(
-                msg.request_id,
-                msg.prompt_token_ids,
-                msg.params,
-                msg.seed,
-                msg.first_token_id,
-                msg.first_logprobs,
-                msg.priority,
-                msg.fork_ids,
-            )
-        except ValueError as exc:  # a bad request, not a failed pull: it ends here
-            from splitserve.engine.engine_core import RequestOutput
-
-            outs = [
-                RequestOutput(rid, [], finished=True, finish_reason="error", error=str(exc))
-                for rid in (msg.request_id, *msg.fork_ids)
-            ]
-            self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
-            return
-        if started is None:
-            self.pending_imports.append(msg)  # no room now; retried every loop turn
-            return
-        self.transfers.start_load(msg, *started)  # the request waits in IMPORTING; the loop steps on
-
-    def _retry_imports(self) -> None:
-        pending, self.pending_imports = self.pending_imports, []
-        for msg in pending:
-            self.on_import(msg)
+        self.kv.add_import(msg)  # blocks now (or when there is room), the pull on a worker; the loop steps on
 
     def on_commit(self, msg: m.CommitImport) -> None:
-        from splitserve.engine.engine_core import RequestOutput
-
-        if msg.request_id not in self.engine.importing:
-            return  # aborted meanwhile
-        if msg.ok:
-            done = self.engine.finish_import(msg.request_id)
-            if done is not None:
-                self.outbox.append(m.StepBatch([done], stats=self.engine.stats()))
-            return
-        self.engine.fail_import(msg.request_id, recompute=msg.recompute)
-        if not msg.recompute:
-            out = RequestOutput(
-                msg.request_id,
-                [],
-                finished=True,
-                finish_reason="error",
-                error="KV lease was no longer valid after the copy",
-            )
-            self.outbox.append(m.StepBatch([out], stats=self.engine.stats()))
+        self.kv.commit(msg)
 
     def on_send(self, msg: m.SendBlocks) -> None:
-        self.transfers.start_send(msg)  # its Reply comes from a later loop turn, when the send has ended
+        self.kv.start_send(msg)  # its Reply comes from a later loop turn, when the send has ended
 
     def on_pair(self, msg: m.Pair) -> None:
         """Join a communicator on a thread: the rendezvous waits for the peer, the step loop must not."""
@@ -245,7 +191,7 @@ class CoreLoop:
 
         def join() -> None:
             try:
-                self.kv_io.pair(
+                self.connector.pair(
                     msg.pair,
                     msg.rank,
                     msg.store_host,
@@ -254,7 +200,7 @@ class CoreLoop:
                     device,
                     local_host=msg.local_host or msg.store_host,
                 )
-                self.kv_io.keep_peer_awake(msg.peer_gpu_uuid)
+                self.connector.keep_peer_awake(msg.peer_gpu_uuid)
                 self.background_replies.put(m.Reply(msg.call_id, True))
             except Exception as exc:
                 self.background_replies.put(m.Reply(msg.call_id, error=f"pairing {msg.pair} failed: {exc}"))
@@ -266,7 +212,7 @@ class CoreLoop:
         try:
             if msg.layout != self.engine.layout:
                 raise ValueError(self.engine.layout.mismatch(msg.layout))
-            pool = self.kv_io.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
+            pool = self.connector.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
             import torch
 
             # one element copied now sets up the path a pull takes (peer access between the devices)
@@ -318,15 +264,15 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if process_init is not None:
         process_init()
-    kv_io = None
+    connector = None
     try:
         from splitserve.engine.engine_core import EngineCore
-        from splitserve.engine.kv_transfer.io import KvIo
+        from splitserve.engine.kv_transfer.registry import make_connector
 
-        kv_io = KvIo(kv_options)
-        engine = EngineCore(config, kv_cache_factory=kv_io.kv_cache_factory)
-        conn.send([m.Ready(engine.info, engine.layout, kv_io.endpoint)])
-        CoreLoop(engine, conn, kv_io).run()
+        connector = make_connector(kv_options)  # the transport, chosen once
+        engine = EngineCore(config, kv_cache_factory=connector.kv_cache_factory)
+        conn.send([m.Ready(engine.info, engine.layout, connector.endpoint)])
+        CoreLoop(engine, conn, connector).run()
     except Exception:
         try:
             conn.send([m.Fatal(traceback.format_exc())])
@@ -334,8 +280,8 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
             pass
         raise
     finally:
-        if kv_io is not None:
-            kv_io.close()
+        if connector is not None:
+            connector.close()
 
 
 class EngineClient:

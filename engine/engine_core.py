@@ -203,7 +203,7 @@ class EngineCore:
         if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":
             self.runner.capture_graphs(config.max_num_seqs, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
-        self.importing: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
+        self.waiting_for_kv: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)
         lagged = config.async_scheduling
         self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
@@ -255,7 +255,7 @@ class EngineCore:
         if (
             request_id in self.scheduler.requests
             or request_id in self.held
-            or request_id in self.importing
+            or request_id in self.waiting_for_kv
             or self.forks.waiting(request_id)
         ):
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -332,13 +332,13 @@ class EngineCore:
         ]
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request anywhere (queued, running, held or importing); frees its blocks."""
+        """Stop a request anywhere (queued, running, held or waiting for its KV); frees its blocks."""
         self.forks.release(request_id)  # children not forked yet compute their prompts themselves
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             return True
-        held = self.held.pop(request_id, None) or self.importing.pop(request_id, None)
+        held = self.held.pop(request_id, None) or self.waiting_for_kv.pop(request_id, None)
         if held is not None:
             self.kv.free(request_id)
             held.status = RequestStatus.FINISHED_ABORTED
@@ -461,15 +461,15 @@ class EngineCore:
         except ValueError as exc:
             self.kv.free(request_id)
             raise RequestError(f"first_token_id {first_token_id}: {exc}") from None
-        request.status = RequestStatus.IMPORTING
-        self.importing[request_id] = request
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request_id] = request
         self.forks.expect(request, children)
         return self.kv.blocks_of(request_id), len(cached)
 
     def finish_import(self, request_id: str) -> RequestOutput | None:
         """The prompt KV is in place: join the running batch (or finish at once if the
         first token already ended the request)."""
-        request = self.importing.pop(request_id)
+        request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request, request.num_prompt_tokens)
         self.forks.fork(request)  # before the parent may end below and free its blocks
@@ -490,7 +490,7 @@ class EngineCore:
 
     def fail_import(self, request_id: str, recompute: bool) -> None:
         """The pull failed: recompute the prompt locally, or drop the request."""
-        request = self.importing.pop(request_id)
+        request = self.waiting_for_kv.pop(request_id)
         self.kv.free(request_id)
         if recompute:
             request.num_computed_tokens = 0
@@ -527,7 +527,7 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_held": len(self.held),
-            "num_importing": len(self.importing),
+            "num_waiting_for_kv": len(self.waiting_for_kv),
             "num_free_blocks": self.pool.num_free_blocks,
             "num_total_blocks": self.pool.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -12,7 +12,7 @@ from splitserve.engine.structured_output import RequestGrammar
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted and waiting to recompute)
-    IMPORTING = "importing"  # decode role: blocks allocated, KV being pulled
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks allocated, KV being pulled (vLLM: WAITING_FOR_REMOTE_KVS)
     RUNNING = "running"
     PREFILLED = "prefilled"  # prefill role: first token sampled, blocks held for a pull
     FINISHED_STOPPED = "stop"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from splitserve.common.config_fields import internal_token_option, option
 from splitserve.common.sampling_params import MAX_STOP_STRINGS
 
-# engine.kv_transfer.io.TRANSPORTS, repeated here so the gateway never imports torch
+# engine.kv_transfer.registry.TRANSPORTS, repeated here so the gateway never imports torch
 # (tests/test_gateway_up.py checks that the two agree).
 KV_TRANSPORTS = ("shm", "cuda_ipc", "nccl")
 

@@ -18,7 +18,7 @@ import grpc
 
 from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine import core_messages as m
-from splitserve.engine.kv_transfer.io import pair_name, transfer_tag
+from splitserve.engine.kv_transfer.collective import pair_name, transfer_tag
 from splitserve.engine.structured_output import check_spec
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.prefill_service.pair_check import DecodePeers, PairRefused

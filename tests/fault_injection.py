@@ -1,14 +1,15 @@
 """Faults the tests inject into service processes by wrapping the transport and the pull control.
 
-`install("name=N,...")` replaces methods with wrappers that misbehave N times (or with N as a
-parameter), then behave as the original. Loaded through tests/faults/sitecustomize.py in the
+`install("name=N,...")` registers, for every transport, a connector wrapping the real one (KV faults) or
+replaces a method with a wrapper (the rest), misbehaving N times (or with N as a parameter), then behaving as
+the original. Loaded through tests/faults/sitecustomize.py in the
 processes a test starts with `faults=`; production code has no branch for any of them.
 
 | fault | process | wraps | does |
 |---|---|---|---|
-| pull_delay_ms=N | decode core | `KvIo.pull` | sleeps N ms before every pull |
-| pull_drop=N | decode core | `KvIo.pull` | the first N pulls raise |
-| send_kill_after_blocks=N | prefill core | `KvIo.send` | kills the process group once a send would pass N blocks |
+| pull_delay_ms=N | decode core | `KvConnector.pull` | sleeps N ms before every pull |
+| pull_drop=N | decode core | `KvConnector.pull` | the first N pulls raise |
+| send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
 | corrupt_epoch=N | decode service | `PullCoordinator._release` | the first N releases name a wrong lease epoch |
 """
 
@@ -38,11 +39,14 @@ def parse(spec: str) -> dict[str, int]:
 def install(spec: str) -> None:
     faults = parse(spec)
     if {"pull_delay_ms", "pull_drop", "send_kill_after_blocks"} & faults.keys():
-        from splitserve.engine.kv_transfer.io import KvIo
+        from splitserve.engine.kv_transfer import registry
 
-        _wrap_pull(KvIo, faults.get("pull_delay_ms", 0), faults.get("pull_drop", 0))
-        if faults.get("send_kill_after_blocks"):
-            _wrap_send(KvIo, faults["send_kill_after_blocks"])
+        for transport, connector in list(registry.CONNECTORS.items()):
+            faulty = type(f"Faulty{connector.__name__}", (connector,), {})  # what make_connector now builds
+            _wrap_pull(faulty, faults.get("pull_delay_ms", 0), faults.get("pull_drop", 0))
+            if faults.get("send_kill_after_blocks"):
+                _wrap_send(faulty, faults["send_kill_after_blocks"])
+            registry.CONNECTORS[transport] = faulty
     if faults.get("corrupt_epoch"):
         from splitserve.decode_service.pulls import PullCoordinator
 

@@ -1,8 +1,8 @@
 """CoreLoop: what it sends, and when; a KV pull or send runs on a worker while the loop steps on.
 
 The first tests drive the loop with a fake engine; the rest run it on a thread around a real decode engine (tiny
-model), with a real KvIo whose pulls wait on an Event (shm on CPU, float64; the cuda_ipc copy on a GPU), and
-compare tokens with an in-process engine."""
+model), with the transport's real connector wrapped so that its pulls wait on an Event (shm on CPU, float64; the
+cuda_ipc copy on a GPU), and compare tokens with an in-process engine."""
 
 import multiprocessing
 import os
@@ -18,7 +18,9 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import LLM
 from splitserve.engine import core_messages as m
 from splitserve.engine.core_process import TRANSFER_POLL_S, CoreLoop
-from splitserve.engine.kv_transfer.io import KvIo, Moved
+from splitserve.engine.kv_transfer.connector import KvConnector, Moved
+from splitserve.engine.kv_transfer.mapped import ShmConnector
+from splitserve.engine.kv_transfer.registry import CONNECTORS, make_connector
 from tests.model_factory import make_tiny_model_dir
 from tests.service_harness import wait_until
 from tests.test_engine_exact import make_prompts
@@ -65,9 +67,9 @@ class Pipe:
 class Driver:
     """The service's side of a CoreLoop running on a thread: sends commands, files what comes back."""
 
-    def __init__(self, engine, kv_io, pipe: Pipe | None = None) -> None:
+    def __init__(self, engine, connector, pipe: Pipe | None = None) -> None:
         self.pipe = pipe or Pipe()
-        self.loop = CoreLoop(engine, self.pipe, kv_io)
+        self.loop = CoreLoop(engine, self.pipe, connector)
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, object] = {}  # request_id -> its last RequestOutput
         self.done: dict[str, list[m.ImportDone]] = defaultdict(list)
@@ -136,6 +138,7 @@ class Engine:
     layout = "layout-a"
     config = SimpleNamespace(block_size=16)
     runner = SimpleNamespace(kv_cache="kv-cache")
+    num_free_blocks = 30  # pins are only noted: never changes
 
     def __init__(self, pipe: Pipe, room_after_steps: int = 0, has_work: bool = True) -> None:
         self.pipe, self.room_after_steps, self.has_work = pipe, room_after_steps, has_work
@@ -167,12 +170,11 @@ class Engine:
         return {"steps": self.steps}
 
 
-class FakeKvIo:
-    """A pull that waits on `gate.gate`, then moves 2048 bytes."""
-
-    timeout_s = 5.0
+class FakeConnector(ShmConnector):
+    """The shm connector, with a pull that waits on `gate.gate`, then moves 2048 bytes."""
 
     def __init__(self, gate: Gate) -> None:
+        super().__init__({"timeout_s": 5.0, "role": "decode"})
         self.gate = gate
 
     def prepare_pull(self, spec):
@@ -190,7 +192,7 @@ def import_msg(rid: str = "r1") -> m.ImportKv:
 def fake_driver(gate: Gate, **engine_args) -> tuple[Driver, Engine]:
     pipe = Pipe()
     engine = Engine(pipe, **engine_args)
-    return Driver(engine, FakeKvIo(gate), pipe), engine
+    return Driver(engine, FakeConnector(gate), pipe), engine
 
 
 def test_the_loop_steps_while_a_pull_waits_and_reports_it_before_the_next_step():
@@ -265,30 +267,24 @@ def model(tmp_path_factory, device):
     return path, prompts, [o.token_ids for o in outs]
 
 
-def engine_core(model, device: str, role: str, kv_cache_factory=None):
+def engine_core(model, device: str, role: str, kv_cache_factory=None, **overrides):
     from splitserve.common.config import EngineConfig
     from splitserve.engine.engine_core import EngineCore
 
-    return EngineCore(
-        EngineConfig(model=str(model[0]), role=role, **ENGINES[device]), kv_cache_factory=kv_cache_factory
-    )
+    config = EngineConfig(model=str(model[0]), role=role, **(ENGINES[device] | overrides))
+    return EngineCore(config, kv_cache_factory=kv_cache_factory)
 
 
 @pytest.fixture(scope="module")
 def prefill(model, device):
     """A prefill engine; on CPU its pool is a shared-memory segment (what a decode's shm pull copies from)."""
-    io = KvIo({"transport": TRANSPORTS[device], "instance": f"p-loop-{os.getpid()}", "role": "prefill"})
+    io = make_connector({"transport": TRANSPORTS[device], "instance": f"p-loop-{os.getpid()}", "role": "prefill"})
     yield engine_core(model, device, "prefill", io.kv_cache_factory), io
     io.close()
 
 
-class GatedKvIo(KvIo):
-    """A real KvIo whose pulls pass `gate` first, and raise `fail` (when set) instead of copying. On CUDA the
-    prefill's pool is in this process, so it stands for the mapping (CUDA IPC cannot map a process's own)."""
-
-    def __init__(self, transport: str, gate: Gate, fail: Exception | None, prefill_pool) -> None:
-        super().__init__({"transport": transport, "instance": "d-loop", "role": "decode", "timeout_s": 5})
-        self.gate, self.fail, self.prefill_pool = gate, fail, prefill_pool
+class GatedPulls:
+    """Mixed in before a connector class (gated_connector, below)."""
 
     def prepare_pull(self, spec):
         return self.prefill_pool if spec.transport == "cuda_ipc" else super().prepare_pull(spec)
@@ -302,16 +298,27 @@ class GatedKvIo(KvIo):
         return super().pull(spec, indices, dst_blocks, target)
 
 
+def gated_connector(transport: str, gate: Gate, fail: Exception | None, prefill_pool) -> KvConnector:
+    """The transport's real connector, wrapped as a test wraps one (a subclass): its pulls pass `gate` first,
+    and raise `fail` (when set) instead of copying. On CUDA the prefill's pool is in this process, so it stands
+    for the mapping (CUDA IPC cannot map a process's own)."""
+    gated = type(f"Gated{CONNECTORS[transport].__name__}", (GatedPulls, CONNECTORS[transport]), {})
+    connector = gated({"transport": transport, "instance": "d-loop", "role": "decode", "timeout_s": 5})
+    connector.gate, connector.fail, connector.prefill_pool = gate, fail, prefill_pool
+    return connector
+
+
 @pytest.fixture
 def decode(model, prefill, device, monkeypatch):
-    """Start a CoreLoop on a fresh decode engine with a GatedKvIo: `decode(gate, fail=None)` -> Driver."""
+    """Start a CoreLoop on a fresh decode engine with a gated connector: `decode(gate, fail=None, **engine config
+    overrides)` -> Driver."""
     # owner and reader share this process: the reader must not drop the owner's resource-tracker entry
     monkeypatch.setattr("splitserve.engine.kv_transfer.shm._untrack", lambda shm: None)
     drivers = []
 
-    def start(gate: Gate, fail: Exception | None = None) -> Driver:
-        io = GatedKvIo(TRANSPORTS[device], gate, fail, prefill[0].runner.kv_cache)
-        engine = engine_core(model, device, "decode", io.kv_cache_factory)
+    def start(gate: Gate, fail: Exception | None = None, **overrides) -> Driver:
+        io = gated_connector(TRANSPORTS[device], gate, fail, prefill[0].runner.kv_cache)
+        engine = engine_core(model, device, "decode", io.kv_cache_factory, **overrides)
         driver = Driver(engine, io)
         driver.baseline = engine.num_free_blocks
         drivers.append(driver)
@@ -319,10 +326,10 @@ def decode(model, prefill, device, monkeypatch):
 
     yield start
     for driver in drivers:
-        driver.loop.kv_io.gate.gate.set()  # a test that failed may have left a pull waiting
+        driver.loop.connector.gate.gate.set()  # a test that failed may have left a pull waiting
         if driver.thread.is_alive():
             driver.stop()
-        driver.loop.kv_io.close()
+        driver.loop.connector.close()
     for rid in list(prefill[0].held):  # what each test's prefill still holds (its "lease")
         prefill[0].release_kv(rid)
 
@@ -352,7 +359,7 @@ def test_running_requests_get_tokens_while_a_pull_waits_then_it_joins_with_the_e
     d.send(m.AddRequest("a", prompts[0], GREEDY), m.AddRequest("b", prompts[1], GREEDY), x)
     d.until(lambda: gate.entered.is_set(), 10, "the pull never started")
     d.until(lambda: len(d.tokens["a"]) >= 8 and len(d.tokens["b"]) >= 8, 20, "a and b got no tokens during the pull")
-    assert not d.done and "x" not in d.tokens and d.stats()["num_importing"] == 1
+    assert not d.done and "x" not in d.tokens and d.stats()["num_waiting_for_kv"] == 1
     gate.gate.set()
     (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
     assert (done.ok, done.num_blocks_pulled, done.num_cached_tokens) == (True, num_prompt_blocks(prompts[2], device), 0)
@@ -381,10 +388,13 @@ def test_a_pull_aborted_in_flight_frees_its_blocks_once_and_only_after_the_copy_
     gate.gate.set()
     d.until(lambda: d.stats()["num_free_blocks"] == d.baseline, 10, "the blocks were never freed")
     assert gate.ended.is_set()
+    # the service heard of the freed blocks without asking (what its Describe reports): no step carried them
+    last = [b.stats["num_free_blocks"] for b in d.received if isinstance(b, m.StepBatch) and b.stats]
+    assert last[-2:] == [d.baseline - held, d.baseline]
     d.stop()
     free = d.loop.engine.pool.free_block_ids()
     assert sorted(free) == list(range(ENGINES[device]["num_kv_blocks"]))  # each block free exactly once
-    assert not d.done and d.loop.engine.stats()["num_importing"] == 0  # an aborted pull reports nothing
+    assert not d.done and d.loop.engine.stats()["num_waiting_for_kv"] == 0  # an aborted pull reports nothing
 
 
 def test_a_failed_pull_follows_the_policy_recompute_with_the_exact_tokens(model, prefill, decode):
@@ -405,7 +415,7 @@ def test_a_pull_past_its_deadline_is_reported_failed_and_keeps_its_blocks_until_
     _, prompts, greedy = model
     gate = Gate()
     d = decode(gate)
-    d.loop.transfers.timeout_s = 0.3
+    d.loop.connector.deadline_s = 0.3
     x = prefilled(prefill, "x", prompts[0])
     sent = time.monotonic()
     d.send(x)
@@ -413,7 +423,7 @@ def test_a_pull_past_its_deadline_is_reported_failed_and_keeps_its_blocks_until_
     assert gate.entered.is_set() and 0.3 <= time.monotonic() - sent < 3
     assert (done.ok, done.error) == (
         False,
-        "KV pull from p0 failed: the copy did not end within 0.3 s (its blocks stay held until it does)",
+        "KV pull from p0 failed: the transfer did not end within 0.3 s (its blocks stay held until it does)",
     )
     prefill[0].release_kv("x")
     d.send(m.CommitImport("x", ok=False, recompute=True))
@@ -436,12 +446,13 @@ def test_shutdown_with_a_pull_in_flight_exits_cleanly(model, prefill, decode):
 
 
 # -- a real prefill engine: sends ------------------------------------------------------------
-class SendKvIo:
-    """The prefill side's transport: sends wait on `gate`, then answer what a send reports."""
+class SendConnector(KvConnector):
+    """A prefill's connector whose sends wait on `gate`, then answer what a send reports."""
 
-    timeout_s = 5.0
+    transport = "test-send"
 
     def __init__(self, gate: Gate) -> None:
+        super().__init__({"timeout_s": 5.0, "role": "prefill"})
         self.gate = gate
         self.sent: list[list[int]] = []
 
@@ -453,7 +464,7 @@ def test_a_prefill_prefills_while_a_send_waits_and_keeps_the_blocks_until_the_se
     _, prompts, greedy = model
     gate = Gate()
     engine = engine_core(model, device, "prefill")
-    d = Driver(engine, SendKvIo(gate))
+    d = Driver(engine, SendConnector(gate))
     baseline = engine.num_free_blocks
     d.start()
     d.send(m.AddRequest("x", prompts[0], GREEDY))
@@ -467,7 +478,11 @@ def test_a_prefill_prefills_while_a_send_waits_and_keeps_the_blocks_until_the_se
     assert d.stats()["num_free_blocks"] == baseline - len(held.block_ids) - num_prompt_blocks(prompts[1], device)
     gate.gate.set()
     reply = d.until(lambda: d.replies.get(7), 10, "no reply to the send")
-    assert (reply.value, reply.error, d.loop.kv_io.sent) == ({"num_bytes": len(held.block_ids)}, None, [held.block_ids])
+    assert (reply.value, reply.error, d.loop.connector.sent) == (
+        {"num_bytes": len(held.block_ids)},
+        None,
+        [held.block_ids],
+    )
     d.send(m.ReleaseHeld("y"))
     d.until(lambda: d.stats()["num_free_blocks"] == baseline, 10, "blocks still held after the send")
     d.stop()

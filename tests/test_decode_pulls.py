@@ -116,9 +116,11 @@ def pair_messages(keepalive_ms: float, prefill: PairingPrefill, device: str = "c
     client = SimpleNamespace(call=call, info=SimpleNamespace(device=device))
 
     async def main():
-        pulls = coordinator(client, kv_transfer_timeout_s=2.0, kv_link_keepalive_ms=keepalive_ms, host="127.0.0.1")
+        pulls = coordinator(
+            client, kv_transport="nccl", kv_transfer_timeout_s=2.0, kv_link_keepalive_ms=keepalive_ms, host="127.0.0.1"
+        )
         pulls.stub = lambda address: prefill
-        await pulls.ensure_pair("p0", "127.0.0.1:1")
+        await pulls.link.ensure_pair("p0", "127.0.0.1:1")
 
     with mock.patch.object(torch.cuda, "is_available", lambda: device.startswith("cuda")):
         asyncio.run(main())
@@ -173,7 +175,11 @@ def finish_nccl_pull(send_error: str | None) -> tuple[list, list, SendingPrefill
 
     async def main():
         pulls = coordinator(
-            SimpleNamespace(send=sent.append), failed, kv_transfer_timeout_s=2.0, kv_load_failure_policy="fail"
+            SimpleNamespace(send=sent.append),
+            failed,
+            kv_transport="nccl",
+            kv_transfer_timeout_s=2.0,
+            kv_load_failure_policy="fail",
         )
         pulls.stub = lambda address: prefill
         handle = request("r").kv
@@ -198,3 +204,51 @@ def test_an_nccl_pull_commits_only_when_the_prefill_answered_that_it_sent():
     commits = [c for c in sent if isinstance(c, m.CommitImport)]
     assert [(c.request_id, c.ok, c.recompute) for c in commits] == [("r", False, False)]
     assert failed == [("r", "the prefill's send failed: communicator aborted")]
+
+
+def test_every_transport_has_a_way_to_its_prefills():
+    from splitserve.decode_service.peers import PEER_LINKS, MappedPools, Pairs
+    from splitserve.engine.kv_transfer.registry import TRANSPORTS
+
+    assert PEER_LINKS == {"shm": MappedPools, "cuda_ipc": MappedPools, "nccl": Pairs} and set(TRANSPORTS) == set(
+        PEER_LINKS
+    )
+
+
+class ExpiredLeasePrefill:
+    """ReleaseKv answers that the lease was no longer held (it expired during the copy)."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[str, int]] = []
+
+    async def ReleaseKv(self, request, timeout=None, wait_for_ready=None):
+        self.released.append((request.lease_id, request.epoch))
+        return prefill_pb2.ReleaseKvResponse(released=False)
+
+
+def finish_copy_under_an_expired_lease(policy: str) -> tuple[list, list, ServiceCounters]:
+    sent, failed = [], []
+    prefill = ExpiredLeasePrefill()
+
+    async def main():
+        pulls = coordinator(SimpleNamespace(send=sent.append), failed, kv_load_failure_policy=policy)
+        pulls.stub = lambda address: prefill
+        pulls.pending["r"] = PendingPull("r", request("r").kv)
+        pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=2, num_bytes=64))
+        await wait_for(lambda: sent, 2.0, "the pull's commit")
+        await asyncio.gather(*pulls._tasks)
+        assert pulls.pending == {} and prefill.released == [("l-r", 3)]
+        return pulls.counters
+
+    counters = asyncio.run(main())
+    return sent, failed, counters
+
+
+def test_a_copy_whose_lease_expired_is_discarded_by_the_policy():
+    sent, failed, counters = finish_copy_under_an_expired_lease("recompute")
+    assert [(c.request_id, c.ok, c.recompute) for c in sent] == [("r", False, True)] and failed == []
+    assert counters.values == {"kv_pull_recomputes": 1}  # nothing counted as pulled
+    sent, failed, counters = finish_copy_under_an_expired_lease("fail")
+    assert [(c.request_id, c.ok, c.recompute) for c in sent] == [("r", False, False)]
+    assert failed == [("r", "KV lease l-r was no longer valid after the copy")]
+    assert counters.values == {}

@@ -6,10 +6,12 @@ import time
 
 import pytest
 
+from splitserve.common.default_model_path import default_model_path
+from splitserve.engine import LLM, SamplingParams
 from splitserve.protos import common_pb2, decode_pb2_grpc
 from tests.service_client import describe
-from tests.service_harness import Stack, wait_until_async
-from tests.test_chaos import generate
+from tests.service_harness import ENGINE, Stack, wait_until_async
+from tests.test_chaos import generate, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +52,44 @@ def test_sigterm_on_a_decode_finishes_its_requests_then_exits(tmp_path):
         proc = stack.procs["decode-1"].popen
         proc.wait(timeout=20)
         assert proc.returncode == 0
+    finally:
+        stack.stop()
+
+
+def test_sigterm_on_a_decode_while_it_pulls_a_requests_kv_finishes_that_request_then_exits(tmp_path):
+    """Drain while loading: the decode's pulls take 3 s (an injected delay); SIGTERM comes once the decode has
+    admitted the request, before its KV is in. The pull ends, the lease is released, the request runs to its end
+    with the reference tokens, and only then does the decode exit 0; the prefill gets every block back."""
+    prompt = list(range(40, 70))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (expected,) = LLM(model=str(default_model_path()), device="cpu", **ENGINE).generate(
+        prompt_token_ids=[prompt], sampling_params=params
+    )
+    stack = Stack("shm", tmp_path, num_decode=1, decode_faults="pull_delay_ms=3000")
+    try:
+
+        async def main():
+            job = asyncio.create_task(generate(stack.grpc_port, prompt, max_tokens=12))
+
+            async def admitted():
+                decode = await describe(stack.decodes[0], decode_pb2_grpc.DecodeStub)
+                return decode.counters.get("requests_received", 0) == 1
+
+            await wait_until_async(admitted, 30, "the decode never admitted the request")
+            stack.procs["decode-0"].popen.send_signal(signal.SIGTERM)  # its pull is still in its 3 s delay
+            tokens, last = await job
+            loads = await wait_blocks_free(stack, timeout_s=10.0, skip=("decode-0",))
+            prefill = await describe(stack.prefill[1])
+            return tokens, last, loads, prefill
+
+        tokens, last, loads, prefill = asyncio.run(main())
+        assert tokens == expected.token_ids and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        proc = stack.procs["decode-0"].popen
+        proc.wait(timeout=20)
+        assert proc.returncode == 0
+        free, total, leases = loads["prefill"]
+        assert (free, leases) == (total, 0), loads  # every block back, the lease released (not expired)
+        assert "leases_expired" not in prefill.counters
     finally:
         stack.stop()
 

@@ -15,7 +15,7 @@ from splitserve.common.kv_layout import KvLayout
 from splitserve.common.wire import layout_from_proto, layout_to_proto
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.fp8_checkpoint import read_fp8_scheme
-from splitserve.engine.kv_transfer.io import copy_block_runs
+from splitserve.engine.kv_transfer.copies import copy_block_runs
 from splitserve.engine.kv_transfer.shm import copy_blocks
 from splitserve.engine.loader import load_model
 from splitserve.engine.quant import (

@@ -19,7 +19,7 @@ import pytest
 
 from splitserve.cli import parse_args
 from splitserve.common.config import EngineConfig
-from splitserve.engine.kv_transfer.io import TRANSPORTS
+from splitserve.engine.kv_transfer.registry import TRANSPORTS
 from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
 from splitserve.gateway.up import LocalStack, banner, check_ports, stack_commands, wait_ready
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc

@@ -1,4 +1,4 @@
-"""KvIo's decode-side pool mappings: one per pool, a restarted prefill's new pool replaces the old; CUDA IPC
+"""The KV connectors' decode-side pool mappings: one per pool, a restarted prefill's new pool replaces the old; CUDA IPC
 handles travel as plain data and are checked before anything of theirs runs; an NCCL receive lands exactly the
 blocks sent and gives up after the transfer timeout."""
 
@@ -12,8 +12,10 @@ import torch
 
 from splitserve.common.kv_layout import KvLayout
 from splitserve.engine.kv_layout import allocate_kv_cache
-from splitserve.engine.kv_transfer.io import KvIo, Moved, PullTarget, block_runs, copy_block_runs
+from splitserve.engine.kv_transfer.connector import Moved, PullTarget
+from splitserve.engine.kv_transfer.copies import block_runs, copy_block_runs
 from splitserve.engine.kv_transfer.ipc_handle import check_shape, load_cuda_ipc, plain_args
+from splitserve.engine.kv_transfer.registry import make_connector
 from splitserve.engine.kv_transfer.shm import SharedKvPool, segment_name
 from splitserve.engine.kv_transfer.shm import copy_blocks as shm_copy_blocks
 
@@ -26,7 +28,7 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
     pools = [SharedKvPool.create(segment_name("p-kvio", epoch), LAYOUT, 3) for epoch in (1, 2)]
     for value, pool in enumerate(pools, start=1):
         pool.tensor.fill_(value)
-    io = KvIo({"transport": "shm", "instance": "d-kvio", "role": "decode"})
+    io = make_connector({"transport": "shm", "instance": "d-kvio", "role": "decode"})
     try:
         endpoints = [{"shm_name": segment_name("p-kvio", epoch), "num_blocks": "3"} for epoch in (1, 2)]
         first = io.map_source("p-kvio", "shm", endpoints[0], LAYOUT)
@@ -39,6 +41,31 @@ def test_a_restarted_prefill_pool_replaces_its_old_mapping(monkeypatch):
         io.close()
         for pool in pools:
             pool.close()
+
+
+def test_each_transport_has_one_connector_chosen_by_name():
+    from splitserve.engine.kv_transfer.registry import TRANSPORTS
+
+    chosen = {t: type(make_connector({"transport": t})).__name__ for t in TRANSPORTS}
+    assert chosen == {"shm": "ShmConnector", "cuda_ipc": "CudaIpcConnector", "nccl": "CollectiveConnector"}
+    with pytest.raises(ValueError, match=r"^unknown KV transport 'rdma'; known: shm, cuda_ipc, nccl$"):
+        make_connector({"transport": "rdma"})
+
+
+def test_a_load_of_another_transport_starts_nothing():
+    from splitserve.engine.kv_transfer.connector import Load
+
+    connector = make_connector({"transport": "shm", "role": "decode"})
+    spec = SimpleNamespace(transport="nccl", prefill_instance="p0", block_ids=[3])
+    load = Load("r1", spec, [0], [1], torch.zeros(LAYOUT.cache_shape(2)))
+    with pytest.raises(ValueError, match=r"^the KV handle's transport is 'nccl'; this decode pulls over 'shm'$"):
+        connector.start_load(load)
+    assert connector.num_in_flight == 0 and connector.poll() == []
+    with pytest.raises(ValueError, match=r"^the shm transport has no pairs; nccl pairs$"):
+        connector.pair("p0->d", 0, "127.0.0.1", 1, "gloo", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^the shm transport sends nothing: its decodes read the prefill's pool$"):
+        connector.send("p0->d", [1], torch.zeros(2))
+    connector.close()
 
 
 def numbered_pool(num_blocks: int) -> torch.Tensor:
@@ -61,10 +88,10 @@ def test_block_runs_split_where_either_side_stops_advancing_by_one():
     ids=["two runs copied directly", "20 runs gathered and scattered"],
 )
 def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids, gathered, monkeypatch):
-    import splitserve.engine.kv_transfer.io as kv_io
+    import splitserve.engine.kv_transfer.copies as copies
 
     calls = []
-    monkeypatch.setattr(kv_io, "copy_blocks", lambda *args: calls.append(1) or shm_copy_blocks(*args))
+    monkeypatch.setattr(copies, "copy_blocks", lambda *args: calls.append(1) or shm_copy_blocks(*args))
     src, dst = numbered_pool(48), torch.full(LAYOUT.cache_shape(24), -1.0)
     dst_ids = list(range(2, 2 + len(src_ids)))
     assert copy_block_runs(src, src_ids, dst, dst_ids) == len(src_ids) * LAYOUT.block_nbytes
@@ -88,7 +115,7 @@ def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch
     name = segment_name(f"p-pull-{os.getpid()}", 1)
     owner = SharedKvPool.create(name, LAYOUT, 16)
     owner.tensor.copy_(numbered_pool(16))
-    io = KvIo({"transport": "shm", "instance": "d-pull", "role": "decode"})
+    io = make_connector({"transport": "shm", "instance": "d-pull", "role": "decode"})
 
     class Spec:  # the fields of a KvSpec a pull reads
         transport, prefill_instance, layout = "shm", "p-pull", LAYOUT
@@ -103,6 +130,32 @@ def test_a_shm_pull_copies_the_handles_blocks_past_the_cached_prefix(monkeypatch
     finally:
         io.close()
         owner.close()
+
+
+def test_only_segments_whose_owner_is_gone_are_stale(monkeypatch):
+    """A prefill starting unlinks what earlier runs of its instance left, never the pool of a live process of the
+    same name (test stacks run side by side on one host) nor another instance's whose name starts the same."""
+    import subprocess
+    import sys
+
+    from splitserve.engine.kv_transfer.shm import unlink_stale
+
+    monkeypatch.setattr("splitserve.engine.kv_transfer.shm._untrack", lambda shm: None)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    instance = f"p-stale-{os.getpid()}"
+    names = [
+        segment_name(instance, 1, pid=dead_pid),  # an earlier run's, its owner gone
+        segment_name(instance, 2),  # this process's: alive
+        segment_name(f"{instance}-2", 3, pid=dead_pid),  # instance "<instance>-2": not this instance's
+    ]
+    pools = [SharedKvPool.create(name, LAYOUT, 1) for name in names]
+    try:
+        assert unlink_stale(instance) == [names[0]]
+        assert [os.path.exists(f"/dev/shm/{name}") for name in names] == [False, True, True]
+    finally:
+        for pool in pools:
+            pool.close()
 
 
 def test_a_mapped_pool_stays_mapped_while_a_copy_still_views_it(monkeypatch):
@@ -150,8 +203,8 @@ def test_a_gloo_receive_asks_for_its_send_lands_the_blocks_and_gives_up_when_non
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    decode = KvIo({"transport": "nccl", "instance": "d", "timeout_s": 0.5})
-    prefill = KvIo({"transport": "nccl", "instance": "p", "timeout_s": 0.5})
+    decode = make_connector({"transport": "nccl", "instance": "d", "timeout_s": 0.5})
+    prefill = make_connector({"transport": "nccl", "instance": "p", "timeout_s": 0.5})
     cpu = torch.device("cpu")
     joining = threading.Thread(target=prefill.pair, args=("p->d", 1, "127.0.0.1", port, "gloo", cpu))
     joining.start()
@@ -336,9 +389,9 @@ def test_a_pool_exported_by_another_process_maps_here():
 
 SENDER = r"""
 import sys, torch
-from splitserve.engine.kv_transfer.io import KvIo
+from splitserve.engine.kv_transfer.registry import make_connector
 port = int(sys.argv[1])
-io = KvIo({"transport": "nccl", "instance": "p", "timeout_s": 5})
+io = make_connector({"transport": "nccl", "instance": "p", "timeout_s": 5})
 pool = torch.arange(8 * 64, dtype=torch.float32, device="cuda:0").view(8, 2, 2, 4, 2, 2)
 io.pair("p->d", 1, "127.0.0.1", port, "nccl", torch.device("cuda:0"))
 for line in sys.stdin:
@@ -365,7 +418,7 @@ def test_an_nccl_receive_lands_the_blocks_and_times_out_when_nothing_is_sent():
         [sys.executable, "-c", SENDER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
-        io = KvIo({"transport": "nccl", "instance": "d", "timeout_s": 2})
+        io = make_connector({"transport": "nccl", "instance": "d", "timeout_s": 2})
         io.pair("p->d", 0, "127.0.0.1", port, "nccl", torch.device("cuda:1"))
         pool = torch.zeros(8, 2, 2, 4, 2, 2, device="cuda:1")
         asks = []
@@ -446,10 +499,10 @@ class SimpleTensor:
 
 
 def finish_with(monkeypatch, work: FakeWork, ends_after: int, timeout_s: float = 0.3):
-    """KvIo._finish's CUDA path on this CPU: the CUDA event and stream are fakes driven by `work`."""
+    """CollectiveConnector._finish's CUDA path on this CPU: the CUDA event and stream are fakes driven by `work`."""
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(work, ends_after))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    return KvIo({"transport": "nccl", "timeout_s": timeout_s})._finish(work, SimpleTensor())
+    return make_connector({"transport": "nccl", "timeout_s": timeout_s})._finish(work, SimpleTensor())
 
 
 def test_a_cuda_transfer_finishes_when_its_event_does(monkeypatch):
@@ -492,7 +545,7 @@ def test_a_cuda_transfer_that_never_ends_times_out(monkeypatch):
 
 
 def test_a_failed_transfer_drops_its_own_communicator_never_its_replacement():
-    io = KvIo({"transport": "nccl"})
+    io = make_connector({"transport": "nccl"})
     aborted = []
     old, new = (SimpleNamespace(abort=lambda name=name: aborted.append(name)) for name in ("old", "new"))
     io.groups["p->d"] = new  # a pairing replaced `old` while its transfer ran
@@ -505,7 +558,7 @@ def test_a_failed_transfer_drops_its_own_communicator_never_its_replacement():
 
 
 def test_a_send_whose_communicator_a_pairing_replaced_fails_and_keeps_the_new_one():
-    io = KvIo({"transport": "nccl", "timeout_s": 1})
+    io = make_connector({"transport": "nccl", "timeout_s": 1})
     aborted = []
     new = SimpleNamespace(abort=lambda: aborted.append("new"))
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitserve.common.config_fields import ConfigError, add_arguments, from_namespace
-from splitserve.engine.kv_transfer.io import KvIo
 from splitserve.engine.kv_transfer.keepalive import KEEPALIVE_BYTES, CudaLink, LinkKeepalive, local_index
+from splitserve.engine.kv_transfer.registry import make_connector
 from splitserve.runtime.service_config import ServiceConfig
 from tests.test_kv_io import LAYOUT
 
@@ -116,12 +116,12 @@ def test_the_flag_is_range_checked():
 
 
 def test_a_cpu_pool_keeps_no_link_awake():
-    io = KvIo({"transport": "shm", "role": "decode", "link_keepalive_ms": 2})
+    io = make_connector({"transport": "shm", "role": "decode", "link_keepalive_ms": 2})
     io.kv_cache_factory(LAYOUT, 2, torch.device("cpu"))
     io._keep_link_awake(torch.device("cuda", 0))
     assert io.keepalive.pending == {} and io.keepalive.links == {} and io.keepalive._thread is None
     io.close()
-    assert KvIo({"transport": "cuda_ipc", "role": "decode"}).keepalive is None  # off unless asked for
+    assert make_connector({"transport": "cuda_ipc", "role": "decode"}).keepalive is None  # off unless asked for
 
 
 def test_an_nccl_pair_keeps_awake_only_a_prefill_gpu_this_process_sees(monkeypatch):
@@ -131,13 +131,13 @@ def test_an_nccl_pair_keeps_awake_only_a_prefill_gpu_this_process_sees(monkeypat
         looked_up.append(uuid)
         return {"GPU-a": 0, "GPU-own": 1}.get(uuid)
 
-    monkeypatch.setattr("splitserve.engine.kv_transfer.io.local_index", fake_local_index)
-    io = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
+    monkeypatch.setattr("splitserve.engine.kv_transfer.collective.local_index", fake_local_index)
+    io = make_connector({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
     monkeypatch.setattr(io, "_keep_link_awake", asked.append)
     for uuid in ("GPU-a", "GPU-elsewhere", ""):  # seen here, another host's, a prefill that reports none
         io.keep_peer_awake(uuid)
     assert asked == [torch.device("cuda", 0)] and looked_up == ["GPU-a", "GPU-elsewhere"]
-    off = KvIo({"transport": "nccl", "role": "decode"})
+    off = make_connector({"transport": "nccl", "role": "decode"})
     off.keep_peer_awake("GPU-a")  # no keep-alive asked for: not even looked up
     assert looked_up == ["GPU-a", "GPU-elsewhere"]
     io.close()
@@ -168,10 +168,10 @@ def test_the_cuda_link_copies_1_mib_and_nothing_waits_on_it():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_an_nccl_prefill_reports_its_gpu_and_a_decode_keeps_that_link_awake():
-    prefill = KvIo({"transport": "nccl", "role": "prefill"})
+    prefill = make_connector({"transport": "nccl", "role": "prefill"})
     prefill.kv_cache_factory(LAYOUT, 2, torch.device("cuda:0"))
     assert prefill.endpoint == {"gpu_uuid": str(torch.cuda.get_device_properties(0).uuid)}
-    decode = KvIo({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
+    decode = make_connector({"transport": "nccl", "role": "decode", "link_keepalive_ms": 2})
     decode.kv_cache_factory(LAYOUT, 2, torch.device("cuda:1"))
     decode.keep_peer_awake(str(torch.cuda.get_device_properties(1).uuid))  # its own GPU: no link
     decode.keep_peer_awake(prefill.endpoint["gpu_uuid"])
@@ -186,6 +186,6 @@ def test_a_pool_on_the_auto_device_knows_its_index():
     from splitserve.engine.engine_core import resolve_device
 
     assert resolve_device("auto") == torch.device("cuda", torch.cuda.current_device())
-    io = KvIo({"transport": "nccl", "role": "decode"})
+    io = make_connector({"transport": "nccl", "role": "decode"})
     io.kv_cache_factory(LAYOUT, 2, torch.device("cuda"))
     assert io.device == torch.device("cuda", torch.cuda.current_device())

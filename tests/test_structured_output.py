@@ -410,7 +410,7 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
     from types import SimpleNamespace
 
     from splitserve.engine import core_messages as m
-    from tests.test_core_loop import Driver, Engine, FakeKvIo, Gate, Pipe
+    from tests.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
 
     futures: dict[str, Future] = {}
 
@@ -428,7 +428,7 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
 
     pipe = Pipe()
     engine = GrammarEngine(pipe)
-    driver = Driver(engine, FakeKvIo(Gate(opened=True)), pipe).start()
+    driver = Driver(engine, FakeConnector(Gate(opened=True)), pipe).start()
     try:
         params = SamplingParams(structured_output=StructuredOutput(regex="a+"))
         driver.send(m.AddRequest("g", [1, 2], params), m.AddRequest("free", [1, 2], SamplingParams()))

@@ -1,14 +1,15 @@
 """Shared-memory transport (same host, CPU): the prefill's whole KV pool lives in a named
 POSIX shared-memory segment; a decode maps it read-only by name and copies blocks out.
 
-Segment name: `splitserve-kv-<instance>-<start_epoch>`; a restarted instance gets a new
-name, and `unlink_stale` removes segments that earlier runs of the same instance left.
+Segment name: `splitserve-kv-<instance>-<start_epoch>-p<owner pid>`; a restarted instance gets a new
+name, and `unlink_stale` removes segments that earlier runs of the same instance left (owner gone).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 from multiprocessing import shared_memory
 
 import torch
@@ -19,20 +20,38 @@ from splitserve.engine.kv_layout import as_bytes, torch_dtype
 PREFIX = "splitserve-kv-"
 
 
-def segment_name(instance: str, start_epoch: int) -> str:
-    return f"{PREFIX}{instance}-{start_epoch}"
+def segment_name(instance: str, start_epoch: int, pid: int | None = None) -> str:
+    """The segment of one run of `instance`: its start epoch and the owning process (this one by default)."""
+    return f"{PREFIX}{instance}-{start_epoch}-p{os.getpid() if pid is None else pid}"
 
 
 def unlink_stale(instance: str) -> list[str]:
-    """Remove /dev/shm segments of earlier runs of this instance; returns their names."""
+    """Remove /dev/shm segments that earlier runs of this instance left (their owner process is gone); returns
+    their names. A segment whose owner still runs is kept: another service of the same name on this host (test
+    stacks run side by side) must not lose its pool."""
+    pattern = re.compile(rf"{re.escape(PREFIX + instance)}-\d+(?:-p(\d+))?")
     removed = []
-    for path in glob.glob(f"/dev/shm/{PREFIX}{instance}-*"):
+    for path in glob.glob(f"/dev/shm/{glob.escape(PREFIX + instance)}-*"):
+        name = os.path.basename(path)
+        match = pattern.fullmatch(name)
+        if match is None or (match.group(1) and _alive(int(match.group(1)))):
+            continue  # another instance's (a longer name), or its owner runs
         try:
             os.unlink(path)
-            removed.append(os.path.basename(path))
+            removed.append(name)
         except FileNotFoundError:
             pass
     return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:

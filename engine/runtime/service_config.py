@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.config_fields import ConfigError, internal_token_option, option, validate_fields
-from splitserve.engine.kv_transfer.io import TRANSPORTS
 from splitserve.engine.kv_transfer.keepalive import MIN_PERIOD_MS
+from splitserve.engine.kv_transfer.registry import TRANSPORTS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,169 @@
+"""Every transition of an asynchronous KV load in a decode core, with exact tokens and exact block and lease
+accounting (issue 17). The request waits in WAITING_FOR_KV from ImportKv until its CommitImport:
+
+    ImportKv ─▶ no room: waits for room (retried each turn) ─▶ room ─▶ blocks allocated, pinned, pull started
+    pull ends ─▶ ImportDone(ok) ─▶ lease released: CommitImport(ok) ─▶ runs          (test_core_loop: "finish")
+                               └▶ lease lost:     CommitImport(not ok) ─▶ recompute | error       (here)
+    pull fails ─▶ ImportDone(error) ─▶ recompute (test_core_loop) | error                       (here)
+    past its deadline ─▶ ImportDone(error) at once, blocks pinned until it ends               (test_core_loop)
+    Abort: while the pull runs (test_core_loop), after it ended but before the commit, or while waiting for room
+    (here); shutdown with a pull in flight (test_core_loop); drain (a SIGTERMed decode: tests/test_drain.py).
+    Preemption: running requests are preempted around a load; its blocks stay its own (here).
+
+The prefill engine stands for the prefill service: a request it holds (`held`) is one under lease; the test
+releases it where the decode service's ReleaseKv would. Block counts are the decode pool's free blocks.
+"""
+
+# ruff: noqa: F811 -- the fixtures (model, prefill, decode, device) are test_core_loop's, imported by name
+import pytest
+
+from splitserve.engine import core_messages as m
+from tests.test_core_loop import (  # noqa: F401 (fixtures)
+    ENGINES,
+    GREEDY,
+    Gate,
+    decode,
+    device,
+    model,
+    num_prompt_blocks,
+    prefill,
+    prefilled,
+)
+
+
+def counts(d) -> tuple[int, int, int]:
+    """(free blocks, requests waiting for KV, running requests) of the decode core."""
+    stats = d.stats()
+    return stats["num_free_blocks"], stats["num_waiting_for_kv"], stats["num_running"]
+
+
+def test_a_load_that_ends_holds_its_blocks_until_its_commit_then_runs_and_frees_them(model, prefill, decode, device):
+    _, prompts, greedy = model
+    gate = Gate()
+    d = decode(gate)
+    assert counts(d) == (d.baseline, 0, 0)
+    x = prefilled(prefill, "x", prompts[0])
+    n = num_prompt_blocks(prompts[0], device)
+    d.send(x)
+    d.until(lambda: gate.entered.is_set(), 10, "the pull never started")
+    assert counts(d) == (d.baseline - n, 1, 0) and "x" in prefill[0].held  # pulling, under lease
+    gate.gate.set()
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert (done.ok, done.num_blocks_pulled) == (True, n)
+    assert counts(d) == (d.baseline - n, 1, 0)  # copied, unpinned, still waiting for the lease's verdict
+    assert prefill[0].release_kv("x") and "x" not in prefill[0].held  # ReleaseKv: released
+    d.send(m.CommitImport("x", ok=True))
+    d.until(lambda: "x" in d.finished, 30, "x never finished")
+    assert [x.first_token_id, *d.tokens["x"]] == greedy[0] and d.finished["x"].finish_reason == "length"
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_lease_lost_after_the_copy_follows_the_policy(model, prefill, decode, device, policy):
+    """The copy ended, but ReleaseKv answered not-held (the lease expired meanwhile): the copied blocks cannot be
+    trusted. Recompute: the decode prefills the prompt itself, same tokens; fail: the request ends with an error."""
+    _, prompts, greedy = model
+    d = decode(Gate(opened=True))
+    x = prefilled(prefill, "x", prompts[1])
+    n = num_prompt_blocks(prompts[1], device)
+    prefill[0].release_kv("x")  # the lease expired during the copy: the prefill may reuse the blocks
+    d.send(x)
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert done.ok and counts(d) == (d.baseline - n, 1, 0) and "x" not in prefill[0].held
+    d.send(m.CommitImport("x", ok=False, recompute=policy == "recompute"))  # what ReleaseKv(not held) leads to
+    d.until(lambda: "x" in d.finished, 30, "x never finished")
+    if policy == "recompute":
+        assert [x.first_token_id, *d.tokens["x"]] == greedy[1] and d.finished["x"].finish_reason == "length"
+    else:
+        assert d.tokens["x"] == [] and d.finished["x"].finish_reason == "error"
+        assert d.finished["x"].error == "KV lease was no longer valid after the copy"
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+def test_a_failed_pull_under_policy_fail_ends_the_request_and_frees_its_blocks(model, prefill, decode, device):
+    _, prompts, _ = model
+    gate = Gate()
+    d = decode(gate, fail=RuntimeError("injected: prefill gone"))
+    x = prefilled(prefill, "x", prompts[2])
+    n = num_prompt_blocks(prompts[2], device)
+    d.send(x)
+    d.until(lambda: gate.entered.is_set(), 10, "the pull never started")
+    assert counts(d) == (d.baseline - n, 1, 0)
+    gate.gate.set()
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert (done.ok, done.error) == (False, "KV pull from p0 failed: injected: prefill gone")
+    assert counts(d) == (d.baseline - n, 1, 0)  # the copy ended (unpinned); the request waits for the verdict
+    assert prefill[0].release_kv("x")  # the decode service releases the lease of a failed pull too
+    d.send(m.CommitImport("x", ok=False, recompute=False))
+    d.until(lambda: "x" in d.finished, 10, "x never ended")
+    assert d.tokens["x"] == [] and d.finished["x"].finish_reason == "error"
+    assert counts(d) == (d.baseline, 0, 0) and len(d.done["x"]) == 1
+
+
+def test_an_abort_after_the_copy_before_the_commit_frees_the_blocks_and_the_late_commit_is_ignored(
+    model, prefill, decode, device
+):
+    _, prompts, _ = model
+    d = decode(Gate(opened=True))
+    x = prefilled(prefill, "x", prompts[3])
+    n = num_prompt_blocks(prompts[3], device)
+    d.send(x)
+    d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert counts(d) == (d.baseline - n, 1, 0)
+    d.send(m.Abort(["x"]))
+    d.until(lambda: "x" in d.finished, 10, "no abort output")
+    assert d.finished["x"].finish_reason == "abort" and counts(d) == (d.baseline, 0, 0)
+    assert prefill[0].release_kv("x")  # the service releases the lease of a cancelled pull
+    d.send(m.CommitImport("x", ok=True))  # crossed the abort: nothing happens
+    assert counts(d) == (d.baseline, 0, 0) and d.tokens["x"] == [] and len(d.done["x"]) == 1
+
+
+def test_an_import_waiting_for_room_that_is_aborted_never_starts(model, prefill, decode, device):
+    """The pool holds `a` (its prompt's blocks and growth) but not `a` and x's prompt: x waits for room; aborted
+    there, it ends (abort), never allocates, never pulls, and the room `a` leaves stays free."""
+    _, prompts, greedy = model
+    block_size = ENGINES[device]["block_size"]
+    num_blocks = num_prompt_blocks(prompts[1], device) + num_prompt_blocks(prompts[0], device) - 1
+    max_tokens = min(GREEDY.max_tokens, num_blocks * block_size - len(prompts[1]))  # a fits alone to its end
+    params = GREEDY.__class__(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    gate = Gate(opened=True)
+    d = decode(gate, num_kv_blocks=num_blocks)
+    d.send(m.AddRequest("a", prompts[1], params))
+    d.until(lambda: len(d.tokens["a"]) >= 1, 10, "a never started")
+    x = prefilled(prefill, "x", prompts[0])
+    seen = len(d.tokens["a"])
+    d.send(x)
+    d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile
+    assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x is waiting for room: nothing allocated
+    d.send(m.Abort(["x"]))
+    d.until(lambda: "a" in d.finished, 30, "a never finished")
+    assert d.tokens["a"] == greedy[1][:max_tokens] and counts(d) == (d.baseline, 0, 0)
+    assert not gate.entered.is_set() and "x" not in d.done  # never allocated, never pulled
+    assert (d.finished["x"].finish_reason, d.tokens["x"]) == ("abort", [])
+    assert prefill[0].release_kv("x")  # the service releases the lease of a cancelled pull
+
+
+def test_running_requests_are_preempted_around_a_load_whose_blocks_stay_its_own(model, prefill, decode, device):
+    """x's blocks are allocated and pinned while its pull waits; `a` and `b` run in the rest of the pool, which
+    cannot hold both to the end: the scheduler preempts (recompute), never touching x's blocks. Every request's
+    tokens are exact, x's too (its KV was neither overwritten nor reused), and every block comes back."""
+    _, prompts, greedy = model
+    block_size = ENGINES[device]["block_size"]
+    final_a = -(-(len(prompts[1]) + GREEDY.max_tokens) // block_size)
+    n = num_prompt_blocks(prompts[0], device)
+    gate = Gate()
+    d = decode(gate, num_kv_blocks=n + final_a + 2)
+    x = prefilled(prefill, "x", prompts[0])
+    d.send(x, m.AddRequest("a", prompts[1], GREEDY), m.AddRequest("b", prompts[3], GREEDY))  # one turn: x first
+    d.until(lambda: {"a", "b"} <= d.finished.keys(), 60, "a and b never finished")
+    assert [d.tokens["a"], d.tokens["b"]] == [greedy[1], greedy[3]]
+    stats = d.stats()
+    assert stats["num_preemptions"] >= 1  # the scenario's premise: the pool left beside x holds a or b, not both
+    assert counts(d) == (d.baseline - n, 1, 0) and "x" in prefill[0].held  # x: still pulling, blocks intact
+    gate.gate.set()
+    d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert prefill[0].release_kv("x")
+    d.send(m.CommitImport("x", ok=True))
+    d.until(lambda: "x" in d.finished, 30, "x never finished")
+    assert [x.first_token_id, *d.tokens["x"]] == greedy[0]
+    assert counts(d) == (d.baseline, 0, 0)
