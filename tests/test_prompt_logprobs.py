@@ -208,6 +208,22 @@ def test_prompt_logprobs_field_rest_and_grpc(gateway, default_reference):
 
 
 @pytest.mark.slow
+def test_chat_prompt_logprobs_ride_at_the_top_of_the_answer(gateway, default_reference):
+    """vLLM's chat answer carries prompt_logprobs at its top level (not in the choice): the rendered prompt's."""
+    base, _ = gateway
+    messages = [{"role": "user", "content": "Sort a list."}]
+    body = {"messages": messages, "prompt_logprobs": 0, "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+    prompt = httpx.post(base + "/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
+    ref = reference(default_reference, prompt)
+    plp = answer["prompt_logprobs"]
+    assert "prompt_logprobs" not in answer["choices"][0] and plp[0] is None and len(plp) == len(prompt)
+    for p in range(1, len(prompt)):
+        [(token, entry)] = plp[p].items()
+        assert int(token) == prompt[p] and abs(entry["logprob"] - ref[p - 1, prompt[p]].item()) < 1e-5
+
+
+@pytest.mark.slow
 def test_grpc_echo_with_max_tokens_0_answers_the_prompt_alone(gateway):
     """GenerateRequest.echo with max_tokens 0 (vLLM's echo without generation): one message, the prompt's text
     and ids, no output tokens; usage counts the one token computed, as vLLM's."""
