@@ -231,7 +231,10 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(req.sampling)
             if params.structured_output is not None:
                 check_spec(params.structured_output)  # refused here, before any work is queued
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - one bad request ends alone, never the gateway's whole stream
+            if not isinstance(exc, ValueError):
+                log.exception("admitting request %r failed", rid)
+                exc = f"the decode could not admit the request: {type(exc).__name__}: {exc}"
             deltas = []
             for sequence_id in dict.fromkeys((rid, *forks)):  # the request's other sequences end with it
                 delta = decode_pb2.TokenDelta(
