@@ -218,6 +218,7 @@ def view(answer: dict, chat: bool) -> dict:
             item["token_logprobs"] = lp["token_logprobs"]
             item["top_logprobs"] = [None if t is None else sorted(t) for t in lp["top_logprobs"]]
             item["top_values"] = [None if t is None else sorted(t.values()) for t in lp["top_logprobs"]]
+            item["text_offset"] = lp["text_offset"]
         elif lp and chat:
             content = lp.get("content") or []
             item["tokens"] = [e["token"] for e in content]
