@@ -114,6 +114,9 @@ def wait_all_free(stack):
 
 
 def test_greedy_sequences_are_identical(stack, reference):
+    """A deliberate difference from vLLM, which refuses greedy n > 1 ("n must be 1 when using greedy
+    sampling"): OpenAI's API answers it with n identical choices, and clients written for OpenAI send it.
+    Every request vLLM answers gets vLLM's answer here; this one request vLLM refuses is answered."""
     prompt, greedy, _ = reference
     tokens, messages = asyncio.run(sequences(stack.grpc_port, prompt, n=3, **GREEDY))
     assert tokens == {0: greedy, 1: greedy, 2: greedy}
