@@ -39,7 +39,7 @@ from splitserve.protos import (
 )
 from splitserve.runtime.grpc_server import InternalAuth, internal_channel
 
-TOKEN = secrets.token_hex(16)
+TOKEN = os.environ.get("SPLITSERVE_INTERNAL_TOKEN") or secrets.token_hex(16)  # given: other tools can call too
 ROWS: list[tuple[str, str, str]] = []  # (finding, before the change (issue 22), now)
 
 
