@@ -95,6 +95,7 @@ def run_splitserve(
         tokens = row.pop("tokens")
         first_tokens = first_tokens if first_tokens is not None else tokens
         row["same_tokens_as_first_row"] = tokens == first_tokens
+        row["max_num_batched_tokens"] = llm.engine.info.max_num_batched_tokens
         rows.append(row)
         print(rows[-1], flush=True)
     if args.gpu_busy and device.startswith("cuda"):
@@ -299,7 +300,7 @@ def fixed_splitserve(llm, batch: int, prompt_len: int, output_len: int, vocab: i
         engine.step = original
     assert all(len(o.token_ids) == output_len for o in outs)
     # steps after the last prompt token: decode-only steps of the whole batch
-    num_prefill_steps = _num_prefill_steps(prompt_len, batch, llm.config.max_num_batched_tokens)
+    num_prefill_steps = _num_prefill_steps(prompt_len, batch, llm.engine.info.max_num_batched_tokens)
     decode = sorted(t for _, t in step_times[num_prefill_steps:])
     return {
         "batch": batch,
@@ -398,10 +399,15 @@ def run_fixed(args) -> list[dict]:
             kv_cache_memory_fraction=args.kv_fraction,
         )
         fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
+        modes = args.scheduling.split(",")
         for b in batches:
-            row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
-            rows.append({"engine": engine, **row})
-            print(rows[-1], flush=True)
+            for mode in modes:  # alternate per batch, so a drift of the host moves every mode alike
+                llm.engine.async_scheduling = mode.startswith("async")
+                llm.engine.pool.reset_prefix_cache()  # the same prompts again: no cache hits
+                row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
+                label = engine if len(modes) == 1 else f"{engine}[{mode}]"
+                rows.append({"engine": label, "scheduling": mode, **row})
+                print(rows[-1], flush=True)
             if args.profile and llm.engine.runner.graphs is not None:
                 from bench.decode_profile import format_profile, profile_decode
 
@@ -437,7 +443,7 @@ def run_fixed(args) -> list[dict]:
         f"{'engine':<18}{'batch':>6}{'decode step ms':>16}{'floor ms':>10}{'x floor':>9}{'prefill ms':>12}{'tok/s':>10}"
     )
     for r in rows:
-        options = variant_options(r["engine"]) if r["engine"].startswith("splitserve") else {}
+        options = variant_options(r["engine"].split("[")[0]) if r["engine"].startswith("splitserve") else {}
         floor = roofline_ms(
             config,
             r["batch"],
@@ -494,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="unset = the engine's default (16,384 on an H200)"
+    )
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
     ap.add_argument("--batch-sizes", default="1,16,64,128", help="fixed workload only")
@@ -541,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(
         f"\nworkload={args.workload} requests={len(requests)} asked_tokens={asked} config={Path(args.config).name} "
-        f"dtype={args.dtype} device={args.device} threads={args.threads}"
+        f"dtype={args.dtype} device={args.device} threads={args.threads} "
+        f"token budget={sorted({r.get('max_num_batched_tokens', args.max_num_batched_tokens) for r in rows}, key=str)}"
     )
     _print_table(rows)
     if args.json:

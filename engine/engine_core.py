@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.common.config import EngineConfig, RuntimeInfo
+from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens
 from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
@@ -108,6 +108,14 @@ def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str) ->
     return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales)
 
 
+def _default_budget(device: torch.device, offline: bool) -> int:
+    """The step's token budget for an unset --max-num-batched-tokens on `device` (common/config.py's rule)."""
+    if device.type != "cuda":
+        return default_max_num_batched_tokens("cpu", 0, "", offline)
+    props = torch.cuda.get_device_properties(device)
+    return default_max_num_batched_tokens("cuda", props.total_memory, props.name, offline)
+
+
 def _queue_ns(request: Request) -> int:
     if request.num_output_tokens != 1 or request.first_scheduled_time is None:
         return 0
@@ -147,8 +155,11 @@ def keep_freed_memory() -> bool:
 class EngineCore:
     """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
 
-    def __init__(self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None) -> None:
-        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory)."""
+    def __init__(
+        self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None, offline: bool = False
+    ) -> None:
+        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory);
+        `offline`: the offline LLM API owns this engine (a larger default token budget on large GPUs)."""
         from splitserve.engine.loader import load_model
         from splitserve.engine.model_runner import ModelRunner
 
@@ -183,6 +194,7 @@ class EngineCore:
             max_model_len=max_model_len,
             eos_token_ids=tuple(model_config.eos_token_ids),
             vocab_size=model_config.vocab_size,
+            max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
         )
         # structured output: the model's tokenizer is loaded at the first request with a grammar
         self.grammars = GrammarBackend(config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids)
@@ -191,7 +203,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.info.max_num_batched_tokens,
             max_model_len=max_model_len,
             role=config.role,
             policy=config.scheduling_policy,

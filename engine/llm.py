@@ -45,7 +45,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args) -> None:
         self.config = resolve_model_config(EngineConfig(model=str(model or ""), **engine_args), name_by_hub_id=True)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, offline=True)
         self.tokenizer = self._load_tokenizer(tokenizer or self.config.resolved_model())
         self._counter = 0
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from splitserve.common.config import EngineConfig
+from splitserve.common.config import EngineConfig, default_max_num_batched_tokens
 from splitserve.common.config_fields import ConfigError, add_arguments, describe, from_namespace
 
 
@@ -17,8 +17,36 @@ def parse(argv, env=None):
 
 def test_defaults():
     config = parse([])
-    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 256, 2048)
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 256, None)
     assert config.enable_prefix_caching is True and config.num_kv_blocks is None
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "device_type, memory, name, offline, budget",
+    [
+        ("cuda", 141 * GIB, "NVIDIA H200", True, 16384),  # vLLM's LLM class on an H100/H200
+        ("cuda", 141 * GIB, "NVIDIA H200", False, 8192),  # vLLM's OpenAI server there
+        ("cuda", 80 * GIB, "NVIDIA A100-SXM4-80GB", True, 8192),  # A100s keep the small budget (vLLM PR 17885)
+        ("cuda", 80 * GIB, "NVIDIA A100-SXM4-80GB", False, 2048),
+        ("cuda", 24 * GIB, "NVIDIA L4", True, 8192),
+        ("cuda", 24 * GIB, "NVIDIA L4", False, 2048),
+        ("cpu", 0, "", True, 2048),
+        ("cpu", 0, "", False, 2048),
+    ],
+)
+def test_an_unset_token_budget_follows_the_device(device_type, memory, name, offline, budget):
+    assert default_max_num_batched_tokens(device_type, memory, name, offline) == budget
+
+
+def test_the_engine_resolves_the_budget_and_keeps_a_given_one():
+    from splitserve.engine import LLM
+
+    assert LLM(load_format="dummy", device="cpu", num_kv_blocks=64).engine.info.max_num_batched_tokens == 2048
+    engine = LLM(load_format="dummy", device="cpu", num_kv_blocks=64, max_num_batched_tokens=300).engine
+    assert (engine.info.max_num_batched_tokens, engine.scheduler.max_num_batched_tokens) == (300, 300)
 
 
 def test_flags_override_env_which_overrides_defaults():

@@ -68,7 +68,14 @@ class EngineConfig:
         max=1 << 40,
     )
     max_num_seqs: int = option(256, "most requests in the running batch", min=1, max=4096)
-    max_num_batched_tokens: int = option(2048, "token budget of one step (chunks long prompts)", min=1, max=1 << 20)
+    max_num_batched_tokens: int | None = option(
+        None,
+        "token budget of one step (chunks long prompts); unset = vLLM's rule: on a CUDA device of 70 GiB or more "
+        "(not an A100) 16,384 for the offline LLM and 8,192 for a service, on other CUDA devices 8,192 / 2,048, "
+        "on CPU 2,048",
+        min=1,
+        max=1 << 20,
+    )
     max_model_len: int | None = option(None, "context limit in tokens; unset = the model's", min=1, max=1 << 22)
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes")
     scheduling_policy: str = option("fcfs", "order of waiting requests", choices=("fcfs", "priority"))
@@ -103,3 +110,17 @@ class RuntimeInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    max_num_batched_tokens: int  # the config's, else default_max_num_batched_tokens
+
+
+def default_max_num_batched_tokens(device_type: str, total_memory: int, device_name: str, offline: bool) -> int:
+    """A step's token budget when --max-num-batched-tokens is unset, by vLLM's rule: a large budget where the
+    device has the memory and compute for it (fewer, device-bound prefill steps), small on CPU.
+
+    `total_memory` in bytes (CUDA only), `offline` = the offline LLM API (a throughput job, no latency to keep).
+    """
+    if device_type != "cuda":
+        return 2048
+    if total_memory >= 70 * 2**30 and "a100" not in device_name.lower():
+        return 16384 if offline else 8192
+    return 8192 if offline else 2048
