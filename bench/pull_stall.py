@@ -1,15 +1,16 @@
 """Does a KV pull stall the decode's other streams? Running requests' inter-token latency while pulls of
 long prompts arrive, against the same decode with no arrivals (issue 17).
 
-    python -m bench.pull_stall --transport cuda_ipc --device cuda:0 --config bench/configs/qwen3-0.6b.json \\
+    python -m bench.pull_stall --transports cuda_ipc --device cuda:0 --config bench/configs/qwen3-0.6b.json \\
         --rates 0,2,8 --json out.json                         (one GPU: prefill and decode both on cuda:0)
-    python -m bench.pull_stall --transport shm --device cpu   (CPU, the embedded default model)
+    python -m bench.pull_stall --transports shm,nccl --device cpu --config bench/configs/llama-tiny-cpu.json
+                                                              (CPU: shm, and nccl's CPU path, gloo; a tiny model)
 
-A prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
+Per transport a prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
 prompts, long outputs) run on the decode; `--prompt-len`-token prompts are prefilled ahead and held under
 lease, then handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after
-one token). The table gives p50/p99/max of the running requests' gaps between token deltas during that
-window, and p99 against the rate-0 run of the same process pair.
+one token). The table (printed last; `--json` keeps the rows) gives p50/p99/max of the running requests' gaps
+between token deltas during that window, and p99 against the rate-0 run of the same process pair.
 """
 
 from __future__ import annotations
@@ -116,12 +117,48 @@ async def one_rate(args, rate: float, p_addr: str, d_addr: str, seed: int) -> di
     }
 
 
+def run_transport(args, transport: str, logs: Path) -> list[dict]:
+    """Start a prefill and a decode over `transport`, and measure each rate on that pair."""
+    engine = ["--device", args.device, *engine_flags(args, max_num_seqs=args.num_running + 16)]
+    if args.config:
+        engine += ["--model", args.config, "--load-format", "dummy"]
+    p_port, d_port = free_port(), free_port()
+    prefill = decode = None
+    rows = []
+    try:
+        prefill = start(
+            "prefill",
+            engine + ["--port", str(p_port), "--kv-transport", transport, "--lease-s", "600"],
+            logs / f"prefill-{transport}.log",
+        )
+        decode = start(
+            "decode",
+            engine + ["--port", str(d_port), "--kv-transport", transport, "--prefill-peers", f"127.0.0.1:{p_port}"],
+            logs / f"decode-{transport}.log",
+        )
+        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+            row = asyncio.run(one_rate(args, rate, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", i))
+            rows.append({"transport": transport_label(transport, args.device), **row})
+    finally:
+        for proc in (decode, prefill):
+            if proc is not None:
+                stop(proc)
+    return rows
+
+
+def transport_label(transport: str, device: str) -> str:
+    return "gloo" if transport == "nccl" and device == "cpu" else transport  # the nccl transport runs gloo on CPU
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--transport", default="shm", choices=("shm", "cuda_ipc", "nccl"))
+    ap.add_argument(
+        "--transports", default="shm", help="comma-separated, of shm, cuda_ipc, nccl (gloo on CPU); one pair each"
+    )
     ap.add_argument("--device", default="cpu", help="device of both processes (cpu, cuda:0)")
     ap.add_argument("--config", default="", help="model config.json (dummy weights); empty = the embedded model")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="both services'")
     ap.add_argument("--vocab", type=int, default=8000, help="token ids are drawn below this")
     ap.add_argument("--rates", default="0,2,8", help="pull arrivals per second, comma-separated")
     ap.add_argument("--num-running", type=int, default=32)
@@ -132,43 +169,30 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=16384)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    engine = ["--device", args.device, *engine_flags(args, max_num_seqs=args.num_running + 16)]
-    if args.config:
-        engine += ["--model", args.config, "--load-format", "dummy"]
-    p_port, d_port = free_port(), free_port()
+    transports = args.transports.split(",")
+    unknown = sorted(set(transports) - {"shm", "cuda_ipc", "nccl"})
+    if unknown:
+        ap.error(f"--transports: {', '.join(unknown)} not among shm, cuda_ipc, nccl")
     logs = Path(tempfile.mkdtemp(prefix="pull-stall-"))
-    prefill = decode = None
     rows = []
-    try:
-        prefill = start(
-            "prefill",
-            engine + ["--port", str(p_port), "--kv-transport", args.transport, "--lease-s", "600"],
-            logs / "prefill.log",
-        )
-        decode = start(
-            "decode",
-            engine
-            + ["--port", str(d_port), "--kv-transport", args.transport, "--prefill-peers", f"127.0.0.1:{p_port}"],
-            logs / "decode.log",
-        )
-        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-            rows.append(asyncio.run(one_rate(args, rate, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", i)))
-            if args.json:
-                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    finally:
-        for proc in (decode, prefill):
-            if proc is not None:
-                stop(proc)
-    base = next((r["itl_p99_ms"] for r in rows if r["rate_per_s"] == 0), float("nan"))
+    for transport in transports:
+        rows += run_transport(args, transport, logs)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(
-        f"\npull stall: {args.transport} on {args.device}, {args.num_running} running, "
-        f"{args.prompt_len}-token pulls, {args.duration_s:g} s windows (logs {logs})"
+        f"\npull stall on {args.device}: {args.num_running} running, {args.prompt_len}-token pulls, "
+        f"{args.duration_s:g} s windows (logs {logs})"
     )
-    print(f"{'pulls/s':>8}{'pulls':>7}{'gaps':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'p99/rate0':>11}")
+    print(
+        f"{'transport':>10}{'pulls/s':>8}{'pulls':>7}{'gaps':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+        f"{'p99/rate0':>11}"
+    )
     for r in rows:
+        base = next((b["itl_p99_ms"] for b in rows if b["transport"] == r["transport"] and b["rate_per_s"] == 0), None)
+        ratio = f"{r['itl_p99_ms'] / base:>11.2f}" if base else f"{'-':>11}"
         print(
-            f"{r['rate_per_s']:>8g}{r['pulls']:>7}{r['gaps']:>7}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}"
-            f"{r['itl_max_ms']:>9.2f}{r['itl_p99_ms'] / base:>11.2f}"
+            f"{r['transport']:>10}{r['rate_per_s']:>8g}{r['pulls']:>7}{r['gaps']:>7}{r['itl_p50_ms']:>9.2f}"
+            f"{r['itl_p99_ms']:>9.2f}{r['itl_max_ms']:>9.2f}{ratio}"
         )
     return 0
 
