@@ -29,8 +29,12 @@
 #   bash bench/gpu_checks.sh 8   one GPU: does a KV pull stall the other streams? bench/pull_stall.py, prefill and
 #                                decode processes on cuda:0 over cuda_ipc, Qwen3-0.6B shape (dummy weights),
 #                                32 running requests, 2,048-token pulls arriving at 0, 2 and 8 per second
+#   bash bench/gpu_checks.sh 9   one GPU: GPU tests of the engine, the core loop and the runner; structured output
+#                                on the device (bench/structured_gpu.py); the nano-vllm workload sync vs async
+#                                with the device's busy share at the default token budget; the 8B-shape decode
+#                                step at batch 1 and 128, sync vs async (issues 17, 18, 20)
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1-8}
+stage=${1:?usage: bash bench/gpu_checks.sh 1-9}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -50,6 +54,21 @@ handoff() {  # $1 = seconds allowed, $2 = json name, the rest = flags
 }
 
 case $stage in
+9)
+    echo "== GPU tests: engine, core loop, runner, sampler"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_core_loop.py \
+        tests/test_model_runner.py tests/test_sampler.py 2>&1 | tail -8
+    echo "== structured output on the device"
+    timeout 150 python3 -m bench.structured_gpu --device cuda --json "$OUT/structured.json" 2>&1 | tail -22
+    echo "== nano-vllm workload, sync vs async, default token budget, device busy share"
+    timeout 200 python3 -m bench.offline_throughput --engines splitserve --workload nanovllm \
+        --config bench/configs/qwen3-0.6b.json --dtype bfloat16 --device cuda --scheduling sync,async \
+        --gpu-busy --json "$OUT/nanovllm.json" 2>&1 | grep -v "^{"
+    echo "== 8B-shape decode step, sync vs async"
+    timeout 200 python3 -m bench.offline_throughput --workload fixed --engines splitserve \
+        --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 \
+        --scheduling sync,async --json "$OUT/fixed.json" 2>&1 | grep -v "^{"
+    ;;
 8)
     timeout 500 python3 -m bench.pull_stall --transports cuda_ipc --device cuda:0 --dtype bfloat16 \
         --config bench/configs/qwen3-0.6b.json --vocab 150000 --rates 0,2,8 --num-running 32 \
