@@ -13,7 +13,7 @@ bash scripts/install.sh .venv-test --fresh || { echo "install failed"; exit 1; }
 echo "install took $(( $(date +%s) - start )) s"
 bash scripts/lint.sh .venv-test || { echo "lint failed (scripts/lint.sh)"; exit 1; }
 echo "lint passed"
-.venv-test/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv-test/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 echo "suite finished in $(( $(date +%s) - start )) s (pytest exit code $rc)"
 if [ "$rc" -eq 5 ]; then echo "no tests were collected: failing"; exit 1; fi
