@@ -214,7 +214,7 @@ class PullCoordinator:
         reason = done.error or f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
         if done.error is None:
             # the copy happened but the lease may have lapsed meanwhile: discard it
-            self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+            self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute, error=reason))
             if not self.recompute:
                 self.hooks.fail_request(done.request_id, reason)
             else:
@@ -224,7 +224,7 @@ class PullCoordinator:
         self.link.pull_failed(pull.handle)
         self.counters.count("kv_pull_failures")
         log.warning("request_id=%s %s (policy %s)", done.request_id, reason, self.config.kv_load_failure_policy)
-        self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute))
+        self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute, error=reason))
         if self.recompute:
             self.counters.count("kv_pull_recomputes")
         else:

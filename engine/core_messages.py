@@ -69,11 +69,12 @@ class ImportKv:
 
 @dataclass
 class CommitImport:
-    """Decode role: the lease was still valid after the copy (ok) or not (recompute/fail)."""
+    """Decode role: the lease was still valid after the copy (ok) or not, or the pull failed (recompute/fail)."""
 
     request_id: str
     ok: bool
     recompute: bool = True
+    error: str = ""  # not ok and not recompute: what the request (and its forks) end with; empty: the lease's
 
 
 @dataclass

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from splitserve.engine import core_messages as m
-from splitserve.engine.kv_transfer.scheduling import KvScheduler
+from splitserve.engine.kv_transfer.scheduling import KvScheduler, forks_outliving
 
 log = logging.getLogger("splitserve.core")
 
@@ -151,26 +151,39 @@ class CoreLoop:
         except ValueError as exc:  # the request and its forks end here
             outs = [
                 RequestOutput(rid, [], finished=True, finish_reason="error", error=str(exc))
-                for rid in (msg.request_id, *msg.fork_ids)
+                for rid in (msg.request_id, *self.kv.live_forks(msg))
             ]
             self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
+            return
+        self.kv.admitted(msg.request_id)  # forks aborted while it compiled never run
 
     def on_abort(self, msg: m.Abort) -> None:
         from splitserve.engine.engine_core import RequestOutput
 
         ids = set(msg.request_ids)
-        compiling = [c for c, _ in self.compiling if c.request_id in ids]
-        self.compiling = [(c, f) for c, f in self.compiling if c.request_id not in ids]
-        # a pull in flight runs to its end, its blocks pinned till then; an import still waiting for room never
-        # reached the engine: it (and its aborted forks) ends here all the same
-        gone = self.kv.abort(msg.request_ids)
+        # requests not in the engine yet (compiling; an import waiting for room) end here, with the forks aborted
+        # with them; their other forks go on alone; a pull in flight runs to its end, its blocks pinned till then
+        gone = self._abort_compiling(ids) | self.kv.abort(msg.request_ids)
         outs = [
             RequestOutput(rid, [], finished=True, finish_reason="abort")
             for rid in msg.request_ids
             if self.engine.abort(rid) or rid in gone
         ]
-        outs += [RequestOutput(c.request_id, [], finished=True, finish_reason="abort") for c in compiling]
         self.outbox.append(m.StepBatch(outs, stats=self.engine.stats()))
+
+    def _abort_compiling(self, ids: set[str]) -> set[str]:
+        """Aborts among the requests waiting for their grammar: the ids that end here. The forks of an aborted
+        one that are not aborted wait for the same grammar as requests of their own."""
+        kept, gone = [], set()
+        for msg, future in self.compiling:
+            if msg.request_id in ids:
+                gone |= self.kv.drop_pending(msg, ids)
+                kept += [(fork, future) for fork in forks_outliving(msg, self.kv.live_forks(msg))]
+            else:
+                gone |= self.kv.note_aborted_forks(msg, ids)
+                kept.append((msg, future))
+        self.compiling = kept
+        return gone
 
     def on_release(self, msg: m.ReleaseHeld) -> None:
         self.engine.release_kv(msg.request_id)

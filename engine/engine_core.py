@@ -500,17 +500,18 @@ class EngineCore:
         self.scheduler.add_running(request)
         return None
 
-    def fail_import(self, request_id: str, recompute: bool) -> None:
-        """The pull failed: recompute the prompt locally, or drop the request."""
+    def fail_import(self, request_id: str, recompute: bool) -> list[str]:
+        """The pull failed: recompute the prompt locally (its forks fork once it is), or drop the request and
+        the forks waiting for its KV. Returns the forks dropped with it."""
         request = self.waiting_for_kv.pop(request_id)
         self.kv.free(request_id)
         if recompute:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             self.scheduler.add(request)
-        else:
-            request.status = RequestStatus.FINISHED_ERROR
-            self.forks.release(request_id)
+            return []
+        request.status = RequestStatus.FINISHED_ERROR
+        return self.forks.drop_children(request_id)
 
     # -- transfers in flight: blocks pinned -------------------------------------------------
     def pin_blocks(self, block_ids: list[int]) -> None:

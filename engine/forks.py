@@ -11,10 +11,11 @@ token is sampled from that position's logits with its own seed:
                                                 ^ copy-on-write: the child rewrites P-1 and goes on
 
 Full blocks are shared by reference count (engine/block_pool.py), the partial last block is
-copied on the device before any sequence writes past the prompt. A parent that ends before its
-prompt KV exists (aborted, failed import) leaves its children to compute their prompts
-themselves (the prefix cache still shares what it can); so does a child whose copy finds no
-free block.
+copied on the device before any sequence writes past the prompt. A parent aborted before its
+prompt KV exists leaves its children to compute their prompts themselves (the prefix cache still
+shares what it can); so does a child whose copy finds no free block. A parent whose pulled KV
+failed under kv_load_failure_policy fail ends its children with it (`drop_children`): the policy
+says the decode does not prefill that prompt, for any of its sequences.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class ParallelSampling:
         for child in self._children.pop(parent_id, []):
             del self._parent_of[child.request_id]
             self._scheduler.add(child)
+
+    def drop_children(self, parent_id: str) -> list[str]:
+        """Forget the children of `parent_id` not forked yet (they end with it); their ids."""
+        children = self._children.pop(parent_id, [])
+        for child in children:
+            del self._parent_of[child.request_id]
+        return [child.request_id for child in children]
 
     def drop(self, child_id: str) -> bool:
         """Forget a waiting child (aborted); False if `child_id` is none."""

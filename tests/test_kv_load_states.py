@@ -9,6 +9,9 @@ accounting (issue 17). The request waits in WAITING_FOR_KV from ImportKv until i
     Abort: while the pull runs (test_core_loop), after it ended but before the commit, or while waiting for room
     (here); shutdown with a pull in flight (test_core_loop); drain (a SIGTERMed decode: tests/test_drain.py).
     Preemption: running requests are preempted around a load; its blocks stay its own (here).
+    Forks (n > 1) of a load: recomputed with it, ended with it under policy fail, outliving it when it is aborted
+    in flight; one aborted while its import waits for room never runs, the others go on (here; the commit:
+    test_core_loop; waiting for a grammar: test_structured_output).
 
 The prefill engine stands for the prefill service: a request it holds (`held`) is one under lease; the test
 releases it where the decode service's ReleaseKv would. Block counts are the decode pool's free blocks.
@@ -167,3 +170,120 @@ def test_running_requests_are_preempted_around_a_load_whose_blocks_stay_its_own(
     d.until(lambda: "x" in d.finished, 30, "x never finished")
     assert [x.first_token_id, *d.tokens["x"]] == greedy[0]
     assert counts(d) == (d.baseline, 0, 0)
+
+
+# -- forks (n > 1): the sequences of one request share its pulled KV (engine/forks.py) ---------------------------
+FORKS = ["x~1", "x~2"]
+
+
+def test_forks_end_with_a_load_that_fails_under_policy_fail(model, prefill, decode, device):
+    """Policy fail: the decode prefills nothing of that prompt, for any sequence: the forks waiting for the KV end
+    with the request's error; every block comes back."""
+    _, prompts, _ = model
+    d = decode(Gate(opened=True), fail=RuntimeError("injected: prefill gone"))
+    x = prefilled(prefill, "x", prompts[1])
+    x.fork_ids = list(FORKS)
+    d.send(x)
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert not done.ok and counts(d) == (d.baseline - num_prompt_blocks(prompts[1], device), 1, 0)
+    assert prefill[0].release_kv("x")
+    d.send(m.CommitImport("x", ok=False, recompute=False, error=done.error))
+    d.until(lambda: {"x", *FORKS} <= d.finished.keys(), 10, "not every sequence ended")
+    ends = {rid: (d.tokens[rid], d.finished[rid].finish_reason, d.finished[rid].error) for rid in ("x", *FORKS)}
+    assert ends == dict.fromkeys(("x", *FORKS), ([], "error", "KV pull from p0 failed: injected: prefill gone"))
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+def test_forks_of_a_load_recomputed_by_policy_fork_from_the_recompute_with_the_exact_tokens(
+    model, prefill, decode, device
+):
+    _, prompts, greedy = model
+    d = decode(Gate(opened=True), fail=RuntimeError("injected: prefill gone"))
+    x = prefilled(prefill, "x", prompts[0])
+    x.fork_ids = list(FORKS)
+    d.send(x)
+    d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert prefill[0].release_kv("x")
+    d.send(m.CommitImport("x", ok=False, recompute=True))
+    d.until(lambda: {"x", *FORKS} <= d.finished.keys(), 30, "not every sequence finished")
+    assert [x.first_token_id, *d.tokens["x"]] == d.tokens["x~1"] == d.tokens["x~2"] == greedy[0]
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+def test_forks_of_a_load_aborted_in_flight_compute_the_prompt_themselves(model, prefill, decode, device):
+    """The request is aborted while its pull runs: its forks outlive it (engine/forks.py), each prefilling the
+    prompt itself with the exact tokens; the aborted pull's blocks come back when the copy ends."""
+    _, prompts, greedy = model
+    gate = Gate()
+    d = decode(gate)
+    x = prefilled(prefill, "x", prompts[3])
+    x.fork_ids = list(FORKS)
+    d.send(x)
+    d.until(lambda: gate.entered.is_set(), 10, "the pull never started")
+    d.send(m.Abort(["x"]))
+    d.until(lambda: {"x", *FORKS} <= d.finished.keys(), 30, "not every sequence ended")
+    assert (d.finished["x"].finish_reason, d.tokens["x"]) == ("abort", [])
+    assert d.tokens["x~1"] == d.tokens["x~2"] == greedy[3]
+    assert counts(d) == (d.baseline - num_prompt_blocks(prompts[3], device), 0, 0)  # the copy still holds them
+    gate.gate.set()
+    d.until(lambda: counts(d) == (d.baseline, 0, 0), 10, "the aborted pull's blocks were never freed")
+    assert not d.done and prefill[0].release_kv("x")
+
+
+def waiting_for_room(model, prefill, decode, device):
+    """`a` runs in a pool that cannot also hold x's prompt: x (forks x~1, x~2) waits for room until `a` ends.
+    Returns (driver, gate, x, a's greedy tokens)."""
+    _, prompts, greedy = model
+    block_size = ENGINES[device]["block_size"]
+    num_blocks = num_prompt_blocks(prompts[1], device) + num_prompt_blocks(prompts[0], device) - 1
+    max_tokens = min(GREEDY.max_tokens, num_blocks * block_size - len(prompts[1]))  # a fits alone to its end
+    params = GREEDY.__class__(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    gate = Gate(opened=True)
+    d = decode(gate, num_kv_blocks=num_blocks)
+    d.send(m.AddRequest("a", prompts[1], params))
+    d.until(lambda: len(d.tokens["a"]) >= 1, 10, "a never started")
+    x = prefilled(prefill, "x", prompts[0])
+    x.fork_ids = list(FORKS)
+    seen = len(d.tokens["a"])
+    d.send(x)
+    d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile
+    assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x waits for room: nothing allocated
+    return d, gate, x, greedy[1][:max_tokens]
+
+
+def test_a_fork_aborted_while_its_import_waits_for_room_never_runs(model, prefill, decode, device):
+    _, prompts, greedy = model
+    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
+    d.send(m.Abort(["x~1"]))
+    d.until(lambda: "x~1" in d.finished, 10, "no abort output for the fork")
+    assert (d.finished["x~1"].finish_reason, d.tokens["x~1"]) == ("abort", [])
+    d.until(lambda: d.done.get("x"), 30, "x never got room")  # `a` ended; x imported then, pulled once
+    assert d.tokens["a"] == a_tokens and prefill[0].release_kv("x")
+    d.send(m.CommitImport("x", ok=True))
+    d.until(lambda: {"x", "x~2"} <= d.finished.keys(), 30, "x and x~2 never finished")
+    assert [x.first_token_id, *d.tokens["x"]] == d.tokens["x~2"] == greedy[0]
+    assert d.tokens["x~1"] == [] and [o.request_id for o in outputs(d) if o.request_id == "x~1"] == ["x~1"]
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+def test_an_import_waiting_for_room_aborted_after_one_fork_leaves_the_other_to_run_alone(
+    model, prefill, decode, device
+):
+    """The gateway aborts a request's sequences one by one: x~1 first, then x, while x waits for room. x and x~1
+    end (abort) and never run; x~2, not aborted, prefills the prompt itself once `a` leaves room: exact tokens."""
+    _, prompts, greedy = model
+    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
+    d.send(m.Abort(["x~1"]))
+    d.send(m.Abort(["x"]))
+    d.until(lambda: {"x", "x~1", "x~2", "a"} <= d.finished.keys(), 30, "not every request ended")
+    assert {r: (d.finished[r].finish_reason, d.tokens[r]) for r in ("x", "x~1")} == dict.fromkeys(
+        ("x", "x~1"), ("abort", [])
+    )
+    assert d.tokens["x~2"] == greedy[0] and d.tokens["a"] == a_tokens
+    assert not gate.entered.is_set() and "x" not in d.done  # x never allocated, never pulled
+    assert prefill[0].release_kv("x")  # the service releases the lease of a cancelled pull
+    assert counts(d) == (d.baseline, 0, 0)
+
+
+def outputs(d) -> list:
+    return [o for b in d.received if isinstance(b, m.StepBatch) for o in b.outputs]

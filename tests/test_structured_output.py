@@ -451,6 +451,64 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
         driver.stop()
 
 
+def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_the_gateway_sends_them():
+    """n > 1 with a spec: the gateway aborts a request's sequences one message each. A fork aborted while its
+    request compiles ends at once and never reaches the engine (the engine drops it when the request arrives);
+    the request aborted before its last fork leaves that fork to wait for the grammar alone, seeded as it would
+    have been forked (seed + its index)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from splitserve.engine import core_messages as m
+    from tests.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
+
+    futures: dict[str, Future] = {}
+
+    class GrammarEngine(Engine):
+        def __init__(self, pipe):
+            super().__init__(pipe, has_work=False)
+            self.calls: list[tuple] = []  # ("add", id, fork ids, seed) | ("abort", id)
+            self.grammars = SimpleNamespace(prepare=lambda spec: futures.setdefault(spec.regex, Future()))
+
+        def add_request(self, request_id, prompt, params, fork_ids=(), priority=0, seed=None):
+            self.calls.append(("add", request_id, list(fork_ids), seed))
+
+        def abort(self, request_id):
+            self.calls.append(("abort", request_id))
+            return False
+
+    pipe = Pipe()
+    engine = GrammarEngine(pipe)
+    driver = Driver(engine, FakeConnector(Gate(opened=True)), pipe).start()
+    try:
+        forks = ["g~1", "g~2", "g~3"]
+        params = SamplingParams(structured_output=StructuredOutput(regex="a+"))
+        driver.send(m.AddRequest("g", [1, 2], params, seed=40, fork_ids=forks))
+        driver.send(
+            m.AddRequest(
+                "h", [1, 2], SamplingParams(structured_output=StructuredOutput(regex="b+")), 0, 7, ["h~1", "h~2"]
+            )
+        )
+        driver.send(m.Abort(["g~1"]), m.Abort(["h~2"]))
+        driver.until(lambda: {"g~1", "h~2"} <= driver.finished.keys(), 10, "no abort output for the forks")
+        driver.send(m.Abort(["g", "g~3"]))  # g and one more fork at once; g~2 is left
+        driver.until(lambda: {"g", "g~3"} <= driver.finished.keys(), 10, "no abort output for g")
+        assert {r: driver.finished[r].finish_reason for r in ("g", "g~1", "g~3", "h~2")} == dict.fromkeys(
+            ("g", "g~1", "g~3", "h~2"), "abort"
+        )
+        assert [c for c in engine.calls if c[0] == "add"] == []  # nothing reached the engine yet
+        futures["a+"].set_result(None)
+        futures["b+"].set_result(None)
+        driver.until(lambda: len([c for c in engine.calls if c[0] == "add"]) == 2, 10, "nothing was admitted")
+        adds = [c for c in engine.calls if c[0] == "add"]
+        # g~2 alone with g's seed + 2; h with both forks (their seeds stay seed + index), then h~2 dropped
+        assert sorted(adds) == [("add", "g~2", [], 42), ("add", "h", ["h~1", "h~2"], 7)]
+        assert engine.calls[engine.calls.index(("add", "h", ["h~1", "h~2"], 7)) + 1] == ("abort", "h~2")
+        assert driver.loop.kv.aborted_forks == {}
+    finally:
+        driver.stop()
+
+
 def test_parallel_sequences_each_follow_the_grammar(llm):
     """n > 1 (engine/forks.py): every forked sequence has a matcher of its own (made from the spec like the
     parent's) and its own seed; each output is inside the grammar and ends with stop."""

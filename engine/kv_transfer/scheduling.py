@@ -13,6 +13,12 @@ turns what the connector reports into the messages its service waits for. The lo
              Abort ─▶ forget: no ImportDone; the engine frees the request, the pin keeps the blocks until the end
     prefill  SendBlocks ─▶ start_send: pin the blocks ─▶ poll(): ended ─▶ unpin ─▶ Reply
 
+Forks (n > 1, engine/forks.py): an import's `fork_ids` fork from its pulled KV when it commits; under policy
+fail they end with it. A request not in the engine yet (waiting for room here, or for its grammar in the core
+loop) is a message: aborting it ends it here, and its forks not aborted with it go on as requests of their own
+(local prefill, seeded as they would have been); a fork aborted on its own is noted (`aborted_forks`) and
+dropped when its request reaches the engine, so it never runs.
+
 Core loop thread only. One thing crosses from a worker other than its result: a receive's NeedSend
 (`send_now`, the pipe under the loop's send lock), so the prefill is asked when the receive is about to start.
 """
@@ -40,6 +46,7 @@ class KvScheduler:
         self.emit = emit
         self.send_now = send_now
         self.waiting_for_room: list[m.ImportKv] = []  # imports the pool cannot hold yet; retried each turn
+        self.aborted_forks: dict[str, set[str]] = {}  # request not in the engine yet -> its forks aborted already
 
     @property
     def num_in_flight(self) -> int:
@@ -73,11 +80,12 @@ class KvScheduler:
                 msg.fork_ids,
             )
         except ValueError as exc:  # a bad request, not a failed pull: it ends here, and its forks
-            self._end(msg.request_id, str(exc), msg.fork_ids)
+            self._end(msg.request_id, str(exc), self.live_forks(msg))
             return
         if started is None:
             self.waiting_for_room.append(msg)
             return
+        self.admitted(msg.request_id)
         self._start_load(msg, *started)  # the request waits in WAITING_FOR_KV; the loop steps on
 
     def retry_imports(self) -> None:
@@ -139,29 +147,58 @@ class KvScheduler:
             if done is not None:  # the first token already ended it
                 self.emit(m.StepBatch([done], stats=self.engine.stats()))
             return
-        self.engine.fail_import(msg.request_id, recompute=msg.recompute)
+        forks = self.engine.fail_import(msg.request_id, recompute=msg.recompute)
         if not msg.recompute:
-            self._end(msg.request_id, "KV lease was no longer valid after the copy")
+            self._end(msg.request_id, msg.error or "KV lease was no longer valid after the copy", forks)
 
     def abort(self, request_ids: list[str]) -> set[str]:
         """Aborted requests: no longer waiting for room (the forks of one that was outlive it: each computes the
-        prompt itself, engine/forks.py); a pull in flight runs to its end (blocks pinned till then) and reports
-        nothing. The engine frees the requests themselves. Returns the ids that were waiting for room (with their
-        aborted forks): the engine never had them."""
+        prompt itself, engine/forks.py); a fork aborted while its request waits for room is noted, never created;
+        a pull in flight runs to its end (blocks pinned till then) and reports nothing. The engine frees the
+        requests it has. Returns the ids that ended here: the engine never had them."""
         ids = set(request_ids)
-        dropped = [p for p in self.waiting_for_room if p.request_id in ids]
-        self.waiting_for_room = [p for p in self.waiting_for_room if p.request_id not in ids]
-        for pull in dropped:
-            for i, fork_id in enumerate(pull.fork_ids, start=1):
-                if fork_id not in ids:
+        ended: set[str] = set()
+        waiting = []
+        for pull in self.waiting_for_room:
+            if pull.request_id in ids:
+                ended |= self.drop_pending(pull, ids)
+                for fork in forks_outliving(pull, self.live_forks(pull)):
                     self.engine.add_request(
-                        fork_id, pull.prompt_token_ids, pull.params, priority=pull.priority, seed=pull.seed + i
+                        fork.request_id, fork.prompt_token_ids, fork.params, priority=fork.priority, seed=fork.seed
                     )
+            else:
+                ended |= self.note_aborted_forks(pull, ids)
+                waiting.append(pull)
+        self.waiting_for_room = waiting
         for request_id in request_ids:
             self.connector.forget(request_id)
-        return {p.request_id for p in dropped} | {f for p in dropped for f in p.fork_ids if f in ids}
+        return ended
+
+    # -- forks of requests not in the engine yet (waiting for room here; compiling in the core loop) ------------
+    def note_aborted_forks(self, msg: m.AddRequest | m.ImportKv, ids: set[str]) -> set[str]:
+        """Note the forks of `msg` (not in the engine yet) that `ids` aborts; they end now. Returns them."""
+        aborted = ids.intersection(msg.fork_ids)
+        if aborted:
+            self.aborted_forks.setdefault(msg.request_id, set()).update(aborted)
+        return aborted
+
+    def drop_pending(self, msg: m.AddRequest | m.ImportKv, ids: set[str]) -> set[str]:
+        """`msg` (not in the engine yet) is aborted: it and the forks `ids` aborts with it end now. Returns them;
+        `live_forks(msg)` then gives the forks that go on."""
+        return {msg.request_id} | self.note_aborted_forks(msg, ids)
+
+    def live_forks(self, msg: m.AddRequest | m.ImportKv) -> list[str]:
+        """The forks of `msg` not aborted (and forgets the aborted ones): those that end with it, or go on."""
+        aborted = self.aborted_forks.pop(msg.request_id, set())
+        return [f for f in msg.fork_ids if f not in aborted]
+
+    def admitted(self, request_id: str) -> None:
+        """`request_id` reached the engine: its forks aborted before it did go (they never run)."""
+        for fork_id in sorted(self.aborted_forks.pop(request_id, ())):
+            self.engine.abort(fork_id)
 
     def _end(self, request_id: str, error: str, fork_ids=()) -> None:
+        """End a request the engine does not hold (and its forks) with `error`."""
         from splitserve.engine.engine_core import RequestOutput
 
         outs = [
@@ -191,3 +228,20 @@ class KvScheduler:
             self.emit(m.Reply(send.call_id, error=f"send to {send.pair} failed: {done.error}"))
         else:
             self.emit(m.Reply(send.call_id, done.result))
+
+
+def forks_outliving(msg: m.AddRequest | m.ImportKv, fork_ids: list[str]) -> list[m.AddRequest]:
+    """The forks `fork_ids` of `msg`, aborted before it reached the engine, as requests of their own: each computes
+    the prompt itself, seeded as its fork would have been (the request's seed + its index in `msg.fork_ids`)."""
+    base = msg.seed if msg.seed is not None else msg.params.seed
+    index = {fork_id: i for i, fork_id in enumerate(msg.fork_ids, start=1)}
+    return [
+        m.AddRequest(
+            fork_id,
+            msg.prompt_token_ids,
+            msg.params,
+            msg.priority,
+            base + index[fork_id] if base is not None else None,
+        )
+        for fork_id in fork_ids
+    ]
