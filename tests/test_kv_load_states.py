@@ -5,7 +5,8 @@ accounting (issue 17). The request waits in WAITING_FOR_KV from ImportKv until i
     pull ends ─▶ ImportDone(ok) ─▶ lease released: CommitImport(ok) ─▶ runs          (test_core_loop: "finish")
                                └▶ lease lost:     CommitImport(not ok) ─▶ recompute | error       (here)
     pull fails ─▶ ImportDone(error) ─▶ recompute (test_core_loop) | error                       (here)
-    past its deadline ─▶ ImportDone(error) at once, blocks pinned until it ends               (test_core_loop)
+    past its deadline ─▶ ImportDone(error) at once, blocks pinned until it ends: recompute (test_core_loop) | error
+                                                                                            (here)
     Abort: while the pull runs (test_core_loop), after it ended but before the commit, or while waiting for room
     (here); shutdown with a pull in flight (test_core_loop); drain (a SIGTERMed decode: tests/test_drain.py).
     Preemption: running requests are preempted around a load; its blocks stay its own (here).
@@ -170,6 +171,42 @@ def test_running_requests_are_preempted_around_a_load_whose_blocks_stay_its_own(
     d.until(lambda: "x" in d.finished, 30, "x never finished")
     assert [x.first_token_id, *d.tokens["x"]] == greedy[0]
     assert counts(d) == (d.baseline, 0, 0)
+
+
+def test_a_pull_past_its_deadline_under_policy_fail_ends_the_request_and_its_blocks_wait_for_the_copy(
+    model, prefill, decode, device
+):
+    """Timeout: the pull still runs at its deadline. ImportDone(error) comes then; the lease is still held until
+    the service releases it; policy fail ends the request with the service's reason; the blocks the copy writes
+    stay pinned until it ends, and only then come back, once."""
+    _, prompts, _ = model
+    gate = Gate()
+    d = decode(gate)
+    d.loop.connector.deadline_s = 0.3
+    x = prefilled(prefill, "x", prompts[2])
+    n = num_prompt_blocks(prompts[2], device)
+    d.send(x)
+    (done,) = d.until(lambda: d.done.get("x"), 10, "no ImportDone")
+    assert gate.entered.is_set() and not gate.ended.is_set()
+    assert (done.ok, done.error) == (
+        False,
+        "KV pull from p0 failed: the transfer did not end within 0.3 s (its blocks stay held until it does)",
+    )
+    assert counts(d) == (d.baseline - n, 1, 0) and "x" in prefill[0].held  # waiting for the verdict; under lease
+    assert prefill[0].release_kv("x")  # the service releases the lease of a failed pull
+    d.send(m.CommitImport("x", ok=False, recompute=False, error="KV pull from p0 failed: timed out"))
+    d.until(lambda: "x" in d.finished, 10, "x never ended")
+    assert (d.tokens["x"], d.finished["x"].finish_reason, d.finished["x"].error) == (
+        [],
+        "error",
+        "KV pull from p0 failed: timed out",
+    )
+    assert counts(d) == (d.baseline - n, 0, 0)  # the request is gone; the copy still writes its blocks
+    gate.gate.set()
+    d.until(lambda: counts(d) == (d.baseline, 0, 0), 10, "the late copy's blocks were never freed")
+    assert len(d.done["x"]) == 1  # its late end reports nothing more
+    d.stop()
+    assert sorted(d.loop.engine.pool.free_block_ids()) == list(range(ENGINES[device]["num_kv_blocks"]))
 
 
 # -- forks (n > 1): the sequences of one request share its pulled KV (engine/forks.py) ---------------------------

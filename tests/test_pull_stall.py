@@ -4,11 +4,13 @@ Four long greedy streams decode while one more request's prefill process is stop
 first token, before the decode's pull of its KV has begun (the decode's pulls wait 0.5 s first: an injected
 delay). The pull's receive (gloo: the nccl transport on CPU) then waits on a worker thread until the transfer
 timeout while the decode's core loop keeps stepping: no running stream goes 0.5 s without a token, and the
-stopped request ends by the failure policy (recompute: the decode prefills it itself) with the greedy tokens.
+stopped request ends by the failure policy once the timeout has passed: recompute (the decode prefills it itself,
+the greedy tokens) or fail (its first token, then the pull's error).
 """
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -40,9 +42,11 @@ def reference():
     return prompts, [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
 
-async def stream(stub, prompt: list[int], max_tokens: int, tokens: list, arrivals: list, on_first=None) -> None:
+async def stream(
+    stub, prompt: list[int], max_tokens: int, tokens: list, arrivals: list, on_first=None, errors=None
+) -> None:
     """Greedy tokens of one request into `tokens`; each message's arrival (monotonic s, tokens so far) into
-    `arrivals` (kept when the request is cancelled)."""
+    `arrivals` (kept when the request is cancelled). An error ends it: raised, or noted in `errors` when given."""
     request = generation_pb2.GenerateRequest(
         token_ids=generation_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
@@ -53,7 +57,9 @@ async def stream(stub, prompt: list[int], max_tokens: int, tokens: list, arrival
         if on_first is not None and len(arrivals) == 1:
             on_first()
         if message.error:
-            raise AssertionError(f"request failed: {message.error}")
+            if errors is None:
+                raise AssertionError(f"request failed: {message.error}")
+            errors.append(message.error)
 
 
 def largest_gap(arrivals: list, start: float, end: float) -> float:
@@ -62,7 +68,8 @@ def largest_gap(arrivals: list, start: float, end: float) -> float:
     return max((b - a for a, b in zip(times, times[1:]) if b > start and a < end), default=float("inf"))
 
 
-def test_running_streams_keep_their_pace_while_a_stopped_prefill_stalls_a_pull(reference, tmp_path):
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_running_streams_keep_their_pace_while_a_stopped_prefill_stalls_a_pull(reference, tmp_path, policy):
     prompts, greedy = reference
     timeout = ["--kv-transfer-timeout-s", str(TIMEOUT_S)]
     stack = Stack(
@@ -70,11 +77,13 @@ def test_running_streams_keep_their_pace_while_a_stopped_prefill_stalls_a_pull(r
         tmp_path,
         num_decode=1,
         prefill_args=[*timeout, "--lease-s", "5"],  # the stopped request's lease is never released: it expires
-        decode_args=[*timeout, "--num-kv-blocks", "2048"],  # room for the long streams (the last flag counts)
+        # room for the long streams (the last --num-kv-blocks counts)
+        decode_args=[*timeout, "--num-kv-blocks", "2048", "--kv-load-failure-policy", policy],
         decode_faults="pull_delay_ms=500",
     )
     prefill_pid = stack.procs["prefill"].popen.pid
     stopped_at: list[float] = []
+    errors: list[str] = []  # the stopped request's
 
     def stop_prefill() -> None:  # the victim's first token has reached the client: stop its prefill
         os.killpg(prefill_pid, signal.SIGSTOP)
@@ -94,7 +103,7 @@ def test_running_streams_keep_their_pace_while_a_stopped_prefill_stalls_a_pull(r
                     assert not any(t.done() for t in running), [t.exception() for t in running if t.done()]
                     await asyncio.sleep(0.05)
                 victim: list[int] = []
-                await stream(stub, prompts[-1], VICTIM_TOKENS, victim, [], on_first=stop_prefill)
+                await stream(stub, prompts[-1], VICTIM_TOKENS, victim, [], on_first=stop_prefill, errors=errors)
                 ended_at = time.monotonic()
                 os.killpg(prefill_pid, signal.SIGCONT)
                 assert not any(t.done() for t in running), "a running stream ended before the stall did"
@@ -111,9 +120,16 @@ def test_running_streams_keep_their_pace_while_a_stopped_prefill_stalls_a_pull(r
         assert max(gaps) < MAX_GAP_S, f"gaps {gaps} while the prefill was stopped for {ended_at - stopped:.2f} s"
         assert all(sum(1 for t, _ in a if stopped < t < ended_at) >= 10 for a in arrivals)  # tokens all along
         assert TIMEOUT_S <= ended_at - stopped < TIMEOUT_S + 10  # it ended by the policy, after the timeout
-        assert victim == greedy[-1][:VICTIM_TOKENS]  # recomputed on the decode: the same tokens
+        if policy == "recompute":
+            assert victim == greedy[-1][:VICTIM_TOKENS] and errors == []  # recomputed on the decode: same tokens
+        else:
+            assert victim == greedy[-1][:1]  # the prefill's first token, then the pull's error
+            (error,) = errors  # gloo's own words for the receive that timed out
+            pattern = r"decode instance decode-0@\d+: KV pull from prefill failed: .*Timed out waiting 2000ms for recv"
+            assert re.match(pattern, error), error
         assert [t[:CHECKED_TOKENS] for t in tokens] == greedy[:NUM_RUNNING]
-        assert (decode.counters["kv_pull_failures"], decode.counters["kv_pull_recomputes"]) == (1, 1)
+        recomputes = 1 if policy == "recompute" else 0
+        assert (decode.counters["kv_pull_failures"], decode.counters["kv_pull_recomputes"]) == (1, recomputes)
         assert all(f == t and leases == 0 for f, t, leases in loads.values()), loads
     finally:
         os.killpg(prefill_pid, signal.SIGCONT)
