@@ -125,11 +125,26 @@ def test_greedy_sequences_are_identical(stack, reference):
 
 
 def test_seeded_sequences_equal_separate_requests_with_the_derived_seeds(stack, reference):
+    """Disaggregated, the sequences fork from the KV the decode pulled through its connector: nothing of the
+    prompt computed on the decode (no local prefill, no recompute, no fork prefilling it: no prefix lookup)."""
     prompt, _, seeded = reference
+    before = asyncio.run(decode_counters(stack))
     tokens, _ = asyncio.run(sequences(stack.grpc_port, prompt, n=3, seed=SEED, **SEEDED))
     assert tokens == {i: seeded[i][0] for i in range(3)}
     assert len({tuple(t) for t, _ in seeded}) == 3  # the derived seeds do give three different sequences
+    if isinstance(stack, Stack):
+        after = asyncio.run(decode_counters(stack))
+        keys = ("prompt_tokens", "prefix_query_tokens", "kv_pull_failures", "kv_pull_recomputes")
+        assert {k: after.get(k, 0) - before.get(k, 0) for k in keys} == dict.fromkeys(keys, 0)
+        # the blocks past what the decode caches from earlier tests' pulls of this prompt
+        pulled = after.get("kv_blocks_pulled", 0) - before.get("kv_blocks_pulled", 0)
+        assert 0 <= pulled <= -(-len(prompt) // ENGINE["block_size"])
     wait_all_free(stack)
+
+
+async def decode_counters(stack) -> dict[str, int]:
+    address = stack.decodes[0] if isinstance(stack, Stack) else stack.worker
+    return dict((await describe(address, decode_pb2_grpc.DecodeStub)).counters)
 
 
 def test_best_of_returns_the_sequence_of_highest_cumulative_logprob(stack, reference):
