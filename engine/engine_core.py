@@ -467,6 +467,7 @@ class EngineCore:
         cached = self.kv.lookup_hashes(hashes)
         if not self.kv.allocate_slots(request, len(prompt_token_ids) - len(cached) * self.config.block_size, cached):
             return None
+        self.kv.keep_hashes(request_id, hashes)  # finish_import caches the blocks under these
         request.num_cached_tokens = len(cached) * self.config.block_size
         try:
             request.append_output(first_token_id, first_logprobs)  # a grammar starts over from the spec here

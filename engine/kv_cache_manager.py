@@ -42,6 +42,11 @@ class KvCacheManager:
             self._req_hashes[request.request_id] = hashes
         return hashes
 
+    def keep_hashes(self, request_id: str, hashes: list[bytes]) -> None:
+        """The hashes of a request's full prompt blocks, computed by the caller (an import's prefix lookup), kept
+        as its own: caching its blocks later hashes nothing again (a 2,048-token prompt: 128 sha256 blocks)."""
+        self._req_hashes[request_id] = hashes
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request, leaving >= 1 token to compute.
 

@@ -21,13 +21,16 @@ releases it where the decode service's ReleaseKv would. Block counts are the dec
 # ruff: noqa: F811 -- the fixtures (model, prefill, decode, device) are test_core_loop's, imported by name
 import pytest
 
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import core_messages as m
+from splitserve.engine import kv_cache_manager
 from tests.test_core_loop import (  # noqa: F401 (fixtures)
     ENGINES,
     GREEDY,
     Gate,
     decode,
     device,
+    engine_core,
     model,
     num_prompt_blocks,
     prefill,
@@ -324,3 +327,24 @@ def test_an_import_waiting_for_room_aborted_after_one_fork_leaves_the_other_to_r
 
 def outputs(d) -> list:
     return [o for b in d.received if isinstance(b, m.StepBatch) for o in b.outputs]
+
+
+def test_an_imported_prompt_is_cached_under_the_hashes_its_lookup_computed(model, device, monkeypatch):
+    """The core thread hashes an imported prompt once (its prefix lookup in begin_import), not again when the
+    import commits; the blocks are cached under those hashes: a second import of the prompt finds every full
+    block here and pulls only the partial last one."""
+    _, prompts, _ = model
+    prompt, block_size = prompts[0], ENGINES[device]["block_size"]
+    engine = engine_core(model, device, "decode")
+    calls = []
+    real = kv_cache_manager.hash_full_blocks
+    monkeypatch.setattr(kv_cache_manager, "hash_full_blocks", lambda *a: calls.append(len(a[0])) or real(*a))
+    one = SamplingParams(temperature=0, max_tokens=1)
+    blocks, num_local = engine.begin_import("x", prompt, one, 0, 5)
+    assert num_local == 0 and len(blocks) == num_prompt_blocks(prompt, device)
+    done = engine.finish_import("x")  # max_tokens 1: the first token ends it; its prompt blocks stay cached
+    assert (done.finish_reason, calls) == ("length", [])  # nothing hashed again
+    blocks_y, num_local_y = engine.begin_import("y", prompt, one, 0, 5)
+    assert num_local_y == len(prompt) // block_size and blocks_y[:num_local_y] == blocks[:num_local_y]
+    engine.abort("y")
+    assert engine.num_free_blocks == ENGINES[device]["num_kv_blocks"]
