@@ -3,8 +3,8 @@ long prompts arrive, against the same decode with no arrivals (issue 17).
 
     python -m bench.pull_stall --transports cuda_ipc --device cuda:0 --config bench/configs/qwen3-0.6b.json \\
         --rates 0,2,8 --json out.json                         (one GPU: prefill and decode both on cuda:0)
-    python -m bench.pull_stall --transports shm,nccl --device cpu --config bench/configs/llama-tiny-cpu.json
-                                                              (CPU: shm, and nccl's CPU path, gloo; a tiny model)
+    python -m bench.pull_stall --transports shm,nccl --device cpu --config bench/configs/llama-tiny-cpu.json \
+        --num-threads 1                                       (CPU: shm, and nccl's CPU path, gloo; a tiny model)
 
 Per transport a prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
 prompts, long outputs) run on the decode; `--prompt-len`-token prompts are prefilled ahead and held under
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +122,8 @@ async def one_rate(args, rate: float, p_addr: str, d_addr: str, seed: int) -> di
 def run_transport(args, transport: str, logs: Path) -> list[dict]:
     """Start a prefill and a decode over `transport`, and measure each rate on that pair."""
     engine = ["--device", args.device, *engine_flags(args, max_num_seqs=args.num_running + 16)]
+    if args.num_threads:
+        engine += ["--num-threads", str(args.num_threads)]
     if args.config:
         engine += ["--model", args.config, "--load-format", "dummy"]
     p_port, d_port = free_port(), free_port()
@@ -150,6 +154,17 @@ def transport_label(transport: str, device: str) -> str:
     return "gloo" if transport == "nccl" and device == "cpu" else transport  # the nccl transport runs gloo on CPU
 
 
+def commit() -> str:
+    """The checkout's commit (+ "-dirty" with uncommitted changes), or "" outside a git checkout."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=repo, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -167,6 +182,13 @@ def main(argv=None) -> int:
     ap.add_argument("--duration-s", type=float, default=5.0)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=16384)
+    ap.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads of each engine (0: torch's default); CPU runs: 1, so that the prefill's and the "
+        "decode's thread pools do not wait on each other's cores",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     transports = args.transports.split(",")
@@ -175,13 +197,16 @@ def main(argv=None) -> int:
         ap.error(f"--transports: {', '.join(unknown)} not among shm, cuda_ipc, nccl")
     logs = Path(tempfile.mkdtemp(prefix="pull-stall-"))
     rows = []
+    context = {"commit": commit(), "load_average_at_start": os.getloadavg()}
     for transport in transports:
         rows += run_transport(args, transport, logs)
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+            context["load_average_now"] = os.getloadavg()  # other work on the machine moves every ITL
+            Path(args.json).write_text(json.dumps({"args": vars(args), **context, "rows": rows}, indent=2))
     print(
         f"\npull stall on {args.device}: {args.num_running} running, {args.prompt_len}-token pulls, "
-        f"{args.duration_s:g} s windows (logs {logs})"
+        f"{args.duration_s:g} s windows; commit {context['commit']}, load average {os.getloadavg()[0]:.1f} "
+        f"(at start {context['load_average_at_start'][0]:.1f}; logs {logs})"
     )
     print(
         f"{'transport':>10}{'pulls/s':>8}{'pulls':>7}{'gaps':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
