@@ -40,6 +40,19 @@ def test_hashes_are_chained_stable_and_model_scoped():
     assert hash_full_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, EXTRA, parent_hashes=a[:1]) == a
 
 
+def test_a_long_prompt_hashes_block_by_block_as_hash_block_does():
+    """hash_full_blocks packs all the new blocks' ids at once: the same bytes as one hash_block per block, for
+    ids over 16 bits up to the largest uint32, from scratch and extending earlier hashes."""
+    ids = [(i * 2654435761) % 2**32 for i in range(2048)] + [2**32 - 1, 0, 7]  # 128 full blocks of 16, then 3
+    chain, parent = [], b""
+    for start in range(0, 2048, 16):
+        parent = hash_block(parent, ids[start : start + 16], EXTRA)
+        chain.append(parent)
+    assert hash_full_blocks(ids, 16, EXTRA) == chain
+    assert hash_full_blocks(ids, 16, EXTRA, parent_hashes=chain[:100]) == chain
+    assert hash_full_blocks(ids[:40], 16, EXTRA, parent_hashes=chain[:5]) == chain[:5]  # nothing new to hash
+
+
 def test_allocate_free_order_and_errors():
     pool = BlockPool(4)
     assert pool.allocate(3) == [0, 1, 2]
