@@ -125,26 +125,34 @@ def test_an_abort_after_the_copy_before_the_commit_frees_the_blocks_and_the_late
     assert counts(d) == (d.baseline, 0, 0) and d.tokens["x"] == [] and len(d.done["x"]) == 1
 
 
-def test_an_import_waiting_for_room_that_is_aborted_never_starts(model, prefill, decode, device):
-    """The pool holds `a` (its prompt's blocks and growth) but not `a` and x's prompt: x waits for room; aborted
-    there, it ends (abort), never allocates, never pulls, and the room `a` leaves stays free."""
+def waiting_for_room(model, prefill, decode, device, fork_ids=()):
+    """`a` runs in a pool that holds its prompt's blocks and growth but not also x's prompt: x (with `fork_ids`)
+    waits for room until `a` ends. Returns (driver, gate, x, a's greedy tokens)."""
     _, prompts, greedy = model
     block_size = ENGINES[device]["block_size"]
     num_blocks = num_prompt_blocks(prompts[1], device) + num_prompt_blocks(prompts[0], device) - 1
     max_tokens = min(GREEDY.max_tokens, num_blocks * block_size - len(prompts[1]))  # a fits alone to its end
     params = GREEDY.__class__(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    x = prefilled(prefill, "x", prompts[0])  # before `a` starts: `a` must not end while x is prefilled
+    x.fork_ids = list(fork_ids)
     gate = Gate(opened=True)
     d = decode(gate, num_kv_blocks=num_blocks)
     d.send(m.AddRequest("a", prompts[1], params))
     d.until(lambda: len(d.tokens["a"]) >= 1, 10, "a never started")
-    x = prefilled(prefill, "x", prompts[0])
     seen = len(d.tokens["a"])
     d.send(x)
     d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile
-    assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x is waiting for room: nothing allocated
+    assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x waits for room: nothing allocated
+    return d, gate, x, greedy[1][:max_tokens]
+
+
+def test_an_import_waiting_for_room_that_is_aborted_never_starts(model, prefill, decode, device):
+    """x waits for room; aborted there, it ends (abort), never allocates, never pulls, and the room `a` leaves
+    stays free."""
+    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
     d.send(m.Abort(["x"]))
     d.until(lambda: "a" in d.finished, 30, "a never finished")
-    assert d.tokens["a"] == greedy[1][:max_tokens] and counts(d) == (d.baseline, 0, 0)
+    assert d.tokens["a"] == a_tokens and counts(d) == (d.baseline, 0, 0)
     assert not gate.entered.is_set() and "x" not in d.done  # never allocated, never pulled
     assert (d.finished["x"].finish_reason, d.tokens["x"]) == ("abort", [])
     assert prefill[0].release_kv("x")  # the service releases the lease of a cancelled pull
@@ -270,30 +278,9 @@ def test_forks_of_a_load_aborted_in_flight_compute_the_prompt_themselves(model, 
     assert not d.done and prefill[0].release_kv("x")
 
 
-def waiting_for_room(model, prefill, decode, device):
-    """`a` runs in a pool that cannot also hold x's prompt: x (forks x~1, x~2) waits for room until `a` ends.
-    Returns (driver, gate, x, a's greedy tokens)."""
-    _, prompts, greedy = model
-    block_size = ENGINES[device]["block_size"]
-    num_blocks = num_prompt_blocks(prompts[1], device) + num_prompt_blocks(prompts[0], device) - 1
-    max_tokens = min(GREEDY.max_tokens, num_blocks * block_size - len(prompts[1]))  # a fits alone to its end
-    params = GREEDY.__class__(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    gate = Gate(opened=True)
-    d = decode(gate, num_kv_blocks=num_blocks)
-    d.send(m.AddRequest("a", prompts[1], params))
-    d.until(lambda: len(d.tokens["a"]) >= 1, 10, "a never started")
-    x = prefilled(prefill, "x", prompts[0])
-    x.fork_ids = list(FORKS)
-    seen = len(d.tokens["a"])
-    d.send(x)
-    d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile
-    assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x waits for room: nothing allocated
-    return d, gate, x, greedy[1][:max_tokens]
-
-
 def test_a_fork_aborted_while_its_import_waits_for_room_never_runs(model, prefill, decode, device):
     _, prompts, greedy = model
-    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
+    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device, FORKS)
     d.send(m.Abort(["x~1"]))
     d.until(lambda: "x~1" in d.finished, 10, "no abort output for the fork")
     assert (d.finished["x~1"].finish_reason, d.tokens["x~1"]) == ("abort", [])
@@ -312,7 +299,7 @@ def test_an_import_waiting_for_room_aborted_after_one_fork_leaves_the_other_to_r
     """The gateway aborts a request's sequences one by one: x~1 first, then x, while x waits for room. x and x~1
     end (abort) and never run; x~2, not aborted, prefills the prompt itself once `a` leaves room: exact tokens."""
     _, prompts, greedy = model
-    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
+    d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device, FORKS)
     d.send(m.Abort(["x~1"]))
     d.send(m.Abort(["x"]))
     d.until(lambda: {"x", "x~1", "x~2", "a"} <= d.finished.keys(), 30, "not every request ended")
