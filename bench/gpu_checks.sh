@@ -33,8 +33,10 @@
 #                                on the device (bench/structured_gpu.py); the nano-vllm workload sync vs async
 #                                with the device's busy share at the default token budget; the 8B-shape decode
 #                                step at batch 1 and 128, sync vs async (issues 17, 18, 20)
+#   bash bench/gpu_checks.sh 10  one GPU: every transition of an asynchronous load (the cuda_ipc copy on a side
+#                                stream, a decode engine with graphs) and of a send, as the CPU tests run them
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_checks.sh 1-9}
+stage=${1:?usage: bash bench/gpu_checks.sh 1-10}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/stage$stage.log") 2>&1
@@ -54,6 +56,10 @@ handoff() {  # $1 = seconds allowed, $2 = json name, the rest = flags
 }
 
 case $stage in
+10)
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_load_states.py \
+        tests/test_kv_send_states.py tests/test_core_loop.py 2>&1 | tail -15
+    ;;
 9)
     echo "== GPU tests: engine, core loop, runner, sampler"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_core_loop.py \
@@ -135,7 +141,7 @@ case $stage in
     handoff 150 handoff_overlapped --transports nccl --pacing overlapped --max-tokens 64 --variants plain,keepalive:2
     ;;
 *)
-    echo "stage must be 1-6, got $stage"
+    echo "stage must be 1-10, got $stage"
     exit 2
     ;;
 esac
