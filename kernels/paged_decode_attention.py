@@ -38,6 +38,7 @@ from splitserve.kernels._common import (
     num_sms,
     use_triton,
 )
+from splitserve.kernels.paged_decode_attention_fp8 import check_fp8_variant, launch_fp8_decode
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic constants (see choose_num_splits and docs/perf.md "Kernels").
@@ -243,28 +244,11 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     return out
 
 
-def paged_decode_attention_triton(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
-):
-    """Triton kernels; `config` overrides decode_config (benchmarks and tests only)."""
+def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu):
+    """`_decode_kernel`: any cache dtype; an fp8 cache's tiles upcast after loading (VARIANT "upcast")."""
     batch, num_q_heads, head_dim = q.shape
-    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q) if out is None else out
-    if batch == 0:
-        return out
-    on_cpu = interpreting(q)
-    cfg = dict(decode_config(head_dim, q.dtype, on_cpu, k_cache.dtype), **(config or {}))
-    if num_splits is None:
-        sms = 4 if on_cpu else num_sms(q.device.index or 0)
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    block_d = max(16, next_pow2(head_dim))
-    is_split = num_splits > 1
-    if is_split:
-        part_acc = torch.empty(batch * num_q_heads * num_splits * block_d, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(batch * num_q_heads * num_splits * 2, device=q.device, dtype=torch.float32)
-    else:
-        part_acc = part_ml = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -284,16 +268,51 @@ def paged_decode_attention_triton(
         group,
         BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=block_size,
         BLOCK_N=cfg["BLOCK_N"],
-        IS_SPLIT=is_split,
+        IS_SPLIT=num_splits > 1,
         DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype),
         DOT_F16=cfg.get("DOT_F16", fp8_dot_f16(q, k_cache)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+
+
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
+):
+    """Triton kernels; `config` overrides decode_config (benchmarks and tests only), and may pick an fp8
+    cache's tile variant: VARIANT "upcast" (default) or one of paged_decode_attention_fp8.FP8_VARIANTS."""
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    on_cpu = interpreting(q)
+    cfg = dict(decode_config(head_dim, q.dtype, on_cpu, k_cache.dtype), **(config or {}))
+    if num_splits is None:
+        sms = 4 if on_cpu else num_sms(q.device.index or 0)
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+    block_d = max(16, next_pow2(head_dim))
+    is_split = num_splits > 1
+    if is_split:
+        part_acc = torch.empty(batch * num_q_heads * num_splits * block_d, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(batch * num_q_heads * num_splits * 2, device=q.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # unused
+    variant = cfg.get("VARIANT", "upcast")
+    if variant == "upcast":
+        _launch_upcast(
+            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
+        )
+    else:
+        check_fp8_variant(variant, k_cache, head_dim)
+        grid_args = (batch, num_kv_heads, num_splits, on_cpu)
+        launch_fp8_decode(
+            grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, cfg
+        )
     if is_split:
         _merge_splits_kernel[(batch, num_q_heads)](
             part_acc,

@@ -1,0 +1,382 @@
+"""Paged decode attention over an fp8 (e4m3) cache: tile variants that keep the e4m3 bytes off the
+byte-wise shared-memory path (issue 19; docs/perf.md "FP8 paged decode attention").
+
+Why: the upcast kernel (paged_decode_attention.py, `DOT_F16`) lets Triton stage the e4m3 tile in shared
+memory and read it back into the 16-bit dot-operand layout, for V one byte at a time (Triton 3.6, sm_90,
+128-token tile: 128 `LDS.U8` per thread, ~1,350 SASS instructions in the loop for 32 KiB of K + V, where
+the bf16 kernel spends ~550 on the same bytes). Here each cache row is read as int32 words (4 e4m3 values,
+16-byte vectors per thread), converted in registers by inline PTX, and only the 16-bit tile goes on to
+the dots:
+
+    variant      dots                                                  loop SASS / 32 KiB (sm_90)
+    rows         S = q K^T, O += P V          (mma.sync, M = 16 padded heads)         ~700
+    tokens       S^T = K q^T, O^T += V^T P^T  (wgmma, M = BLOCK_N tokens)            ~550
+    tokens_qk8   tokens, S^T on e4m3 operands: wgmma reads K from shared memory as   ~460
+                 stored, q quantized per head in the kernel (QK8 1: one e4m3 q;
+                 QK8 2: q = hi + lo, two e4m3 dots, about a 16-bit q's error)
+
+Conversions (`CONV`): 0 = `cvt.rn.f16x2.e4m3x2` (two values an instruction, the values themselves);
+1 = integer operations (e4m3 bits << 7 are the f16 bits of value * 2^-8, the sign moved to bit 15: exact,
+3 integer instructions a pair; the 2^8 is folded into the scales). CONV 1 yields the bytes of a word in
+the order b0 b2 b1 b3, so tile column 4j + 1 holds head-dim index 4j + 2 and the other way round:
+q is loaded and the output stored through that same permutation (`_column_source`), which leaves
+q.k and the output unchanged. Under the interpreter (`INTERPRET`) the PTX is replaced by plain Triton
+operations computing the same values and dots run in float32, so CPU tests check the tiling, the
+column order and the scales; the PTX itself is checked on a GPU (tests on a GPU, bench/fp8_attention.py).
+
+Outputs and split-K partials are those of paged_decode_attention.py's `_decode_kernel` (its merge
+kernel finishes a split launch). Program ids: (sequence, KV head, split), or with HEADS_FIRST
+(KV head, sequence, split), so that programs running side by side read neighbouring heads' bytes of
+the same cache rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# variant name -> (TOKENS_M, QK8); "upcast" is paged_decode_attention.py's own kernel
+FP8_VARIANTS = {
+    "rows": (False, 0),
+    "tokens": (True, 0),
+    "tokens_qk8": (True, 1),
+    "tokens_qk8x2": (True, 2),
+}
+
+
+@triton.jit
+def _byte_value(b):
+    """An e4m3 byte (in an int32) -> its value as float16 (interpreter path)."""
+    return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _byte_shifted(b):
+    """An e4m3 byte (in an int32) -> float16 of its value / 256, by moving bits (interpreter path)."""
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _words_to_f16(w, CONV: tl.constexpr, INTERPRET: tl.constexpr):
+    """int32 words of 4 e4m3 bytes (b0 lowest) -> 4 float16 tensors x0..x3 (tile columns 4j + 0..3):
+    CONV 0 the values of b0 b1 b2 b3; CONV 1 the values / 256 of b0 b2 b1 b3."""
+    if INTERPRET:
+        b0 = w & 0xFF
+        b1 = (w >> 8) & 0xFF
+        b2 = (w >> 16) & 0xFF
+        b3 = (w >> 24) & 0xFF
+        if CONV == 0:
+            x0, x1, x2, x3 = _byte_value(b0), _byte_value(b1), _byte_value(b2), _byte_value(b3)
+        else:
+            x0, x1, x2, x3 = _byte_shifted(b0), _byte_shifted(b2), _byte_shifted(b1), _byte_shifted(b3)
+    elif CONV == 0:
+        # cvt.rn.f16x2.e4m3x2 d, h: the two bytes of h -> two f16 in d (low byte -> low half)
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 x, y;\n"
+            "mov.b32 {lo, hi}, $4;\n"
+            "cvt.rn.f16x2.e4m3x2 x, lo;\n"
+            "cvt.rn.f16x2.e4m3x2 y, hi;\n"
+            "mov.b32 {$0, $1}, x;\n"
+            "mov.b32 {$2, $3}, y; }",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # bytes 0 and 2 (then 1 and 3) as the low bytes of two 16-bit halves whose high bytes repeat the
+        # sign (prmt's sign mode); << 7 puts sign, exponent and mantissa where f16 keeps them, the mask
+        # clears the sign's copy at bit 14 and the low half's spill into the high one
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 x, y;\n"
+            "prmt.b32 x, $4, 0, 0xA280;\n"
+            "shl.b32 x, x, 7;\n"
+            "and.b32 x, x, 0xBF80BF80;\n"
+            "mov.b32 {$0, $1}, x;\n"
+            "prmt.b32 y, $4, 0, 0xB391;\n"
+            "shl.b32 y, y, 7;\n"
+            "and.b32 y, y, 0xBF80BF80;\n"
+            "mov.b32 {$2, $3}, y; }",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_tile_f16(
+    ptr, offs, mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CONV: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """(BLOCK_N, BLOCK_D) float16 tile of e4m3 rows read as int32 words at `offs` (GROUPS, ROWS, BLOCK_D // 4)."""
+    w = tl.load(ptr + offs, mask=mask, other=0)
+    x0, x1, x2, x3 = _words_to_f16(w, CONV, INTERPRET)
+    t = tl.join(tl.join(x0, x2), tl.join(x1, x3))  # (..., BLOCK_D // 4, 2, 2): [.., j, e, f] = x_(2e + f)
+    return tl.reshape(t, (BLOCK_N, BLOCK_D))  # column 4j + i holds x_i
+
+
+@triton.jit
+def _tile_offsets(
+    bt_row,
+    n0,
+    end,
+    stride_b,
+    stride_t,
+    inner,
+    PAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Offsets (GROUPS, ROWS, W) of tokens n0 .. n0 + GROUPS * ROWS: ROWS consecutive tokens share a page,
+    so each group reads one block-table entry; `inner` (ROWS, W) is the loop-invariant part."""
+    first = n0 + tl.arange(0, GROUPS) * ROWS  # (GROUPS,) first token of each group
+    if MASKED:
+        block_id = tl.load(bt_row + first // PAGE, mask=first < end, other=0)
+    else:
+        block_id = tl.load(bt_row + first // PAGE)
+    base = block_id.to(tl.int64) * stride_b + (first % PAGE) * stride_t  # (GROUPS,)
+    return base[:, None, None] + inner[None, :, :]
+
+
+@triton.jit
+def _column_source(c, CONV: tl.constexpr):
+    """Head-dim index held by tile column c (CONV 1 swaps the middle two of every four)."""
+    if CONV == 1:
+        c = (c // 4) * 4 + (c % 2) * 2 + (c // 2) % 2
+    return c
+
+
+@triton.jit
+def _quantize_columns(x, FP8_MAX: tl.constexpr):
+    """Each column of x (fp32) to e4m3 with its own scale amax / FP8_MAX -> (x8, scale (cols,))."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, 1.0e-30)
+    return (x / scale[None, :]).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _decode_fp8_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    group,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    QK8: tl.constexpr,
+    CONV: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_D)
+    head = kvh * group + g  # (BLOCK_G,) query heads of this KV head
+    g_mask = g < group
+    v_col = _column_source(c, CONV)  # head-dim index of each V tile column
+    q_col = c if QK8 else v_col  # K tiles: bytes as stored (QK8) or converted like V
+    v_scale = 256.0 if CONV == 1 else 1.0  # CONV 1 tiles hold value / 256
+    k_scale = 1.0 if QK8 else v_scale
+    q_base = q_ptr + b * stride_qb
+    if TOKENS_M:  # q^T (BLOCK_D, BLOCK_G)
+        q = tl.load(q_base + head[None, :] * stride_qh + q_col[:, None] * stride_qd, mask=g_mask[None, :], other=0.0)
+    else:  # q (BLOCK_G, BLOCK_D)
+        q = tl.load(q_base + head[:, None] * stride_qh + q_col[None, :] * stride_qd, mask=g_mask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    scale_cols = tl.full([BLOCK_G], qk_scale * k_scale, dtype=tl.float32)
+    if QK8 != 0:
+        q8, q8_scale = _quantize_columns(q, 448.0)
+        if QK8 == 2:  # the remainder in a second e4m3 q: the pair holds q to about 2^-8 relative
+            q_lo8, q_lo_scale = _quantize_columns(q - q8.to(tl.float32) * q8_scale[None, :], 448.0)
+            lo_cols = scale_cols * q_lo_scale
+        scale_cols = scale_cols * q8_scale
+    q16 = q.to(tl.float16)
+
+    if TOKENS_M:
+        m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_rows = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per-row partial sums, reduced after the loop
+        acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)  # O^T
+    else:
+        m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    GROUPS: tl.constexpr = BLOCK_N // ROWS
+    r = tl.arange(0, ROWS)
+    j = tl.arange(0, BLOCK_D // 4)
+    k_inner = (r * stride_kt + kvh * stride_kh)[:, None] + (c[None, :] if QK8 != 0 else j[None, :])  # (ROWS, W)
+    v_inner = (r * stride_vt + kvh * stride_vh)[:, None] + j[None, :]
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    # whole tiles without masks, then the last partial tile (if any) with them
+    for MASKED in tl.static_range(2):
+        for n0 in range(full_end if MASKED else start, end if MASKED else full_end, BLOCK_N):
+            k_offs = _tile_offsets(bt_row, n0, end, stride_kb, stride_kt, k_inner, PAGE, ROWS, GROUPS, MASKED)
+            v_offs = _tile_offsets(bt_row, n0, end, stride_vb, stride_vt, v_inner, PAGE, ROWS, GROUPS, MASKED)
+            n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
+            n_mask = n < end
+            mask = (n_mask.reshape(GROUPS, ROWS) if MASKED else tl.full([GROUPS, ROWS], 1, tl.int1))[:, :, None]
+            v = _load_tile_f16(v_ptr, v_offs, mask, BLOCK_N, BLOCK_D, CONV, INTERPRET)  # (BLOCK_N, BLOCK_D)
+            if QK8 != 0:  # e4m3 bytes as stored: the wgmma reads them from shared memory
+                k = tl.reshape(tl.load(k_ptr + k_offs, mask=mask, other=0.0), (BLOCK_N, BLOCK_D))
+            else:
+                k = _load_tile_f16(k_ptr, k_offs, mask, BLOCK_N, BLOCK_D, CONV, INTERPRET)
+            if INTERPRET:  # the interpreter's dots: float32
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if TOKENS_M:
+                if QK8 != 0:
+                    if INTERPRET:
+                        s = tl.dot(k, q8.to(tl.float32), input_precision="ieee") * scale_cols[None, :]
+                        if QK8 == 2:
+                            s += tl.dot(k, q_lo8.to(tl.float32), input_precision="ieee") * lo_cols[None, :]
+                    else:
+                        s = tl.dot(k, q8) * scale_cols[None, :]
+                        if QK8 == 2:
+                            s += tl.dot(k, q_lo8) * lo_cols[None, :]
+                elif INTERPRET:
+                    s = tl.dot(k, q16.to(tl.float32), input_precision="ieee") * scale_cols[None, :]
+                else:
+                    s = tl.dot(k, q16) * scale_cols[None, :]  # (BLOCK_N, BLOCK_G), log2 units
+                if MASKED:
+                    s = tl.where(n_mask[:, None], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_rows = l_rows * alpha[None, :] + p
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))  # (BLOCK_D, BLOCK_G)
+                m = m_new
+            else:
+                if INTERPRET:
+                    s = tl.dot(q16.to(tl.float32), tl.trans(k), input_precision="ieee") * scale_cols[:, None]
+                else:
+                    s = tl.dot(q16, tl.trans(k)) * scale_cols[:, None]  # (BLOCK_G, BLOCK_N)
+                if MASKED:
+                    s = tl.where(n_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (BLOCK_G, BLOCK_D)
+                m = m_new
+
+    if TOKENS_M:
+        l = tl.sum(l_rows, axis=0)
+        acc = tl.trans(acc)  # (BLOCK_G, BLOCK_D)
+    acc = acc * v_scale
+    if IS_SPLIT:
+        # partials as _decode_kernel writes them: acc (B, Hq, S, BLOCK_D), (m, l) (B, Hq, S, 2), fp32
+        row = (b * (num_kv_heads * group) + head) * num_splits + split  # (BLOCK_G,)
+        tl.store(part_acc_ptr + row[:, None].to(tl.int64) * BLOCK_D + v_col[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + row.to(tl.int64) * 2, m, mask=g_mask)
+        tl.store(part_ml_ptr + row.to(tl.int64) * 2 + 1, l, mask=g_mask)
+    else:
+        l = tl.where(l == 0.0, 1.0, l)
+        o = acc / l[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + head[:, None] * stride_oh + v_col[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None],
+        )
+
+
+def check_fp8_variant(variant: str, k_cache: torch.Tensor, head_dim: int) -> None:
+    """Fail naming the variant when it cannot run: an fp8 cache, unit stride along head_dim, and a
+    power-of-two head_dim >= 16."""
+    if variant not in FP8_VARIANTS:
+        raise ValueError(
+            f"paged_decode_attention: VARIANT {variant!r} is not 'upcast' or one of {sorted(FP8_VARIANTS)}"
+        )
+    if k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"paged_decode_attention: VARIANT {variant!r} reads float8_e4m3fn caches, got {k_cache.dtype}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError(
+            f"paged_decode_attention: VARIANT {variant!r} needs unit stride along head_dim, got {k_cache.stride()}"
+        )
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"paged_decode_attention: VARIANT {variant!r} needs a power-of-two head_dim >= 16, got {head_dim}"
+        )
+
+
+def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, cfg):
+    """Launch `_decode_fp8_kernel` for cfg["VARIANT"] (cfg also: BLOCK_N, num_warps, num_stages, and
+    optionally CONV (0), HEADS_FIRST (False)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
+    batch, num_kv_heads, num_splits, on_cpu = grid_args
+    tokens_m, qk8 = FP8_VARIANTS[cfg["VARIANT"]]
+    heads_first = bool(cfg.get("HEADS_FIRST", False))
+    k_view = k_cache if qk8 else k_cache.view(torch.int32)  # (N, bs, Hkv, D // 4) words, strides in words
+    v_view = v_cache.view(torch.int32)
+    group = q.shape[1] // num_kv_heads
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_fp8_kernel[grid](
+        q,
+        k_view,
+        v_view,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        qk_scale,
+        num_splits,
+        *q.stride(),
+        *k_view.stride()[:3],
+        *v_view.stride()[:3],
+        block_tables.stride(0),
+        *out.stride(),
+        group,
+        BLOCK_G=max(16, 1 << (group - 1).bit_length()),
+        BLOCK_D=q.shape[2],
+        PAGE=k_cache.shape[1],
+        ROWS=min(cfg["BLOCK_N"], k_cache.shape[1] & -k_cache.shape[1]),
+        BLOCK_N=cfg["BLOCK_N"],
+        IS_SPLIT=num_splits > 1,
+        TOKENS_M=tokens_m,
+        QK8=qk8,
+        CONV=int(cfg.get("CONV", 0)),
+        HEADS_FIRST=heads_first,
+        INTERPRET=on_cpu,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
