@@ -341,13 +341,17 @@ def check_fp8_variant(variant: str, k_cache: torch.Tensor, head_dim: int) -> Non
 
 def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, cfg):
     """Launch `_decode_fp8_kernel` for cfg["VARIANT"] (cfg also: BLOCK_N, num_warps, num_stages, and
-    optionally CONV (0), HEADS_FIRST (False)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
+    optionally CONV (0), HEADS_FIRST (False), BLOCK_G (query-head rows, default max(16, group); "tokens"
+    variants take 8: their heads are the dots' N side)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
     batch, num_kv_heads, num_splits, on_cpu = grid_args
     tokens_m, qk8 = FP8_VARIANTS[cfg["VARIANT"]]
     heads_first = bool(cfg.get("HEADS_FIRST", False))
     k_view = k_cache if qk8 else k_cache.view(torch.int32)  # (N, bs, Hkv, D // 4) words, strides in words
     v_view = v_cache.view(torch.int32)
     group = q.shape[1] // num_kv_heads
+    block_g = cfg.get("BLOCK_G", max(16, 1 << (group - 1).bit_length()))
+    if block_g < group:
+        raise ValueError(f"paged_decode_attention: BLOCK_G {block_g} is below the {group} query heads per KV head")
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_fp8_kernel[grid](
         q,
@@ -366,7 +370,7 @@ def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, ou
         block_tables.stride(0),
         *out.stride(),
         group,
-        BLOCK_G=max(16, 1 << (group - 1).bit_length()),
+        BLOCK_G=block_g,
         BLOCK_D=q.shape[2],
         PAGE=k_cache.shape[1],
         ROWS=min(cfg["BLOCK_N"], k_cache.shape[1] & -k_cache.shape[1]),

@@ -1,0 +1,278 @@
+"""FP8 paged decode attention: every tile variant beside the bf16 kernel, against the copy rate (issue 19).
+
+    bash bench/fp8_attention.sh                                   # on the GPU box: install, bench, GPU tests
+    python -m bench.fp8_attention --json OUT.json                 # the bench alone (splitserve installed)
+    TRITON_INTERPRET=1 python -m bench.fp8_attention --dry-run    # CPU: tiny shapes, every code path
+
+Llama-3-8B attention (Hq 32, Hkv 8, head 128, block 16) at (B, ctx) = (64, 2048), (256, 512), (4, 32768),
+over a block-major cache of 4 layers with shuffled block tables (bench/kernels.py's PagedCache). Per shape:
+the bf16 kernel over a bf16 cache, then the same values rounded to e4m3 read by each fp8 variant
+(kernels/paged_decode_attention_fp8.py, and the upcast kernel that is the default today). Correctness:
+max |fp8 variant - the bf16 kernel over the e4m3 values upcast to bf16| (same inputs; bf16 output rounding
+is ~4e-3 of |out|), flagged when above TOL_REL of max |reference|. Phase 1 times every variant on a tile
+sweep (BLOCK_N, warps, stages); phase 2 takes each variant's best tile (least total ms over the shapes)
+and tries CONV 1 (bit conversion), HEADS_FIRST, BLOCK_G 8 (tokens variants), and split counts at the
+split shape. % copy = bytes the kernel reads (each K/V element of the context once) / time, against a
+plain device copy (read + write counted) measured in the same run. A time budget (--budget-s) stops the
+sweep early; what ran is still tabulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench.kernels import PagedCache, copy_bandwidth, time_ms
+from splitserve.kernels.paged_decode_attention import (
+    choose_num_splits,
+    decode_config,
+    paged_decode_attention_triton,
+)
+
+FP8 = torch.float8_e4m3fn
+FULL = dict(
+    num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_layers=4, tokens=131072,
+    shapes=[(64, 2048), (256, 512), (4, 32768)],
+)  # fmt: skip
+# the dry run: a split shape too ((1, 512) takes 2 splits with the interpreter's 4 "SMs")
+DRY = dict(
+    num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, num_layers=2, tokens=1024, shapes=[(2, 64), (1, 512)]
+)
+TOL_REL = 2e-2  # of max |reference|: bf16 output rounding is 2^-9, the e4m3 q of tokens_qk8 ~5e-2
+VARIANTS = ["rows", "tokens", "tokens_qk8x2", "tokens_qk8"]
+# most likely first: when the budget runs out, every variant has had the same leading tiles
+TILES = [
+    dict(BLOCK_N=n, num_warps=w, num_stages=s)
+    for n, w, s in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (128, 4, 3), (256, 8, 2), (128, 4, 1))
+]
+DRY_TILES = [dict(BLOCK_N=16, num_warps=4, num_stages=1)]
+
+
+class Shape:
+    """One (B, ctx): q, block table, the reference output and the byte count."""
+
+    def __init__(self, p, cache, batch, ctx, gen, sms):
+        device = cache.kv.device
+        self.batch, self.ctx = batch, ctx
+        self.table = cache.tables(batch, ctx, gen)
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.q = torch.randn(batch, p["num_q_heads"], p["head_dim"], generator=gen).to(device, torch.bfloat16)
+        self.splits = choose_num_splits(batch, p["num_kv_heads"], self.table.shape[1] * p["block_size"], sms)
+        self.fp8_bytes = 2 * batch * ctx * p["num_kv_heads"] * p["head_dim"]
+        self.ref = None
+
+    @property
+    def name(self) -> str:
+        return f"({self.batch}, {self.ctx})"
+
+
+def run_config(shape, k_cache, v_cache, scale, config, num_splits=None):
+    return paged_decode_attention_triton(
+        shape.q, k_cache, v_cache, shape.table, shape.seq_lens, scale, num_splits=num_splits, config=config
+    )
+
+
+def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None) -> dict:
+    """Error against the reference and time of one config at one shape (an exception is recorded, not raised)."""
+    row = dict(shape=shape.name, **{k: v for k, v in config.items()}, num_splits=num_splits or shape.splits)
+    try:
+        out = run_config(shape, k8, v8, scale, config, num_splits)
+        err = (out.float() - shape.ref.float()).abs().max().item()
+        ms = time_ms(lambda: run_config(shape, k8, v8, scale, config, num_splits))
+    except Exception as exc:  # a tile that does not compile or fit (shared memory, registers): record why
+        row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        return row
+    scale_ref = shape.ref.float().abs().max().item()
+    row.update(ms=ms, pct_copy=100 * shape.fp8_bytes / (ms * 1e-3) / copy_bw, max_abs_err=err)
+    row.update(rel_err=err / scale_ref, ok=err <= TOL_REL * scale_ref)
+    return row
+
+
+def label(row) -> str:
+    parts = [row.get("VARIANT", "bf16"), f"N{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}"]
+    for key, fmt in (("CONV", "conv{}"), ("HEADS_FIRST", "hf"), ("BLOCK_G", "G{}")):
+        if row.get(key):
+            parts.append(fmt.format(row[key]))
+    if row.get("split_sweep"):
+        parts.append(f"S{row['num_splits']}")
+    return " ".join(parts)
+
+
+class Sweep:
+    """All measurements of one run, with the time budget."""
+
+    def __init__(self, shapes, k8, v8, scale, copy_bw, budget_s, json_path):
+        self.shapes, self.k8, self.v8, self.scale, self.copy_bw = shapes, k8, v8, scale, copy_bw
+        self.json_path = json_path
+        self.deadline = time.monotonic() + budget_s
+        self.rows, self.skipped = [], []
+
+    def config(self, config, shapes=None, num_splits=None, tag=None) -> list[dict]:
+        if time.monotonic() > self.deadline:
+            self.skipped.append(dict(config, tag=tag))
+            return []
+        rows = []
+        for shape in shapes or self.shapes:
+            row = measure(shape, self.k8, self.v8, self.scale, config, self.copy_bw, num_splits)
+            row.update(tag=tag, split_sweep=num_splits is not None)
+            rows.append(row)
+            self.rows.append(row)
+        with open(self.json_path, "w") as f:  # so far, in case the run is cut short; main() rewrites it whole
+            json.dump(dict(partial=True, rows=self.rows), f, indent=1, default=str)
+        cells = [
+            f"{r['ms']:.4f} ({r['pct_copy']:.0f}%{'' if r['ok'] else ' ERR'})" if "ms" in r else "failed" for r in rows
+        ]
+        print(f"  {label(rows[0]):40s} " + " | ".join(cells), flush=True)
+        for r in rows:
+            if "error" in r:
+                print(f"    {r['shape']}: {r['error']}", flush=True)
+        return rows
+
+
+def total_ms(rows) -> float:
+    return sum(r["ms"] for r in rows) if rows and all("ms" in r and r["ok"] for r in rows) else float("inf")
+
+
+def sweep_variants(sweep: Sweep, tiles, dry: bool) -> dict:
+    """Phase 1: the tiles (outer) for each variant (inner; tokens_qk8, one e4m3 q, at the first tile only);
+    phase 2: toggles on each variant's best tile; then split counts. -> the best config per variant."""
+    best = {}
+
+    def consider(variant, config, rows):
+        if total_ms(rows) < best.get(variant, (float("inf"), None))[0]:
+            best[variant] = (total_ms(rows), config)
+
+    for i, tile in enumerate(tiles):
+        print(f"tile {label(dict(tile, VARIANT='*'))}:", flush=True)
+        for variant in VARIANTS if i == 0 else [v for v in VARIANTS if v != "tokens_qk8"]:
+            config = dict(tile, VARIANT=variant)
+            consider(variant, config, sweep.config(config, tag="tile"))
+    for variant, (_, base) in list(best.items()):
+        toggles = [dict(CONV=1), dict(HEADS_FIRST=True)] + ([dict(BLOCK_G=8)] if variant.startswith("tokens") else [])
+        print(f"toggles on {label(base)}:", flush=True)
+        for toggle in toggles if variant != "tokens_qk8" else []:
+            consider(variant, dict(base, **toggle), sweep.config(dict(base, **toggle), tag="toggle"))
+    split_shapes = [s for s in sweep.shapes if s.splits > 1]
+    for variant in ("tokens", "rows") if split_shapes else ():
+        if variant in best:
+            for splits in (4, 8, 32) if not dry else (4,):
+                sweep.config(best[variant][1], shapes=split_shapes, num_splits=splits, tag="splits")
+    return {v: cfg for v, (_, cfg) in best.items()}
+
+
+def summary(sweep: Sweep, baselines: dict) -> list[dict]:
+    """Per shape: the bf16 kernel, the upcast default, and each variant's fastest correct config there."""
+    out = []
+    for shape in sweep.shapes:
+        entry = dict(shape=shape.name, fp8_bytes=shape.fp8_bytes, **baselines[shape.name])
+        for variant in VARIANTS:
+            rows = [r for r in sweep.rows if r["shape"] == shape.name and r.get("VARIANT") == variant and r.get("ok")]
+            if rows:
+                fastest = min(rows, key=lambda r: r["ms"])
+                entry[variant] = dict(
+                    ms=fastest["ms"], pct_copy=fastest["pct_copy"], config=label(fastest), err=fastest["max_abs_err"]
+                )
+        out.append(entry)
+    return out
+
+
+def print_summary(table, copy_gbps) -> None:
+    print(f"\ncopy rate: {copy_gbps:.0f} GB/s (read + write); % copy = bytes read / time against it")
+    print("\n| (B, ctx) | kernel | ms | % copy | config | max abs err vs bf16 kernel |")
+    print("|---|---|---|---|---|---|")
+    for e in table:
+        bf = e["bf16"]
+        print(f"| {e['shape']} | bf16 (bf16 cache) | {bf['ms']:.4f} | {bf['pct_copy']:.1f} | default | |")
+        for name, v in [("fp8 upcast (default)", e["upcast"])] + [(f"fp8 {k}", e[k]) for k in VARIANTS if k in e]:
+            cells = f"{v['ms']:.4f} | {v['pct_copy']:.1f} | {v['config']} | {v['err']:.1e}"
+            print(f"| {e['shape']} | {name} | {cells} |")
+
+
+def baseline_rows(sweep: Sweep, cache, scale, p) -> dict:
+    """The bf16 kernel over the bf16 cache and the upcast fp8 kernel at its default tile, per shape."""
+    out = {}
+    for shape in sweep.shapes:
+        run = lambda: paged_decode_attention_triton(  # noqa: E731
+            shape.q, cache.k_cache, cache.v_cache, shape.table, shape.seq_lens, scale
+        )
+        ms = time_ms(run)
+        bf16 = dict(ms=ms, pct_copy=100 * 2 * shape.fp8_bytes / (ms * 1e-3) / sweep.copy_bw)
+        default = decode_config(p["head_dim"], torch.bfloat16, shape.q.device.type == "cpu", FP8)
+        rows = sweep.config(dict(default, VARIANT="upcast"), shapes=[shape], tag="default")
+        r = rows[0]
+        upcast = dict(
+            ms=r.get("ms", float("nan")),
+            pct_copy=r.get("pct_copy", float("nan")),
+            config=label(r),
+            err=r.get("max_abs_err", float("nan")),
+        )
+        out[shape.name] = dict(bf16=bf16, upcast=upcast)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_attention.json"))
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one tile (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this")
+    parser.add_argument("--table-from", metavar="JSON", help="print the table of a finished run's JSON and exit")
+    args = parser.parse_args(argv)
+    if args.table_from:
+        with open(args.table_from) as f:
+            done = json.load(f)
+        if "summary" not in done:
+            sys.exit(f"{args.table_from}: the run did not finish ({len(done.get('rows', []))} measurements)")
+        print_summary(done["summary"], done["copy_gbps"])
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("no GPU: run the dry run under the interpreter, TRITON_INTERPRET=1 ... --dry-run")
+    p, tiles = (DRY, DRY_TILES) if args.dry_run or device == "cpu" else (FULL, TILES)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth(device, (2 << 30) if device == "cuda" else (1 << 20))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    cache = PagedCache(p, device, torch.bfloat16)
+    kv8 = cache.kv.to(FP8)
+    k8, v8 = kv8[:, 1, 0], kv8[:, 1, 1]
+    kv_up = kv8.to(torch.bfloat16)  # the e4m3 values in bf16: what the bf16 kernel reads for the reference
+    scale = p["head_dim"] ** -0.5
+    shapes = [Shape(p, cache, b, ctx, gen, sms) for b, ctx in p["shapes"]]
+    for shape in shapes:
+        shape.ref = paged_decode_attention_triton(
+            shape.q, kv_up[:, 1, 0], kv_up[:, 1, 1], shape.table, shape.seq_lens, scale
+        )
+    del kv_up
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    sweep = Sweep(shapes, k8, v8, scale, copy_bw, args.budget_s, args.json)
+    print(f"shapes {[s.name for s in shapes]} (splits {[s.splits for s in shapes]}); ms (% copy) per shape", flush=True)
+    baselines = baseline_rows(sweep, cache, scale, p)
+    best = sweep_variants(sweep, tiles, dry=p is DRY)
+    table = summary(sweep, baselines)
+    result = dict(
+        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        params=p,
+        copy_gbps=copy_bw / 1e9,
+        rows=sweep.rows,
+        skipped=sweep.skipped,
+        best_config=best,
+        summary=table,
+    )
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    if sweep.skipped:
+        print(f"\nbudget reached: {len(sweep.skipped)} configs not run (listed in the JSON)")
+    print(f"\nbest config per variant (least total ms, all shapes correct): {json.dumps(best)}")
+    print_summary(table, copy_bw / 1e9)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

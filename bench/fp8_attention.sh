@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# FP8 paged decode attention variants on one GPU, in one device call (< 5 min on an H200):
+#   1. install this checkout into /tmp/site (no dependencies; the GPU image has torch and triton)
+#   2. python -m bench.fp8_attention: every variant's error against the bf16 kernel and its time at the three
+#      Llama-3-8B shapes, a tile sweep, the table last; JSON in $OUT/fp8_attention.json
+#   3. the variant tests compiled for the GPU (tests/kernels/test_fp8_decode_variants.py), after the bench so
+#      that slow compiles cannot starve it; then the bench's table again, last
+# Everything printed also lands in $OUT/fp8_attention.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/fp8-attention}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/fp8_attention.log") 2>&1
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site . \
+    || { echo "installing splitserve failed"; exit 1; }
+rm -rf build
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
+echo "=== bench ($(date +%T))"
+timeout 240 python3 -m bench.fp8_attention --budget-s "${BUDGET_S:-150}" --json "$OUT/fp8_attention.json"
+echo "=== tests ($(date +%T))"
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_decode_variants.py 2>&1 | tail -8
+echo "=== done ($(date +%T)); the bench's table again:"
+python3 -m bench.fp8_attention --table-from "$OUT/fp8_attention.json"
