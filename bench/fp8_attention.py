@@ -11,9 +11,9 @@ the bf16 kernel over a bf16 cache, then the same values rounded to e4m3 read by 
 max |fp8 variant - the bf16 kernel over the e4m3 values upcast to bf16| (same inputs; bf16 output rounding
 is ~4e-3 of |out|), flagged when above TOL_REL of max |reference|. Phase 1 times every variant on a tile
 sweep (BLOCK_N, warps, stages); phase 2 takes each variant's best tile (least total ms over the shapes)
-and tries CONV 1 (bit conversion), HEADS_FIRST, BLOCK_G 8 (tokens variants), and split counts at the
-split shape. % copy = bytes the kernel reads (each K/V element of the context once) / time, against a
-plain device copy (read + write counted) measured in the same run. A time budget (--budget-s) stops the
+and tries CONV 1 (bit conversion), HEADS_FIRST, BLOCK_G 8 (tokens variants), PREFETCH (rows, tokens), and
+split counts at the split shape. % copy = bytes the kernel reads (each K/V element of the context once) /
+time, against a plain device copy (read + write counted) measured in the same run. A time budget (--budget-s) stops the
 sweep early; what ran is still tabulated.
 """
 
@@ -95,7 +95,7 @@ def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None) -> dict:
 
 def label(row) -> str:
     parts = [row.get("VARIANT", "bf16"), f"N{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}"]
-    for key, fmt in (("CONV", "conv{}"), ("HEADS_FIRST", "hf"), ("BLOCK_G", "G{}")):
+    for key, fmt in (("CONV", "conv{}"), ("HEADS_FIRST", "hf"), ("BLOCK_G", "G{}"), ("PREFETCH", "prefetch")):
         if row.get(key):
             parts.append(fmt.format(row[key]))
     if row.get("split_sweep"):
@@ -154,6 +154,8 @@ def sweep_variants(sweep: Sweep, tiles, dry: bool) -> dict:
             consider(variant, config, sweep.config(config, tag="tile"))
     for variant, (_, base) in list(best.items()):
         toggles = [dict(CONV=1), dict(HEADS_FIRST=True)] + ([dict(BLOCK_G=8)] if variant.startswith("tokens") else [])
+        if variant in ("rows", "tokens"):  # words prefetched into registers: 8 warps (4 spill at 128 tokens)
+            toggles.append(dict(PREFETCH=True, num_warps=8, num_stages=1))
         print(f"toggles on {label(base)}:", flush=True)
         for toggle in toggles if variant != "tokens_qk8" else []:
             consider(variant, dict(base, **toggle), sweep.config(dict(base, **toggle), tag="toggle"))

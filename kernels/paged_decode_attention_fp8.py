@@ -110,11 +110,8 @@ def _words_to_f16(w, CONV: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_tile_f16(
-    ptr, offs, mask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CONV: tl.constexpr, INTERPRET: tl.constexpr
-):
-    """(BLOCK_N, BLOCK_D) float16 tile of e4m3 rows read as int32 words at `offs` (GROUPS, ROWS, BLOCK_D // 4)."""
-    w = tl.load(ptr + offs, mask=mask, other=0)
+def _words_tile_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CONV: tl.constexpr, INTERPRET: tl.constexpr):
+    """int32 words (GROUPS, ROWS, BLOCK_D // 4) of e4m3 rows -> the (BLOCK_N, BLOCK_D) float16 tile."""
     x0, x1, x2, x3 = _words_to_f16(w, CONV, INTERPRET)
     t = tl.join(tl.join(x0, x2), tl.join(x1, x3))  # (..., BLOCK_D // 4, 2, 2): [.., j, e, f] = x_(2e + f)
     return tl.reshape(t, (BLOCK_N, BLOCK_D))  # column 4j + i holds x_i
@@ -142,6 +139,99 @@ def _tile_offsets(
         block_id = tl.load(bt_row + first // PAGE)
     base = block_id.to(tl.int64) * stride_b + (first % PAGE) * stride_t  # (GROUPS,)
     return base[:, None, None] + inner[None, :, :]
+
+
+@triton.jit
+def _tile_words(
+    k_ptr,
+    v_ptr,
+    bt_row,
+    n0,
+    end,
+    k_inner,
+    v_inner,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    PAGE: tl.constexpr,
+    ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The K and V words (or K bytes) of tokens n0 .. n0 + GROUPS * ROWS, each (GROUPS, ROWS, W), zeros past `end`."""
+    k_offs = _tile_offsets(bt_row, n0, end, stride_kb, stride_kt, k_inner, PAGE, ROWS, GROUPS, MASKED)
+    v_offs = _tile_offsets(bt_row, n0, end, stride_vb, stride_vt, v_inner, PAGE, ROWS, GROUPS, MASKED)
+    if MASKED:
+        mask = ((n0 + tl.arange(0, GROUPS * ROWS)) < end).reshape(GROUPS, ROWS)[:, :, None]
+        kw = tl.load(k_ptr + k_offs, mask=mask, other=0.0)
+        vw = tl.load(v_ptr + v_offs, mask=mask, other=0)
+    else:
+        kw = tl.load(k_ptr + k_offs)
+        vw = tl.load(v_ptr + v_offs)
+    return kw, vw
+
+
+@triton.jit
+def _attend_tile(
+    kw,
+    vw,
+    n0,
+    end,
+    m,
+    l,
+    acc,
+    q16,
+    q8,
+    q_lo8,
+    scale_cols,
+    lo_cols,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    QK8: tl.constexpr,
+    CONV: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One tile of online softmax: convert the words, scores, (m, l, acc) updated. TOKENS_M: l is (BLOCK_N,
+    BLOCK_G) per-row partial sums and acc is O^T (BLOCK_D, BLOCK_G); otherwise l (BLOCK_G,), acc (BLOCK_G, BLOCK_D)."""
+    v = _words_tile_f16(vw, BLOCK_N, BLOCK_D, CONV, INTERPRET)  # (BLOCK_N, BLOCK_D)
+    if QK8 != 0:  # e4m3 bytes as stored: the wgmma reads them from shared memory
+        k = tl.reshape(kw, (BLOCK_N, BLOCK_D))
+    else:
+        k = _words_tile_f16(kw, BLOCK_N, BLOCK_D, CONV, INTERPRET)
+    if INTERPRET:  # the interpreter's dots: float32
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        q16 = q16.to(tl.float32)
+        q8 = q8.to(tl.float32)
+        q_lo8 = q_lo8.to(tl.float32)
+    n_mask = (n0 + tl.arange(0, BLOCK_N)) < end
+    if TOKENS_M:
+        if QK8 != 0:
+            s = tl.dot(k, q8) * scale_cols[None, :]
+            if QK8 == 2:
+                s += tl.dot(k, q_lo8) * lo_cols[None, :]
+        else:
+            s = tl.dot(k, q16) * scale_cols[None, :]  # (BLOCK_N, BLOCK_G), log2 units
+        if MASKED:
+            s = tl.where(n_mask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l = l * alpha[None, :] + p
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))  # (BLOCK_D, BLOCK_G)
+    else:
+        s = tl.dot(q16, tl.trans(k)) * scale_cols[:, None]  # (BLOCK_G, BLOCK_N)
+        if MASKED:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (BLOCK_G, BLOCK_D)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -195,6 +285,7 @@ def _decode_fp8_kernel(
     QK8: tl.constexpr,
     CONV: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     if HEADS_FIRST:
@@ -225,6 +316,7 @@ def _decode_fp8_kernel(
         q = tl.load(q_base + head[:, None] * stride_qh + q_col[None, :] * stride_qd, mask=g_mask[:, None], other=0.0)
     q = q.to(tl.float32)
     scale_cols = tl.full([BLOCK_G], qk_scale * k_scale, dtype=tl.float32)
+    q8 = q  # (unused unless QK8)
     if QK8 != 0:
         q8, q8_scale = _quantize_columns(q, 448.0)
         if QK8 == 2:  # the remainder in a second e4m3 q: the pair holds q to about 2^-8 relative
@@ -233,12 +325,12 @@ def _decode_fp8_kernel(
         scale_cols = scale_cols * q8_scale
     q16 = q.to(tl.float16)
 
+    q_lo8, lo_cols = (q_lo8, lo_cols) if QK8 == 2 else (q8, scale_cols)  # (unused unless QK8 2)
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     if TOKENS_M:
-        m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-        l_rows = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per-row partial sums, reduced after the loop
+        l = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per-row partial sums, reduced after the loop
         acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)  # O^T
     else:
-        m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -247,61 +339,109 @@ def _decode_fp8_kernel(
     j = tl.arange(0, BLOCK_D // 4)
     k_inner = (r * stride_kt + kvh * stride_kh)[:, None] + (c[None, :] if QK8 != 0 else j[None, :])  # (ROWS, W)
     v_inner = (r * stride_vt + kvh * stride_vh)[:, None] + j[None, :]
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    # whole tiles without masks, then the last partial tile (if any) with them
-    for MASKED in tl.static_range(2):
-        for n0 in range(full_end if MASKED else start, end if MASKED else full_end, BLOCK_N):
-            k_offs = _tile_offsets(bt_row, n0, end, stride_kb, stride_kt, k_inner, PAGE, ROWS, GROUPS, MASKED)
-            v_offs = _tile_offsets(bt_row, n0, end, stride_vb, stride_vt, v_inner, PAGE, ROWS, GROUPS, MASKED)
-            n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
-            n_mask = n < end
-            mask = (n_mask.reshape(GROUPS, ROWS) if MASKED else tl.full([GROUPS, ROWS], 1, tl.int1))[:, :, None]
-            v = _load_tile_f16(v_ptr, v_offs, mask, BLOCK_N, BLOCK_D, CONV, INTERPRET)  # (BLOCK_N, BLOCK_D)
-            if QK8 != 0:  # e4m3 bytes as stored: the wgmma reads them from shared memory
-                k = tl.reshape(tl.load(k_ptr + k_offs, mask=mask, other=0.0), (BLOCK_N, BLOCK_D))
-            else:
-                k = _load_tile_f16(k_ptr, k_offs, mask, BLOCK_N, BLOCK_D, CONV, INTERPRET)
-            if INTERPRET:  # the interpreter's dots: float32
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if TOKENS_M:
-                if QK8 != 0:
-                    if INTERPRET:
-                        s = tl.dot(k, q8.to(tl.float32), input_precision="ieee") * scale_cols[None, :]
-                        if QK8 == 2:
-                            s += tl.dot(k, q_lo8.to(tl.float32), input_precision="ieee") * lo_cols[None, :]
-                    else:
-                        s = tl.dot(k, q8) * scale_cols[None, :]
-                        if QK8 == 2:
-                            s += tl.dot(k, q_lo8) * lo_cols[None, :]
-                elif INTERPRET:
-                    s = tl.dot(k, q16.to(tl.float32), input_precision="ieee") * scale_cols[None, :]
-                else:
-                    s = tl.dot(k, q16) * scale_cols[None, :]  # (BLOCK_N, BLOCK_G), log2 units
-                if MASKED:
-                    s = tl.where(n_mask[:, None], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=0))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[None, :])
-                l_rows = l_rows * alpha[None, :] + p
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))  # (BLOCK_D, BLOCK_G)
-                m = m_new
-            else:
-                if INTERPRET:
-                    s = tl.dot(q16.to(tl.float32), tl.trans(k), input_precision="ieee") * scale_cols[:, None]
-                else:
-                    s = tl.dot(q16, tl.trans(k)) * scale_cols[:, None]  # (BLOCK_G, BLOCK_N)
-                if MASKED:
-                    s = tl.where(n_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (BLOCK_G, BLOCK_D)
-                m = m_new
+    if PREFETCH:  # the next tile's words load into registers while this one computes (num_stages 1)
+        kw, vw = _tile_words(
+            k_ptr,
+            v_ptr,
+            bt_row,
+            start,
+            end,
+            k_inner,
+            v_inner,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            PAGE,
+            ROWS,
+            GROUPS,
+            True,
+        )
+        for n0 in range(start, end, BLOCK_N):
+            kw_next, vw_next = _tile_words(
+                k_ptr,
+                v_ptr,
+                bt_row,
+                n0 + BLOCK_N,
+                end,
+                k_inner,
+                v_inner,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                PAGE,
+                ROWS,
+                GROUPS,
+                True,
+            )
+            m, l, acc = _attend_tile(
+                kw,
+                vw,
+                n0,
+                end,
+                m,
+                l,
+                acc,
+                q16,
+                q8,
+                q_lo8,
+                scale_cols,
+                lo_cols,
+                BLOCK_N,
+                BLOCK_D,
+                TOKENS_M,
+                QK8,
+                CONV,
+                True,
+                INTERPRET,
+            )
+            kw, vw = kw_next, vw_next
+    else:  # whole tiles without masks, then the last partial tile (if any) with them
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for MASKED in tl.static_range(2):
+            for n0 in range(full_end if MASKED else start, end if MASKED else full_end, BLOCK_N):
+                kw, vw = _tile_words(
+                    k_ptr,
+                    v_ptr,
+                    bt_row,
+                    n0,
+                    end,
+                    k_inner,
+                    v_inner,
+                    stride_kb,
+                    stride_kt,
+                    stride_vb,
+                    stride_vt,
+                    PAGE,
+                    ROWS,
+                    GROUPS,
+                    MASKED,
+                )
+                m, l, acc = _attend_tile(
+                    kw,
+                    vw,
+                    n0,
+                    end,
+                    m,
+                    l,
+                    acc,
+                    q16,
+                    q8,
+                    q_lo8,
+                    scale_cols,
+                    lo_cols,
+                    BLOCK_N,
+                    BLOCK_D,
+                    TOKENS_M,
+                    QK8,
+                    CONV,
+                    MASKED,
+                    INTERPRET,
+                )
 
     if TOKENS_M:
-        l = tl.sum(l_rows, axis=0)
+        l = tl.sum(l, axis=0)
         acc = tl.trans(acc)  # (BLOCK_G, BLOCK_D)
     acc = acc * v_scale
     if IS_SPLIT:
@@ -341,7 +481,8 @@ def check_fp8_variant(variant: str, k_cache: torch.Tensor, head_dim: int) -> Non
 
 def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, cfg):
     """Launch `_decode_fp8_kernel` for cfg["VARIANT"] (cfg also: BLOCK_N, num_warps, num_stages, and
-    optionally CONV (0), HEADS_FIRST (False), BLOCK_G (query-head rows, default max(16, group); "tokens"
+    optionally CONV (0), HEADS_FIRST (False), PREFETCH (False: the next tile's words loaded into registers
+    during this one, for num_stages 1), BLOCK_G (query-head rows, default max(16, group); "tokens"
     variants take 8: their heads are the dots' N side)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
     batch, num_kv_heads, num_splits, on_cpu = grid_args
     tokens_m, qk8 = FP8_VARIANTS[cfg["VARIANT"]]
@@ -380,6 +521,7 @@ def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, ou
         QK8=qk8,
         CONV=int(cfg.get("CONV", 0)),
         HEADS_FIRST=heads_first,
+        PREFETCH=bool(cfg.get("PREFETCH", False)),
         INTERPRET=on_cpu,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

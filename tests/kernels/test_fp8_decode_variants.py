@@ -20,11 +20,11 @@ TILE = dict(BLOCK_N=64, num_warps=4, num_stages=2) if ON_GPU else dict(BLOCK_N=1
 TOL = {"rows": 2e-3, "tokens": 2e-3, "tokens_qk8": 0.1, "tokens_qk8x2": 1e-2}
 
 
-def _run(variant, conv, num_splits, seq_lens=(1, 13, 64, 7), block_size=4, heads_first=False, q_dtype=torch.float32):
+def _run(variant, conv, num_splits, seq_lens=(1, 13, 64, 7), block_size=4, q_dtype=torch.float32, **options):
     paged = PagedKv(list(seq_lens), 2, 32, block_size, FP8, DEVICE, seed=3)
     q = torch.randn(len(seq_lens), 4, 32, generator=torch.Generator().manual_seed(4)).to(q_dtype).to(DEVICE)
     scale = 32**-0.5
-    cfg = dict(TILE, VARIANT=variant, CONV=conv, HEADS_FIRST=heads_first)
+    cfg = dict(TILE, VARIANT=variant, CONV=conv, **options)
     out = paged_decode_attention_triton(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale, num_splits=num_splits, config=cfg
     )
@@ -47,7 +47,14 @@ def test_variant_matches_fp64_attention(variant, conv, num_splits):
 @pytest.mark.parametrize("variant", ["rows", "tokens"])
 def test_heads_first_grid_and_uneven_pages(variant):
     """Programs ordered (KV head, sequence, split), and 6-token pages: groups of 2 rows per block-table entry."""
-    err = _run(variant, 0, 2, seq_lens=(5, 31, 40), block_size=6, heads_first=True)
+    err = _run(variant, 0, 2, seq_lens=(5, 31, 40), block_size=6, HEADS_FIRST=True)
+    assert err <= TOL[variant], f"{variant}: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", ["rows", "tokens", "tokens_qk8x2"])
+def test_prefetched_words(variant):
+    """PREFETCH: each tile's words loaded during the previous tile, the last load wholly past the context."""
+    err = _run(variant, 0, 2, seq_lens=(5, 31, 40, 16), PREFETCH=True, num_stages=1)
     assert err <= TOL[variant], f"{variant}: max error {err:.2e}"
 
 
