@@ -3,6 +3,7 @@
     bash bench/fp8_attention.sh                                   # on the GPU box: install, bench, GPU tests
     python -m bench.fp8_attention --json OUT.json                 # the bench alone (splitserve installed)
     TRITON_INTERPRET=1 python -m bench.fp8_attention --dry-run    # CPU: tiny shapes, every code path
+    CONFIGS='{"tokens": {...}}' bash bench/fp8_attention.sh        # confirm: only those configs, no sweep
 
 Llama-3-8B attention (Hq 32, Hkv 8, head 128, block 16) at (B, ctx) = (64, 2048), (256, 512), (4, 32768),
 over a block-major cache of 4 layers with shuffled block tables (bench/kernels.py's PagedCache). Per shape:
@@ -223,6 +224,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one tile (CPU: TRITON_INTERPRET=1)")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this")
     parser.add_argument("--table-from", metavar="JSON", help="print the table of a finished run's JSON and exit")
+    parser.add_argument(
+        "--configs",
+        metavar="JSON",
+        help="confirm run: time only these configs ({variant: config}, as a run prints after 'best config per "
+        "variant'; a JSON string or file) beside the baselines, no sweep",
+    )
     args = parser.parse_args(argv)
     if args.table_from:
         with open(args.table_from) as f:
@@ -254,7 +261,14 @@ def main(argv=None) -> int:
     sweep = Sweep(shapes, k8, v8, scale, copy_bw, args.budget_s, args.json)
     print(f"shapes {[s.name for s in shapes]} (splits {[s.splits for s in shapes]}); ms (% copy) per shape", flush=True)
     baselines = baseline_rows(sweep, cache, scale, p)
-    best = sweep_variants(sweep, tiles, dry=p is DRY)
+    if args.configs:
+        given = json.load(open(args.configs)) if os.path.exists(args.configs) else json.loads(args.configs)
+        for variant, config in given.items():
+            print(f"{variant}:", flush=True)
+            sweep.config(dict(config, VARIANT=variant), tag="confirm")
+        best = given
+    else:
+        best = sweep_variants(sweep, tiles, dry=p is DRY)
     table = summary(sweep, baselines)
     result = dict(
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

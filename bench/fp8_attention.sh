@@ -5,7 +5,8 @@
 #      Llama-3-8B shapes, a tile sweep, the table last; JSON in $OUT/fp8_attention.json
 #   3. the variant tests compiled for the GPU (tests/kernels/test_fp8_decode_variants.py), after the bench so
 #      that slow compiles cannot starve it; then the bench's table again, last
-# Everything printed also lands in $OUT/fp8_attention.log.
+# Everything printed also lands in $OUT/fp8_attention.log. A confirm run: CONFIGS='<the JSON a run printed after
+# "best config per variant">' bash bench/fp8_attention.sh (those configs only, beside the baselines).
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8-attention}
 mkdir -p "$OUT"
@@ -17,7 +18,8 @@ rm -rf build
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "=== bench ($(date +%T))"
-timeout 240 python3 -m bench.fp8_attention --budget-s "${BUDGET_S:-150}" --json "$OUT/fp8_attention.json"
+timeout 240 python3 -m bench.fp8_attention --budget-s "${BUDGET_S:-150}" --json "$OUT/fp8_attention.json" \
+    ${CONFIGS:+--configs "$CONFIGS"}
 echo "=== tests ($(date +%T))"
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_decode_variants.py 2>&1 | tail -8
 echo "=== done ($(date +%T)); the bench's table again:"
