@@ -130,6 +130,23 @@ async def forged_first_token(ports: Ports, http: str) -> None:
 
 
 # -- 2: a huge text while a stream runs --------------------------------------------------------
+_SENDER = """
+import sys, grpc
+from splitserve.protos import generation_pb2
+data = generation_pb2.TokenizeRequest(text="w " * (int(sys.argv[2]) // 2)).SerializeToString()
+channel = grpc.insecure_channel(sys.argv[1])
+grpc.channel_ready_future(channel).result(timeout=60)
+tokenize = channel.unary_unary("/splitserve.v1.Generation/Tokenize")
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    tokenize(data, timeout=120)
+    print("OK", flush=True)
+except grpc.RpcError as exc:
+    print(exc.code().name, (exc.details() or "")[:60], flush=True)
+"""
+
+
 async def huge_text(ports: Ports, http: str, num_chars: int) -> None:
     stub = generation_pb2_grpc.GenerationStub(grpc.aio.insecure_channel(f"127.0.0.1:{ports.grpc}"))
     long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -152,24 +169,34 @@ async def huge_text(ports: Ports, http: str, num_chars: int) -> None:
                 health_s.append(time.monotonic() - t)
                 await asyncio.sleep(0.05)
 
+    # the text comes from a client process of its own, as an attacker's would: serializing 20 MB holds
+    # the GIL ~0.25 s, and in this process that stalled this script's own stream reading (its event loop
+    # lagged 0.2-0.6 s at load 7-8 while the gateway's did not: the earlier runs' 0.6-0.86 s "gaps")
+    sender = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _SENDER,
+        f"127.0.0.1:{ports.grpc}",
+        str(num_chars),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert (await asyncio.wait_for(sender.stdout.readline(), 120)).strip() == b"ready"
     running = asyncio.create_task(stream())
     await asyncio.wait_for(seen.wait(), 120)
     await asyncio.sleep(2.0)  # a window without the big call: the gaps this loaded machine makes anyway
     stop = asyncio.Event()
     poller = asyncio.create_task(health(stop))
-    big = generation_pb2.TokenizeRequest(text="w " * (num_chars // 2))  # built before the window
 
-    def send() -> str:  # on a thread, on a connection of its own (another client): this loop keeps reading
-        options = [("grpc.use_local_subchannel_pool", 1)]  # not the stream's HTTP/2 connection
-        with grpc.insecure_channel(f"127.0.0.1:{ports.grpc}", options=options) as channel:
-            try:
-                generation_pb2_grpc.GenerationStub(channel).Tokenize(big, timeout=120)
-                return "OK"
-            except grpc.RpcError as exc:
-                return f"{exc.code().name} {(exc.details() or '')[:40]}"
+    async def send() -> str:
+        sender.stdin.write(b"go\n")
+        await sender.stdin.drain()
+        answer = (await asyncio.wait_for(sender.stdout.readline(), 180)).decode().strip()
+        await sender.wait()
+        return answer
 
     start = time.monotonic()
-    status = await asyncio.to_thread(send)
+    status = await send()
     end = time.monotonic()
     await asyncio.sleep(0.3)
     stop.set()

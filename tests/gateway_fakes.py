@@ -296,6 +296,11 @@ class LoopThread:
     def run(self, coro: Any, timeout_s: float = 15.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    @property
+    def native_id(self) -> int:
+        """The loop thread's kernel thread id (for /proc/self/task/<id>)."""
+        return self._thread.native_id
+
     def call(self, fn: Callable[[], Any]) -> Any:
         async def wrapper():
             return fn()
