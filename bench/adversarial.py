@@ -215,14 +215,24 @@ async def huge_text(ports: Ports, http: str, num_chars: int) -> None:
 
 
 # -- 4: a burst of streams -------------------------------------------------------------------
-async def burst(ports: Ports, http: str, num_streams: int, max_tokens: int) -> dict:
+def marked_down(log_path: str, offset: int) -> list[str]:
+    """The gateway's "... is down: ..." / "... marked down: ..." lines written to `up`'s log past `offset`."""
+    with open(log_path, errors="replace") as f:
+        f.seek(offset)
+        return [line.strip() for line in f if " is down: " in line or " marked down: " in line]
+
+
+async def burst(ports: Ports, http: str, num_streams: int, max_tokens: int, log_path: str) -> dict:
+    offset = os.path.getsize(log_path)
     ended, elapsed = await gateway_burst(f"127.0.0.1:{ports.grpc}", num_streams, max_tokens=max_tokens)
     up, totals = gateway_state(http)
+    down = marked_down(log_path, offset)
     counts = ", ".join(f"{n} {what}" for what, n in ended.most_common())
     row(
         f"4 {num_streams} concurrent gRPC streams (max_tokens {max_tokens})",
         "3 Describe timeouts in a row: instances marked down, 686 bare CANCELLED, uncounted",
-        f"{counts}; {elapsed:.1f} s; instances up after: {up}; requests_total by status {totals}",
+        f"{counts}; {elapsed:.1f} s; instances up after: {up}; requests_total by status {totals}; "
+        f"instances marked down during the burst: {len(down)}{' (first: ' + down[0][-160:] + ')' if down else ''}",
     )
     return dict(ended)
 
@@ -393,7 +403,7 @@ async def run(args, ports: Ports, up: subprocess.Popen, http: str) -> dict:
         await huge_text(ports, http, 20_000_000)
         await huge_text(ports, http, 1_000_000)
     if "burst" in steps:
-        ended = await burst(ports, http, args.streams, args.burst_max_tokens)
+        ended = await burst(ports, http, args.streams, args.burst_max_tokens, os.path.join(args.log_dir, "up.log"))
     if "collision" in steps:
         await collision(ports, args.log_dir)
     if "forged" in steps:

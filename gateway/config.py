@@ -48,6 +48,20 @@ class GatewayConfig:
     prefill: str = option("", "comma-separated host:port of prefill instances")
     decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
     health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
+    health_timeout_s: float = option(
+        0.0,
+        "how long one Describe may take; a later answer is logged and ignored, never marks the instance down "
+        "(a busy instance answers late); 0 = max(2, 4 x health_interval_s)",
+        min=0.0,
+        max=3600.0,
+    )
+    health_ping_timeout_s: float = option(
+        10.0,
+        "an instance whose health connection leaves an HTTP/2 ping unanswered this long is marked down (a "
+        "stopped or wedged process; a busy one still answers pings, from gRPC's own threads)",
+        min=0.5,
+        max=3600.0,
+    )
     request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
     max_connections: int = option(
         4096,

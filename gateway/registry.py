@@ -5,10 +5,12 @@ channel of its own (health checks never queue behind request traffic), and then 
 its Describe advertises (`health_address`: a server that answers only Describe, so the check never
 waits behind the request calls the instance has queued; back to the main address when that one fails).
 An instance is up while Describe answers (a decode also needs its Decode.Generate stream open: the link is opened when
-it first answers and reopened after it broke). A transport failure (connection refused or
-reset) marks it down at once; a slow answer under load does not: only MAX_SLOW_DESCRIBES
-timeouts in a row do (a hung process). The last DescribeResponse is kept (layout, load, role,
-instance_id, max_model_len).
+it first answers and reopened after it broke). Only a transport failure marks it down: a connection
+refused or reset (a dead process), or a health-connection ping left unanswered `ping_timeout_s` (a
+stopped or wedged one: runtime.grpc_server.health_channel_options), or an error status (a service that
+is starting, draining or lost its engine core says so). A Describe that times out does not, however
+many in a row: under overload (3,000 streams) an instance's event loop answers late while its gRPC core
+still answers pings. The last DescribeResponse is kept (layout, load, role, instance_id, max_model_len).
 
 A prefill and a decode may be paired only when their KvLayouts are equal (and they share
 a KV transport); a mismatched pair is refused and logged once with both layouts. The
@@ -28,7 +30,7 @@ import grpc
 from splitserve.common.kv_layout import describe_layout_fields
 from splitserve.gateway.decode_link import DecodeLink
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from splitserve.runtime.grpc_server import OWN_CONNECTION
+from splitserve.runtime.grpc_server import OWN_CONNECTION, health_channel_options
 
 log = logging.getLogger("splitserve.gateway")
 
@@ -46,9 +48,8 @@ CHANNEL_OPTIONS = MESSAGE_SIZE_OPTIONS + (
 # Consecutive failed Describes after which a decode's open stream is declared broken
 # (covers a peer that vanished without resetting the connection).
 MAX_DESCRIBE_FAILURES = 3
-# Consecutive Describe timeouts after which an instance counts as down (hung, not busy): a busy
-# instance answering late keeps its requests (3,000 streams made three 1 s timeouts in a row).
-MAX_SLOW_DESCRIBES = 10
+# Slow Describes in a row between two log lines about them (the first is logged too).
+SLOW_DESCRIBES_PER_LOG = 10
 _LAYOUT_FIELDS = (
     "num_layers",
     "num_kv_heads",
@@ -133,22 +134,29 @@ class Registry:
         decode: Sequence[str],
         *,
         health_interval_s: float = 0.5,
+        health_timeout_s: float = 0.0,
+        ping_timeout_s: float = 10.0,
         model_id: str = "",
         channel_factory: Callable[[str, tuple], grpc.aio.Channel] | None = None,
     ) -> None:
         """`channel_factory(address, extra_options)` makes a channel; the health channel asks for a
-        connection of its own (OWN_CONNECTION)."""
+        connection of its own (OWN_CONNECTION) that pings (health_channel_options(ping_timeout_s)).
+        `health_timeout_s` bounds one Describe (0: max(2, 4 x health_interval_s))."""
         factory = channel_factory or (
             lambda addr, extra: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + tuple(extra))
         )
         self._factory = factory
-        self.instances = [Instance(a, "prefill", factory(a, ()), factory(a, OWN_CONNECTION)) for a in prefill]
-        self.instances += [Instance(a, "decode", factory(a, ()), factory(a, OWN_CONNECTION)) for a in decode]
+        self._health_options = OWN_CONNECTION + health_channel_options(ping_timeout_s)
+        self.instances = [
+            Instance(a, pool, factory(a, ()), factory(a, self._health_options))
+            for pool, addresses in (("prefill", prefill), ("decode", decode))
+            for a in addresses
+        ]
         for inst in self.instances:
             if inst.pool == "prefill":
                 inst.prefill_stub = prefill_pb2_grpc.PrefillStub(inst.channel)
         self._health_interval_s = health_interval_s
-        self._describe_timeout_s = max(2.0, 4 * health_interval_s)
+        self._describe_timeout_s = health_timeout_s or max(2.0, 4 * health_interval_s)
         self._configured_model_id = model_id
         self._mismatches: dict[tuple[str, str], str] = {}
         self._task: asyncio.Task | None = None
@@ -194,19 +202,16 @@ class Registry:
             resp = await stub.Describe(common_pb2.DescribeRequest(), timeout=self._describe_timeout_s)
         except grpc.aio.AioRpcError as exc:
             reason = f"Describe failed: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inst.reachable:
+                state = channel.get_state()
+                if state == grpc.ChannelConnectivity.READY:
+                    self._describe_late(inst)  # busy, not down: its connection still answers pings
+                    return
+                # no connection to be slow on: the last one failed (a ping unanswered) and no new one
+                # has come up within the deadline
+                reason += f"; no live connection ({state.name})"
             if inst.health_address and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._use_health_server(inst, "")  # gone (a restart moves it): ask the main address again
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inst.reachable:
-                inst.num_slow_describes += 1
-                if inst.num_slow_describes < MAX_SLOW_DESCRIBES:
-                    log.info(
-                        "%s instance %s answers Describe slowly (%d in a row)",
-                        inst.pool,
-                        inst.name,
-                        inst.num_slow_describes,
-                    )
-                    return
-                reason += f" ({inst.num_slow_describes} timeouts in a row)"
             self._describe_failed(inst, reason)
             return
         inst.num_slow_describes = 0
@@ -228,12 +233,25 @@ class Registry:
             )
             inst.link.open()
 
+    def _describe_late(self, inst: Instance) -> None:
+        """A Describe past its deadline: the instance keeps its requests and its place in routing (its
+        last load figures stand, plus what was sent there since)."""
+        inst.num_slow_describes += 1
+        if inst.num_slow_describes % SLOW_DESCRIBES_PER_LOG == 1:
+            log.info(
+                "%s instance %s answers Describe later than %g s (%d in a row); still up: its connection answers",
+                inst.pool,
+                inst.name,
+                self._describe_timeout_s,
+                inst.num_slow_describes,
+            )
+
     def _use_health_server(self, inst: Instance, address: str) -> None:
         """Send the next Describes to `address`, the server the instance advertises for them ("": its
         main address), on a connection of its own."""
         old = inst.health_channel
         inst.health_address = address
-        inst.health_channel = self._factory(address or inst.address, OWN_CONNECTION)
+        inst.health_channel = self._factory(address or inst.address, self._health_options)
         if old is not None:
             task = asyncio.get_running_loop().create_task(old.close())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed close is ignored

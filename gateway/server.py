@@ -169,6 +169,8 @@ class GatewayServer:
             config.prefill_addresses,
             config.decode_addresses,
             health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
+            ping_timeout_s=config.health_ping_timeout_s,
             model_id=config.model_id,
             channel_factory=lambda address, extra: internal_channel(address, internal_auth, extra),
         )

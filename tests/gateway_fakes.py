@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.runtime.grpc_server import SERVER_PING_OPTIONS
 
 SPECIAL = ["<s>", "</s>", "<unk>"]
 ROLE_WORDS = ["user", "system", "assistant", "hello", "world"]
@@ -322,7 +323,7 @@ class FakeServer:
     server: Any = None
 
     async def start(self) -> None:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=SERVER_PING_OPTIONS)  # as a service's: the gateway pings it
         if isinstance(self.servicer, FakePrefill):
             prefill_pb2_grpc.add_PrefillServicer_to_server(self.servicer, self.server)
         else:

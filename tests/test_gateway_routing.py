@@ -2,6 +2,7 @@
 the layout-mismatch refusal end to end against fake services."""
 
 import logging
+import time
 
 import grpc
 import httpx
@@ -16,10 +17,12 @@ from tests.gateway_fakes import (
     FakeDecode,
     FakePrefill,
     FakeServer,
+    LoopThread,
     Stack,
     fake_describe,
     make_tokenizer_dir,
 )
+from tests.tcp_proxy import TcpProxy
 
 LAYOUT_TEXT = (
     "num_layers=2, num_kv_heads=2, head_dim=8, block_size={}, dtype=float32, model_id=tiny-fake, layout=block_major_v1"
@@ -203,26 +206,63 @@ def test_layout_mismatch_end_to_end(tmp_path, caplog):
         stack.stop()
 
 
-def test_a_slow_describe_under_load_does_not_mark_an_instance_down_but_a_dead_one_does(tmp_path):
-    """Issue 22.4: late health answers keep the instance and its streams; a refused connection does not."""
-    decode = FakeDecode()
-    stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [decode], {"health_interval_s": 0.1}).start()
+def test_only_transport_failures_mark_an_instance_down(tmp_path):
+    """Issue 22.4. The decode is reached through a TCP proxy that injects transport faults, on a loop of its
+    own, and serves from a loop of its own. Its loop blocked 5 s (an instance swamped by a burst): Describe
+    answers late again and again, past the old limit of 10 in a row, yet the decode stays up and the stream
+    on it finishes. Its connections held (a stopped process: pings unanswered): down within the ping
+    timeout. Released: up. Its connections reset and refused (a dead process): down at once."""
+    decode = FakeDecode(step_s=0.05)
+    decode_loop = LoopThread()
+    decode_server = FakeServer(decode)
+    decode_loop.run(decode_server.start())
+    proxy = TcpProxy(decode_server.address)
+    overrides = {"decode": proxy.address, "health_interval_s": 0.1, "health_timeout_s": 0.3}
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [], {**overrides, "health_ping_timeout_s": 2.0})
+    stack.start()
     try:
         registry = stack.gateway.registry
         (inst,) = registry.decodes()
         stack.wait_for(lambda: inst.up, what="decode up")
-        decode.describe_delay_s = 3.0  # past the 2 s Describe deadline
-        seen = decode.describes
-        stack.wait_for(lambda: inst.num_slow_describes >= 2, timeout_s=10, what="two slow Describes")
-        assert inst.up and registry.ready() and inst.link.alive
-        assert decode.describes > seen
-        decode.describe_delay_s = 0.0
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+        stream = stub.Generate(
+            generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=6)), timeout=30
+        )
+        assert list(next(stream).token_ids) == [21]  # the prefill's first token, then the decode's
+        decode_loop.loop.call_soon_threadsafe(time.sleep, 5.0)  # the decode's loop blocked: busy, not down
+        ups = []
+        stack.wait_for(
+            lambda: ups.append((inst.up, inst.num_slow_describes)) or inst.num_slow_describes >= 11,
+            timeout_s=15,
+            what="11 late Describes in a row",
+        )
+        assert all(up for up, _ in ups) and registry.ready() and inst.link.alive, ups
+        rest = list(stream)
+        assert [t for m in rest for t in m.token_ids] == [22, 23, 24, 25, 26]
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         stack.wait_for(lambda: inst.num_slow_describes == 0, timeout_s=10, what="a timely Describe again")
-        stack.loop.run(stack.servers[decode.name].stop())  # gone: connection refused
-        stack.wait_for(lambda: not inst.up, timeout_s=5, what="marked down on the transport failure")
-        assert inst.error.startswith("Describe failed: UNAVAILABLE") or inst.error.startswith("decode stream broke")
+
+        proxy.hold()  # stopped: nothing moves, the connections stay open
+        held = time.monotonic()
+        stack.wait_for(lambda: not inst.up, timeout_s=10, what="marked down after an unanswered ping")
+        assert time.monotonic() - held < 2.0 + 3.0, "later than the 2 s ping timeout allows"
+        # how the transport failure shows depends on when it came: an unanswered ping ends the connection
+        # under a Describe ("Stream removed (ping timeout)"), or the next connection gets no SETTINGS frame
+        # ("failed to connect") or is not up within the Describe's deadline ("no live connection")
+        assert inst.error.startswith("Describe failed: UNAVAILABLE") or "no live connection" in inst.error, inst.error
+        proxy.release()
+        stack.wait_for(lambda: inst.up, timeout_s=10, what="up again once bytes move")
+
+        proxy.close()  # dead: connections reset, new ones refused
+        closed = time.monotonic()
+        stack.wait_for(lambda: not inst.up, timeout_s=5, what="marked down on the reset connection")
+        assert time.monotonic() - closed < 1.0
+        assert inst.error.startswith(("Describe failed: UNAVAILABLE", "decode stream broke")), inst.error
     finally:
         stack.stop()
+        proxy.stop()
+        decode_loop.run(decode_server.stop())
+        decode_loop.close()
 
 
 def test_health_checks_go_to_the_health_server_an_instance_advertises(tmp_path):

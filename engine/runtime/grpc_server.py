@@ -35,6 +35,37 @@ SERVER_QUEUE_OPTIONS = [
     ("grpc.server_max_unrequested_time_in_server", 24 * 3600),  # seconds; the callers' deadlines are shorter
 ]
 
+# Telling a busy instance from a hung one. A service whose event loop is swamped answers Describe late, but
+# its gRPC core (threads of its own, no GIL) still answers HTTP/2 pings at once; a stopped or wedged
+# process answers neither, and a dead one refuses or resets the connection. So the gateway's health
+# connections ping every HEALTH_PING_INTERVAL_MS and count an unanswered ping (after the configured
+# timeout) as a transport failure; a late Describe answer never marks an instance down.
+HEALTH_PING_INTERVAL_MS = 1000
+
+
+def health_channel_options(ping_timeout_s: float) -> tuple:
+    """Options of a health connection: pings every HEALTH_PING_INTERVAL_MS, calls or not; the connection
+    fails (UNAVAILABLE "ping timeout") when one stays unanswered `ping_timeout_s`. gRPC's own
+    keepalive_timeout_ms is not what ends it: grpc.http2.ping_timeout_ms is (60 s by default)."""
+    timeout_ms = int(ping_timeout_s * 1000)
+    return (
+        ("grpc.keepalive_time_ms", HEALTH_PING_INTERVAL_MS),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # no cap on pings between Describes
+    )
+
+
+# What a server needs to bear those pings: by default gRPC answers more than one ping in 5 minutes while
+# it sends no data (a busy instance answering no Describe) with GOAWAY "too_many_pings", which would
+# close the health connection exactly when the instance is only slow.
+SERVER_PING_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", HEALTH_PING_INTERVAL_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # 0: never GOAWAY for pings
+]
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -202,6 +233,7 @@ def build_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
             *SERVER_QUEUE_OPTIONS,
+            *SERVER_PING_OPTIONS,
         ],
     )
     add_servicers(server)
