@@ -30,7 +30,8 @@
 # committed tree), WORK (default /tmp/splitserve-docker; kept between runs as a cache, `rm -rf` it
 # to reclaim the disk), GATEWAY_HTTP_PORT / GATEWAY_GRPC_PORT (published ports, default 18000 /
 # 15051 so a `splitserve up` on 8000 is left alone), MIRROR (Debian mirror for debootstrap),
-# SPLITSERVE_INTERNAL_TOKEN (default: a random one per run).
+# SPLITSERVE_INTERNAL_TOKEN (default: a random one per run), SPLITSERVE_PKI (default: a new CA and
+# certificates in $WORK/pki per run, deploy/internal-certs.sh).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-/tmp/splitserve-docker}
@@ -39,6 +40,14 @@ export GATEWAY_HTTP_PORT=${GATEWAY_HTTP_PORT:-18000} GATEWAY_GRPC_PORT=${GATEWAY
 # compose.yaml requires the internal calls' shared secret: a fresh one per run unless given
 SPLITSERVE_INTERNAL_TOKEN=${SPLITSERVE_INTERNAL_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
 export SPLITSERVE_INTERNAL_TOKEN
+# and internal mTLS: a fresh CA and per-service certificates per run unless a directory is given (the keys
+# owned by the containers' user, 10001, which reads them through the bind mounts)
+if [ -z "${SPLITSERVE_PKI:-}" ]; then
+  SPLITSERVE_PKI=$WORK/pki
+  rm -rf "$SPLITSERVE_PKI"
+  OWNER=10001:10001 bash "$repo/deploy/internal-certs.sh" "$SPLITSERVE_PKI" gateway prefill decode-0 decode-1 >/dev/null
+fi
+export SPLITSERVE_PKI
 BASE_IMAGE=splitserve-base:bookworm
 IMAGE=splitserve:cpu
 root=$WORK/root

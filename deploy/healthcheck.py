@@ -6,13 +6,18 @@
 
 Any other answer, a timeout (--timeout, seconds, default 3) or a refused connection exits 1
 with one line naming the target and what came back, which `docker inspect` shows as the
-health log. Compose and the Kubernetes exec probes call it; kubelet's own gRPC probe does the
-same check without it.
+health log. Compose and the Kubernetes exec probes call it (kubelet's own gRPC probe speaks no TLS).
+
+With internal mTLS on, the service's own environment says how to reach it, and the check reads the same
+variables: SPLITSERVE_INTERNAL_TLS_CERT, _KEY, _CA (a client certificate of the internal CA) and
+_SERVER_NAME (the name the server's certificate is checked against). Environment references in HOST:PORT
+are expanded (`${POD_IP}:50061`: Kubernetes expands none in an exec probe's command).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -22,7 +27,7 @@ def check_grpc(target: str, service: str, timeout_s: float) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    with _channel(grpc, target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -31,6 +36,18 @@ def check_grpc(target: str, service: str, timeout_s: float) -> tuple[bool, str]:
             return False, f"grpc {target} service={service!r}: {exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return reply.status == health_pb2.HealthCheckResponse.SERVING, f"grpc {target} service={service!r}: {status}"
+
+
+def _channel(grpc, target: str):
+    """A plaintext channel, or an mTLS one when SPLITSERVE_INTERNAL_TLS_CERT/_KEY/_CA are set."""
+    files = [os.environ.get(f"SPLITSERVE_INTERNAL_TLS_{part}", "") for part in ("CERT", "KEY", "CA")]
+    if not any(files):
+        return grpc.insecure_channel(target)
+    cert, key, ca = (open(path, "rb").read() for path in files)
+    name = os.environ.get("SPLITSERVE_INTERNAL_TLS_SERVER_NAME", "")
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def check_http(url: str, timeout_s: float) -> tuple[bool, str]:
@@ -54,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("url")
     args = parser.parse_args(argv)
     if args.kind == "grpc":
-        ok, line = check_grpc(args.target, args.service, args.timeout)
+        try:
+            ok, line = check_grpc(os.path.expandvars(args.target), args.service, args.timeout)
+        except OSError as exc:  # a TLS file named in the environment cannot be read
+            ok, line = False, f"grpc {args.target}: {exc}"
     else:
         ok, line = check_http(args.url, args.timeout)
     print(line)

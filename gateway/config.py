@@ -107,6 +107,11 @@ class GatewayConfig:
     internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
+    internal_tls_server_name: str = option(
+        "",
+        "name the services' certificates are checked against, whatever address is dialed (health servers are "
+        "advertised by IP); empty = the dialed host",
+    )
     internal_token: str = internal_token_option()
     tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
     tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
@@ -189,6 +194,7 @@ UP_SETS_ITSELF = frozenset(
         "internal_tls_cert",
         "internal_tls_key",
         "internal_tls_ca",
+        "internal_tls_server_name",
         "internal_token",
     }
 )

@@ -43,8 +43,23 @@ def compose_binary() -> str:
     return str(Path(compose.__file__).parent / "docker-compose")
 
 
+def make_certs(directory: Path, *names: str, **env: str) -> subprocess.CompletedProcess:
+    """deploy/internal-certs.sh DIRECTORY NAMES..."""
+    argv = ["bash", str(DEPLOY / "internal-certs.sh"), str(directory), *names]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+
 @pytest.fixture(scope="module")
-def compose(tmp_path_factory):
+def pki(tmp_path_factory):
+    """The compose services' CA and certificates, as the compose file's comment says to make them."""
+    directory = tmp_path_factory.mktemp("pki")
+    made = make_certs(directory, *sorted(SPLITSERVE_SERVICES))
+    assert made.returncode == 0, made.stderr
+    return directory
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory, pki):
     """Run `docker compose ARGS` (or the standalone binary without a docker CLI); (rc, out, err)."""
     binary = compose_binary()
     config = tmp_path_factory.mktemp("docker-config")
@@ -53,8 +68,10 @@ def compose(tmp_path_factory):
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(config), "DOCKER_CONFIG": str(config)}
     base = ["docker", "compose"] if shutil.which("docker") else [binary]
 
-    def run(*args, token=COMPOSE_TOKEN):
-        extra = {"SPLITSERVE_INTERNAL_TOKEN": token} if token else {}  # compose.yaml requires one
+    def run(*args, token=COMPOSE_TOKEN, pki_dir=str(pki)):
+        # compose.yaml requires the internal token and the certificates' directory
+        extra = {"SPLITSERVE_INTERNAL_TOKEN": token} if token else {}
+        extra |= {"SPLITSERVE_PKI": pki_dir} if pki_dir else {}
         p = subprocess.run([*base, *args], cwd=REPO, env=env | extra, capture_output=True, text=True, timeout=60)
         return p.returncode, p.stdout, p.stderr
 
@@ -176,6 +193,56 @@ def test_compose_requires_the_internal_token_and_names_the_peers(compose, config
     assert rc != 0 and "set SPLITSERVE_INTERNAL_TOKEN" in err, err
 
 
+TLS_DIR = "/etc/splitserve/tls"
+
+
+@pytest.mark.slow
+def test_compose_turns_internal_mtls_on_with_one_certificate_per_service(compose, config, pki):
+    """Issue 22: every splitserve service mounts the CA and its own certificate and key (no other's) where
+    its environment points, and checks peers against the shared name; config refuses to render without the
+    certificates' directory."""
+    services = config["services"]
+    for name in SPLITSERVE_SERVICES:
+        env = services[name]["environment"]
+        assert {k: v for k, v in env.items() if k.startswith("SPLITSERVE_INTERNAL_TLS_")} == {
+            "SPLITSERVE_INTERNAL_TLS_CERT": f"{TLS_DIR}/tls.crt",
+            "SPLITSERVE_INTERNAL_TLS_KEY": f"{TLS_DIR}/tls.key",
+            "SPLITSERVE_INTERNAL_TLS_CA": f"{TLS_DIR}/ca.crt",
+            "SPLITSERVE_INTERNAL_TLS_SERVER_NAME": "splitserve-internal",
+        }, name
+        mounts = {v["target"]: (v["source"], v.get("read_only")) for v in services[name]["volumes"]}
+        assert mounts == {
+            f"{TLS_DIR}/ca.crt": (str(pki / "ca.pem"), True),
+            f"{TLS_DIR}/tls.crt": (str(pki / f"{name}.pem"), True),
+            f"{TLS_DIR}/tls.key": (str(pki / f"{name}.key"), True),
+        }, name
+    for name in ALL_SERVICES - SPLITSERVE_SERVICES:
+        assert not any(str(pki) in v["source"] for v in services[name].get("volumes", [])), name
+    rc, _, err = compose("-f", "compose.yaml", "config", pki_dir="")
+    assert rc != 0 and "set SPLITSERVE_PKI to the directory of deploy/internal-certs.sh" in err, err
+
+
+@pytest.mark.slow
+def test_internal_certs_script_signs_one_certificate_per_name_with_the_shared_name(tmp_path):
+    def openssl(*args: str) -> str:
+        return subprocess.run(["openssl", *args], capture_output=True, text=True, check=True).stdout
+
+    made = make_certs(tmp_path, "prefill-0", "decode-0", DAYS="2")
+    assert made.returncode == 0, made.stderr
+    ca = (tmp_path / "ca.pem").read_bytes()
+    for name in ("prefill-0", "decode-0"):
+        cert = str(tmp_path / f"{name}.pem")
+        assert openssl("verify", "-CAfile", str(tmp_path / "ca.pem"), cert).strip() == f"{cert}: OK"
+        text = openssl("x509", "-in", cert, "-noout", "-subject", "-ext", "subjectAltName,extendedKeyUsage")
+        assert f"subject=CN = {name}" in text and f"DNS:{name}, DNS:splitserve-internal" in text
+        assert "TLS Web Server Authentication, TLS Web Client Authentication" in text
+        assert oct((tmp_path / f"{name}.key").stat().st_mode & 0o777) == "0o600"
+    # a service added later: the same CA signs it
+    assert make_certs(tmp_path, "decode-1").returncode == 0 and (tmp_path / "ca.pem").read_bytes() == ca
+    refused = make_certs(tmp_path, "bad name")
+    assert refused.returncode == 2 and "'bad name' is not a DNS name" in refused.stderr
+
+
 @pytest.mark.slow
 def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
     rc, out, err = compose("-f", "compose.yaml", "-f", "deploy/compose.gpu.yaml", "config", "--format", "json")
@@ -211,7 +278,7 @@ def test_mounted_files_and_copy_sources_exist(config):
         for v in s.get("volumes", [])
         if v["type"] == "bind"
     ]
-    assert len(binds) == 5
+    assert len(binds) == 5 + 3 * len(SPLITSERVE_SERVICES)  # observability configs; each service's CA, cert, key
     for source, target in binds:
         assert Path(source).exists(), f"{source} (mounted at {target}) does not exist"
     copies, stage_copies = [], []
@@ -390,8 +457,9 @@ def test_k8s_manifests_have_gpus_probes_and_settings():
         port = int(args[args.index("--port") + 1])
         assert args[args.index("--host") + 1] == "$(POD_IP)" and args[args.index("--instance-name") + 1] == name
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, (name, probe)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # over mTLS: kubelet's gRPC probe has none
+            assert container[probe]["exec"] == {"command": ["splitserve-healthcheck", "grpc", f"${{POD_IP}}:{port}"]}
+            assert container[probe]["timeoutSeconds"] == 10, (name, probe)
         assert container["envFrom"] == [{"configMapRef": {"name": "splitserve-config"}}]
         assert spec["terminationGracePeriodSeconds"] > float(settings["SPLITSERVE_DRAIN_GRACE_S"])
         service_ports = {p["port"] for p in docs["Service"][name]["spec"]["ports"]}
@@ -409,6 +477,22 @@ def test_k8s_manifests_have_gpus_probes_and_settings():
             "name": "SPLITSERVE_INTERNAL_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": "splitserve-internal", "key": "token"}},
         }, name
+    # internal mTLS on: the ConfigMap points at the files each pod mounts from a Secret of its own
+    assert {k: v for k, v in settings.items() if k.startswith("SPLITSERVE_INTERNAL_TLS_")} == {
+        "SPLITSERVE_INTERNAL_TLS_CERT": "/etc/splitserve/tls/tls.crt",
+        "SPLITSERVE_INTERNAL_TLS_KEY": "/etc/splitserve/tls/tls.key",
+        "SPLITSERVE_INTERNAL_TLS_CA": "/etc/splitserve/tls/ca.crt",
+        "SPLITSERVE_INTERNAL_TLS_SERVER_NAME": "splitserve-internal",
+    }
+    for name, deployment in docs["Deployment"].items():
+        spec = deployment["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        assert {"name": "internal-tls", "mountPath": "/etc/splitserve/tls", "readOnly": True} in container[
+            "volumeMounts"
+        ], name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["internal-tls"]["secret"] == {"secretName": f"splitserve-tls-{name}", "defaultMode": 0o440}
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"] == 10001, name
     (gateway,) = docs["Deployment"]["gateway"]["spec"]["template"]["spec"]["containers"]
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
@@ -622,3 +706,87 @@ def test_container_healthcheck_script(metrics_stack):
     assert check("http", f"{metrics_stack['http']}/health") == (0, f"http {metrics_stack['http']}/health: 200")
     rc, line = check("http", f"{metrics_stack['http']}/nope")
     assert rc == 1 and line.startswith(f"http {metrics_stack['http']}/nope: 404 "), line
+
+
+@pytest.mark.slow
+def test_services_configured_as_deployed_talk_mtls_on_loopback(tmp_path, monkeypatch):
+    """Issue 22: prefill, decode and gateway configured as deploy/ configures them (the
+    SPLITSERVE_INTERNAL_TLS_* environment; certificates of deploy/internal-certs.sh, which name no address)
+    serve a completion over mTLS on 127.0.0.1. The container health check passes with that environment and
+    fails without it; a client with a certificate of another CA, or one checking the dialed address
+    instead of the shared name, is refused."""
+    import grpc
+
+    from splitserve.common.default_model_path import default_model_path
+    from splitserve.protos import common_pb2, prefill_pb2_grpc
+
+    pki, other = tmp_path / "pki", tmp_path / "other-ca"
+    assert make_certs(pki, "prefill", "decode", "gateway").returncode == 0
+    assert make_certs(other, "intruder").returncode == 0
+
+    def use_certificate(name: str, directory: Path = pki) -> None:
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TLS_CERT", str(directory / f"{name}.pem"))
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TLS_KEY", str(directory / f"{name}.key"))
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TLS_CA", str(directory / "ca.pem"))
+        monkeypatch.setenv("SPLITSERVE_INTERNAL_TLS_SERVER_NAME", "splitserve-internal")
+
+    monkeypatch.delenv("SPLITSERVE_INTERNAL_TOKEN", raising=False)
+    model, engine, procs = default_model_path(), dict(dtype="float32", block_size=16, num_kv_blocks=64), []
+    try:
+        use_certificate("prefill")
+        prefill_proc, prefill = start_service("prefill", model, tmp_path, "prefill", **engine)
+        procs.append(prefill_proc)
+        use_certificate("decode")
+        decode_proc, decode = start_service("decode", model, tmp_path, "decode", **engine)
+        procs.append(decode_proc)
+        use_certificate("gateway")
+        http_port = free_port()
+        args = gateway_args(free_port(), http_port, prefill, decode, "--health-interval-s", "0.2")
+        procs.append(Proc("gateway", args, tmp_path, "gateway"))
+        prefill_proc.wait_ready()
+        decode_proc.wait_ready()
+        http = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 60
+        while not _ready(http):
+            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()[-3000:]
+            time.sleep(0.2)
+        assert complete(http, "def fibonacci(n):")["completion_tokens"] == 6
+
+        def check(environment: dict[str, str]) -> tuple[int, str]:
+            argv = [sys.executable, str(DEPLOY / "healthcheck.py"), "--timeout", "5", "grpc", "${PREFILL}"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_INTERNAL_TLS_")}
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env | environment)
+            return p.returncode, p.stdout.strip()
+
+        tls_env = {k: v for k, v in os.environ.items() if k.startswith("SPLITSERVE_INTERNAL_TLS_")}
+        assert check({**tls_env, "PREFILL": prefill}) == (0, f"grpc {prefill} service='': SERVING")
+        rc, line = check({"PREFILL": prefill})
+        assert rc == 1 and line.startswith(f"grpc {prefill} service='': UNAVAILABLE"), line
+
+        def describe(directory: Path, name: str, server_name: str | None) -> grpc.StatusCode:
+            credentials = grpc.ssl_channel_credentials(
+                (directory / "ca.pem").read_bytes(),
+                (directory / f"{name}.key").read_bytes(),
+                (directory / f"{name}.pem").read_bytes(),
+            )
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            with grpc.secure_channel(prefill, credentials, options=options) as channel:
+                try:
+                    prefill_pb2_grpc.PrefillStub(channel).Describe(common_pb2.DescribeRequest(), timeout=5)
+                    return grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    return exc.code()
+
+        assert describe(pki, "gateway", "splitserve-internal") == grpc.StatusCode.OK
+        assert describe(pki, "gateway", None) == grpc.StatusCode.UNAVAILABLE  # 127.0.0.1 is in no certificate
+        assert describe(other, "intruder", "splitserve-internal") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _ready(http: str) -> bool:
+    try:
+        return httpx.get(f"{http}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -88,15 +88,22 @@ def insecure_channel(address: str, extra_options: tuple = ()) -> grpc.aio.Channe
 @dataclass(frozen=True)
 class InternalTls:
     """mTLS between internal services: every server asks for a client certificate signed by `ca`,
-    every client presents `cert` and checks the server against `ca` (PEM files)."""
+    every client presents `cert` and checks the server against `ca` (PEM files).
+
+    `server_name`: the name every server's certificate is checked against, whatever address was dialed;
+    empty = the dialed host. Peers dial each other by advertised addresses (pod IPs in Kubernetes, known
+    only at run time), so deploy/ gives every certificate one shared name too (deploy/internal-certs.sh)
+    and sets this to it: a server proves it holds a certificate of the internal CA."""
 
     cert: bytes
     key: bytes
     ca: bytes
+    server_name: str = ""
 
     @classmethod
-    def from_files(cls, cert: str, key: str, ca: str) -> InternalTls | None:
-        """None when all three are empty; a ValueError naming the flags when only some are set."""
+    def from_files(cls, cert: str, key: str, ca: str, server_name: str = "") -> InternalTls | None:
+        """None when all three are empty; a ValueError naming the flags when only some are set, or the
+        flag and the file when one cannot be read."""
         given = {"--internal-tls-cert": cert, "--internal-tls-key": key, "--internal-tls-ca": ca}
         if not any(given.values()):
             return None
@@ -106,7 +113,16 @@ class InternalTls:
                 f"internal mTLS needs all of --internal-tls-cert, --internal-tls-key and "
                 f"--internal-tls-ca; missing {', '.join(missing)}"
             )
-        return cls(*(Path(value).read_bytes() for value in (cert, key, ca)))
+        pems = []
+        for flag, path in given.items():
+            try:
+                pems.append(Path(path).read_bytes())
+            except OSError as exc:
+                raise ValueError(
+                    f"{flag} {path!r} cannot be read ({exc.strerror}); deploy/internal-certs.sh makes a CA and "
+                    "per-service certificates"
+                ) from None
+        return cls(*pems, server_name=server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
@@ -115,6 +131,10 @@ class InternalTls:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
         )
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Check the server's certificate against `server_name` instead of the dialed host."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
 TOKEN_KEY = "x-splitserve-internal-token"
@@ -132,8 +152,10 @@ class InternalAuth:
 
     @classmethod
     def from_config(cls, config) -> InternalAuth:
-        """From a config with internal_tls_cert/key/ca and internal_token fields."""
-        tls = InternalTls.from_files(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
+        """From a config with internal_tls_cert/key/ca/server_name and internal_token fields."""
+        tls = InternalTls.from_files(
+            config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca, config.internal_tls_server_name
+        )
         return cls(tls, config.internal_token)
 
 
@@ -216,6 +238,7 @@ def internal_channel(address: str, auth: InternalAuth | None, extra_options: tup
     interceptors = _token_interceptors(auth.token) if auth.token else None
     if auth.tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    options += auth.tls.channel_options()
     return grpc.aio.secure_channel(address, auth.tls.channel_credentials(), options=options, interceptors=interceptors)
 
 

@@ -68,6 +68,11 @@ class ServiceConfig:
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")
+    internal_tls_server_name: str = option(
+        "",
+        "name the peers' certificates are checked against, whatever address is dialed (peers dial advertised "
+        "addresses, e.g. pod IPs); empty = the dialed host",
+    )
     internal_token: str = internal_token_option()
 
     def __post_init__(self) -> None:
