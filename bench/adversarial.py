@@ -143,7 +143,7 @@ try:
     tokenize(data, timeout=120)
     print("OK", flush=True)
 except grpc.RpcError as exc:
-    print(exc.code().name, (exc.details() or "")[:60], flush=True)
+    print(exc.code().name, (exc.details() or "")[:90], flush=True)
 """
 
 
