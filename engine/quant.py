@@ -9,10 +9,18 @@ each step runs (dynamic); a checkpoint with static activation scales gives one p
 (`input_scale`). Scales are amax / 448 (448 = e4m3's largest finite value), so every row uses
 the whole range; values are clamped to +-448 before the cast (the cast itself does not saturate).
 
-`Fp8Linear` runs `torch._scaled_mm` on CUDA devices of compute capability 8.9 or more (Ada,
-Hopper) when K and N are multiples of 16 (cuBLASLt/CUTLASS need it); everywhere else it runs the
-reference: dequantize both operands to x's dtype and multiply. The two paths see the same
-quantized operands, so they differ only by accumulation order.
+`Fp8Linear` multiplies in one of two ways, by the number of rows T (the same choice on every device,
+so CPU and GPU numerics agree):
+
+    T <= W8A16_MAX_ROWS   W8A16: x stays in its dtype, y = (x @ w_q^T) * weight_scale^T, fp32 sums;
+                          on CUDA (capability >= 8.9) kernels.fp8_skinny_linear, which streams the
+                          one-byte weight once (a decode step of a few rows is bound by those bytes)
+    T >  W8A16_MAX_ROWS   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
+                          K and N multiples of 16, as cuBLASLt/CUTLASS need) `torch._scaled_mm`
+
+Elsewhere each runs its reference: W8A16 the same sums in fp32 (fp64 for fp64 x), W8A8 both operands
+dequantized to x's dtype and multiplied. Kernel and reference see the same quantized operands, so they
+differ only by accumulation order.
 """
 
 from __future__ import annotations
@@ -25,8 +33,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # Smallest scale: a row of zeros quantizes to zeros instead of dividing by zero.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-# (major, minor) compute capability from which cuBLASLt/CUTLASS multiply e4m3 operands (Ada, Hopper).
+# (major, minor) compute capability from which cuBLASLt/CUTLASS multiply e4m3 operands (Ada, Hopper),
+# and from which Triton converts e4m3 in registers.
 SCALED_MM_MIN_CAPABILITY = (8, 9)
+# Rows up to which activations stay unquantized (W8A16, kernels.fp8_skinny_linear; its MAX_ROWS at most).
+# Read when a layer is built: a benchmark sets it to 0 to measure W8A8 at every batch size.
+W8A16_MAX_ROWS = 16
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +74,16 @@ def dequantize(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torc
     return (x_q.to(dtype) * scale.to(dtype)).to(dtype)
 
 
+def w8a16_ref(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """x (T, K) times e4m3 w_q (N, K) scaled per row, x unquantized: fp32 sums (fp64 for fp64 x), the
+    row scale after the sum, the bias, one rounding to x's dtype (kernels.fp8_skinny_linear's math)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = (x.to(acc) @ w_q.to(acc).t()) * weight_scale.to(acc)  # (T, N)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` multiplies e4m3 operands on `device` (CUDA, capability >= 8.9)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= SCALED_MM_MIN_CAPABILITY
@@ -73,7 +95,8 @@ class Fp8Linear(nn.Module):
     `output_sizes` are the row blocks of a fused weight (q|k|v, gate|up), as in models.llama.Linear;
     a checkpoint's per-tensor scales fill their rows of `weight_scale`. `num_input_scales` > 0 makes
     activations static: one scale per fused part (a checkpoint's `input_scale`s), of which the
-    largest is used, as vLLM does; 0 (default) quantizes each token's activations as it runs.
+    largest is used, as vLLM does; 0 (default) quantizes each token's activations as it runs. Either
+    applies only above `w8a16_max_rows` rows (module docstring); fewer rows are not quantized.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device, num_input_scales=0):
@@ -89,6 +112,9 @@ class Fp8Linear(nn.Module):
         if num_input_scales:
             self.input_scale = nn.Parameter(torch.ones(num_input_scales, dtype=torch.float32, device=device), False)
         self.use_scaled_mm = False  # decided by finalize(), once the weights sit on their device
+        self.use_skinny_kernel = False  # likewise: kernels.fp8_skinny_linear for the W8A16 rows
+        self.w8a16_max_rows = W8A16_MAX_ROWS
+        self.split_counters = None  # the kernel's split-K counters (int32, zero between launches)
         self._static_scale = None
 
     @classmethod
@@ -106,10 +132,17 @@ class Fp8Linear(nn.Module):
         return layer
 
     def finalize(self) -> None:
-        """After loading: pick the path and fold the static activation scales into one."""
-        self.use_scaled_mm = (
-            scaled_mm_supported(self.weight.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        )
+        """After loading: pick the paths and fold the static activation scales into one."""
+        fp8_device = scaled_mm_supported(self.weight.device)
+        self.use_scaled_mm = fp8_device and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.use_skinny_kernel = fp8_device and self.w8a16_max_rows > 0
+        if self.use_skinny_kernel:
+            from splitserve.kernels.fp8_skinny_linear import MAX_ROWS, MIN_BLOCK_N
+
+            if self.w8a16_max_rows > MAX_ROWS:
+                raise ValueError(f"w8a16_max_rows is {self.w8a16_max_rows}; the few-row kernel takes at most {MAX_ROWS}")
+            num_tiles = -(-self.out_features // MIN_BLOCK_N)
+            self.split_counters = torch.zeros(num_tiles, dtype=torch.int32, device=self.weight.device)
         if self.input_scale is not None:
             self._static_scale = self.input_scale.data.max().reshape(1, 1)  # (1, 1)
 
@@ -122,6 +155,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (T, K)
+        if x2.shape[0] <= self.w8a16_max_rows:
+            return self._w8a16(x2).reshape(*lead, self.out_features)
         x_q, x_scale = self.quantize_input(x2)
         if self.use_scaled_mm:
             y = self._scaled_mm(x_q, x_scale)
@@ -129,6 +164,14 @@ class Fp8Linear(nn.Module):
             w = dequantize(self.weight, self.weight_scale[:, None], self.out_dtype)  # (N, K)
             y = F.linear(dequantize(x_q, x_scale, self.out_dtype), w, self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T <= w8a16_max_rows, K) unquantized times the e4m3 weight (T, N)."""
+        if self.use_skinny_kernel:
+            from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear
+
+            return fp8_skinny_linear(x, self.weight, self.weight_scale, self.bias, self.split_counters, impl="triton")
+        return w8a16_ref(x, self.weight, self.weight_scale, self.bias)
 
     def _scaled_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """Row-wise scaled e4m3 GEMM (bf16 out: what the row-wise kernels produce), bias added after."""
@@ -145,5 +188,9 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         path = "scaled_mm" if self.use_scaled_mm else "reference"
+        few = "fp8_skinny_linear" if self.use_skinny_kernel else "reference"
         acts = "dynamic per token" if self.input_scale is None else "static"
-        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3, activations {acts}, {path}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, fp8 e4m3, rows <= {self.w8a16_max_rows}: W8A16 {few}, "
+            f"more: activations {acts}, {path}"
+        )

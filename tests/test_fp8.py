@@ -18,8 +18,10 @@ from splitserve.engine.fp8_checkpoint import read_fp8_scheme
 from splitserve.engine.kv_transfer.copies import copy_block_runs
 from splitserve.engine.kv_transfer.shm import copy_blocks
 from splitserve.engine.loader import load_model
+from splitserve.engine import quant
 from splitserve.engine.quant import (
     FP8_DTYPE,
+    W8A16_MAX_ROWS,
     Fp8Linear,
     dequantize,
     quantize_per_channel,
@@ -80,26 +82,52 @@ def test_per_token_and_static_activation_quantization():
     assert quantize_static(x, static).double().abs().max() == 448  # clamped, not inf/nan
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fp8_linear_reference_path_matches_float64(dtype):
-    gen = torch.Generator().manual_seed(2)
+def _fp8_layer(dtype, device="cpu", seed=2, n=48, k=32, output_sizes=(16, 16, 16)) -> tuple[torch.nn.Module, Fp8Linear]:
+    """An unquantized linear (models.llama.Linear's attributes) and its Fp8Linear."""
+    gen = torch.Generator().manual_seed(seed)
     linear = torch.nn.Module()
-    linear.weight = torch.nn.Parameter(torch.randn(48, 32, generator=gen, dtype=dtype) * 0.1, requires_grad=False)
-    linear.bias = torch.nn.Parameter(torch.randn(48, generator=gen, dtype=dtype), requires_grad=False)
-    linear.output_sizes = (16, 16, 16)
-    layer = Fp8Linear.from_linear(linear)
-    assert not layer.use_scaled_mm and layer.weight.dtype == FP8_DTYPE and layer.output_sizes == (16, 16, 16)
-    x = torch.randn(5, 32, generator=gen, dtype=dtype)
+    linear.weight = torch.nn.Parameter((torch.randn(n, k, generator=gen) * 0.1).to(device, dtype), requires_grad=False)
+    linear.bias = torch.nn.Parameter(torch.randn(n, generator=gen).to(device, dtype), requires_grad=False)
+    linear.output_sizes = output_sizes
+    return linear, Fp8Linear.from_linear(linear)
+
+
+def _dequantized_weight(layer: Fp8Linear) -> torch.Tensor:
+    return layer.weight.double() * layer.weight_scale.double()[:, None]  # (N, K) float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1, 40])
+def test_fp8_linear_reference_paths_match_float64(dtype, rows):
+    """Up to W8A16_MAX_ROWS rows x is not quantized (W8A16); more rows quantize it per token (W8A8)."""
+    linear, layer = _fp8_layer(dtype)
+    assert not layer.use_scaled_mm and not layer.use_skinny_kernel
+    assert layer.weight.dtype == FP8_DTYPE and layer.output_sizes == (16, 16, 16)
+    x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(5), dtype=dtype)
     y = layer(x)
-    x_q, x_scale = quantize_per_token(x)
-    # float64 of what the layer multiplies: dequantized operands, exact products
-    expected = (x_q.double() * x_scale.double()) @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
-    expected += linear.bias.double()
-    assert y.dtype == dtype and y.shape == (5, 48)
+    if rows <= W8A16_MAX_ROWS:
+        x_used = x.double()
+    else:
+        x_q, x_scale = quantize_per_token(x)
+        x_used = x_q.double() * x_scale.double()
+    # float64 of what the layer multiplies: exact products of the operands it sees
+    expected = x_used @ _dequantized_weight(layer).T + linear.bias.double()
+    assert y.dtype == dtype and y.shape == (rows, 48)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
     # and the quantization error itself stays small against the unquantized product
     exact = x.double() @ linear.weight.double().T + linear.bias.double()
     assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_w8a16_rows_threshold_is_read_when_the_layer_is_built(monkeypatch):
+    """A benchmark sets W8A16_MAX_ROWS = 0 to measure W8A8 at every batch size."""
+    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", 0)
+    linear, layer = _fp8_layer(torch.float32)
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
+    x_q, x_scale = quantize_per_token(x)
+    expected = (x_q.double() * x_scale.double()) @ _dequantized_weight(layer).T + linear.bias.double()
+    assert layer.w8a16_max_rows == 0
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_scaled_mm_agrees_with_the_reference_path():
@@ -116,25 +144,23 @@ def test_cpu_scaled_mm_agrees_with_the_reference_path():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 7, 128])
-def test_fp8_linear_scaled_mm_matches_its_reference_path_on_gpu(rows):
-    """On sm_89+ the row-wise e4m3 GEMM runs; its output equals the dequantize + matmul reference on the
-    same operands (bf16 output rounding apart)."""
-    gen = torch.Generator().manual_seed(6)
-    linear = torch.nn.Module()
-    linear.weight = torch.nn.Parameter((torch.randn(96, 64, generator=gen) * 0.05).bfloat16().cuda(), False)
-    linear.bias = torch.nn.Parameter(torch.randn(96, generator=gen).bfloat16().cuda(), False)
-    linear.output_sizes = (32, 64)
-    layer = Fp8Linear.from_linear(linear)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 128])
+def test_fp8_linear_gpu_paths_match_their_references_on_gpu(rows):
+    """On sm_89+: up to 16 rows the W8A16 Triton kernel, above the row-wise e4m3 GEMM; each equals the
+    float64 product of the operands it sees (bf16 output rounding apart)."""
+    linear, layer = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=96, k=64, output_sizes=(32, 64))
     if torch.cuda.get_device_capability() < (8, 9):
-        assert not layer.use_scaled_mm
+        assert not layer.use_scaled_mm and not layer.use_skinny_kernel
         pytest.skip("no e4m3 GEMM before compute capability 8.9")
-    assert layer.use_scaled_mm
-    x = torch.randn(rows, 64, generator=gen).bfloat16().cuda()
+    assert layer.use_scaled_mm and layer.use_skinny_kernel
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
     got = layer(x)
-    x_q, x_scale = quantize_per_token(x)
-    want = (x_q.double() * x_scale.double()) @ (layer.weight.double() * layer.weight_scale.double()[:, None]).T
-    want += linear.bias.double()
+    if rows <= W8A16_MAX_ROWS:
+        x_used = x.double()
+    else:
+        x_q, x_scale = quantize_per_token(x)
+        x_used = x_q.double() * x_scale.double()
+    want = x_used @ _dequantized_weight(layer).T + linear.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
 
 

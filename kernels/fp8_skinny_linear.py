@@ -1,0 +1,252 @@
+"""y = x (W_q * scale)^T (+ b) for a few rows, the weight in e4m3 and x kept in 16 bits (W8A16).
+
+    x (M, K) bf16/fp16/fp32, M <= MAX_ROWS      activations as they are: no per-token quantization
+    w_q (N, K) float8_e4m3fn, scale (N,) fp32   one scale per output row (engine.quant's weights)
+    y[m, n] = scale[n] * sum_k x[m, k] * w_q[n, k]  (+ b[n])          fp32 sums, rounded once to x's dtype
+
+Why: at a decode step of a few rows the projections are bound by the weight bytes they read. The
+e4m3 GEMM (`torch._scaled_mm`) at one row plus the activation quantizer in front of it was slower
+than cuBLAS bf16 (the K=14336 down projection 3x, docs/perf.md); this kernel streams the one-byte
+weight once and upcasts it in registers, so nothing but the weight's bytes moves.
+
+Two inner loops (constexpr DOT):
+  M == 1  GEMV: each program multiplies a (BLOCK_N, BLOCK_K) weight tile by x's row with fp32 FMAs
+          into a (BLOCK_N, BLOCK_K) accumulator, summed over K once after the loop;
+  M > 1   tensor cores: the tile upcast to x's dtype, one (16, BLOCK_K) x (BLOCK_K, BLOCK_N) dot per step
+          (16 FMAs a weight byte would make FMAs the bottleneck).
+Split over K (SPLIT_K > 1) where N alone gives too few programs to keep every SM streaming:
+
+    grid (N / BLOCK_N, SPLIT_K)         program (j, s) sums k in [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT)
+    partials (SPLIT_K, M, N) fp32       each program stores its sums, then adds 1 to counters[j];
+                                        the program that sees SPLIT_K - 1 adds the SPLIT_K partials in
+                                        split order, scales, writes y and sets counters[j] back to 0
+
+One launch, no host sync, a fixed grid per shape (CUDA-graph safe); the sum's order is fixed, so the
+result does not depend on which program finishes last. `counters` (int32, zero) must outlive the call
+and be used by one stream at a time (engine.quant.Fp8Linear owns one per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.kernels._common import dot_precision, interpreting, num_sms, use_triton
+
+MAX_ROWS = 16  # rows of one tensor-core tile; more rows belong to a real GEMM
+MIN_BLOCK_N = 16  # narrowest tile: `counters` needs cdiv(N, MIN_BLOCK_N) entries for any config
+PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM (when K allows)
+
+
+@triton.jit
+def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr):
+    """acc (R, BLOCK_N) fp32 sums -> y rows `rows`, columns n: times the row scales, plus the bias."""
+    n_mask = n < N
+    out = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & n_mask[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past N read row N - 1 (their sums are never stored): no mask on the weight loads
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    rows = tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + rows[:, None] * stride_xm  # (BLOCK_M, 1)
+    m_mask = (rows < M)[:, None]
+    k_begin = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
+                a = tl.load(x_rows + kk[None, :], mask=m_mask, other=0.0)
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                a = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
+            if DOT_F32:  # the interpreter's 16-bit dot is wrong (kernels._common.interpreting)
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PREC)  # (BLOCK_M, BLOCK_N)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
+                a = tl.load(x_ptr + kk)
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+            acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
+    if SPLIT_K == 1:
+        _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
+    else:
+        store_mask = m_mask & (n < N)[None, :]
+        part = part_ptr + rows[:, None] * N + n[None, :]  # (BLOCK_M, BLOCK_N) of partials[s]
+        tl.store(part + pid_k * M * N, acc, mask=store_mask, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partials issued before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=store_mask, other=0.0, cache_modifier=".cg")
+            _finish(total, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
+            tl.store(count_ptr + pid_n, 0)  # ready for the next launch (a CUDA graph's replay too)
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """Splits of K that bring the grid to about PROGRAMS_PER_SM programs a SM, each split a whole
+    number of BLOCK_K steps (the count is then trimmed so that no split is empty)."""
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    want = max(1, min(steps, triton.cdiv(PROGRAMS_PER_SM * sms, tiles)))
+    return triton.cdiv(steps, triton.cdiv(steps, want))
+
+
+def fp8_skinny_config(m: int, n: int, k: int, sms: int, on_cpu: bool) -> dict:
+    """Tiles for M rows of an (N, K) e4m3 weight. Not measured yet (bench/kernels.py --sections
+    fp8linear sweeps the alternatives): GEMV tiles of 16 x 512 bytes (8 KiB a step, 3 in flight) and
+    tensor-core tiles of 32 x 256; SPLIT_K from split_k_for."""
+    if on_cpu:  # the interpreter: small tiles, so that tests cover several tiles and steps
+        cfg = dict(DOT=m > 1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    elif m == 1:
+        cfg = dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(DOT=True, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+    cfg["SPLIT_K"] = 1 if on_cpu else split_k_for(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], sms)
+    return cfg
+
+
+def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None):
+    """Plain torch, the same math: the e4m3 values times x in fp32 (fp64 for fp64 x), the row scale
+    after the sum, the bias, one rounding to x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = (x.to(acc) @ weight.to(acc).t()) * weight_scale.to(acc)  # (M, N)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_skinny_linear: x must be (M, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
+        raise ValueError(f"fp8_skinny_linear: weight must be float8_e4m3fn with contiguous rows, got {weight.dtype}")
+    n = weight.shape[0]
+    if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_skinny_linear: weight_scale must be ({n},) float32, got {tuple(weight_scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8_skinny_linear: bias must be ({n},), got {tuple(bias.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"fp8_skinny_linear: at most {MAX_ROWS} rows, got {x.shape[0]}; use a GEMM")
+    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < triton.cdiv(n, MIN_BLOCK_N)):
+        raise ValueError(f"fp8_skinny_linear: counters must be int32 with at least {triton.cdiv(n, MIN_BLOCK_N)} entries")
+    if cfg is not None and (cfg["BLOCK_N"] < MIN_BLOCK_N or (not cfg["DOT"] and x.shape[0] > 1)):
+        raise ValueError(f"fp8_skinny_linear: config {cfg} needs BLOCK_N >= {MIN_BLOCK_N} and DOT for M > 1")
+
+
+def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, config=None):
+    """The Triton kernel; `config` overrides fp8_skinny_config (benchmarks and tests only).
+    Without `counters` a zeroed set is made for this call."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    on_cpu = interpreting(x)
+    sms = 1 if on_cpu else num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu), **(config or {}))
+    _check(x, weight, weight_scale, bias, counters, cfg)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    split = cfg["SPLIT_K"]
+    steps = triton.cdiv(k, cfg["BLOCK_K"])
+    k_per_split = triton.cdiv(steps, split) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_per_split)  # no empty split (a config may ask for more than K has)
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=x.device)
+    else:
+        partials = counters = y  # unused
+    block_m = MAX_ROWS if cfg["DOT"] else 1
+    _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x,
+        weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        y,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        DOT=cfg["DOT"],
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_K=split,
+        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        NUM_STAGES=cfg["num_stages"],
+        DOT_F32=on_cpu,
+        PREC="ieee" if on_cpu else dot_precision(x.dtype),
+        num_warps=cfg["num_warps"],
+    )
+    return y
+
+
+def fp8_skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row -> (M, N) in x's dtype
+    (module docstring: the exact math, and what `counters` must be)."""
+    _check(x, weight, weight_scale, bias, counters)
+    if use_triton(impl, x, "fp8_skinny_linear"):
+        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters)
+    return fp8_skinny_linear_ref(x, weight, weight_scale, bias)
