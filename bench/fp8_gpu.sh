@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Issue 19 on one H200, bf16 beside fp8, in one device call (each step bounded; everything printed lands
 # in $OUT/fp8.log and each bench writes its JSON under $OUT as it ends, so a call cut short keeps what ran):
-#   1. GPU tests of the fp8 KV kernels (Triton write/decode/prefill over e4m3, scales, the activation quantizer)
-#      and of Fp8Linear's row-wise _scaled_mm against its reference path
-#   2. bench/kernels.py --sections fp8: decode attention bf16 vs fp8 cache against the copy rate, 8B projections
+#   1. GPU tests of the fp8 KV kernels (Triton write/decode/prefill over e4m3, scales, the activation quantizer),
+#      of the W8A16 few-row kernel (8B shapes, split-K bit-stable over repeats, a graph replay) and of Fp8Linear's
+#      W8A16 / row-wise _scaled_mm paths against their references
+#   2. bench/kernels.py --sections ${FP8_SECTIONS:-fp8}: decode attention bf16 vs fp8 cache against the copy rate
+#      (fp8attn), the 8B projections bf16 / W8A8 / W8A16 graphed, with the W8A16 tile sweep (fp8linear)
 #   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed)
 #   4. the nano-vllm workload (Qwen3-0.6B shape): bf16 KV beside fp8 KV
 #   5. quality: the default model's held-out perplexity and greedy tokens, bf16 beside fp8
 #   6. a disaggregated hand-off on the one GPU over cuda_ipc with fp8 blocks (tokens vs colocated fp8)
-# `bash bench/fp8_gpu.sh` runs them all; `bash bench/fp8_gpu.sh 2 3 4` only those steps.
+# `bash bench/fp8_gpu.sh` runs them all; `bash bench/fp8_gpu.sh 2 3 4` only those steps; the tables of steps 2, 3
+# and 5 are printed again side by side at the end (bench/fp8_report.py). Linear layers and quality (issue 19), one
+# H200, about 6 minutes: FP8_SECTIONS=fp8linear bash bench/fp8_gpu.sh 1 2 3 5
 set -uo pipefail
 STEPS=${*:-1 2 3 4 5 6}
 OUT=${OUT:-/tmp/fp8-gpu}
@@ -23,15 +27,16 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want 1; then
   step "1 GPU tests"
   timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_kv.py 2>&1 | tail -15
+  timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_skinny_linear.py 2>&1 | tail -8
   timeout 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py -k on_gpu 2>&1 | tail -5
 fi
 if want 2; then
   step "2 kernels"
-  timeout 100 python3 bench/kernels.py --sections fp8 --json "$OUT/kernels_fp8.json" 2>&1 | tail -45
+  timeout 120 python3 bench/kernels.py --sections "${FP8_SECTIONS:-fp8}" --json "$OUT/kernels_fp8.json" 2>&1 | tail -110
 fi
 if want 3; then
   step "3 8B decode step"
-  timeout 150 python3 -m bench.offline_throughput --workload fixed --engines splitserve,splitserve:fp8 \
+  timeout 180 python3 -m bench.offline_throughput --workload fixed --engines splitserve,splitserve:fp8 \
       --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 --output-len 32 \
       --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -8
 fi
@@ -43,7 +48,8 @@ if want 4; then
 fi
 if want 5; then
   step "5 quality"
-  timeout 60 python3 -m bench.fp8_quality --device cuda --json "$OUT/quality.json" 2>&1 | tail -7
+  timeout 80 python3 -m bench.fp8_quality --device cuda --variants "bf16,fp8 kv,fp8 w+kv,fp8 w8a8+kv,float32" \
+      --json "$OUT/quality.json" 2>&1 | tail -10
 fi
 if want 6; then
   step "6 disaggregated cuda_ipc hand-off, fp8 KV"
@@ -51,4 +57,6 @@ if want 6; then
       --decode-device cuda:0 --transports cuda_ipc --kv-cache-dtype fp8 --num-prompts 3 --prompt-len 2048 \
       --num-kv-blocks 1024 --logs /tmp/disagg-logs --json "$OUT/disagg_fp8.json" 2>&1 | tail -8
 fi
+step "tables side by side"
+python3 -m bench.fp8_report "$OUT"
 step "done"

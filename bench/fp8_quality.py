@@ -1,20 +1,29 @@
-"""FP8 quality on the default model: held-out perplexity and greedy tokens, unquantized beside fp8.
+"""FP8 quality on the default model: held-out perplexity and greedy tokens, bf16 beside fp8.
 
-    python -m bench.fp8_quality --device cuda --json out.json     # bf16 beside fp8 weights + fp8 KV
-    python -m bench.fp8_quality --device cpu                      # float32 beside fp8 (reference paths)
+    python -m bench.fp8_quality --device cuda --json out.json     # on a GPU
+    python -m bench.fp8_quality --device cpu --num-windows 8      # the same variants through the CPU paths
+
+The baseline is the first variant (default: the model in bfloat16, as issue 19 asks); every variant runs
+in bfloat16 on either device. `fp8 w+kv` is --quantization fp8 with --kv-cache-dtype fp8: steps of up to
+engine.quant.W8A16_MAX_ROWS rows (the greedy decode of 16 prompts) keep activations in bf16 (W8A16), longer
+ones quantize them per token (W8A8); `fp8 w8a8+kv` quantizes activations at every step (the threshold 0).
 
 Perplexity: windows of --window tokens of tests/data/heldout.txt (the default model's held-out
 slice), each run as one prefill whose keys and values go through the KV cache (an fp8 cache's
 attention reads the quantized keys), scored on every next token. Greedy: --num-prompts prompts
-(the held-out text's first lines of at least 24 characters), --max-tokens tokens each, through `LLM`.
-Goals (issue 19): perplexity within 3% of unquantized, greedy tokens equal for >= 12 of 16 prompts.
+(the held-out text's first lines of at least 24 characters), --max-tokens tokens each, through `LLM`,
+with the baseline's top-2 logprobs: where a variant's tokens first differ, the baseline's margin
+between its first and second choice says how near a tie the flipped token was.
+Goals (issue 19): perplexity within 3% of bf16, greedy tokens equal for >= 12 of 16 prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,13 +32,17 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "tests" / "data" / "heldout.txt"
+BF16 = {"dtype": "bfloat16"}
+# name -> engine options; "w8a16_max_rows" sets engine.quant.W8A16_MAX_ROWS while the engine is built
 VARIANTS = {
-    "unquantized": {},
-    "fp8 kv": {"kv_cache_dtype": "fp8"},
-    "fp8 weights + kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    "bfloat16": {"dtype": "bfloat16"},  # not run by default: how far 16-bit alone moves a float32 baseline
+    "bf16": BF16,
+    "fp8 kv": {**BF16, "kv_cache_dtype": "fp8"},
+    "fp8 w+kv": {**BF16, "quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "fp8 w8a8+kv": {**BF16, "quantization": "fp8", "kv_cache_dtype": "fp8", "w8a16_max_rows": 0},
+    "fp8 w": {**BF16, "quantization": "fp8"},
+    "float32": {"dtype": "float32"},  # not run by default: how far 16-bit alone moves a float32 model
 }
-DEFAULT_VARIANTS = "unquantized,fp8 kv,fp8 weights + kv"
+DEFAULT_VARIANTS = "bf16,fp8 kv,fp8 w+kv,fp8 w8a8+kv"
 
 
 def window_nll(engine, ids: list[int]) -> tuple[float, int]:
@@ -58,27 +71,45 @@ def window_nll(engine, ids: list[int]) -> tuple[float, int]:
     return float(nll), n - 1
 
 
+@contextlib.contextmanager
+def w8a16_rows(max_rows: int | None):
+    """engine.quant.W8A16_MAX_ROWS = max_rows while the block runs (None: unchanged)."""
+    from splitserve.engine import quant
+
+    saved = quant.W8A16_MAX_ROWS
+    if max_rows is not None:
+        quant.W8A16_MAX_ROWS = max_rows
+    try:
+        yield
+    finally:
+        quant.W8A16_MAX_ROWS = saved
+
+
 def evaluate(variant: dict, args, windows: list[list[int]], prompts: list[list[int]]) -> dict:
     from splitserve.engine import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(
-        device=args.device,
-        num_kv_blocks=-(-args.window // 16) + 64,
-        max_num_seqs=args.num_prompts,
-        enforce_eager=True,
-        **variant,
-    )
+    options = dict(variant)
+    with w8a16_rows(options.pop("w8a16_max_rows", None)):
+        llm = LLM(
+            device=args.device,
+            num_kv_blocks=-(-args.window // 16) + 64,
+            max_num_seqs=args.num_prompts,
+            enforce_eager=True,
+            **options,
+        )
     total, count = 0.0, 0
     for ids in windows:
         nll, n = window_nll(llm.engine, ids)
         total, count = total + nll, count + n
-    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2) for _ in prompts]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     return {
         "perplexity": math.exp(total / count),
         "scored_tokens": count,
         "greedy": [o.token_ids for o in outs],
+        # per prompt and position: top-1 minus top-2 logprob (how clear each greedy choice was)
+        "margins": [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs],
         "kv_layout": llm.engine.layout.describe(),
         "seconds": time.perf_counter() - start,
     }
@@ -90,6 +121,52 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def compare(results: dict, base_name: str, args, num_prompts: int, num_windows: int) -> None:
+    """Each variant against the baseline: perplexity ratio, prompts equal, and at each first difference
+    the baseline's margin between its top two tokens (stored in `results`, then printed as a table)."""
+    base = results[base_name]
+    all_margins = sorted(m for row in base["margins"] for m in row)
+    for r in results.values():
+        pairs = list(zip(r["greedy"], base["greedy"]))
+        firsts = [(i, common_prefix(a, b)) for i, (a, b) in enumerate(pairs) if a != b]
+        r["baseline"] = base_name
+        r["prompts_equal"] = len(pairs) - len(firsts)
+        r["mean_common_prefix"] = sum(common_prefix(a, b) for a, b in pairs) / len(pairs)
+        r["ppl_ratio"] = r["perplexity"] / base["perplexity"]
+        r["first_differences"] = [
+            {"prompt": i, "position": p, "base_margin": base["margins"][i][p], "variant_margin": r["margins"][i][p]}
+            for i, p in firsts
+        ]
+        # a margin's place among all the baseline's choices: 0.05 = only 5% of them were closer calls
+        for d in r["first_differences"]:
+            d["base_margin_quantile"] = sum(m < d["base_margin"] for m in all_margins) / len(all_margins)
+    print(
+        f"\ndefault model, {args.device}: {num_windows} windows of {args.window} tokens; greedy {args.max_tokens} "
+        f"tokens of {num_prompts} prompts; baseline {base_name}; its top-1 - top-2 logprob margin over all "
+        f"{len(all_margins)} greedy positions: median {statistics.median(all_margins):.2f}, "
+        f"10th percentile {all_margins[len(all_margins) // 10]:.3f}"
+    )
+    print("\n".join(quality_table(results)))
+
+
+def quality_table(results: dict) -> list[str]:
+    """The table's lines (markdown) from compare()'s fields."""
+    base_name = next(iter(results.values()))["baseline"]
+    lines = [
+        f"| variant | perplexity | vs {base_name} | greedy prompts equal | mean equal tokens before a difference "
+        f"| {base_name} margin at each first difference (its quantile) | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        diffs = " ".join(f"{d['base_margin']:.3f} ({d['base_margin_quantile']:.2f})" for d in r["first_differences"])
+        lines.append(
+            f"| {name} | {r['perplexity']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | "
+            f"{r['prompts_equal']}/{len(r['greedy'])} | {r['mean_common_prefix']:.1f} | {diffs or '-'} | "
+            f"{r['seconds']:.1f} |"
+        )
+    return lines
 
 
 def main(argv=None) -> int:
@@ -113,26 +190,12 @@ def main(argv=None) -> int:
     lines = [line for line in text.splitlines() if len(line.strip()) >= 24]
     step = max(1, len(lines) // args.num_prompts)
     prompts = [tokenizer.encode(lines[i * step]) for i in range(args.num_prompts)]
-    results = {name: evaluate(VARIANTS[name], args, windows, prompts) for name in args.variants.split(",")}
-    base = results["unquantized"]
-    print(
-        f"\ndefault model, {args.device}: {len(windows)} windows of {args.window} tokens; "
-        f"greedy {args.max_tokens} tokens"
-    )
-    print(
-        "| variant | perplexity | vs unquantized | greedy prompts equal | mean equal tokens before a difference "
-        "| seconds |"
-    )
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        equal = sum(a == b for a, b in zip(r["greedy"], base["greedy"]))
-        r["prompts_equal"] = equal
-        r["mean_common_prefix"] = sum(common_prefix(a, b) for a, b in zip(r["greedy"], base["greedy"])) / len(prompts)
-        r["ppl_ratio"] = r["perplexity"] / base["perplexity"]
-        print(
-            f"| {name} | {r['perplexity']:.4f} | {100 * (r['ppl_ratio'] - 1):+.2f}% | {equal}/{len(prompts)} | "
-            f"{r['mean_common_prefix']:.1f} | {r['seconds']:.1f} |"
-        )
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    results = {name: evaluate(VARIANTS[name], args, windows, prompts) for name in names}
+    compare(results, names[0], args, len(prompts), len(windows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0

@@ -6,8 +6,9 @@ against their unfused torch equivalents, and the sweeps behind the decode split-
     PYTHONPATH=. python bench/kernels.py --sections fp8                   # only the fp8 tables
 
 `--sections fp8`: paged decode attention over a bf16 cache beside the same values in an fp8 (e4m3)
-cache (rate against the copy rate for the bytes each reads; a tile sweep for fp8), and the 8B
-projections in bf16 (cuBLAS) beside fp8 (per-token quantization + row-wise `torch._scaled_mm`).
+cache (rate against the copy rate for the bytes each reads; a tile sweep for fp8) (`fp8attn` alone),
+and the 8B projections bf16 (cuBLAS) beside fp8 W8A8 (per-token quantization + row-wise
+`torch._scaled_mm`) and fp8 W8A16 (kernels.fp8_skinny_linear), graphed (`fp8linear` alone: bench/fp8_linear.py).
 
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between calls, warm-up
 first). Decode bytes count each cached K/V element of the context once (block tables, q and out
@@ -30,6 +31,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.fp8_linear import bench_fp8_linear, print_fp8_linear
 from splitserve.kernels import rms_norm, rotary_embedding, silu_and_mul, write_kv
 from splitserve.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_triton
 from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
@@ -309,8 +311,6 @@ FP8_CONFIGS = [dict(DOT_F16=False, BLOCK_N=64, num_warps=4, num_stages=2)] + [
     dict(DOT_F16=True, BLOCK_N=n, num_warps=w, num_stages=st)
     for n, w, st in ((64, 4, 2), (64, 4, 1), (64, 4, 3), (32, 4, 2), (128, 4, 2), (128, 8, 2))
 ]
-# (name, N, K) of Llama-3-8B's projections; a decode step runs each once per layer (32 layers)
-FP8_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 
 
 def bench_fp8_decode(p, copy_bw, device, gen):
@@ -352,62 +352,24 @@ def bench_fp8_decode(p, copy_bw, device, gen):
     return rows, sweep
 
 
-def bench_fp8_linear(device, batches=(1, 128)):
-    """The 8B projections: bf16 F.linear beside Fp8Linear (per-token quantization + row-wise _scaled_mm)."""
-    from splitserve.engine.quant import Fp8Linear
-
-    rows = []
-    for batch in batches:
-        for name, n, k in FP8_LINEARS:
-            lin = torch.nn.Module()
-            lin.weight = torch.nn.Parameter(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, False)
-            lin.bias, lin.output_sizes = None, (n,)
-            fp8 = Fp8Linear.from_linear(lin)
-            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
-            t16 = time_ms(lambda: F.linear(x, lin.weight))
-            t8 = time_ms(lambda: fp8(x))
-            tq = time_ms(lambda: fp8.quantize_input(x))
-            rel = (fp8(x).float() - F.linear(x, lin.weight).float()).norm() / F.linear(x, lin.weight).float().norm()
-            rows.append(
-                dict(
-                    batch=batch,
-                    op=name,
-                    n=n,
-                    k=k,
-                    bf16_ms=t16,
-                    fp8_ms=t8,
-                    quant_ms=tq,
-                    bf16_gbps=2 * n * k / t16 / 1e6,
-                    fp8_gbps=n * k / t8 / 1e6,
-                    rel_err=rel.item(),
-                    scaled_mm=fp8.use_scaled_mm,
-                )
-            )
-    return rows
-
-
 def print_fp8_tables(r) -> None:
     print(f"\ncopy bandwidth: {r['copy_gbps']:.0f} GB/s (read + write)")
-    print(
-        "\n| decode (B, ctx) | bf16 ms | bf16 % copy | fp8 ms | fp8 % copy | fp8 best ms | best % copy | best tile "
-        "| fp8 err |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for x in r["fp8_decode"]:
-        c = x["fp8_best_config"]
+    if "fp8_decode" in r:
         print(
-            f"| ({x['batch']}, {x['ctx']}) | {x['bf16_ms']:.4f} | {x['bf16_pct_copy']:.1f} | {x['fp8_ms']:.4f} | "
-            f"{x['fp8_pct_copy']:.1f} | {x['fp8_best_ms']:.4f} | {x['fp8_best_pct_copy']:.1f} | "
-            f"{'f16' if c['DOT_F16'] else 'bf16'} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} | "
-            f"{x['fp8_max_abs_err']:.1e} |"
+            "\n| decode (B, ctx) | bf16 ms | bf16 % copy | fp8 ms | fp8 % copy | fp8 best ms | best % copy | best tile "
+            "| fp8 err |"
         )
-    print("\n| projection (8B) | batch | bf16 ms | bf16 GB/s | fp8 ms | fp8 GB/s | of which quant ms | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
-    for x in r["fp8_linear"]:
-        print(
-            f"| {x['op']} {x['n']}x{x['k']} | {x['batch']} | {x['bf16_ms']:.4f} | {x['bf16_gbps']:.0f} | "
-            f"{x['fp8_ms']:.4f} | {x['fp8_gbps']:.0f} | {x['quant_ms']:.4f} | {x['rel_err']:.3f} |"
-        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for x in r["fp8_decode"]:
+            c = x["fp8_best_config"]
+            print(
+                f"| ({x['batch']}, {x['ctx']}) | {x['bf16_ms']:.4f} | {x['bf16_pct_copy']:.1f} | {x['fp8_ms']:.4f} | "
+                f"{x['fp8_pct_copy']:.1f} | {x['fp8_best_ms']:.4f} | {x['fp8_best_pct_copy']:.1f} | "
+                f"{'f16' if c['DOT_F16'] else 'bf16'} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} | "
+                f"{x['fp8_max_abs_err']:.1e} |"
+            )
+    if "fp8_linear" in r:
+        print_fp8_linear(r["fp8_linear"])
 
 
 def print_tables(r) -> None:
@@ -460,7 +422,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
-    parser.add_argument("--sections", default="all", choices=("all", "fp8"), help="fp8: only the fp8 tables")
+    parser.add_argument(
+        "--sections",
+        default="all",
+        choices=("all", "fp8", "fp8attn", "fp8linear"),
+        help="fp8: only the fp8 tables (fp8attn: decode attention, fp8linear: the projections)",
+    )
     args = parser.parse_args(argv)
     p = SMOKE if args.smoke else FULL
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -477,9 +444,11 @@ def main(argv=None) -> int:
 
     r["triton"] = triton.__version__
     r["copy_gbps"] = copy_bandwidth(device, (2 << 30) if device == "cuda" else (1 << 20)) / 1e9
-    if args.sections == "fp8":
-        r["fp8_decode"], r["fp8_decode_sweep"] = bench_fp8_decode(p, r["copy_gbps"] * 1e9, device, gen)
-        r["fp8_linear"] = bench_fp8_linear(device) if device == "cuda" else []
+    if args.sections.startswith("fp8"):
+        if args.sections in ("fp8", "fp8attn"):
+            r["fp8_decode"], r["fp8_decode_sweep"] = bench_fp8_decode(p, r["copy_gbps"] * 1e9, device, gen)
+        if args.sections in ("fp8", "fp8linear"):
+            r["fp8_linear"] = bench_fp8_linear(device, r["copy_gbps"] * 1e9, smoke=args.smoke)
         print_fp8_tables(r)
         if args.json:
             with open(args.json, "w") as f:

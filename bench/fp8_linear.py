@@ -1,0 +1,230 @@
+"""Llama-3-8B's projections three ways, side by side: bf16 (cuBLAS), fp8 W8A8 (per-token quantizer +
+row-wise `torch._scaled_mm`, what Fp8Linear runs above W8A16_MAX_ROWS rows) and fp8 W8A16
+(`kernels.fp8_skinny_linear`, what it runs up to there), at 1 and 16 rows, W8A8 and bf16 at 128 rows,
+plus a tile sweep of the W8A16 kernel. Run through bench/kernels.py (`--sections fp8linear` or `fp8`).
+
+Times are what a decode graph pays: each variant is captured back to back in one CUDA graph over enough
+weight copies that the graph's working set is 3x the L2 (each call reads its weight from HBM), replayed,
+and divided by the calls (eager do_bench timings of these ~20 us kernels include the host's launch).
+`% copy` = the bytes the call reads (weight + x) per second against the copy rate. `rel err` = |y - y32| /
+|y32| against the fp32 product of the bf16 weight; `kernel ok` = the kernel within one bf16 step of its
+fp32 reference on the same e4m3 operands (tests/kernels/test_fp8_skinny_linear.py's tolerance).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K) of Llama-3-8B's projections; a decode step runs each once per layer (32 layers)
+FP8_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+FP8_LINEARS_SMOKE = [("qkv", 48, 64), ("down", 40, 100)]
+L2_BYTES = 50 << 20  # H200
+# W8A16 tiles swept (the first of each list is the kernel's default); SPLIT_K "auto" = split_k_for
+GEMV_SWEEP = [
+    dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3),
+    dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=1),
+    dict(DOT=False, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(DOT=False, BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=2),
+    dict(DOT=False, BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=2),
+    dict(DOT=True, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+]
+DOT_SWEEP = [
+    dict(DOT=True, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(DOT=True, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(DOT=True, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(DOT=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(DOT=True, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
+    dict(DOT=True, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3),
+]
+SPLIT_FACTORS = (0, 2)  # the default tile with SPLIT_K = 1 and twice split_k_for's; "auto" is always run
+
+
+def graph_ms(fns: list, device: str, reps: int = 15) -> float:
+    """Mean ms per call of `fns` (zero-argument launches) captured back to back in one CUDA graph and
+    replayed; on CPU (the smoke mode) the wall clock of one pass."""
+    if device != "cuda":
+        start = time.perf_counter()
+        for fn in fns:
+            fn()
+        return 1e3 * (time.perf_counter() - start) / len(fns)
+    loops = max(1, 48 // len(fns))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(loops):
+            for fn in fns:
+                fn()
+    graph.replay()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / (loops * len(fns)))
+    del graph
+    return statistics.median(samples)
+
+
+class Projection:
+    """`copies` independent random bf16 weights (N, K): kept as they are (`weights`), or quantized to
+    Fp8Linear layers (`fp8`, each W8A8 at every M: the W8A16 kernel is called directly) with the first
+    bf16 weight kept as the reference."""
+
+    def __init__(self, n: int, k: int, device: str, copies: int, gen: torch.Generator, quantize: bool):
+        from splitserve.engine.quant import Fp8Linear
+
+        self.n, self.k = n, k
+        self.weights, self.fp8 = [], []
+        for i in range(copies):
+            weight = (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.bfloat16)
+            if not quantize or i == 0:
+                self.weights.append(weight)
+            if quantize:
+                lin = torch.nn.Module()
+                lin.weight, lin.bias, lin.output_sizes = weight, None, (n,)
+                layer = Fp8Linear.from_linear(lin)
+                layer.w8a16_max_rows = 0
+                self.fp8.append(layer)
+
+    def counters(self, device: str) -> torch.Tensor:
+        """Zeroed split-K counters for one weight copy (kernels.fp8_skinny_linear)."""
+        return torch.zeros(-(-self.n // 16), dtype=torch.int32, device=device)
+
+
+def copies_for(weight_bytes: int, device: str) -> int:
+    """Weight copies so that a pass over them reads 3x the L2 (2 at least; 1 in the smoke mode)."""
+    return max(2, -(-3 * L2_BYTES // weight_bytes)) if device == "cuda" else 1
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def _w8a16_rows(proj: Projection, x, xs, device: str, sweep: list[dict]) -> dict:
+    """The W8A16 kernel's default tiles, then each swept config (its SPLIT_K from split_k_for) and split
+    variants of the default; each checked against the reference once, the best taken among those correct."""
+    from splitserve.kernels._common import num_sms
+    from splitserve.kernels.fp8_skinny_linear import (
+        fp8_skinny_config,
+        fp8_skinny_linear_ref,
+        fp8_skinny_linear_triton,
+        split_k_for,
+    )
+
+    m, n, k = x.shape[0], proj.n, proj.k
+    sms = num_sms(0) if device == "cuda" else 1
+    counters = [proj.counters(device) for _ in proj.fp8]
+    layer = proj.fp8[0]
+    want = fp8_skinny_linear_ref(x, layer.weight, layer.weight_scale).float()
+    default = fp8_skinny_config(m, n, k, sms, device != "cuda")
+    configs = [default] + [dict(c, SPLIT_K=split_k_for(n, k, c["BLOCK_N"], c["BLOCK_K"], sms)) for c in sweep]
+    configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in SPLIT_FACTORS]
+    timed = []
+    for cfg in configs:
+        if (not cfg["DOT"] and m > 1) or (cfg in configs[: configs.index(cfg)]):
+            continue
+        got = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, counters=counters[0], config=cfg)
+        ok = torch.allclose(got.float(), want, atol=1e-5, rtol=2**-7)
+        calls = [
+            lambda i=i, lay=lay: fp8_skinny_linear_triton(
+                xs[i], lay.weight, lay.weight_scale, counters=counters[i], config=cfg
+            )
+            for i, lay in enumerate(proj.fp8)
+        ]
+        timed.append(dict(cfg, ms=graph_ms(calls, device), ok=ok))
+        if cfg is default:
+            rel_err = _rel_err(got, F.linear(x.float(), proj.weights[0].float()))
+    best = min((t for t in timed if t["ok"]), key=lambda t: t["ms"], default=timed[0])
+    return dict(
+        w8a16_ms=timed[0]["ms"],
+        w8a16_config=default,
+        w8a16_best_ms=best["ms"],
+        w8a16_best_config=best,
+        w8a16_ok=all(t["ok"] for t in timed),
+        w8a16_rel_err=rel_err,
+        w8a16_sweep=timed,
+    )
+
+
+def bench_fp8_linear(device: str, copy_bw: float, smoke: bool = False) -> list[dict]:
+    """Rows per (projection, M): bf16, W8A8 (quantizer alone too) and, for M <= 16, W8A16 with its sweep."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, n, k in FP8_LINEARS_SMOKE if smoke else FP8_LINEARS:
+        bf16 = Projection(n, k, device, copies_for(2 * n * k, device), gen, quantize=False)
+        fp8 = Projection(n, k, device, copies_for(n * k, device), gen, quantize=True)
+        for m in (1, 16, 128):
+            num_x = max(len(bf16.weights), len(fp8.fp8))
+            xs = [torch.randn(m, k, generator=gen).to(device, torch.bfloat16) for _ in range(num_x)]
+            x = xs[0]
+            row = dict(op=name, n=n, k=k, m=m)
+            row["bf16_ms"] = graph_ms([lambda i=i, w=w: F.linear(xs[i], w) for i, w in enumerate(bf16.weights)], device)
+            row["w8a8_ms"] = graph_ms([lambda i=i, lay=lay: lay(xs[i]) for i, lay in enumerate(fp8.fp8)], device)
+            quant = [lambda i=i, lay=lay: lay.quantize_input(xs[i]) for i, lay in enumerate(fp8.fp8)]
+            row["quant_ms"] = graph_ms(quant, device)
+            row["w8a8_rel_err"] = _rel_err(fp8.fp8[0](x), F.linear(x.float(), fp8.weights[0].float()))
+            row["scaled_mm"] = fp8.fp8[0].use_scaled_mm
+            if m <= 16:
+                row.update(_w8a16_rows(fp8, x, xs, device, GEMV_SWEEP if m == 1 else DOT_SWEEP))
+            for key in ("bf16", "w8a8", "w8a16", "w8a16_best"):
+                if f"{key}_ms" in row:
+                    read = (2 if key == "bf16" else 1) * n * k + 2 * m * k
+                    row[f"{key}_pct_copy"] = 100 * read / (row[f"{key}_ms"] * 1e-3) / copy_bw
+            rows.append(row)
+            print({key: v for key, v in row.items() if key != "w8a16_sweep"}, flush=True)
+        del bf16, fp8
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _tile(c: dict) -> str:
+    kind = "dot" if c["DOT"] else "fma"
+    return f"{kind} N{c['BLOCK_N']} K{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split{c['SPLIT_K']}"
+
+
+def print_fp8_linear(rows: list[dict]) -> None:
+    """The sweep, then the side-by-side table (last)."""
+    print("\nW8A16 tile sweep (ms per call, graphed):")
+    for r in rows:
+        for s in r.get("w8a16_sweep", []):
+            print(f"  {r['op']} M={r['m']} {_tile(s)}: {s['ms']:.4f}{'' if s['ok'] else ' WRONG'}")
+    print()
+    print("\n".join(fp8_linear_table(rows)))
+
+
+def fp8_linear_table(rows: list[dict]) -> list[str]:
+    """The projections table's lines (markdown)."""
+    lines = [
+        "| projection (8B) | M | bf16 cuBLAS ms (% copy) | W8A8 quant + _scaled_mm ms (% copy) | of which quant ms "
+        "| W8A16 kernel ms (% copy) | W8A16 best ms (% copy) | best tiles | W8A16 / bf16 | rel err W8A8 / W8A16 "
+        "| kernel ok (all tiles) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        w16 = best = tiles = ratio = ok = "-"
+        err16 = ""
+        if "w8a16_ms" in r:
+            w16 = f"{r['w8a16_ms']:.4f} ({r['w8a16_pct_copy']:.0f})"
+            best = f"{r['w8a16_best_ms']:.4f} ({r['w8a16_best_pct_copy']:.0f})"
+            tiles, ratio = _tile(r["w8a16_best_config"]), f"{r['w8a16_ms'] / r['bf16_ms']:.2f}"
+            err16, ok = f" / {r['w8a16_rel_err']:.4f}", "yes" if r["w8a16_ok"] else "**NO**"
+        lines.append(
+            f"| {r['op']} {r['n']}x{r['k']} | {r['m']} | {r['bf16_ms']:.4f} ({r['bf16_pct_copy']:.0f}) | "
+            f"{r['w8a8_ms']:.4f} ({r['w8a8_pct_copy']:.0f}) | {r['quant_ms']:.4f} | {w16} | {best} | {tiles} | "
+            f"{ratio} | {r['w8a8_rel_err']:.4f}{err16} | {ok} |"
+        )
+    return lines
