@@ -133,8 +133,8 @@ def _w8a16_rows(proj: Projection, x, xs, device: str, sweep: list[dict]) -> dict
     configs = [default] + [dict(c, SPLIT_K=split_k_for(n, k, c["BLOCK_N"], c["BLOCK_K"], sms)) for c in sweep]
     configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in SPLIT_FACTORS]
     timed = []
-    for cfg in configs:
-        if (not cfg["DOT"] and m > 1) or (cfg in configs[: configs.index(cfg)]):
+    for j, cfg in enumerate(configs):
+        if (not cfg["DOT"] and m > 1) or cfg in configs[:j]:  # FMA tiles take one row; each config once
             continue
         got = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, counters=counters[0], config=cfg)
         ok = torch.allclose(got.float(), want, atol=1e-5, rtol=2**-7)
