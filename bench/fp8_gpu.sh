@@ -6,7 +6,8 @@
 #      W8A16 / row-wise _scaled_mm paths against their references
 #   2. bench/kernels.py --sections ${FP8_SECTIONS:-fp8}: decode attention bf16 vs fp8 cache against the copy rate
 #      (fp8attn), the 8B projections bf16 / W8A8 / W8A16 graphed, with the W8A16 tile sweep (fp8linear)
-#   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed)
+#   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed),
+#      and after step 2 fp8 again on the W8A16 tiles its sweep found best
 #   4. the nano-vllm workload (Qwen3-0.6B shape): bf16 KV beside fp8 KV
 #   5. quality: the default model's held-out perplexity and greedy tokens, bf16 beside fp8
 #   6. a disaggregated hand-off on the one GPU over cuda_ipc with fp8 blocks (tokens vs colocated fp8)
@@ -26,19 +27,22 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if want 1; then
   step "1 GPU tests"
-  timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_kv.py 2>&1 | tail -15
-  timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_skinny_linear.py 2>&1 | tail -8
+  timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_kv.py 2>&1 | tail -15
+  timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fp8_skinny_linear.py 2>&1 | tail -8
   timeout 30 python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py -k on_gpu 2>&1 | tail -5
 fi
 if want 2; then
   step "2 kernels"
-  timeout 120 python3 bench/kernels.py --sections "${FP8_SECTIONS:-fp8}" --json "$OUT/kernels_fp8.json" 2>&1 | tail -110
+  timeout 110 python3 bench/kernels.py --sections "${FP8_SECTIONS:-fp8}" --json "$OUT/kernels_fp8.json" 2>&1 | tail -110
 fi
 if want 3; then
   step "3 8B decode step"
-  timeout 180 python3 -m bench.offline_throughput --workload fixed --engines splitserve,splitserve:fp8 \
+  # with step 2's projection sweep: also fp8 on the W8A16 tiles it found best (splitserve:fp8swept)
+  engines=splitserve,splitserve:fp8
+  [[ -s "$OUT/kernels_fp8.json" && "${FP8_SECTIONS:-fp8}" != fp8attn ]] && engines=$engines,splitserve:fp8swept
+  timeout 240 python3 -m bench.offline_throughput --workload fixed --engines $engines \
       --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 --output-len 32 \
-      --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -8
+      --fp8-tiles "$OUT/kernels_fp8.json" --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -10
 fi
 if want 4; then
   step "4 nano-vllm workload"
@@ -48,7 +52,7 @@ if want 4; then
 fi
 if want 5; then
   step "5 quality"
-  timeout 80 python3 -m bench.fp8_quality --device cuda --variants "bf16,fp8 kv,fp8 w+kv,fp8 w8a8+kv,float32" \
+  timeout 70 python3 -m bench.fp8_quality --device cuda --variants "bf16,fp8 kv,fp8 w+kv,fp8 w8a8+kv,float32" \
       --json "$OUT/quality.json" 2>&1 | tail -10
 fi
 if want 6; then

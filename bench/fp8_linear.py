@@ -191,6 +191,21 @@ def bench_fp8_linear(device: str, copy_bw: float, smoke: bool = False) -> list[d
     return rows
 
 
+def swept_tiles(kernels_json: str) -> dict[tuple[str, int, int], dict]:
+    """engine.quant.W8A16_TILES from a bench/kernels.py JSON: each projection's best correct W8A16 tiles,
+    M = 1 as "gemv", M = 16 as "dot" (used for 2-16 rows)."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads(Path(kernels_json).read_text()).get("fp8_linear") or []
+    tiles = {}
+    for r in rows:
+        if "w8a16_best_config" in r and r["w8a16_ok"]:
+            config = {key: v for key, v in r["w8a16_best_config"].items() if key not in ("ms", "ok")}
+            tiles[("gemv" if r["m"] == 1 else "dot", r["n"], r["k"])] = config
+    return tiles
+
+
 def _tile(c: dict) -> str:
     kind = "dot" if c["DOT"] else "fma"
     return f"{kind} N{c['BLOCK_N']} K{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split{c['SPLIT_K']}"

@@ -23,7 +23,7 @@ def decode_table(rows: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        goal = DECODE_GOAL_MS.get(r["batch"]) if r["engine"] == "splitserve:fp8" else None
+        goal = DECODE_GOAL_MS.get(r["batch"]) if r["engine"].startswith("splitserve:fp8") else None
         verdict = "" if goal is None else f"<= {goal}: {'met' if r['decode_step_ms'] <= goal else '**missed**'}"
         lines.append(
             f"| {r['engine']} | {r['batch']} | {r['decode_step_ms']:.2f} ({r['decode_step_p10_ms']:.2f}-"

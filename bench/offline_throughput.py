@@ -11,14 +11,17 @@ vLLM runs in its own virtual environment (--vllm-python), as a subprocess of thi
 
 splitserve variants (in --engines, each measured in the same run): `splitserve` (the --dtype model and
 KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `splitserve:fp8`
-(both), e.g. --engines splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in
-every --scheduling mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named
-VARIANT-MODE; --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
+(both), `splitserve:fp8swept` (both, the few-row W8A16 kernel on the tiles --fp8-tiles names: a
+bench/kernels.py --sections fp8linear JSON, whose sweep picked them), e.g. --engines
+splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
+mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
+--gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -52,6 +55,8 @@ VARIANTS = {
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "fp8w": {"quantization": "fp8"},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    # fp8 with the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep), not the kernel's own
+    "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "swept_tiles": True},
 }
 
 
@@ -63,6 +68,27 @@ def variant_options(engine: str) -> dict:
     return VARIANTS[variant]
 
 
+@contextlib.contextmanager
+def w8a16_tiles(options: dict, tiles_json: str):
+    """Pops "swept_tiles" from `options`; when it was set, engine.quant.W8A16_TILES holds --fp8-tiles' tiles
+    while the block runs (the engine is built inside it: layers read the table when finalized)."""
+    if not options.pop("swept_tiles", False):
+        yield
+        return
+    if not tiles_json:
+        raise SystemExit("splitserve:fp8swept needs --fp8-tiles (a bench/kernels.py --sections fp8linear JSON)")
+    from bench.fp8_linear import swept_tiles
+    from splitserve.engine import quant
+
+    saved = quant.W8A16_TILES
+    quant.W8A16_TILES = swept_tiles(tiles_json)
+    print(f"W8A16 tiles from {tiles_json}: {quant.W8A16_TILES}", flush=True)
+    try:
+        yield
+    finally:
+        quant.W8A16_TILES = saved
+
+
 def run_splitserve(
     config_path: str, requests, dtype: str, device: str, args, variant: str = "splitserve"
 ) -> list[dict]:
@@ -71,17 +97,19 @@ def run_splitserve(
     device share of the wall."""
     from splitserve.engine import LLM, SamplingParams
 
-    llm = LLM(
-        model=config_path,
-        load_format="dummy",
-        dtype=dtype,
-        device=device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_fraction=args.kv_fraction,
-        **variant_options(variant),
-    )
+    options = dict(variant_options(variant))
+    with w8a16_tiles(options, args.fp8_tiles):
+        llm = LLM(
+            model=config_path,
+            load_format="dummy",
+            dtype=dtype,
+            device=device,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_fraction=args.kv_fraction,
+            **options,
+        )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     prompts = [p for p, _ in requests]
     if device.startswith("cuda"):  # the whole workload once: every kernel variant it needs compiled and tuned
@@ -386,18 +414,20 @@ def run_fixed(args) -> list[dict]:
     for engine in [e for e in args.engines.split(",") if e.partition(":")[0] == "splitserve"]:
         from splitserve.engine import LLM
 
-        llm = LLM(
-            **variant_options(engine),
-            model=args.config,
-            load_format="dummy",
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            kv_cache_memory_fraction=args.kv_fraction,
-        )
+        options = dict(variant_options(engine))
+        with w8a16_tiles(options, args.fp8_tiles):
+            llm = LLM(
+                **options,
+                model=args.config,
+                load_format="dummy",
+                dtype=args.dtype,
+                device=args.device,
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                enforce_eager=args.enforce_eager,
+                kv_cache_memory_fraction=args.kv_fraction,
+            )
         fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
         modes = args.scheduling.split(",")
         for b in batches:
@@ -520,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="times each --scheduling mode is timed")
     ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
+    ap.add_argument("--fp8-tiles", default="", help="fixed workload, splitserve:fp8swept: bench/kernels.py's JSON")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 

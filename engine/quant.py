@@ -39,6 +39,10 @@ SCALED_MM_MIN_CAPABILITY = (8, 9)
 # Rows up to which activations stay unquantized (W8A16, kernels.fp8_skinny_linear; its MAX_ROWS at most).
 # Read when a layer is built: a benchmark sets it to 0 to measure W8A8 at every batch size.
 W8A16_MAX_ROWS = 16
+# Measured tiles for kernels.fp8_skinny_linear, {("gemv" (one row) | "dot", N, K): config}, over the kernel's
+# own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
+# --fp8-tiles fills it from bench/kernels.py's sweep).
+W8A16_TILES: dict[tuple[str, int, int], dict] = {}
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +119,7 @@ class Fp8Linear(nn.Module):
         self.use_skinny_kernel = False  # likewise: kernels.fp8_skinny_linear for the W8A16 rows
         self.w8a16_max_rows = W8A16_MAX_ROWS
         self.split_counters = None  # the kernel's split-K counters (int32, zero between launches)
+        self.skinny_tiles: dict[str, dict] = {}  # "gemv" / "dot" -> tiles from W8A16_TILES for this (N, K)
         self._static_scale = None
 
     @classmethod
@@ -140,9 +145,15 @@ class Fp8Linear(nn.Module):
             from splitserve.kernels.fp8_skinny_linear import MAX_ROWS, MIN_BLOCK_N
 
             if self.w8a16_max_rows > MAX_ROWS:
-                raise ValueError(f"w8a16_max_rows is {self.w8a16_max_rows}; the few-row kernel takes at most {MAX_ROWS}")
+                raise ValueError(
+                    f"w8a16_max_rows is {self.w8a16_max_rows}; the few-row kernel takes at most {MAX_ROWS}"
+                )
             num_tiles = -(-self.out_features // MIN_BLOCK_N)
             self.split_counters = torch.zeros(num_tiles, dtype=torch.int32, device=self.weight.device)
+            shape = (self.out_features, self.in_features)
+            self.skinny_tiles = {
+                kind: W8A16_TILES[(kind, *shape)] for kind in ("gemv", "dot") if (kind, *shape) in W8A16_TILES
+            }
         if self.input_scale is not None:
             self._static_scale = self.input_scale.data.max().reshape(1, 1)  # (1, 1)
 
@@ -170,7 +181,10 @@ class Fp8Linear(nn.Module):
         if self.use_skinny_kernel:
             from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear
 
-            return fp8_skinny_linear(x, self.weight, self.weight_scale, self.bias, self.split_counters, impl="triton")
+            tiles = self.skinny_tiles.get("gemv" if x.shape[0] == 1 else "dot")
+            return fp8_skinny_linear(
+                x, self.weight, self.weight_scale, self.bias, self.split_counters, impl="triton", config=tiles
+            )
         return w8a16_ref(x, self.weight, self.weight_scale, self.bias)
 
     def _scaled_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:

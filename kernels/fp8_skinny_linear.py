@@ -176,7 +176,9 @@ def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"fp8_skinny_linear: at most {MAX_ROWS} rows, got {x.shape[0]}; use a GEMM")
     if counters is not None and (counters.dtype != torch.int32 or counters.numel() < triton.cdiv(n, MIN_BLOCK_N)):
-        raise ValueError(f"fp8_skinny_linear: counters must be int32 with at least {triton.cdiv(n, MIN_BLOCK_N)} entries")
+        raise ValueError(
+            f"fp8_skinny_linear: counters must be int32 with at least {triton.cdiv(n, MIN_BLOCK_N)} entries"
+        )
     if cfg is not None and (cfg["BLOCK_N"] < MIN_BLOCK_N or (not cfg["DOT"] and x.shape[0] > 1)):
         raise ValueError(f"fp8_skinny_linear: config {cfg} needs BLOCK_N >= {MIN_BLOCK_N} and DOT for M > 1")
 
@@ -243,10 +245,12 @@ def fp8_skinny_linear(
     bias: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     impl: str = "auto",
+    config: dict | None = None,
 ) -> torch.Tensor:
     """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row -> (M, N) in x's dtype
-    (module docstring: the exact math, and what `counters` must be)."""
+    (module docstring: the exact math, and what `counters` must be). `config` overrides some or all
+    of fp8_skinny_config's tiles (measured ones: engine.quant.W8A16_TILES)."""
     _check(x, weight, weight_scale, bias, counters)
     if use_triton(impl, x, "fp8_skinny_linear"):
-        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters)
+        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters, config)
     return fp8_skinny_linear_ref(x, weight, weight_scale, bias)

@@ -13,12 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.wire import layout_from_proto, layout_to_proto
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams, quant
 from splitserve.engine.fp8_checkpoint import read_fp8_scheme
 from splitserve.engine.kv_transfer.copies import copy_block_runs
 from splitserve.engine.kv_transfer.shm import copy_blocks
 from splitserve.engine.loader import load_model
-from splitserve.engine import quant
 from splitserve.engine.quant import (
     FP8_DTYPE,
     W8A16_MAX_ROWS,
@@ -162,6 +161,25 @@ def test_fp8_linear_gpu_paths_match_their_references_on_gpu(rows):
         x_used = x_q.double() * x_scale.double()
     want = x_used @ _dequantized_weight(layer).T + linear.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_w8a16_tiles_table_reaches_the_kernel_on_gpu(monkeypatch):
+    """W8A16_TILES (measured tiles, read at finalize) is what the layer's kernel runs: the same bits as the
+    kernel called with those tiles; a layer of another shape keeps the kernel's own."""
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear_triton
+
+    gemv = dict(DOT=True, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT_K=2)
+    monkeypatch.setattr(quant, "W8A16_TILES", {("gemv", 96, 64): gemv})
+    _, layer = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=96, k=64, output_sizes=(32, 64))
+    if not layer.use_skinny_kernel:
+        pytest.skip("no e4m3 kernel before compute capability 8.9")
+    assert layer.skinny_tiles == {"gemv": gemv}
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
+    want = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, layer.bias, config=gemv)
+    assert torch.equal(layer(x), want)
+    _, other = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=48, k=64)
+    assert other.skinny_tiles == {}
 
 
 # -- checkpoints ------------------------------------------------------------------------------
