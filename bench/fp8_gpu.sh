@@ -42,7 +42,7 @@ if want 3; then
   [[ -s "$OUT/kernels_fp8.json" && "${FP8_SECTIONS:-fp8}" != fp8attn ]] && engines=$engines,splitserve:fp8swept
   timeout 240 python3 -m bench.offline_throughput --workload fixed --engines $engines \
       --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 --output-len 32 \
-      --fp8-tiles "$OUT/kernels_fp8.json" --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -10
+      --fp8-tiles "$OUT/kernels_fp8.json" --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -16
 fi
 if want 4; then
   step "4 nano-vllm workload"
