@@ -52,7 +52,7 @@ if want 4; then
 fi
 if want 5; then
   step "5 quality"
-  timeout 70 python3 -m bench.fp8_quality --device cuda --variants "bf16,fp8 kv,fp8 w+kv,fp8 w8a8+kv,float32" \
+  timeout 70 python3 -m bench.fp8_quality --device cuda --variants "bf16,fp8 kv,fp8 w8a16+kv,fp8 w8a8+kv,float32" \
       --json "$OUT/quality.json" 2>&1 | tail -10
 fi
 if want 6; then

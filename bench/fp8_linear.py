@@ -1,5 +1,5 @@
 """Llama-3-8B's projections three ways, side by side: bf16 (cuBLAS), fp8 W8A8 (per-token quantizer +
-row-wise `torch._scaled_mm`, what Fp8Linear runs above W8A16_MAX_ROWS rows) and fp8 W8A16
+row-wise `torch._scaled_mm`, what Fp8Linear runs on a GPU above 16 rows) and fp8 W8A16
 (`kernels.fp8_skinny_linear`, what it runs up to there), at 1 and 16 rows, W8A8 and bf16 at 128 rows,
 plus a tile sweep of the W8A16 kernel. Run through bench/kernels.py (`--sections fp8linear` or `fp8`).
 

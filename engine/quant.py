@@ -9,18 +9,21 @@ each step runs (dynamic); a checkpoint with static activation scales gives one p
 (`input_scale`). Scales are amax / 448 (448 = e4m3's largest finite value), so every row uses
 the whole range; values are clamped to +-448 before the cast (the cast itself does not saturate).
 
-`Fp8Linear` multiplies in one of two ways, by the number of rows T (the same choice on every device,
-so CPU and GPU numerics agree):
+`Fp8Linear` multiplies in one of two ways, by the number of rows T of the step:
 
-    T <= W8A16_MAX_ROWS   W8A16: x stays in its dtype, y = (x @ w_q^T) * weight_scale^T, fp32 sums;
+    T <= w8a16_max_rows   W8A16: x stays in its dtype, y = (x @ w_q^T) * weight_scale^T, fp32 sums;
                           on CUDA (capability >= 8.9) kernels.fp8_skinny_linear, which streams the
                           one-byte weight once (a decode step of a few rows is bound by those bytes)
-    T >  W8A16_MAX_ROWS   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
+    T >  w8a16_max_rows   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
                           K and N multiples of 16, as cuBLASLt/CUTLASS need) `torch._scaled_mm`
 
-Elsewhere each runs its reference: W8A16 the same sums in fp32 (fp64 for fp64 x), W8A8 both operands
-dequantized to x's dtype and multiplied. Kernel and reference see the same quantized operands, so they
-differ only by accumulation order.
+w8a16_max_rows is 16 where the W8A16 kernel runs and 0 elsewhere (W8A16_MAX_ROWS overrides both). Why 0
+on CPU: W8A16 and W8A8 differ by the activations' quantization error, so with a row threshold a token's
+result depends on how many rows its step had; the CPU reference stays batch-invariant (as the tests of
+disaggregated against colocated tokens need) and the GPU, whose GEMMs already pick kernels by batch
+size, trades that for speed. Elsewhere each runs its reference: W8A16 the same sums in fp32 (fp64 for
+fp64 x), W8A8 both operands dequantized to x's dtype and multiplied. Kernel and reference see the same
+quantized operands, so they differ only by accumulation order.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # (major, minor) compute capability from which cuBLASLt/CUTLASS multiply e4m3 operands (Ada, Hopper),
 # and from which Triton converts e4m3 in registers.
 SCALED_MM_MIN_CAPABILITY = (8, 9)
-# Rows up to which activations stay unquantized (W8A16, kernels.fp8_skinny_linear; its MAX_ROWS at most).
-# Read when a layer is built: a benchmark sets it to 0 to measure W8A8 at every batch size.
-W8A16_MAX_ROWS = 16
+# Rows up to which activations stay unquantized (W8A16) where kernels.fp8_skinny_linear runs (its MAX_ROWS
+# at most); elsewhere 0, every step W8A8 (module docstring: why).
+KERNEL_W8A16_MAX_ROWS = 16
+# Overrides the choice above on every device when not None: 0 = W8A8 at every size, 16 = the GPU's rule on
+# a CPU. Read when a layer is finalized (benchmarks set it; bench/fp8_quality.py).
+W8A16_MAX_ROWS: int | None = None
 # Measured tiles for kernels.fp8_skinny_linear, {("gemv" (one row) | "dot", N, K): config}, over the kernel's
 # own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
 # --fp8-tiles fills it from bench/kernels.py's sweep).
@@ -100,7 +106,7 @@ class Fp8Linear(nn.Module):
     a checkpoint's per-tensor scales fill their rows of `weight_scale`. `num_input_scales` > 0 makes
     activations static: one scale per fused part (a checkpoint's `input_scale`s), of which the
     largest is used, as vLLM does; 0 (default) quantizes each token's activations as it runs. Either
-    applies only above `w8a16_max_rows` rows (module docstring); fewer rows are not quantized.
+    applies only above `w8a16_max_rows` rows (set by finalize: module docstring); fewer are not quantized.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device, num_input_scales=0):
@@ -117,7 +123,7 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.ones(num_input_scales, dtype=torch.float32, device=device), False)
         self.use_scaled_mm = False  # decided by finalize(), once the weights sit on their device
         self.use_skinny_kernel = False  # likewise: kernels.fp8_skinny_linear for the W8A16 rows
-        self.w8a16_max_rows = W8A16_MAX_ROWS
+        self.w8a16_max_rows = 0  # finalize() sets it
         self.split_counters = None  # the kernel's split-K counters (int32, zero between launches)
         self.skinny_tiles: dict[str, dict] = {}  # "gemv" / "dot" -> tiles from W8A16_TILES for this (N, K)
         self._static_scale = None
@@ -140,6 +146,9 @@ class Fp8Linear(nn.Module):
         """After loading: pick the paths and fold the static activation scales into one."""
         fp8_device = scaled_mm_supported(self.weight.device)
         self.use_scaled_mm = fp8_device and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.w8a16_max_rows = KERNEL_W8A16_MAX_ROWS if fp8_device else 0
+        if W8A16_MAX_ROWS is not None:
+            self.w8a16_max_rows = W8A16_MAX_ROWS
         self.use_skinny_kernel = fp8_device and self.w8a16_max_rows > 0
         if self.use_skinny_kernel:
             from splitserve.kernels.fp8_skinny_linear import MAX_ROWS, MIN_BLOCK_N

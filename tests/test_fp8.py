@@ -20,7 +20,7 @@ from splitserve.engine.kv_transfer.shm import copy_blocks
 from splitserve.engine.loader import load_model
 from splitserve.engine.quant import (
     FP8_DTYPE,
-    W8A16_MAX_ROWS,
+    KERNEL_W8A16_MAX_ROWS,
     Fp8Linear,
     dequantize,
     quantize_per_channel,
@@ -95,22 +95,29 @@ def _dequantized_weight(layer: Fp8Linear) -> torch.Tensor:
     return layer.weight.double() * layer.weight_scale.double()[:, None]  # (N, K) float64
 
 
+def _operands_seen(x: torch.Tensor, w8a16: bool) -> torch.Tensor:
+    """float64 of the activations a layer multiplies: x itself (W8A16) or its per-token e4m3 values (W8A8)."""
+    if w8a16:
+        return x.double()
+    x_q, x_scale = quantize_per_token(x)
+    return x_q.double() * x_scale.double()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows", [1, W8A16_MAX_ROWS, W8A16_MAX_ROWS + 1, 40])
-def test_fp8_linear_reference_paths_match_float64(dtype, rows):
-    """Up to W8A16_MAX_ROWS rows x is not quantized (W8A16); more rows quantize it per token (W8A8)."""
+@pytest.mark.parametrize("max_rows", [None, KERNEL_W8A16_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, KERNEL_W8A16_MAX_ROWS, KERNEL_W8A16_MAX_ROWS + 1, 40])
+def test_fp8_linear_reference_paths_match_float64(monkeypatch, dtype, max_rows, rows):
+    """On CPU every step is W8A8 (per-token activations; batch-invariant); with the GPU's rule forced
+    (W8A16_MAX_ROWS = 16) steps of up to 16 rows keep x unquantized (W8A16)."""
+    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", max_rows)
     linear, layer = _fp8_layer(dtype)
     assert not layer.use_scaled_mm and not layer.use_skinny_kernel
     assert layer.weight.dtype == FP8_DTYPE and layer.output_sizes == (16, 16, 16)
+    assert layer.w8a16_max_rows == (max_rows or 0)
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(5), dtype=dtype)
     y = layer(x)
-    if rows <= W8A16_MAX_ROWS:
-        x_used = x.double()
-    else:
-        x_q, x_scale = quantize_per_token(x)
-        x_used = x_q.double() * x_scale.double()
     # float64 of what the layer multiplies: exact products of the operands it sees
-    expected = x_used @ _dequantized_weight(layer).T + linear.bias.double()
+    expected = _operands_seen(x, rows <= layer.w8a16_max_rows) @ _dequantized_weight(layer).T + linear.bias.double()
     assert y.dtype == dtype and y.shape == (rows, 48)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
     # and the quantization error itself stays small against the unquantized product
@@ -118,15 +125,17 @@ def test_fp8_linear_reference_paths_match_float64(dtype, rows):
     assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
-def test_w8a16_rows_threshold_is_read_when_the_layer_is_built(monkeypatch):
-    """A benchmark sets W8A16_MAX_ROWS = 0 to measure W8A8 at every batch size."""
-    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", 0)
-    linear, layer = _fp8_layer(torch.float32)
-    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
-    x_q, x_scale = quantize_per_token(x)
-    expected = (x_q.double() * x_scale.double()) @ _dequantized_weight(layer).T + linear.bias.double()
-    assert layer.w8a16_max_rows == 0
-    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+def test_a_row_gets_the_same_result_in_any_batch_on_cpu(monkeypatch):
+    """The CPU default (W8A8 at every size) keeps a token's result independent of the rows beside it (to
+    float64 rounding); the GPU's row threshold, forced here, does not: alone the row skips the activation
+    quantization it gets in a batch of 40."""
+    _, layer = _fp8_layer(torch.float64)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(layer(x[:1]), layer(x)[:1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer(x[3:20]), layer(x)[3:20], rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", KERNEL_W8A16_MAX_ROWS)
+    _, gpu_rule = _fp8_layer(torch.float64)
+    assert (gpu_rule(x[:1]) - gpu_rule(x)[:1]).abs().max() > 1e-3
 
 
 def test_cpu_scaled_mm_agrees_with_the_reference_path():
@@ -152,14 +161,10 @@ def test_fp8_linear_gpu_paths_match_their_references_on_gpu(rows):
         assert not layer.use_scaled_mm and not layer.use_skinny_kernel
         pytest.skip("no e4m3 GEMM before compute capability 8.9")
     assert layer.use_scaled_mm and layer.use_skinny_kernel
+    assert layer.w8a16_max_rows == KERNEL_W8A16_MAX_ROWS
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
     got = layer(x)
-    if rows <= W8A16_MAX_ROWS:
-        x_used = x.double()
-    else:
-        x_q, x_scale = quantize_per_token(x)
-        x_used = x_q.double() * x_scale.double()
-    want = x_used @ _dequantized_weight(layer).T + linear.bias.double()
+    want = _operands_seen(x, rows <= KERNEL_W8A16_MAX_ROWS) @ _dequantized_weight(layer).T + linear.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
 
 
