@@ -186,7 +186,7 @@ class Fp8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T <= w8a16_max_rows, K) unquantized times the e4m3 weight (T, N)."""
+        """x (T <= w8a16_max_rows, K), not quantized, times the e4m3 weight -> (T, N) in x's dtype."""
         if self.use_skinny_kernel:
             from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear
 
