@@ -80,7 +80,8 @@ def _fp8_skinny_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past N read row N - 1 (their sums are never stored): no mask on the weight loads
+    # rows past N read row N - 1 (their sums are never stored): no mask on the weight loads; the weight is
+    # read once, so its loads are evict_first (x and the partials stay in L2)
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
     rows = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * stride_xm  # (BLOCK_M, 1)
@@ -92,10 +93,10 @@ def _fp8_skinny_kernel(
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                w = tl.load(w_rows + kk[None, :])
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask, other=0.0)
             else:
-                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
             if DOT_F32:  # the interpreter's 16-bit dot is wrong (kernels._common.interpreting)
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PREC)
@@ -106,10 +107,10 @@ def _fp8_skinny_kernel(
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                w = tl.load(w_rows + kk[None, :])
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk)
             else:
-                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
