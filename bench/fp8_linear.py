@@ -242,4 +242,9 @@ def fp8_linear_table(rows: list[dict]) -> list[str]:
             f"{r['w8a8_ms']:.4f} ({r['w8a8_pct_copy']:.0f}) | {r['quant_ms']:.4f} | {w16} | {best} | {tiles} | "
             f"{ratio} | {r['w8a8_rel_err']:.4f}{err16} | {ok} |"
         )
+    for m in sorted({r["m"] for r in rows}):  # what a decode step of M rows spends in its projections
+        at_m = [r for r in rows if r["m"] == m]
+        keys = [key for key in ("bf16", "w8a8", "w8a16", "w8a16_best") if f"{key}_ms" in at_m[0]]
+        sums = ", ".join(f"{key} {32 * sum(r[f'{key}_ms'] for r in at_m):.3f}" for key in keys)
+        lines.append(f"\nM={m}, the four projections x 32 layers, ms: {sums}")
     return lines
