@@ -63,6 +63,7 @@ def _fp8_skinny_kernel(
     N,
     K,
     K_PER_SPLIT,
+    SPLIT_K,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -71,7 +72,7 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -114,7 +115,7 @@ def _fp8_skinny_kernel(
                 a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
-    if SPLIT_K == 1:
+    if not SPLIT:
         _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
     else:
         store_mask = m_mask & (n < N)[None, :]
@@ -124,7 +125,7 @@ def _fp8_skinny_kernel(
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
+            for s in range(0, SPLIT_K):  # a runtime count: one compiled kernel for any split
                 total += tl.load(part + s * M * N, mask=store_mask, other=0.0, cache_modifier=".cg")
             _finish(total, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
             tl.store(count_ptr + pid_n, 0)  # ready for the next launch (a CUDA graph's replay too)
@@ -221,6 +222,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         n,
         k,
         k_per_split,
+        split,
         x.stride(0),
         weight.stride(0),
         y.stride(0),
@@ -229,7 +231,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_K=split,
+        SPLIT=split > 1,
         EVEN_K=k % cfg["BLOCK_K"] == 0,
         NUM_STAGES=cfg["num_stages"],
         DOT_F32=on_cpu,
