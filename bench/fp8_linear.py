@@ -113,29 +113,37 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def _w8a16_rows(proj: Projection, x, xs, device: str, sweep: list[dict]) -> dict:
+def w8a16_configs(m: int, n: int, k: int, sms: int, on_cpu: bool) -> list[dict]:
+    """The W8A16 configs timed for M rows of an (N, K) weight, each once: the kernel's default first, then
+    the sweep's (M = 1: GEMV_SWEEP, else DOT_SWEEP, FMA tiles dropped) with split_k_for's SPLIT_K, then the
+    default's split variants (bench/fp8_linear_sass.py compiles the same list)."""
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_config, split_k_for
+
+    default = fp8_skinny_config(m, n, k, sms, on_cpu)
+    sweep = GEMV_SWEEP if m == 1 else DOT_SWEEP
+    configs = [default] + [dict(c, SPLIT_K=split_k_for(n, k, c["BLOCK_N"], c["BLOCK_K"], sms)) for c in sweep]
+    configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in SPLIT_FACTORS]
+    unique = []
+    for cfg in configs:
+        if (cfg["DOT"] or m == 1) and cfg not in unique:  # FMA tiles take one row
+            unique.append(cfg)
+    return unique
+
+
+def _w8a16_rows(proj: Projection, x, xs, device: str) -> dict:
     """The W8A16 kernel's default tiles, then each swept config (its SPLIT_K from split_k_for) and split
     variants of the default; each checked against the reference once, the best taken among those correct."""
     from splitserve.kernels._common import num_sms
-    from splitserve.kernels.fp8_skinny_linear import (
-        fp8_skinny_config,
-        fp8_skinny_linear_ref,
-        fp8_skinny_linear_triton,
-        split_k_for,
-    )
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear_ref, fp8_skinny_linear_triton
 
     m, n, k = x.shape[0], proj.n, proj.k
-    sms = num_sms(0) if device == "cuda" else 1
     counters = [proj.counters(device) for _ in proj.fp8]
     layer = proj.fp8[0]
     want = fp8_skinny_linear_ref(x, layer.weight, layer.weight_scale).float()
-    default = fp8_skinny_config(m, n, k, sms, device != "cuda")
-    configs = [default] + [dict(c, SPLIT_K=split_k_for(n, k, c["BLOCK_N"], c["BLOCK_K"], sms)) for c in sweep]
-    configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in SPLIT_FACTORS]
+    configs = w8a16_configs(m, n, k, num_sms(0) if device == "cuda" else 1, device != "cuda")
+    default = configs[0]
     timed = []
-    for j, cfg in enumerate(configs):
-        if (not cfg["DOT"] and m > 1) or cfg in configs[:j]:  # FMA tiles take one row; each config once
-            continue
+    for cfg in configs:
         got = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, counters=counters[0], config=cfg)
         ok = torch.allclose(got.float(), want, atol=1e-5, rtol=2**-7)
         calls = [
@@ -178,7 +186,7 @@ def bench_fp8_linear(device: str, copy_bw: float, smoke: bool = False) -> list[d
             row["w8a8_rel_err"] = _rel_err(fp8.fp8[0](x), F.linear(x.float(), fp8.weights[0].float()))
             row["scaled_mm"] = fp8.fp8[0].use_scaled_mm
             if m <= 16:
-                row.update(_w8a16_rows(fp8, x, xs, device, GEMV_SWEEP if m == 1 else DOT_SWEEP))
+                row.update(_w8a16_rows(fp8, x, xs, device))
             for key in ("bf16", "w8a8", "w8a16", "w8a16_best"):
                 if f"{key}_ms" in row:
                     read = (2 if key == "bf16" else 1) * n * k + 2 * m * k

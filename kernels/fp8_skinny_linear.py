@@ -139,14 +139,18 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, want))
 
 
-def fp8_skinny_config(m: int, n: int, k: int, sms: int, on_cpu: bool) -> dict:
-    """Tiles for M rows of an (N, K) e4m3 weight. Not measured yet (bench/kernels.py --sections
-    fp8linear sweeps the alternatives): GEMV tiles of 16 x 512 bytes (8 KiB a step, 3 in flight) and
-    tensor-core tiles of 32 x 256; SPLIT_K from split_k_for."""
+def fp8_skinny_config(m: int, n: int, k: int, sms: int, on_cpu: bool, dtype=torch.bfloat16) -> dict:
+    """Tiles for M rows of an (N, K) e4m3 weight times x of `dtype`. Not measured yet (bench/kernels.py
+    --sections fp8linear sweeps the alternatives): GEMV tiles of 16 x 512 bytes (8 KiB a step, 3 in flight)
+    and tensor-core tiles of 32 x 256; SPLIT_K from split_k_for. float32 x at M > 1 takes 32 x 32: its exact
+    dot is FMAs holding the whole K slice in registers, and at 32 x 256 it spilled (~1,700 local-memory
+    instructions in the loop; 32 x 32: none, 104 registers; bench/fp8_linear_sass.py, Triton 3.6, sm_90)."""
     if on_cpu:  # the interpreter: small tiles, so that tests cover several tiles and steps
         cfg = dict(DOT=m > 1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
     elif m == 1:
         cfg = dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    elif dtype == torch.float32:
+        cfg = dict(DOT=True, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3)
     else:
         cfg = dict(DOT=True, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
     cfg["SPLIT_K"] = 1 if on_cpu else split_k_for(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], sms)
@@ -194,7 +198,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         x = x.contiguous()
     on_cpu = interpreting(x)
     sms = 1 if on_cpu else num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu), **(config or {}))
+    cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu, x.dtype), **(config or {}))
     _check(x, weight, weight_scale, bias, counters, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
