@@ -6,14 +6,16 @@
 #      W8A16 / row-wise _scaled_mm paths against their references
 #   2. bench/kernels.py --sections ${FP8_SECTIONS:-fp8}: decode attention bf16 vs fp8 cache against the copy rate
 #      (fp8attn), the 8B projections bf16 / W8A8 / W8A16 graphed, with the W8A16 tile sweep (fp8linear)
-#   3. 8B-shape decode step, batch 1 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload fixed),
-#      and after step 2 fp8 again on the W8A16 tiles its sweep found best
+#   3. 8B-shape decode step, batch 1, 16 and 128: bf16 beside fp8 weights + fp8 KV (offline_throughput --workload
+#      fixed) as the engine runs it by default (W8A8 _scaled_mm at every size), fp8 with the W8A16 kernel on
+#      (--fp8-w8a16-max-rows 16: splitserve:fp8w8a16) and, after step 2, on the W8A16 tiles its sweep found best
 #   4. the nano-vllm workload (Qwen3-0.6B shape): bf16 KV beside fp8 KV
 #   5. quality: the default model's held-out perplexity and greedy tokens, bf16 beside fp8
 #   6. a disaggregated hand-off on the one GPU over cuda_ipc with fp8 blocks (tokens vs colocated fp8)
 # `bash bench/fp8_gpu.sh` runs them all; `bash bench/fp8_gpu.sh 2 3 4` only those steps; the tables of steps 2, 3
-# and 5 are printed again side by side at the end (bench/fp8_report.py). Linear layers and quality (issue 19), one
-# H200, about 6 minutes: FP8_SECTIONS=fp8linear bash bench/fp8_gpu.sh 1 2 3 5
+# and 5 are printed again side by side at the end (bench/fp8_report.py). The W8A16 kernel (off by default until
+# measured) against W8A8 and bf16: projections, decode step and quality, one H200, about 7 minutes:
+#   FP8_SECTIONS=fp8linear bash bench/fp8_gpu.sh 1 2 3 5
 set -uo pipefail
 STEPS=${*:-1 2 3 4 5 6}
 OUT=${OUT:-/tmp/fp8-gpu}
@@ -37,12 +39,13 @@ if want 2; then
 fi
 if want 3; then
   step "3 8B decode step"
-  # with step 2's projection sweep: also fp8 on the W8A16 tiles it found best (splitserve:fp8swept)
-  engines=splitserve,splitserve:fp8
+  # fp8 = W8A8 at every size (the default), fp8w8a16 = the W8A16 kernel up to 16 rows; with step 2's projection
+  # sweep also the kernel on the tiles it found best (splitserve:fp8swept)
+  engines=splitserve,splitserve:fp8,splitserve:fp8w8a16
   [[ -s "$OUT/kernels_fp8.json" && "${FP8_SECTIONS:-fp8}" != fp8attn ]] && engines=$engines,splitserve:fp8swept
-  timeout 240 python3 -m bench.offline_throughput --workload fixed --engines $engines \
-      --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,128 --output-len 32 \
-      --fp8-tiles "$OUT/kernels_fp8.json" --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -16
+  timeout 270 python3 -m bench.offline_throughput --workload fixed --engines $engines \
+      --config bench/configs/llama3-8b.json --dtype bfloat16 --device cuda --batch-sizes 1,16,128 --output-len 32 \
+      --fp8-tiles "$OUT/kernels_fp8.json" --json "$OUT/fixed_fp8.json" 2>&1 | grep -v "^{" | tail -30
 fi
 if want 4; then
   step "4 nano-vllm workload"

@@ -95,9 +95,7 @@ class Projection:
             if quantize:
                 lin = torch.nn.Module()
                 lin.weight, lin.bias, lin.output_sizes = weight, None, (n,)
-                layer = Fp8Linear.from_linear(lin)
-                layer.w8a16_max_rows = 0
-                self.fp8.append(layer)
+                self.fp8.append(Fp8Linear.from_linear(lin))  # fp8_w8a16_max_rows 0: W8A8 at every M
 
     def counters(self, device: str) -> torch.Tensor:
         """Zeroed split-K counters for one weight copy (kernels.fp8_skinny_linear)."""

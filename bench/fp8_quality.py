@@ -4,11 +4,11 @@
     python -m bench.fp8_quality --device cpu --num-windows 8      # the same variants through the CPU paths
 
 The baseline is the first variant (default: the model in bfloat16, as issue 19 asks); every variant runs
-in bfloat16 on either device. `fp8 w+kv` is --quantization fp8 with --kv-cache-dtype fp8 as the device
-runs it (engine.quant: on a GPU steps of up to 16 rows keep activations in bf16 (W8A16), longer ones
-quantize them per token (W8A8); on a CPU every step is W8A8); `fp8 w8a16+kv` forces the GPU's rule (so a
-CPU run shows what the GPU's numerics do: the greedy decode of 16 prompts is W8A16, the 512-token windows
-and the batched prompts W8A8), `fp8 w8a8+kv` W8A8 at every step.
+in bfloat16 on either device. `fp8 w+kv` / `fp8 w8a8+kv` is --quantization fp8 with --kv-cache-dtype fp8 as
+the engine runs it by default (engine.quant: every step's activations quantized per token, W8A8);
+`fp8 w8a16+kv` adds --fp8-w8a16-max-rows 16: steps of up to 16 rows keep activations in bf16 (W8A16; on a
+GPU the fp8_skinny_linear kernel, on a CPU its reference: the greedy decode of 16 prompts is W8A16, the
+512-token windows and the batched prompts W8A8).
 
 Perplexity: windows of --window tokens of tests/data/heldout.txt (the default model's held-out
 slice), each run as one prefill whose keys and values go through the KV cache (an fp8 cache's
@@ -22,7 +22,6 @@ Goals (issue 19): perplexity within 3% of bf16, greedy tokens equal for >= 12 of
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
@@ -36,13 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "tests" / "data" / "heldout.txt"
 BF16 = {"dtype": "bfloat16"}
 FP8 = {**BF16, "quantization": "fp8", "kv_cache_dtype": "fp8"}
-# name -> engine options; "w8a16_max_rows" sets engine.quant.W8A16_MAX_ROWS while the engine is built
+# name -> engine options
 VARIANTS = {
     "bf16": BF16,
     "fp8 kv": {**BF16, "kv_cache_dtype": "fp8"},
     "fp8 w+kv": FP8,
-    "fp8 w8a16+kv": {**FP8, "w8a16_max_rows": 16},
-    "fp8 w8a8+kv": {**FP8, "w8a16_max_rows": 0},
+    "fp8 w8a16+kv": {**FP8, "fp8_w8a16_max_rows": 16},
+    "fp8 w8a8+kv": {**FP8, "fp8_w8a16_max_rows": 0},
     "fp8 w": {**BF16, "quantization": "fp8"},
     "float32": {"dtype": "float32"},  # not run by default: how far 16-bit alone moves a float32 model
 }
@@ -75,32 +74,17 @@ def window_nll(engine, ids: list[int]) -> tuple[float, int]:
     return float(nll), n - 1
 
 
-@contextlib.contextmanager
-def w8a16_rows(max_rows: int | None):
-    """engine.quant.W8A16_MAX_ROWS = max_rows while the block runs (None: each device's own rule)."""
-    from splitserve.engine import quant
-
-    saved = quant.W8A16_MAX_ROWS
-    quant.W8A16_MAX_ROWS = max_rows
-    try:
-        yield
-    finally:
-        quant.W8A16_MAX_ROWS = saved
-
-
 def evaluate(variant: dict, args, windows: list[list[int]], prompts: list[list[int]]) -> dict:
     from splitserve.engine import LLM, SamplingParams
 
     start = time.perf_counter()
-    options = dict(variant)
-    with w8a16_rows(options.pop("w8a16_max_rows", None)):
-        llm = LLM(
-            device=args.device,
-            num_kv_blocks=-(-args.window // 16) + 64,
-            max_num_seqs=args.num_prompts,
-            enforce_eager=True,
-            **options,
-        )
+    llm = LLM(
+        device=args.device,
+        num_kv_blocks=-(-args.window // 16) + 64,
+        max_num_seqs=args.num_prompts,
+        enforce_eager=True,
+        **variant,
+    )
     total, count = 0.0, 0
     for ids in windows:
         nll, n = window_nll(llm.engine, ids)

@@ -11,8 +11,10 @@ vLLM runs in its own virtual environment (--vllm-python), as a subprocess of thi
 
 splitserve variants (in --engines, each measured in the same run): `splitserve` (the --dtype model and
 KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `splitserve:fp8`
-(both), `splitserve:fp8swept` (both, the few-row W8A16 kernel on the tiles --fp8-tiles names: a
-bench/kernels.py --sections fp8linear JSON, whose sweep picked them), e.g. --engines
+(both; W8A8 projections at every size, the engine's default), `splitserve:fp8w8a16` (both, and decode
+steps of up to 16 rows through the W8A16 kernel: --fp8-w8a16-max-rows 16), `splitserve:fp8swept` (as
+fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sections fp8linear JSON, whose
+sweep picked them), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
@@ -55,8 +57,10 @@ VARIANTS = {
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "fp8w": {"quantization": "fp8"},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    # fp8 with the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep), not the kernel's own
-    "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "swept_tiles": True},
+    # fp8 with steps of up to 16 rows W8A16 (kernels.fp8_skinny_linear), on the kernel's own tiles
+    "fp8w8a16": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16},
+    # the same on the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep)
+    "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
 }
 
 

@@ -179,6 +179,7 @@ class EngineCore:
                 seed=config.seed,
                 model_id=config.model_id or None,
                 quantization=config.quantization,
+                fp8_w8a16_max_rows=config.fp8_w8a16_max_rows,
             )
         self.model_config = model_config
         self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name)

@@ -166,21 +166,23 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
         _replace(net, path, fp8)
 
 
-def finalize_fp8_model(net: nn.Module) -> None:
-    """After the weights are loaded: each Fp8Linear picks its multiply path."""
+def finalize_fp8_model(net: nn.Module, w8a16_max_rows: int = 0) -> None:
+    """After the weights are loaded: each Fp8Linear picks its multiply paths (steps of up to `w8a16_max_rows`
+    rows W8A16, engine.quant)."""
     for module in net.modules():
         if isinstance(module, Fp8Linear):
-            module.finalize()
+            module.finalize(w8a16_max_rows)
 
 
-def quantize_model(net: nn.Module) -> int:
-    """Quantize every projection of a loaded unquantized model to FP8 (per output channel), in place.
+def quantize_model(net: nn.Module, w8a16_max_rows: int = 0) -> int:
+    """Quantize every projection of a loaded unquantized model to FP8 (per output channel), in place; steps
+    of up to `w8a16_max_rows` rows W8A16 (engine.quant).
 
     Embeddings and the LM head stay in the model's dtype (as vLLM's fp8 does). Returns the count.
     """
     linears = _linears(net)
     for path, linear in linears:
-        _replace(net, path, Fp8Linear.from_linear(linear))
+        _replace(net, path, Fp8Linear.from_linear(linear, w8a16_max_rows))
     return len(linears)
 
 

@@ -52,14 +52,16 @@ def load_model(
     seed: int = 0,
     model_id: str | None = None,
     quantization: str | None = None,
+    fp8_w8a16_max_rows: int = 0,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load `model` (a directory; for load_format="dummy" also a config JSON file).
 
     dtype: a torch dtype or its name ("bfloat16", ...), or "auto" for the checkpoint's own
     dtype (float32 when the config names none). load_format "dummy" fills weights with
     N(0, DUMMY_STD) from `seed` (norm weights 1). quantization "fp8" quantizes the projections of
-    an unquantized checkpoint (an fp8 checkpoint loads as fp8 either way). Returns (model in eval
-    mode, config).
+    an unquantized checkpoint (an fp8 checkpoint loads as fp8 either way); fp8_w8a16_max_rows: steps
+    of up to that many rows keep activations unquantized in fp8 projections (EngineConfig's option of that
+    name). Returns (model in eval mode, config).
     """
     path = Path(model)
     if load_format not in ("auto", "dummy"):
@@ -87,9 +89,9 @@ def load_model(
     else:
         load_safetensors(net, weight_files, path)
     if scheme is not None:
-        finalize_fp8_model(net)
+        finalize_fp8_model(net, fp8_w8a16_max_rows)
     elif quantization == "fp8":
-        quantize_model(net)
+        quantize_model(net, fp8_w8a16_max_rows)
     if hasattr(net, "pack_for_cpu"):
         net.pack_for_cpu()  # float32 on CPU: MKL-packed GEMM weights
     return net.eval(), config

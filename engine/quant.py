@@ -17,13 +17,13 @@ the whole range; values are clamped to +-448 before the cast (the cast itself do
     T >  w8a16_max_rows   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
                           K and N multiples of 16, as cuBLASLt/CUTLASS need) `torch._scaled_mm`
 
-w8a16_max_rows is 16 where the W8A16 kernel runs and 0 elsewhere (W8A16_MAX_ROWS overrides both). Why 0
-on CPU: W8A16 and W8A8 differ by the activations' quantization error, so with a row threshold a token's
-result depends on how many rows its step had; the CPU reference stays batch-invariant (as the tests of
-disaggregated against colocated tokens need) and the GPU, whose GEMMs already pick kernels by batch
-size, trades that for speed. Elsewhere each runs its reference: W8A16 the same sums in fp32 (fp64 for
-fp64 x), W8A8 both operands dequantized to x's dtype and multiplied. Kernel and reference see the same
-quantized operands, so they differ only by accumulation order.
+w8a16_max_rows comes from EngineConfig.fp8_w8a16_max_rows (at most the kernel's 16 rows) and is 0 by
+default: every step W8A8, on every device. It stays off until a GPU run measures the kernel against
+`_scaled_mm` (bench/fp8_gpu.sh); with it on, W8A16 and W8A8 differ by the activations' quantization
+error, so a token's result depends on how many rows its step had (W8A8 alone is batch-invariant, as the
+tests of disaggregated against colocated tokens need). Off the GPU each path runs its reference: W8A16
+the same sums in fp32 (fp64 for fp64 x), W8A8 both operands dequantized to x's dtype and multiplied.
+Kernel and reference see the same quantized operands, so they differ only by accumulation order.
 """
 
 from __future__ import annotations
@@ -39,12 +39,9 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # (major, minor) compute capability from which cuBLASLt/CUTLASS multiply e4m3 operands (Ada, Hopper),
 # and from which Triton converts e4m3 in registers.
 SCALED_MM_MIN_CAPABILITY = (8, 9)
-# Rows up to which activations stay unquantized (W8A16) where kernels.fp8_skinny_linear runs (its MAX_ROWS
-# at most); elsewhere 0, every step W8A8 (module docstring: why).
-KERNEL_W8A16_MAX_ROWS = 16
-# Overrides the choice above on every device when not None: 0 = W8A8 at every size, 16 = the GPU's rule on
-# a CPU. Read when a layer is finalized (benchmarks set it; bench/fp8_quality.py).
-W8A16_MAX_ROWS: int | None = None
+# Most rows a W8A16 step may have: kernels.fp8_skinny_linear's MAX_ROWS (one tensor-core tile), kept here so
+# that a CPU load does not import Triton; tests/test_fp8.py checks the two (and EngineConfig's limit) agree.
+MAX_W8A16_ROWS = 16
 # Measured tiles for kernels.fp8_skinny_linear, {("gemv" (one row) | "dot", N, K): config}, over the kernel's
 # own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
 # --fp8-tiles fills it from bench/kernels.py's sweep).
@@ -106,7 +103,7 @@ class Fp8Linear(nn.Module):
     a checkpoint's per-tensor scales fill their rows of `weight_scale`. `num_input_scales` > 0 makes
     activations static: one scale per fused part (a checkpoint's `input_scale`s), of which the
     largest is used, as vLLM does; 0 (default) quantizes each token's activations as it runs. Either
-    applies only above `w8a16_max_rows` rows (set by finalize: module docstring); fewer are not quantized.
+    applies only above `w8a16_max_rows` rows (given to finalize; module docstring); fewer are not quantized.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device, num_input_scales=0):
@@ -123,14 +120,14 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.ones(num_input_scales, dtype=torch.float32, device=device), False)
         self.use_scaled_mm = False  # decided by finalize(), once the weights sit on their device
         self.use_skinny_kernel = False  # likewise: kernels.fp8_skinny_linear for the W8A16 rows
-        self.w8a16_max_rows = 0  # finalize() sets it
+        self.w8a16_max_rows = 0  # finalize() sets it: 0 = W8A8 at every size
         self.split_counters = None  # the kernel's split-K counters (int32, zero between launches)
         self.skinny_tiles: dict[str, dict] = {}  # "gemv" / "dot" -> tiles from W8A16_TILES for this (N, K)
         self._static_scale = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Module) -> Fp8Linear:
-        """Quantize an unquantized linear (models.llama.Linear) per output channel."""
+    def from_linear(cls, linear: nn.Module, w8a16_max_rows: int = 0) -> Fp8Linear:
+        """Quantize an unquantized linear (models.llama.Linear) per output channel; finalize(w8a16_max_rows)."""
         weight = linear.weight.data
         bias = linear.bias is not None
         layer = cls(weight.shape[1], list(linear.output_sizes), bias, weight.dtype, weight.device)
@@ -139,24 +136,21 @@ class Fp8Linear(nn.Module):
         layer.weight_scale.data.copy_(scale)
         if bias:
             layer.bias.data.copy_(linear.bias.data)
-        layer.finalize()
+        layer.finalize(w8a16_max_rows)
         return layer
 
-    def finalize(self) -> None:
-        """After loading: pick the paths and fold the static activation scales into one."""
+    def finalize(self, w8a16_max_rows: int = 0) -> None:
+        """After loading: pick the paths (steps of up to `w8a16_max_rows` rows W8A16, 0 = none) and fold
+        the static activation scales into one."""
+        if not 0 <= w8a16_max_rows <= MAX_W8A16_ROWS:
+            raise ValueError(f"w8a16_max_rows is {w8a16_max_rows}; choose 0 (off) to {MAX_W8A16_ROWS}")
         fp8_device = scaled_mm_supported(self.weight.device)
         self.use_scaled_mm = fp8_device and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        self.w8a16_max_rows = KERNEL_W8A16_MAX_ROWS if fp8_device else 0
-        if W8A16_MAX_ROWS is not None:
-            self.w8a16_max_rows = W8A16_MAX_ROWS
-        self.use_skinny_kernel = fp8_device and self.w8a16_max_rows > 0
+        self.w8a16_max_rows = w8a16_max_rows
+        self.use_skinny_kernel = fp8_device and w8a16_max_rows > 0
         if self.use_skinny_kernel:
-            from splitserve.kernels.fp8_skinny_linear import MAX_ROWS, MIN_BLOCK_N
+            from splitserve.kernels.fp8_skinny_linear import MIN_BLOCK_N
 
-            if self.w8a16_max_rows > MAX_ROWS:
-                raise ValueError(
-                    f"w8a16_max_rows is {self.w8a16_max_rows}; the few-row kernel takes at most {MAX_ROWS}"
-                )
             num_tiles = -(-self.out_features // MIN_BLOCK_N)
             self.split_counters = torch.zeros(num_tiles, dtype=torch.int32, device=self.weight.device)
             shape = (self.out_features, self.in_features)

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from splitserve.common.config import EngineConfig
+from splitserve.common.config_fields import ConfigError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.wire import layout_from_proto, layout_to_proto
 from splitserve.engine import LLM, SamplingParams, quant
@@ -20,7 +22,7 @@ from splitserve.engine.kv_transfer.shm import copy_blocks
 from splitserve.engine.loader import load_model
 from splitserve.engine.quant import (
     FP8_DTYPE,
-    KERNEL_W8A16_MAX_ROWS,
+    MAX_W8A16_ROWS,
     Fp8Linear,
     dequantize,
     quantize_per_channel,
@@ -81,14 +83,16 @@ def test_per_token_and_static_activation_quantization():
     assert quantize_static(x, static).double().abs().max() == 448  # clamped, not inf/nan
 
 
-def _fp8_layer(dtype, device="cpu", seed=2, n=48, k=32, output_sizes=(16, 16, 16)) -> tuple[torch.nn.Module, Fp8Linear]:
+def _fp8_layer(
+    dtype, device="cpu", seed=2, n=48, k=32, output_sizes=(16, 16, 16), w8a16_max_rows=0
+) -> tuple[torch.nn.Module, Fp8Linear]:
     """An unquantized linear (models.llama.Linear's attributes) and its Fp8Linear."""
     gen = torch.Generator().manual_seed(seed)
     linear = torch.nn.Module()
     linear.weight = torch.nn.Parameter((torch.randn(n, k, generator=gen) * 0.1).to(device, dtype), requires_grad=False)
     linear.bias = torch.nn.Parameter(torch.randn(n, generator=gen).to(device, dtype), requires_grad=False)
     linear.output_sizes = output_sizes
-    return linear, Fp8Linear.from_linear(linear)
+    return linear, Fp8Linear.from_linear(linear, w8a16_max_rows)
 
 
 def _dequantized_weight(layer: Fp8Linear) -> torch.Tensor:
@@ -104,20 +108,19 @@ def _operands_seen(x: torch.Tensor, w8a16: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("max_rows", [None, KERNEL_W8A16_MAX_ROWS])
-@pytest.mark.parametrize("rows", [1, KERNEL_W8A16_MAX_ROWS, KERNEL_W8A16_MAX_ROWS + 1, 40])
-def test_fp8_linear_reference_paths_match_float64(monkeypatch, dtype, max_rows, rows):
-    """On CPU every step is W8A8 (per-token activations; batch-invariant); with the GPU's rule forced
-    (W8A16_MAX_ROWS = 16) steps of up to 16 rows keep x unquantized (W8A16)."""
-    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", max_rows)
-    linear, layer = _fp8_layer(dtype)
+@pytest.mark.parametrize("max_rows", [0, MAX_W8A16_ROWS])
+@pytest.mark.parametrize("rows", [1, MAX_W8A16_ROWS, MAX_W8A16_ROWS + 1, 40])
+def test_fp8_linear_reference_paths_match_float64(dtype, max_rows, rows):
+    """By default (fp8_w8a16_max_rows 0) every step is W8A8 (per-token activations; batch-invariant); with
+    the switch at 16, steps of up to 16 rows keep x unquantized (W8A16, through the kernel's reference)."""
+    linear, layer = _fp8_layer(dtype, w8a16_max_rows=max_rows)
     assert not layer.use_scaled_mm and not layer.use_skinny_kernel
     assert layer.weight.dtype == FP8_DTYPE and layer.output_sizes == (16, 16, 16)
-    assert layer.w8a16_max_rows == (max_rows or 0)
+    assert layer.w8a16_max_rows == max_rows
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(5), dtype=dtype)
     y = layer(x)
     # float64 of what the layer multiplies: exact products of the operands it sees
-    expected = _operands_seen(x, rows <= layer.w8a16_max_rows) @ _dequantized_weight(layer).T + linear.bias.double()
+    expected = _operands_seen(x, rows <= max_rows) @ _dequantized_weight(layer).T + linear.bias.double()
     assert y.dtype == dtype and y.shape == (rows, 48)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
     # and the quantization error itself stays small against the unquantized product
@@ -125,17 +128,38 @@ def test_fp8_linear_reference_paths_match_float64(monkeypatch, dtype, max_rows, 
     assert (y.double() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
-def test_a_row_gets_the_same_result_in_any_batch_on_cpu(monkeypatch):
-    """The CPU default (W8A8 at every size) keeps a token's result independent of the rows beside it (to
-    float64 rounding); the GPU's row threshold, forced here, does not: alone the row skips the activation
-    quantization it gets in a batch of 40."""
+def test_a_row_gets_the_same_result_in_any_batch_unless_w8a16_is_on():
+    """The default (W8A8 at every size) keeps a token's result independent of the rows beside it (to float64
+    rounding); with fp8_w8a16_max_rows 16 it is not: alone the row skips the activation quantization it gets
+    in a batch of 40."""
     _, layer = _fp8_layer(torch.float64)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     torch.testing.assert_close(layer(x[:1]), layer(x)[:1], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer(x[3:20]), layer(x)[3:20], rtol=1e-12, atol=1e-12)
-    monkeypatch.setattr(quant, "W8A16_MAX_ROWS", KERNEL_W8A16_MAX_ROWS)
-    _, gpu_rule = _fp8_layer(torch.float64)
-    assert (gpu_rule(x[:1]) - gpu_rule(x)[:1]).abs().max() > 1e-3
+    _, w8a16 = _fp8_layer(torch.float64, w8a16_max_rows=MAX_W8A16_ROWS)
+    assert (w8a16(x[:1]) - w8a16(x)[:1]).abs().max() > 1e-3
+
+
+def test_w8a16_switch_limits_and_reaches_every_layer(f64_dir):
+    """EngineConfig.fp8_w8a16_max_rows: 0 by default, at most the kernel's rows (one limit in three places),
+    and what every Fp8Linear of a model loaded with it (quantized at load or an fp8 checkpoint) runs."""
+    from splitserve.kernels.fp8_skinny_linear import MAX_ROWS
+
+    field = EngineConfig.__dataclass_fields__["fp8_w8a16_max_rows"]
+    assert field.default == 0 and field.metadata["max"] == MAX_W8A16_ROWS == MAX_ROWS
+    with pytest.raises(ConfigError, match="--fp8-w8a16-max-rows"):
+        EngineConfig(fp8_w8a16_max_rows=MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="w8a16_max_rows is 17; choose 0 \\(off\\) to 16"):
+        _fp8_layer(torch.float64, w8a16_max_rows=17)
+    for max_rows in (0, 4):
+        net, _ = load_model(f64_dir, dtype=torch.float64, device="cpu", quantization="fp8", fp8_w8a16_max_rows=max_rows)
+        layers = [m for m in net.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+        assert {m.w8a16_max_rows for m in layers} == {max_rows}
+        assert f"rows <= {max_rows}: W8A16 reference" in repr(layers[0])
+    llm = LLM(str(f64_dir), dtype="float64", num_kv_blocks=64, block_size=4, quantization="fp8", fp8_w8a16_max_rows=16)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 8 and {m.w8a16_max_rows for m in layers} == {16}
 
 
 def test_cpu_scaled_mm_agrees_with_the_reference_path():
@@ -152,19 +176,20 @@ def test_cpu_scaled_mm_agrees_with_the_reference_path():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("max_rows", [0, MAX_W8A16_ROWS])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 128])
-def test_fp8_linear_gpu_paths_match_their_references_on_gpu(rows):
-    """On sm_89+: up to 16 rows the W8A16 Triton kernel, above the row-wise e4m3 GEMM; each equals the
-    float64 product of the operands it sees (bf16 output rounding apart)."""
-    linear, layer = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=96, k=64, output_sizes=(32, 64))
+def test_fp8_linear_gpu_paths_match_their_references_on_gpu(max_rows, rows):
+    """On sm_89+: the row-wise e4m3 GEMM at every size (the default), or with fp8_w8a16_max_rows 16 the W8A16
+    Triton kernel up to 16 rows; each equals the float64 product of the operands it sees (bf16 output
+    rounding apart)."""
+    linear, layer = _fp8_layer(torch.bfloat16, "cuda", 6, 96, 64, (32, 64), w8a16_max_rows=max_rows)
     if torch.cuda.get_device_capability() < (8, 9):
         assert not layer.use_scaled_mm and not layer.use_skinny_kernel
         pytest.skip("no e4m3 GEMM before compute capability 8.9")
-    assert layer.use_scaled_mm and layer.use_skinny_kernel
-    assert layer.w8a16_max_rows == KERNEL_W8A16_MAX_ROWS
+    assert layer.use_scaled_mm and layer.use_skinny_kernel == (max_rows > 0)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
     got = layer(x)
-    want = _operands_seen(x, rows <= KERNEL_W8A16_MAX_ROWS) @ _dequantized_weight(layer).T + linear.bias.double()
+    want = _operands_seen(x, rows <= max_rows) @ _dequantized_weight(layer).T + linear.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
 
 
@@ -176,14 +201,14 @@ def test_w8a16_tiles_table_reaches_the_kernel_on_gpu(monkeypatch):
 
     gemv = dict(DOT=True, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT_K=2)
     monkeypatch.setattr(quant, "W8A16_TILES", {("gemv", 96, 64): gemv})
-    _, layer = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=96, k=64, output_sizes=(32, 64))
+    _, layer = _fp8_layer(torch.bfloat16, "cuda", 6, 96, 64, (32, 64), w8a16_max_rows=MAX_W8A16_ROWS)
     if not layer.use_skinny_kernel:
         pytest.skip("no e4m3 kernel before compute capability 8.9")
     assert layer.skinny_tiles == {"gemv": gemv}
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
     want = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, layer.bias, config=gemv)
     assert torch.equal(layer(x), want)
-    _, other = _fp8_layer(torch.bfloat16, "cuda", seed=6, n=48, k=64)
+    _, other = _fp8_layer(torch.bfloat16, "cuda", 6, 48, 64, w8a16_max_rows=MAX_W8A16_ROWS)
     assert other.skinny_tiles == {}
 
 

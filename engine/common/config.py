@@ -44,6 +44,16 @@ class EngineConfig:
         "scales, per-token activation scales); unset = as the checkpoint is (an fp8 checkpoint loads as fp8)",
         choices=QUANTIZATIONS,
     )
+    fp8_w8a16_max_rows: int = option(
+        0,
+        "fp8 projections (--quantization fp8 or an fp8 checkpoint) of steps with at most this many rows keep "
+        "the activations in --dtype (W8A16: on CUDA capability >= 8.9 the fp8_skinny_linear Triton kernel, "
+        "elsewhere its torch reference) instead of quantizing them per token for torch._scaled_mm (W8A8); "
+        "0 = off, W8A8 at every size. Off until a GPU run measures the kernel; on, a token's output depends "
+        "on its step's row count",
+        min=0,
+        max=16,  # kernels.fp8_skinny_linear.MAX_ROWS (tests/test_fp8.py checks they agree)
+    )
     kv_cache_dtype: str = option(
         "auto",
         "KV cache element type; auto = --dtype's; fp8 = float8 e4m3 with per-layer k/v scales (the checkpoint's, "
