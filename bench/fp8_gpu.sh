@@ -14,7 +14,8 @@
 #   6. a disaggregated hand-off on the one GPU over cuda_ipc with fp8 blocks (tokens vs colocated fp8)
 # `bash bench/fp8_gpu.sh` runs them all; `bash bench/fp8_gpu.sh 2 3 4` only those steps; the tables of steps 2, 3
 # and 5 are printed again side by side at the end (bench/fp8_report.py). The W8A16 kernel (off by default until
-# measured) against W8A8 and bf16: projections, decode step and quality, one H200, about 7 minutes:
+# measured) against W8A8 and bf16: projections, decode step and quality, one H200 (its steps' timeouts add up to
+# 580 s; never timed whole):
 #   FP8_SECTIONS=fp8linear bash bench/fp8_gpu.sh 1 2 3 5
 set -uo pipefail
 STEPS=${*:-1 2 3 4 5 6}
