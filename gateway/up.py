@@ -160,13 +160,34 @@ def place(device: str, fraction: float, up: UpConfig, num_gpus: int) -> Placemen
     return Placement(prefill, tuple(decodes), transport, {d: round(fraction / n, 4) for d, n in counts.items()})
 
 
+def usable_cpus() -> int:
+    """Cores this process (and so its children) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads_per_engine(placement: Placement, num_cpus: int) -> int:
+    """Torch threads for each engine process on the CPU: an equal share of the cores, at least one; 0 when none
+    runs on the CPU. Why not torch's default (every core in each process): the prefill's and the decodes' OpenMP
+    pools then outnumber the cores, and a pool waits for a thread the kernel has given to the other process
+    (spinning meanwhile): on 2 cores one default-model step of a single request took 50-550 ms with 2 threads
+    each, 6-13 ms with 1 (docs/perf.md, "Requests per second through a CPU up")."""
+    num_cpu_engines = [placement.prefill_device, *placement.decode_devices].count("cpu")
+    return max(1, num_cpus // num_cpu_engines) if num_cpu_engines else 0
+
+
 def stack_commands(
-    engine: Any, up: UpConfig, gateway_options: Any = None, placement: Placement | None = None
+    engine: Any,
+    up: UpConfig,
+    gateway_options: Any = None,
+    placement: Placement | None = None,
+    num_cpus: int | None = None,
 ) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, in start order: prefill, decodes, gateway (with the non-default
-    UpGatewayConfig options: API keys, TLS, limits). Without a placement: as on a machine without GPUs."""
+    UpGatewayConfig options: API keys, TLS, limits). Without a placement: as on a machine without GPUs.
+    Engines on the CPU without --num-threads get cpu_threads_per_engine of `num_cpus` (default: usable_cpus())."""
     if placement is None:
         placement = place(engine.device, engine.kv_cache_memory_fraction, up, num_gpus=0)
+    cpu_threads = 0 if engine.num_threads else cpu_threads_per_engine(placement, num_cpus or usable_cpus())
     cli = [sys.executable, "-m", "splitserve.cli"]
     eflags = config_flags(engine, _NOT_FORWARDED)
     prefill_address = f"{HOST}:{up.prefill_port}"
@@ -193,6 +214,8 @@ def stack_commands(
         share = placement.fraction_of(device)
         if share is not None:
             argv += ["--kv-cache-memory-fraction", f"{share:g}"]
+        if device == "cpu" and cpu_threads:
+            argv += ["--num-threads", str(cpu_threads)]
         return argv + eflags
 
     metrics = up.metrics_ports

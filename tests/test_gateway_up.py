@@ -56,7 +56,7 @@ def test_transports_match_the_engine():
 
 def test_stack_commands_forward_non_default_engine_flags():
     engine = EngineConfig(block_size=8, num_kv_blocks=64, enforce_eager=True, role="prefill")
-    commands = stack_commands(engine, UpConfig(num_decode=2))
+    commands = stack_commands(engine, UpConfig(num_decode=2), num_cpus=6)
     eflags = ["--block-size", "8", "--num-kv-blocks", "64", "--enforce-eager"]  # role is never forwarded
 
     def service(role, name, port):
@@ -74,7 +74,8 @@ def test_stack_commands_forward_non_default_engine_flags():
 
     peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
     decodes = ["--decode-peers", "127.0.0.1:50071,127.0.0.1:50072"]  # the prefill pairs only with these
-    cpu = ["--device", "cpu"]  # placed as on a machine without GPUs (tests/test_up_placement.py has the rest)
+    # placed as on a machine without GPUs, the 6 cores shared by 3 engines (tests/test_up_placement.py has the rest)
+    cpu = ["--device", "cpu", "--num-threads", "2"]
     assert commands == [
         ("prefill-0", service("prefill", "prefill-0", 50061) + decodes + cpu + eflags),
         ("decode-0", service("decode", "decode-0", 50071) + peers + cpu + eflags),
@@ -102,7 +103,8 @@ def test_stack_commands_forward_non_default_engine_flags():
 
 
 def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
-    commands = dict(stack_commands(EngineConfig(model="/models/x", model_id="x"), UpConfig(kv_transport="nccl")))
+    engine = EngineConfig(model="/models/x", model_id="x")
+    commands = dict(stack_commands(engine, UpConfig(kv_transport="nccl"), num_cpus=2))
     assert commands["decode-0"] == CLI + [
         "decode",
         "--host",
@@ -117,6 +119,8 @@ def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
         "127.0.0.1:50061",
         "--device",
         "cpu",
+        "--num-threads",
+        "1",
         "--model",
         "/models/x",
         "--model-id",

@@ -144,3 +144,25 @@ def test_metrics_ports_reach_the_engines_and_the_banner():
         "decode-0 (--decode-port + 0) and decode-0 metrics (--metrics-ports + 1) would both use port 50071; "
         "choose distinct ports"
     )
+
+
+def test_engines_on_the_cpu_share_the_cores():
+    """Each CPU engine gets cores // CPU engines torch threads (at least 1): torch's default, every core in each
+    process, left the OpenMP pools of the prefill and the decode waiting on each other on two cores."""
+    commands = dict(stack_commands(EngineConfig(), UpConfig(num_decode=1), num_cpus=2))
+    assert [option(commands[n], "--num-threads") for n in ("prefill-0", "decode-0")] == ["1", "1"]
+    assert "--num-threads" not in commands["gateway"]
+    four = dict(stack_commands(EngineConfig(), UpConfig(num_decode=3), num_cpus=16))
+    assert [option(four[n], "--num-threads") for n in ("prefill-0", "decode-0", "decode-1", "decode-2")] == ["4"] * 4
+    few = dict(stack_commands(EngineConfig(), UpConfig(num_decode=3), num_cpus=3))
+    assert option(few["decode-2"], "--num-threads") == "1"
+
+
+def test_a_given_num_threads_and_gpu_engines_are_left_alone():
+    commands = dict(stack_commands(EngineConfig(num_threads=3), UpConfig(num_decode=1), num_cpus=2))
+    for name in ("prefill-0", "decode-0"):
+        assert option(commands[name], "--num-threads") == "3" and commands[name].count("--num-threads") == 1
+    config = UpConfig(num_decode=1, prefill_device="cpu")
+    mixed = dict(stack_commands(EngineConfig(), config, placement=place("auto", 0.9, config, num_gpus=1), num_cpus=8))
+    assert option(mixed["prefill-0"], "--num-threads") == "8"  # the only engine on the CPU
+    assert "--num-threads" not in mixed["decode-0"]
