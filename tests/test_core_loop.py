@@ -49,7 +49,7 @@ class Pipe:
 
     def __init__(self) -> None:
         self.core_end, self.test_end = multiprocessing.Pipe()
-        self.waits: list[float] = []
+        self.waits: list[float | str] = []  # each poll's timeout, and "recv" for each batch received
         self.batches: list[list[str]] = []  # type names of each batch the core sent
 
     def poll(self, timeout: float) -> bool:
@@ -57,6 +57,7 @@ class Pipe:
         return self.core_end.poll(timeout)
 
     def recv(self) -> list:
+        self.waits.append("recv")
         return self.core_end.recv()
 
     def send(self, batch: list) -> None:
@@ -224,6 +225,19 @@ def test_an_import_without_room_is_retried_each_turn_and_pulled_once_room_appear
     assert done[0].ok and engine.import_steps == [0, 0, 1, 2, 3]
 
 
+def test_every_batch_in_the_pipe_is_taken_in_before_the_next_step():
+    """Three batches queued while the loop was busy: one turn handles all three, then steps once (a prefill's
+    requests go into one step, not one step each)."""
+    driver, engine = fake_driver(Gate(opened=True))
+    for call_id in (1, 2, 3):
+        driver.send(m.Query(call_id, "stats"))
+    driver.start()
+    driver.until(lambda: len(driver.replies) == 3, 10, "three stats replies")
+    driver.stop()
+    assert [driver.replies[i].value for i in (1, 2, 3)] == [{"steps": 0}] * 3
+    assert driver.pipe.waits[:7] == [0, "recv", 0, "recv", 0, "recv", 0]  # the last: the pipe is empty now
+
+
 def test_idle_with_a_pull_in_flight_the_loop_waits_on_the_pipe_briefly_and_never_spins():
     gate = Gate()
     driver, engine = fake_driver(gate, has_work=False)
@@ -234,7 +248,10 @@ def test_idle_with_a_pull_in_flight_the_loop_waits_on_the_pipe_briefly_and_never
     gate.gate.set()
     driver.until(lambda: driver.done.get("r1"), 10, "no ImportDone")
     driver.stop()
-    waits = driver.pipe.waits
+    events = driver.pipe.waits
+    # a poll that returns at once only asks whether more came with what was just received
+    assert all(events[i - 1] == "recv" for i, wait in enumerate(events) if wait == 0)
+    waits = [w for i, w in enumerate(events) if w != "recv" and not (w == 0 and events[i - 1] == "recv")]
     in_flight = waits[waits.index(TRANSFER_POLL_S) : len(waits) - waits[::-1].index(TRANSFER_POLL_S)]
     assert set(in_flight) == {TRANSFER_POLL_S} and 0 not in waits  # never a poll that returns at once
     assert len(in_flight) <= 0.4 / TRANSFER_POLL_S  # at most one look per wait while the pull ran (~0.2 s)
