@@ -32,9 +32,18 @@ from splitserve.runtime.service_config import ServiceConfig
 
 log = logging.getLogger("splitserve.decode.pulls")
 
-# A peer that is restarting gets this long to answer ReleaseKv (RPCs wait for the channel to
-# reconnect instead of failing fast); past it the copy counts as unvalidated.
-RELEASE_TIMEOUT_S = 1.0
+# ReleaseKv's answer says whether a copy counts (once a lease lapses the prefill may reuse its blocks), so it is
+# worth waiting for while the lease could still hold: in a burst a prefill answers seconds late (its event loop
+# works through the queued Prefill calls first), and a 1 s limit threw valid copies away (199 of 1,024 requests
+# of a burst on a CPU `up` recomputed on the decode, their prefill blocks held until the leases lapsed). A prefill
+# that is gone fails the call at once (no wait_for_ready): a restarted one knows none of the old leases anyway.
+MIN_RELEASE_TIMEOUT_S = 1.0
+
+
+def release_timeout_s(lease, now_unix_ns: int) -> float:
+    """How long to wait for ReleaseKv: until `lease` (common_pb2.Lease) expires, and at least MIN_RELEASE_TIMEOUT_S
+    (the prefill's clock may run ahead of ours)."""
+    return max(MIN_RELEASE_TIMEOUT_S, (lease.expires_unix_ns - now_unix_ns) / 1e9)
 
 
 @dataclass
@@ -171,8 +180,8 @@ class PullCoordinator:
         try:
             response = await self.stub(handle.prefill_address).ReleaseKv(
                 prefill_pb2.ReleaseKvRequest(lease_id=handle.lease.lease_id, epoch=handle.lease.epoch),
-                timeout=RELEASE_TIMEOUT_S,
-                wait_for_ready=True,
+                timeout=release_timeout_s(handle.lease, time.time_ns()),
+                wait_for_ready=False,
             )
             return response.released
         except grpc.aio.AioRpcError as exc:
@@ -197,7 +206,11 @@ class PullCoordinator:
                 "kv.ok": done.ok,
             },
         )
-        released = await self._release(pull.handle)
+        if done.ok:
+            released = await self._release(pull.handle)
+        else:  # a failed pull goes on by the policy at once; its lease is released on the side
+            self._spawn(self._release(pull.handle))
+            released = False
         if done.ok and pull.send is not None:  # nccl: the receive ended; did the sender finish its send?
             why = await pull.send
             if why is not None:

@@ -3,13 +3,20 @@ asks its prefill for the pool's endpoint never reaches the core, and its lease i
 prefill's GPU only for a GPU decode's keep-alive; an nccl pull commits only when the prefill's SendKv says it sent."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 from unittest import mock
 
 import grpc
 import torch
 
-from splitserve.decode_service.pulls import PendingPull, PullCoordinator, PullHooks
+from splitserve.decode_service.pulls import (
+    MIN_RELEASE_TIMEOUT_S,
+    PendingPull,
+    PullCoordinator,
+    PullHooks,
+    release_timeout_s,
+)
 from splitserve.engine import core_messages as m
 from splitserve.protos import common_pb2, decode_pb2, prefill_pb2
 from splitserve.runtime.metrics import ServiceCounters
@@ -252,3 +259,64 @@ def test_a_copy_whose_lease_expired_is_discarded_by_the_policy():
     assert [(c.request_id, c.ok, c.recompute) for c in sent] == [("r", False, False)]
     assert failed == [("r", "KV lease l-r was no longer valid after the copy")]
     assert counters.values == {}
+
+
+class LateReleasePrefill:
+    """ReleaseKv notes its timeout and wait_for_ready, then answers (released) only once `go` is set."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.calls: list[tuple[float, bool]] = []
+
+    async def ReleaseKv(self, request, timeout=None, wait_for_ready=None):
+        self.calls.append((timeout, wait_for_ready))
+        await self.go.wait()
+        return prefill_pb2.ReleaseKvResponse(released=True)
+
+
+def test_release_timeout_runs_to_the_lease_expiry_and_at_least_one_second():
+    lease = common_pb2.Lease(lease_id="l", epoch=1, expires_unix_ns=50_000_000_000)
+    assert release_timeout_s(lease, now_unix_ns=20_000_000_000) == 30.0
+    assert release_timeout_s(lease, now_unix_ns=49_500_000_000) == MIN_RELEASE_TIMEOUT_S == 1.0
+    assert release_timeout_s(lease, now_unix_ns=60_000_000_000) == 1.0  # lapsed, or the clocks disagree
+
+
+def late_release(import_done: m.ImportDone) -> tuple[list, list, list]:
+    """A pull ends as `import_done` says while its prefill has not answered ReleaseKv yet (lease: 20 s left):
+    (core messages sent before the answer, those after, the ReleaseKv calls' (timeout, wait_for_ready))."""
+    sent, before = [], []
+    prefill = LateReleasePrefill()
+
+    async def main():
+        pulls = coordinator(SimpleNamespace(send=sent.append), kv_load_failure_policy="recompute")
+        pulls.stub = lambda address: prefill
+        handle = request("r").kv
+        handle.lease.expires_unix_ns = time.time_ns() + 20_000_000_000
+        pulls.pending["r"] = PendingPull("r", handle)
+        pulls.on_core_message(import_done)
+        await wait_for(lambda: prefill.calls, 2.0, "the ReleaseKv call")
+        for _ in range(20):  # the coordinator's tasks get turns while the prefill has not answered
+            await asyncio.sleep(0)
+        before.extend(sent)
+        prefill.go.set()
+        await asyncio.gather(*pulls._tasks)
+
+    asyncio.run(main())
+    return before, sent[len(before) :], prefill.calls
+
+
+def test_a_copy_waits_for_a_late_release_answer_and_commits():
+    """Issue 22 burst: a prefill busy with queued Prefill calls answered ReleaseKv after the old 1 s limit, and the
+    valid copy was recomputed. Now the decode waits as long as the lease holds, and never for a prefill that is
+    gone (no wait_for_ready: a dead one fails the call at once)."""
+    before, after, calls = late_release(m.ImportDone("r", ok=True, num_blocks_pulled=2, num_bytes=64))
+    assert before == []  # nothing decided while the answer is out
+    assert [(c.request_id, c.ok) for c in after if isinstance(c, m.CommitImport)] == [("r", True)]
+    ((timeout, wait_for_ready),) = calls
+    assert 19.0 < timeout <= 20.0 and wait_for_ready is False
+
+
+def test_a_failed_pull_goes_on_by_policy_without_waiting_for_the_release():
+    before, after, calls = late_release(m.ImportDone("r", ok=False, error="the copy failed"))
+    assert [(c.request_id, c.ok, c.recompute) for c in before if isinstance(c, m.CommitImport)] == [("r", False, True)]
+    assert after == [] and len(calls) == 1  # the lease is still released
