@@ -1,18 +1,19 @@
 """Requests per second through a CPU `splitserve up`, and where each process's CPU time goes.
 
-    python -m bench.up_load [--requests 256] [--max-tokens 1,16] [--rounds 2] [--json out.json]
+    python -m bench.up_load [--bursts 256x1,256x16,1024x8] [--rounds 2] [--json out.json]
         [--variant LABEL=UP_FLAGS ...] [--splitserve LABEL=PATH ...]
 
 Each variant starts `splitserve up --device cpu` (the embedded default model, one prefill and one decode
 over shm, the gateway) on free loopback ports, waits for /ready, sends a few warm-up requests, then for each
---max-tokens value opens --requests Generate streams at once (seeded random token-id prompts of
---prompt-len tokens, ignore_eos, greedy) and reads: requests/s, TTFT p50/p99, and the CPU seconds each
-process used during the burst (utime + stime from /proc: `up`, the gateway, the prefill and decode service
-processes and their engine-core children). Then it stops `up` (SIGINT, as Ctrl-C). Variants run in turn,
+burst NxT opens N Generate streams at once, T tokens each (seeded random token-id prompts of --prompt-len
+tokens, ignore_eos, greedy) and reads: requests/s, TTFT p50/p99, the CPU seconds each process used during
+the burst (utime + stime from /proc: `up`, the gateway, the prefill and decode service processes, their
+engine-core children, and this bench process, the client), and the WARNING / ERROR lines `up` logged
+meanwhile. Then it stops `up` (SIGINT, as Ctrl-C). Variants run in turn,
 --rounds times, so a before/after pair sees the same machine load; the 1-minute load average is read before
 and after every burst. `--splitserve LABEL=PATH` runs that variant with another installation's `splitserve`
 (e.g. a copy of main, for a before/after of a code change); a variant's UP_FLAGS are added to `up`'s.
-Prints one table row per (round, variant, max_tokens) last and writes every record to --json.
+Prints one table row per (round, variant, burst) last and writes every record to --json.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -34,7 +36,7 @@ from splitserve.bench.serve_launch import HOST, free_port
 from splitserve.bench.serve_load import LengthDist, Progress, grpc_sender, make_workload, run_load
 from splitserve.bench.serve_stats import Slo, summarize
 
-ROLES = ("up", "gateway", "prefill", "prefill-core", "decode", "decode-core")
+ROLES = ("up", "gateway", "prefill", "prefill-core", "decode", "decode-core", "bench")
 VOCAB_SIZE = 8192  # the embedded default model's
 _TICKS_S = os.sysconf("SC_CLK_TCK")
 
@@ -86,7 +88,23 @@ def process_roles(up_pid: int) -> dict[str, int]:
 
 
 def cpu_seconds(roles: dict[str, int]) -> dict[str, float]:
-    return {role: st[1] for role, pid in roles.items() if (st := _stat(pid)) is not None}
+    """CPU seconds so far of each role's process; "bench" is this process (the client)."""
+    out = {role: st[1] for role, pid in roles.items() if (st := _stat(pid)) is not None}
+    return out | {"bench": time.process_time()}
+
+
+def log_problems(path: Path, offset: int) -> tuple[dict[str, int], int]:
+    """WARNING / ERROR lines written to `path` after byte `offset`, grouped with numbers and ids masked
+    (message -> count), and the new end offset."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        if " WARNING " in line or " ERROR " in line:
+            key = re.sub(r"[0-9a-f]{8,}|\d+(\.\d+)?", "N", line.split(" ", 2)[-1])[:160]
+            found[key] = found.get(key, 0) + 1
+    return found, offset + len(text.encode())
 
 
 class UpProcess:
@@ -96,7 +114,8 @@ class UpProcess:
         self.grpc_port, self.http_port = free_port(), free_port()
         ports = ["--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]
         ports += ["--prefill-port", str(free_port()), "--decode-port", str(free_port())]
-        argv = [variant.splitserve or str(Path(sys.executable).parent / "splitserve"), "up", "--device", "cpu", *ports, *variant.up_flags]
+        splitserve = variant.splitserve or str(Path(sys.executable).parent / "splitserve")
+        argv = [splitserve, "up", "--device", "cpu", *ports, *variant.up_flags]
         self.log_path = log_dir / f"up-{variant.label}-{self.grpc_port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -149,23 +168,25 @@ async def burst(port: int, num_requests: int, prompt_len: int, max_tokens: int, 
 
 def measure(up: UpProcess, args, label: str, round_index: int, salt: int) -> list[dict]:
     roles = process_roles(up.proc.pid)
-    missing = set(ROLES) - set(roles)
+    missing = set(ROLES) - set(roles) - {"bench"}
     if missing:
         raise RuntimeError(f"processes not found under up ({up.proc.pid}): {sorted(missing)}")
     asyncio.run(burst(up.grpc_port, args.warmup, args.prompt_len, 2, salt=10_000 + salt))
     rows = []
-    for max_tokens in args.max_tokens:
+    log_offset = up.log_path.stat().st_size
+    for num_requests, max_tokens in args.bursts:
         salt += 1
         load_before = os.getloadavg()[0]
         cpu_before = cpu_seconds(roles)
-        summary = asyncio.run(burst(up.grpc_port, args.requests, args.prompt_len, max_tokens, salt))
+        summary = asyncio.run(burst(up.grpc_port, num_requests, args.prompt_len, max_tokens, salt))
         cpu_after = cpu_seconds(roles)
+        problems, log_offset = log_problems(up.log_path, log_offset)
         rows.append(
             {
                 "variant": label,
                 "round": round_index,
                 "max_tokens": max_tokens,
-                "requests": args.requests,
+                "requests": num_requests,
                 "completed": summary["num_completed"],
                 "errors": summary["errors"],
                 "duration_s": summary["duration_s"],
@@ -175,6 +196,7 @@ def measure(up: UpProcess, args, label: str, round_index: int, salt: int) -> lis
                 "e2e_p99_ms": summary["e2e_ms"]["p99"],
                 "cpu_s": {r: round(cpu_after[r] - cpu_before[r], 2) for r in ROLES if r in cpu_after},
                 "load_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                "log_problems": problems,
             }
         )
         print(format_row(rows[-1]), flush=True)
@@ -184,19 +206,31 @@ def measure(up: UpProcess, args, label: str, round_index: int, salt: int) -> lis
 def format_row(row: dict) -> str:
     cpu = row["cpu_s"]
     return (
-        f"| {row['variant']} | {row['round']} | {row['max_tokens']} | {row['completed']}/{row['requests']} | "
-        f"{row['duration_s']:.1f} | {row['requests_per_s']:.1f} | {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
+        f"| {row['variant']} | {row['round']} | {row['requests']}x{row['max_tokens']} | {row['completed']} | "
+        f"{row['duration_s']:.1f} | {row['requests_per_s']:.1f} | "
+        f"{row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | "
         + " | ".join(f"{cpu.get(r, float('nan')):.2f}" for r in ROLES)
-        + f" | {row['load_1m'][0]:.1f}-{row['load_1m'][1]:.1f} |"
+        + f" | {sum(row['log_problems'].values())} | {row['load_1m'][0]:.1f}-{row['load_1m'][1]:.1f} |"
     )
 
 
 TABLE_HEAD = (
-    "| variant | round | max_tokens | ok | wall s | req/s | TTFT p50 ms | TTFT p99 ms | "
+    "| variant | round | burst | ok | wall s | req/s | TTFT p50 ms | TTFT p99 ms | "
     + " | ".join(f"CPU s {r}" for r in ROLES)
-    + " | load 1m |\n|"
-    + "---|" * (9 + len(ROLES))
+    + " | log warnings | load 1m |\n|"
+    + "---|" * (10 + len(ROLES))
 )
+
+
+def parse_bursts(text: str) -> list[tuple[int, int]]:
+    """Bursts from "256x1,1024x8": [(256, 1), (1024, 8)]."""
+    bursts = []
+    for item in text.split(","):
+        n, sep, t = item.partition("x")
+        if not sep or not n.isdigit() or not t.isdigit() or int(n) < 1 or int(t) < 1:
+            raise argparse.ArgumentTypeError(f"a burst is NxT with N, T >= 1 (e.g. 256x16), got {item!r}")
+        bursts.append((int(n), int(t)))
+    return bursts
 
 
 def parse_variants(specs: list[str], binaries: list[str]) -> list[Variant]:
@@ -219,8 +253,9 @@ def parse_variants(specs: list[str], binaries: list[str]) -> list[Variant]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256, help="streams opened at once per burst")
-    ap.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    ap.add_argument(
+        "--bursts", type=parse_bursts, default="256x1,256x16", help="NxT,...: N streams at once, T tokens each"
+    )
     ap.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     ap.add_argument("--warmup", type=int, default=8, help="requests sent before the measured bursts")
     ap.add_argument("--rounds", type=int, default=1, help="every variant this many times, in turn")
