@@ -102,6 +102,7 @@ class Instance:
     pending_requests: int = 0
     pending_tokens: int = 0
     pending_blocks: int = 0
+    num_describes: int = 0  # Describe answers so far: pending_* count what was assigned since the last one
     prefill_stub: prefill_pb2_grpc.PrefillStub | None = field(default=None, repr=False)
 
     @property
@@ -222,6 +223,7 @@ class Registry:
         inst.describe, inst.reachable, inst.error = resp, True, ""
         inst.num_describe_failures = 0
         inst.pending_requests = inst.pending_tokens = inst.pending_blocks = 0
+        inst.num_describes += 1
         if resp.role not in _POOL_ROLES[inst.pool]:
             inst.error = (
                 f"listed under --{inst.pool} but its role is {resp.role!r} "

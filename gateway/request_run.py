@@ -114,6 +114,7 @@ class RequestRun:
         # the other sequences of the request follow their fork ids on that link
         self.submitted: asyncio.Future[tuple[Instance, DecodeLink] | None] = asyncio.get_running_loop().create_future()
         self._owns_decode = True  # holds the router's assignment of the decode (sequence runs do not)
+        self._waiting_at_decode: int | None = None  # the decode's num_describes when assigned, until it runs
         self._abort_once_forked: DecodeLink | None = None  # ended at its first token: abort it after the fork
         self._arrival_ns = arrival_ns
         self._deadline = deadline  # time.monotonic() seconds
@@ -299,6 +300,7 @@ class RequestRun:
         self._start_deadline_timer()
         self._decode, self._link = decode, decode.link
         self._handed, self._held = self._held, None  # the decode owns the lease now
+        self._waiting_at_decode = decode.num_describes
         self._deps.router.assign(decode, self._prompt)
         if not self.submitted.done():
             self.submitted.set_result((decode, decode.link))
@@ -360,6 +362,9 @@ class RequestRun:
                 return
             if item.refused and self.num_output_tokens == 0:  # refused before any work: a 400, not a stream
                 self._raise_if_grammar_refused(item.error)
+            if self._waiting_at_decode is not None and self._owns_decode:
+                self._deps.router.started(self._decode, self._waiting_at_decode)
+            self._waiting_at_decode = None
             message = self._delta_message(item)
             yield message
             if message.finish_reason:

@@ -147,6 +147,16 @@ class Router:
                     affinity.popitem(last=False)
 
     @staticmethod
+    def started(inst: Instance, describes_at_assign: int) -> None:
+        """A request assigned to decode `inst` (when it had `describes_at_assign` Describe answers) sent its
+        first output: it runs there, so it is no longer waiting. Counted as waiting (pending_requests) only until
+        the next Describe, which counts it itself. Without this, every request sent between two Describes
+        counted as waiting: in a burst a decode looked full (max_waiting_per_decode) while its batch had room,
+        and prefilled requests failed for want of a decode (issue 22 burst, docs/perf.md)."""
+        if inst.num_describes == describes_at_assign and inst.pending_requests > 0:
+            inst.pending_requests -= 1
+
+    @staticmethod
     def release(inst: Instance) -> None:
         """The request left `inst` (finished, failed or aborted)."""
         inst.in_flight = max(0, inst.in_flight - 1)

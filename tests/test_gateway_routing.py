@@ -158,6 +158,48 @@ def test_a_burst_spreads_before_the_next_describe():
     assert a.in_flight == 2
 
 
+def test_a_request_that_runs_no_longer_counts_as_waiting():
+    """Sent since the last Describe counts as waiting only until the request's first output (it runs then)."""
+    d = instance("a:1", "decode", waiting=10)
+    router = Router(registry_of(d), max_waiting_per_decode=13)
+    assigned_at = []
+    for i in range(3):
+        assigned_at.append(d.num_describes)
+        router.assign(d, [i] * 5)
+    assert router.num_waiting(d) == 13 and not router.has_room(d)
+    router.started(d, assigned_at[0])
+    assert router.num_waiting(d) == 12 and router.has_room(d)
+    d.pending_requests, d.num_describes = 0, d.num_describes + 1  # what the next Describe answer does
+    router.started(d, assigned_at[1])  # counted by that Describe itself (running or waiting): nothing to undo
+    assert (d.pending_requests, router.num_waiting(d)) == (0, 10)
+
+
+def test_a_request_the_decode_runs_frees_its_waiting_place_at_the_gateway(tmp_path):
+    """The gateway counts a request it sent to a decode as waiting there until its first decode output, not until
+    the next Describe (none comes here: the health interval is an hour)."""
+    decode = FakeDecode()
+    decode.hold = True  # the request stays unstarted until the test lets the decode step
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [decode], {"health_interval_s": 3600.0})
+    stack.start()
+    try:
+        (inst,) = stack.gateway.registry.decodes()
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+        stream = stub.Generate(
+            generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=30
+        )
+        assert list(next(stream).token_ids) == [21]  # the prefill's first token
+        stack.wait_for(lambda: len(decode.requests) == 1, what="the request at the decode")
+        describes = stack.loop.call(lambda: inst.num_describes)
+        assert stack.loop.call(lambda: (inst.pending_requests, inst.in_flight)) == (1, 1)
+        decode.hold = False
+        assert list(next(stream).token_ids) == [22]  # the decode's first output: it runs
+        stack.wait_for(lambda: inst.pending_requests == 0, what="no longer counted as waiting")
+        assert stack.loop.call(lambda: (inst.num_describes, inst.in_flight)) == (describes, 1)
+        assert [t for m in stream for t in m.token_ids] == [23, 24]
+    finally:
+        stack.stop()
+
+
 def test_prefix_affinity_prefers_the_decode_that_served_the_leading_blocks():
     a, b = instance("a:1", "decode"), instance("b:1", "decode")
     router = Router(registry_of(a, b))
