@@ -89,7 +89,8 @@ class GatewayConfig:
     max_waiting_per_decode: int = option(
         256,
         "requests waiting at one decode (its Describe num_waiting plus those sent "
-        "since) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503",
+        "since and not running yet) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503 (a request "
+        "prefilled meanwhile still goes to one)",
         min=1,
         max=1 << 20,
     )

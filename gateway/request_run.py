@@ -175,11 +175,14 @@ class RequestRun:
                 if self._fork_ids:  # the other sequences still need the prompt on a decode
                     self._submit_forks(prefill, first)
                 return
-            decode = router.pick_decode(router.decode_candidates(prefill), self._prompt)
+            decode = router.pick_decode(
+                router.decode_candidates(prefill) or router.overflow_candidates(prefill), self._prompt
+            )
             if decode is None:
                 yield self._final(
                     FR.FINISH_REASON_ERROR,
-                    error=f"no decode instance compatible with prefill {prefill.name} is up and has room; retry later",
+                    error=f"no decode instance compatible with prefill {prefill.name} is up and not draining; "
+                    "retry later",
                 )
                 return
             request = self._decode_request(first)
@@ -309,7 +312,10 @@ class RequestRun:
         """This sequence ended at its first token, the others have not started: hand the prompt (its KV
         if the prefill kept it, else for a local prefill) to a decode, then stop this sequence there."""
         router = self._deps.router
-        decode = router.pick_decode(router.decode_candidates(prefill if self._held else None), self._prompt)
+        source = prefill if self._held else None
+        decode = router.pick_decode(
+            router.decode_candidates(source) or router.overflow_candidates(source), self._prompt
+        )
         if decode is None:
             return  # the other sequences end with this run's error-free end: no decode (see SequenceRun)
         try:

@@ -8,7 +8,9 @@ Prefill: the up instance with the least prompt work ahead of this request's own 
 
 Decode: among the candidates (compatible with the chosen prefill, or colocated workers,
 or any up decode for a local prefill) that have room (fewer than max_waiting_per_decode
-requests waiting: Describe's num_waiting plus requests sent since), the highest score
+requests waiting: Describe's num_waiting plus requests sent since and not yet running there; a request
+already prefilled when none has room may go to a full one that is not draining: `overflow_candidates`),
+the highest score
 
     score = free_blocks - blocks assigned since its last Describe
             - max(running + waiting, this gateway's in-flight requests there)
@@ -82,6 +84,14 @@ class Router:
         if colocated_only:
             return [d for d in decodes if d.role == "both"]
         return decodes
+
+    def overflow_candidates(self, prefill: Instance | None) -> list[Instance]:
+        """Up decodes compatible with `prefill` (any, without one) that are not draining, however many requests
+        wait there: for a
+        request already prefilled when every decode filled up (it was admitted while one had room). Its first
+        token is out and its KV held: queueing it at a decode beats failing it mid-stream; the limit keeps
+        deciding admission (a burst of 1,024 on a CPU `up` failed 17-51 prefilled requests so)."""
+        return [d for d in self.decode_candidates(prefill, with_room=False) if not d.describe.draining]
 
     def num_waiting(self, d: Instance) -> int:
         """Requests waiting at decode `d`: its last Describe's, plus those sent since."""

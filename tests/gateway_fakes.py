@@ -121,6 +121,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.released: list[tuple[str, int]] = []
         self.fail_code: grpc.StatusCode | None = None  # set to make Prefill fail
         self.delay_s = 0.0
+        self.gate: asyncio.Event | None = None  # when set: Prefill answers only once the test sets it (on the loop)
         self.queued_tokens = 0  # reported as Describe's load.num_queued_tokens
         self.start_ns = time.time_ns()
         self.address = ""
@@ -131,6 +132,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.requests.append(request)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail_code is not None:
             await context.abort(self.fail_code, "injected prefill failure")
         first = next_token(request.prompt_token_ids[-1])

@@ -1,11 +1,13 @@
 """Registry pairing/readiness and Router choices, on hand-built instances (no RPCs), plus
 the layout-mismatch refusal end to end against fake services."""
 
+import asyncio
 import logging
 import time
 
 import grpc
 import httpx
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.kv_layout import KvLayout
@@ -196,6 +198,35 @@ def test_a_request_the_decode_runs_frees_its_waiting_place_at_the_gateway(tmp_pa
         stack.wait_for(lambda: inst.pending_requests == 0, what="no longer counted as waiting")
         assert stack.loop.call(lambda: (inst.num_describes, inst.in_flight)) == (describes, 1)
         assert [t for m in stream for t in m.token_ids] == [23, 24]
+    finally:
+        stack.stop()
+
+
+def test_a_prefilled_request_queues_at_a_full_decode_instead_of_failing(tmp_path):
+    """Admitted while the decode had room, prefilled after it filled up: the request still goes to the decode
+    (its first token is out, its KV held); the next request is refused at admission."""
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.gate = asyncio.Event()
+    overrides = {"health_interval_s": 3600.0, "max_waiting_per_decode": 4}
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [prefill], [decode], overrides)
+    stack.start()
+    try:
+        (inst,) = stack.gateway.registry.decodes()
+        router = stack.gateway.router
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+        sampling = common_pb2.SamplingParams(max_tokens=3)
+        stream = stub.Generate(generation_pb2.GenerateRequest(text="w20", sampling=sampling), timeout=30)
+        stack.wait_for(lambda: len(prefill.requests) == 1, what="the Prefill call")
+        stack.loop.call(lambda: setattr(inst, "pending_requests", 4))  # four others went there meanwhile
+        assert not stack.loop.call(lambda: router.has_room(inst))
+        stack.loop.call(prefill.gate.set)
+        messages = list(stream)
+        assert [t for m in messages for t in m.token_ids] == [21, 22, 23] and len(decode.requests) == 1
+        assert (messages[-1].finish_reason, messages[-1].error) == (common_pb2.FINISH_REASON_LENGTH, "")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(generation_pb2.GenerateRequest(text="w20", sampling=sampling), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details().startswith("every decode instance is full (decode-0 has 4 waiting")
     finally:
         stack.stop()
 
