@@ -18,6 +18,10 @@ sweep picked them), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
+
+--pairs N: the engines run in turn, N rounds (e.g. splitserve, vllm, splitserve, vllm, ...), each run a
+fresh engine, so a drift of a shared host moves both alike; the table gives each round's seconds and the
+first engine's speed against the others'.
 """
 
 from __future__ import annotations
@@ -286,7 +290,9 @@ def run_vllm(config_path: str, requests, dtype: str, device: str, args) -> dict:
             dtype,
             str(out_path),
         ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        # cwd outside the repository: its top-level kernels/ folder would shadow the `kernels` package
+        # that transformers probes for, in any process vLLM starts with the cwd on sys.path
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
         return json.loads(out_path.read_text())
@@ -494,6 +500,46 @@ def run_fixed(args) -> list[dict]:
     return rows
 
 
+def run_pairs(args, requests, asked: int) -> list[dict]:
+    """--pairs rounds of every engine in --engines order (splitserve in one --scheduling mode), one row each."""
+    names = args.engines.split(",")
+    if len(names) < 2 or len(args.scheduling.split(",")) != 1:
+        raise SystemExit("--pairs needs two or more --engines and one --scheduling mode (e.g. --scheduling sync)")
+    import gc
+
+    rows = []
+    for round_index in range(args.pairs):
+        for name in names:
+            if name.startswith("splitserve"):
+                result = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)[0]
+                result["engine"] = name
+                gc.collect()  # the engine and its KV pool gone before the next engine starts
+            else:
+                result = {"engine": name, **ENGINES[name](args.config, requests, args.dtype, args.device, args)}
+            result.update(round=round_index + 1, useful_tok_s=asked / result["seconds"])
+            rows.append(result)
+            print(f"round {round_index + 1}, {name}: {result['seconds']:.2f} s", flush=True)
+    return rows
+
+
+def _print_pairs(rows: list[dict]) -> None:
+    """One line per round: each engine's seconds (useful tok/s) and the first engine's speed against each other."""
+    names = list(dict.fromkeys(r["engine"] for r in rows))
+    print(
+        "| round | "
+        + " | ".join(f"{n} s (tok/s)" for n in names)
+        + " | "
+        + " | ".join(f"{names[0]} vs {n}" for n in names[1:])
+        + " |"
+    )
+    print("|---" * (1 + 2 * len(names) - 1) + "|")
+    for round_index in sorted({r["round"] for r in rows}):
+        by_name = {r["engine"]: r for r in rows if r["round"] == round_index}
+        cells = [f"{by_name[n]['seconds']:.2f} ({by_name[n]['useful_tok_s']:.1f})" for n in names]
+        ratios = [f"{by_name[n]['seconds'] / by_name[names[0]]['seconds']:.2f}x" for n in names[1:]]
+        print(f"| {round_index} | " + " | ".join(cells + ratios) + " |")
+
+
 def _print_table(rows: list[dict]) -> None:
     """Seconds, useful tok/s and the ratio to the first row; the device's shares of the wall when measured."""
     print(
@@ -552,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         help="modes each splitserve engine is timed in, in turn: sync, async, async-nogc (collector off)",
     )
     ap.add_argument("--repeats", type=int, default=1, help="times each --scheduling mode is timed")
+    ap.add_argument("--pairs", type=int, default=0, help="rounds of the --engines run in turn (alternating pairs)")
     ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
     ap.add_argument("--fp8-tiles", default="", help="fixed workload, splitserve:fp8swept: bench/kernels.py's JSON")
@@ -569,6 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads(Path(args.config).read_text())["vocab_size"]
     requests = make_workload(args.workload, vocab)
     asked = sum(n for _, n in requests)
+    if args.pairs:
+        rows = run_pairs(args, requests, asked)
+        print(f"\nworkload={args.workload} asked_tokens={asked} dtype={args.dtype} threads={args.threads}")
+        _print_pairs(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+        return 0
     rows = []
     for name in args.engines.split(","):
         if name.startswith("splitserve"):

@@ -43,6 +43,22 @@ def op(request):
         yield module
 
 
+@pytest.mark.parametrize(
+    "capability, isa",
+    [("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "generic"), ("SVE256", "generic")],
+)
+def test_the_build_follows_torchs_cpu_capability(monkeypatch, capability, isa):
+    """Any machine checks the choice an AVX-512 one makes: the build AVX-512 CPUs always had (-march=native),
+    and the narrower builds reachable through the override."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.delenv("SPLITSERVE_CPU_ISA", raising=False)
+    assert (cpu_ops.cpu_isa(), cpu_ops.chosen_isa()) == (isa, isa)
+    for narrower in ISAS[: ISAS.index(isa)]:
+        monkeypatch.setenv("SPLITSERVE_CPU_ISA", narrower)
+        assert cpu_ops.chosen_isa() == narrower
+    assert cpu_ops.ISA_CFLAGS["avx512"] == ("-O3", "-march=native", "-fopenmp")  # the pre-AVX2 build's flags
+
+
 def test_isa_choice_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_CPU_ISA", raising=False)
     assert cpu_ops.chosen_isa() == cpu_ops.cpu_isa()
