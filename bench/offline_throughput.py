@@ -19,6 +19,9 @@ splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
 
+--avx2 ours|both on an AVX-512 CPU: splitserve (and with `both` vLLM too) runs what an AVX2-only CPU would
+(torch, MKL, oneDNN capped at AVX2; our ops' x86-64-v3 build; vLLM's _C_AVX2 kernels).
+
 --pairs N: the engines run in turn, N rounds (e.g. splitserve, vllm, splitserve, vllm, ...), each run a
 fresh engine, so a drift of a shared host moves both alike; the table gives each round's seconds and the
 first engine's speed against the others'.
@@ -275,12 +278,33 @@ def vllm_inner(config_path: str, requests_path: str, dtype: str, out_path: str) 
     Path(out_path).write_text(json.dumps({"seconds": seconds, "output_tokens": produced}))
 
 
+# --avx2 on an AVX-512 machine: what an AVX2-only CPU would run. torch's own kernels (ATen's dispatch), MKL and
+# oneDNN are capped at AVX2 and our C++ ops load their x86-64-v3 build.
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "SPLITSERVE_CPU_ISA": "avx2",
+}
+# vLLM picks its kernel library (and attention ISA) from the CPU's flags, not from those variables: started
+# with this sitecustomize (every process it spawns too), it sees a CPU without AVX-512 and loads _C_AVX2.
+_VLLM_AVX2_SITECUSTOMIZE = """
+import torch.cpu
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+torch.cpu._is_amx_tile_supported = lambda: False
+"""
+
+
 def run_vllm(config_path: str, requests, dtype: str, device: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         req_path, out_path = Path(tmp) / "requests.json", Path(tmp) / "out.json"
         req_path.write_text(json.dumps(requests))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in AVX2_ENV}
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
+        if args.avx2 == "both":
+            env.update(AVX2_ENV, PYTHONPATH=tmp)
+            (Path(tmp) / "sitecustomize.py").write_text(_VLLM_AVX2_SITECUSTOMIZE)
         cmd = [
             args.vllm_python,
             str(Path(__file__).resolve()),
@@ -602,8 +626,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
     ap.add_argument("--fp8-tiles", default="", help="fixed workload, splitserve:fp8swept: bench/kernels.py's JSON")
+    ap.add_argument(
+        "--avx2",
+        default="off",
+        choices=["off", "ours", "both"],
+        help="an AVX-512 CPU run as an AVX2-only one (AVX2_ENV): for splitserve alone, or for vLLM too",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if args.avx2 != "off":
+        os.environ.update(AVX2_ENV)  # before torch is imported: ATen reads its capability once
 
     import torch
 
