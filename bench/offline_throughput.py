@@ -158,7 +158,7 @@ def _timed_pass(llm, prompts, params, mode: str, device: str, name: str) -> dict
     with HostSplit(llm.engine) as split:
         if mode.endswith("nogc"):
             gc.disable()
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         try:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
             _sync(device)
@@ -174,6 +174,7 @@ def _timed_pass(llm, prompts, params, mode: str, device: str, name: str) -> dict
         "steps": llm.engine.num_steps - steps_before,
         "host_s": host,
         "tokens": [o.token_ids for o in outs],
+        "window": (started_at, started_at + seconds),
     }
 
 
@@ -271,11 +272,12 @@ def vllm_inner(config_path: str, requests_path: str, dtype: str, out_path: str) 
     llm.generate([TokensPrompt(prompt_token_ids=requests[0][0][:16])], SamplingParams(max_tokens=4, ignore_eos=True))
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in requests]
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    Path(out_path).write_text(json.dumps({"seconds": seconds, "output_tokens": produced}))
+    window = (started_at, started_at + seconds)
+    Path(out_path).write_text(json.dumps({"seconds": seconds, "output_tokens": produced, "window": window}))
 
 
 # --avx2 on an AVX-512 machine: what an AVX2-only CPU would run. torch's own kernels (ATen's dispatch), MKL and
@@ -529,29 +531,45 @@ def run_pairs(args, requests, asked: int) -> list[dict]:
     names = args.engines.split(",")
     if len(names) < 2 or len(args.scheduling.split(",")) != 1:
         raise SystemExit("--pairs needs two or more --engines and one --scheduling mode (e.g. --scheduling sync)")
-    import gc
+
+    from bench.host_load import OthersLoad, wait_for_quiet
 
     rows = []
-    for round_index in range(args.pairs):
-        for name in names:
-            if name.startswith("splitserve"):
-                result = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)[0]
-                result["engine"] = name
-                gc.collect()  # the engine and its KV pool gone before the next engine starts
-            else:
-                result = {"engine": name, **ENGINES[name](args.config, requests, args.dtype, args.device, args)}
-            result.update(round=round_index + 1, useful_tok_s=asked / result["seconds"])
-            rows.append(result)
-            print(f"round {round_index + 1}, {name}: {result['seconds']:.2f} s", flush=True)
+    with OthersLoad() as others:
+        for round_index in range(args.pairs):
+            for name in names:
+                waited_s = wait_for_quiet(args.quiet_share, timeout_s=args.quiet_wait_s) if args.quiet_share else 0.0
+                rows.append(_pair_run(args, name, requests, asked, round_index + 1))
+                rows[-1].update(waited_for_quiet_s=waited_s, others_share=others.share(*rows[-1]["window"]))
+                print(
+                    f"round {round_index + 1}, {name}: {rows[-1]['seconds']:.2f} s, the other processes used "
+                    f"{100 * rows[-1]['others_share']:.0f}% of the machine (waited {waited_s:.0f} s for quiet)",
+                    flush=True,
+                )
     return rows
 
 
+def _pair_run(args, name: str, requests, asked: int, round_index: int) -> dict:
+    """One engine's run of the workload, a fresh engine."""
+    import gc
+
+    if name.startswith("splitserve"):
+        result = run_splitserve(args.config, requests, args.dtype, args.device, args, variant=name)[0]
+        result["engine"] = name
+        gc.collect()  # the engine and its KV pool gone before the next engine starts
+    else:
+        result = {"engine": name, **ENGINES[name](args.config, requests, args.dtype, args.device, args)}
+    result.update(round=round_index, useful_tok_s=asked / result["seconds"])
+    return result
+
+
 def _print_pairs(rows: list[dict]) -> None:
-    """One line per round: each engine's seconds (useful tok/s) and the first engine's speed against each other."""
+    """One line per round: each engine's seconds (useful tok/s) [the share of the machine other processes used
+    meanwhile] and the first engine's speed against each other."""
     names = list(dict.fromkeys(r["engine"] for r in rows))
     print(
         "| round | "
-        + " | ".join(f"{n} s (tok/s)" for n in names)
+        + " | ".join(f"{n} s (tok/s) [others' share]" for n in names)
         + " | "
         + " | ".join(f"{names[0]} vs {n}" for n in names[1:])
         + " |"
@@ -559,7 +577,10 @@ def _print_pairs(rows: list[dict]) -> None:
     print("|---" * (1 + 2 * len(names) - 1) + "|")
     for round_index in sorted({r["round"] for r in rows}):
         by_name = {r["engine"]: r for r in rows if r["round"] == round_index}
-        cells = [f"{by_name[n]['seconds']:.2f} ({by_name[n]['useful_tok_s']:.1f})" for n in names]
+        cells = [
+            f"{by_name[n]['seconds']:.2f} ({by_name[n]['useful_tok_s']:.1f}) [{100 * by_name[n]['others_share']:.0f}%]"
+            for n in names
+        ]
         ratios = [f"{by_name[n]['seconds'] / by_name[names[0]]['seconds']:.2f}x" for n in names[1:]]
         print(f"| {round_index} | " + " | ".join(cells + ratios) + " |")
 
@@ -623,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=1, help="times each --scheduling mode is timed")
     ap.add_argument("--pairs", type=int, default=0, help="rounds of the --engines run in turn (alternating pairs)")
+    ap.add_argument(
+        "--quiet-share",
+        type=float,
+        default=0.0,
+        help="--pairs: before each run wait until other processes use less than this share of the machine (0: no wait)",
+    )
+    ap.add_argument("--quiet-wait-s", type=float, default=600.0, help="the longest such wait; the run starts anyway")
     ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
     ap.add_argument("--fp8-tiles", default="", help="fixed workload, splitserve:fp8swept: bench/kernels.py's JSON")

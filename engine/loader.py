@@ -93,7 +93,7 @@ def load_model(
     elif quantization == "fp8":
         quantize_model(net, fp8_w8a16_max_rows)
     if hasattr(net, "pack_for_cpu"):
-        net.pack_for_cpu()  # float32 on CPU: MKL-packed GEMM weights
+        net.pack_for_cpu()  # float32 on CPU: GEMM weights packed for oneDNN or MKL (engine.cpu_gemm)
     return net.eval(), config
 
 

@@ -10,12 +10,11 @@ reads and writes the paged KV cache through `engine.attention` (layout in `engin
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine import cpu_gemm
 from splitserve.engine.attention import AttentionMetadata, attention_forward
 from splitserve.engine.fused_ops import norm_linear, plain_linear, rope_write_attend, silu_linear
 from splitserve.engine.kv_layout import layer_kv
@@ -29,9 +28,6 @@ FUSED_PARTS = {
 }
 # Checkpoint tensors that carry no weights we need (old Llama checkpoints saved these buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-CPU_PACK_BATCH_HINT = 64  # MKL packs for this GEMM height; any batch size works with the packed weight
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -49,26 +45,16 @@ class Linear(nn.Module):
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
-        self.packed = None  # MKL-packed copy of the weight (CPU float32, see pack_for_cpu)
+        self.packed: cpu_gemm.PackedWeight | None = None  # CPU float32: see pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_cpu(self, batch_hint: int = CPU_PACK_BATCH_HINT) -> None:
-        """Keep an MKL-packed weight (call after loading): 1.4-2.5x faster GEMMs at decode batch sizes."""
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, batch_hint)
-
-
-def cpu_packing_available(weight: torch.Tensor) -> bool:
-    """MKL weight packing applies to float32 weights on the CPU of an MKL build of torch."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-        and os.environ.get("SPLITSERVE_CPU_PACKED", "1") not in ("0", "false", "off")
-    )
+    def pack_for_cpu(self) -> None:
+        """Keep a copy of the weight packed for the CPU's GEMM library (engine.cpu_gemm; call after loading)."""
+        self.packed = cpu_gemm.pack(self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -234,21 +220,20 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_packed is not None:
-            logits = torch.ops.mkl._mkl_linear(
-                hidden, self._lm_head_packed, self.lm_head.weight, None, hidden.shape[0]
-            )  # (N, V)
+            logits = self._lm_head_packed(hidden)  # (N, V)
         else:
             logits = F.linear(hidden, self.lm_head.weight)  # (N, V) in the model dtype
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def pack_for_cpu(self) -> bool:
-        """Pack every linear weight for MKL when on a float32 CPU; returns whether it did."""
-        if not cpu_packing_available(self.lm_head.weight):
+        """Pack every linear weight for the CPU's GEMM library (float32 on CPU, engine.cpu_gemm); returns
+        whether it did."""
+        self._lm_head_packed = cpu_gemm.pack(self.lm_head.weight)
+        if self._lm_head_packed is None:
             return False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        self._lm_head_packed = torch.ops.mkl._mkl_reorder_linear_weight(self.lm_head.weight, CPU_PACK_BATCH_HINT)
         return True
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
