@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.service_harness import REPO, Proc, free_port, gateway_args, start_service
+from tests.service_harness import REPO, Proc, free_port, gateway_args, start_service, wait_until
 
 DEPLOY = REPO / "deploy"
 SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
@@ -746,10 +746,7 @@ def test_services_configured_as_deployed_talk_mtls_on_loopback(tmp_path, monkeyp
         prefill_proc.wait_ready()
         decode_proc.wait_ready()
         http = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 60
-        while not _ready(http):
-            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: _ready(http), 60, lambda: (tmp_path / "gateway.log").read_text()[-3000:], poll_s=0.2)
         assert complete(http, "def fibonacci(n):")["completion_tokens"] == 6
 
         def check(environment: dict[str, str]) -> tuple[int, str]:
