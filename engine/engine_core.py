@@ -221,7 +221,8 @@ class EngineCore:
         lagged = config.async_scheduling
         self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
         self._unread: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not read yet
-        if device.type == "cuda":
+        self._froze_gc = device.type == "cuda"
+        if self._froze_gc:
             # what exists now (weights, modules, graphs) lives as long as the engine: keep it out of the
             # collector's full passes, whose pauses fall on the step loop (nano-vllm workload, async: the
             # collector took 0.33 s of a 6.3 s run without this, 0.05 s with it; docs/perf.md)
@@ -241,6 +242,17 @@ class EngineCore:
             max_model_len,
             config.role,
         )
+
+    def close(self) -> None:
+        """Let the collector reach this engine again once it is dropped. The freeze at start (CUDA) covers the
+        engine's own reference cycles, so without this a deleted engine's weights, KV pool and graphs stay
+        allocated for the life of the process (a second LLM in one process found its GPU taken). Idempotent;
+        other frozen objects become collectable too, which costs the collector's time only."""
+        if self._froze_gc:
+            import gc
+
+            self._froze_gc = False
+            gc.unfreeze()
 
     def _size_pool(self, device: torch.device, max_model_len: int) -> int:
         """Blocks of a pool sized from memory (engine/kv_sizing.py): per-instance on CUDA, capped."""

@@ -49,6 +49,22 @@ class LLM:
         self.tokenizer = self._load_tokenizer(tokenizer or self.config.resolved_model())
         self._counter = 0
 
+    def close(self) -> None:
+        """Give the engine back to the collector: `del llm` (or leaving a `with LLM(...)` block) followed by
+        `gc.collect()` frees its device memory, so another LLM fits in the same process."""
+        engine = getattr(self, "engine", None)  # absent when __init__ failed
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     @staticmethod
     def _load_tokenizer(path: str) -> Tokenizer | None:
         """The directory's tokenizer; None when it has no tokenizer files (prompts must then be ids).

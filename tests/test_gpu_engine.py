@@ -105,3 +105,23 @@ def test_async_scheduling_gives_the_sync_loops_tokens_on_cuda(tmp_path):
         results[lagged] = [o.token_ids for o in free_run], [(o.token_ids, o.finish_reason) for o in outs]
         assert llm.engine.num_free_blocks == 128
     assert results[True] == results[False]
+
+
+def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
+    """Two LLMs one after another in one process, each pool sized from memory (the bench's fixed shapes ran
+    bf16 then fp8 so): the first engine froze the collector at start; once dropped and collected, every byte
+    it allocated is back and the second sizes its pool as the first did."""
+    import gc
+
+    path = make_tiny_model_dir(tmp_path, dtype=torch.bfloat16)
+    sizes, left = [], []
+    for _ in range(2):
+        llm = LLM(model=str(path), dtype="bfloat16", device="cuda", kv_cache_memory_fraction=0.3)
+        sizes.append((llm.engine.info.num_kv_blocks, llm.engine.info.num_kv_blocks * llm.engine.layout.block_nbytes))
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=4))
+        del llm
+        gc.collect()
+        left.append(torch.cuda.memory_allocated())
+    # what stays after the first (kernels' caches made once) stays the same after the second: nothing of an engine
+    assert left[1] == left[0], f"{(left[1] - left[0]) / 2**20:.1f} MiB more after the second engine"
+    assert sizes[0] == sizes[1]  # the second found the first one's pool free again

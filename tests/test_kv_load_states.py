@@ -126,11 +126,14 @@ def test_an_abort_after_the_copy_before_the_commit_frees_the_blocks_and_the_late
 
 
 def waiting_for_room(model, prefill, decode, device, fork_ids=()):
-    """`a` runs in a pool that holds its prompt's blocks and growth but not also x's prompt: x (with `fork_ids`)
-    waits for room until `a` ends. Returns (driver, gate, x, a's greedy tokens)."""
+    """`a` runs in a pool that holds its prompt's blocks and growth, and x's whole length alone (a request that
+    cannot fit the pool by itself is refused at once), but not x's prompt beside `a`: x (with `fork_ids`) waits
+    for room until `a` ends. Returns (driver, gate, x, a's greedy tokens)."""
     _, prompts, greedy = model
     block_size = ENGINES[device]["block_size"]
-    num_blocks = num_prompt_blocks(prompts[1], device) + num_prompt_blocks(prompts[0], device) - 1
+    x_blocks = num_prompt_blocks(prompts[0], device)
+    x_whole = -(-(len(prompts[0]) + GREEDY.max_tokens) // block_size)
+    num_blocks = max(x_whole, num_prompt_blocks(prompts[1], device) + x_blocks - 1)
     max_tokens = min(GREEDY.max_tokens, num_blocks * block_size - len(prompts[1]))  # a fits alone to its end
     params = GREEDY.__class__(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     x = prefilled(prefill, "x", prompts[0])  # before `a` starts: `a` must not end while x is prefilled
@@ -138,7 +141,8 @@ def waiting_for_room(model, prefill, decode, device, fork_ids=()):
     gate = Gate(opened=True)
     d = decode(gate, num_kv_blocks=num_blocks)
     d.send(m.AddRequest("a", prompts[1], params))
-    d.until(lambda: len(d.tokens["a"]) >= 1, 10, "a never started")
+    # with large blocks (16 on CUDA) `a` first grows until what is left cannot hold x's prompt
+    d.until(lambda: len(d.tokens["a"]) >= 1 and counts(d)[0] < x_blocks, 10, "a never took the room x needs")
     seen = len(d.tokens["a"])
     d.send(x)
     d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile

@@ -71,3 +71,50 @@ def test_cpu_pools_are_capped_too():
     assert cpu_kv_blocks(1 << 20, BLOCK, cap=10**9) == 32
     with pytest.raises(KvSizingError, match=r"^--kv-cache-cpu-bytes 1000 holds no KV block of 32768 bytes"):
         cpu_kv_blocks(1000, BLOCK, cap=10)
+
+
+def test_a_dropped_llm_is_collected_although_the_engine_froze_the_collector(tmp_path):
+    """On CUDA the engine freezes the collector at start (gc.freeze: its pauses fell on the step loop), which
+    also freezes the engine's own reference cycles: a deleted LLM kept its weights, KV pool and graphs, and a
+    second LLM in the process found the GPU taken (KvSizingError, 77 GiB 'own' on an H200). Here on CPU the
+    freeze is made as CUDA makes it; dropping the LLM must leave the engine collectable."""
+    import gc
+    import weakref
+
+    from splitserve.engine import LLM
+    from tests.model_factory import make_tiny_model_dir
+
+    llm = LLM(model=str(make_tiny_model_dir(tmp_path)), device="cpu", dtype="float32", num_kv_blocks=16)
+    assert not llm.engine._froze_gc  # CPU does not freeze; do what the CUDA path does
+    gc.collect()
+    gc.freeze()
+    llm.engine._froze_gc = True
+    engine = weakref.ref(llm.engine)
+    try:
+        del llm
+        gc.collect()
+        assert engine() is None, "the dropped engine is still alive"
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
+def test_an_llm_used_as_a_context_manager_closes_its_engine(tmp_path):
+    import gc
+    import weakref
+
+    from splitserve.engine import LLM
+    from tests.model_factory import make_tiny_model_dir
+
+    with LLM(model=str(make_tiny_model_dir(tmp_path)), device="cpu", dtype="float32", num_kv_blocks=16) as llm:
+        gc.collect()
+        gc.freeze()
+        llm.engine._froze_gc = True
+        engine = weakref.ref(llm.engine)
+    try:
+        assert gc.get_freeze_count() == 0  # left the block: the engine gave the collector back
+        del llm
+        gc.collect()
+        assert engine() is None
+    finally:
+        gc.unfreeze()
