@@ -8,8 +8,8 @@ long prompts arrive, against the same decode with no arrivals (issue 17).
 
 Per transport a prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
 prompts, long outputs) run on the decode; `--prompt-len`-token prompts are prefilled ahead and held under
-lease, then handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after
-one token). The table (printed last; `--json` keeps the rows) gives p50/p99/max of the running requests' gaps
+lease before the running requests start (so every rate's window begins at the same running contexts), then
+handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after one token). The table (printed last; `--json` keeps the rows) gives p50/p99/max of the running requests' gaps
 between token deltas during that window, and p99 against the rate-0 run of the same process pair.
 """
 
@@ -84,9 +84,12 @@ async def one_rate(args, rate: float, p_addr: str, d_addr: str, seed: int) -> di
 
     tag = f"r{rate:g}"
     running = [f"{tag}-run-{i}" for i in range(args.num_running)]
+    # the pulls' prompts first: prefilled while the running requests stream, they made each rate's window start
+    # at longer running contexts (40 prefills at 8/s: ~1 s more decoding, its steps read more KV) than rate 0's,
+    # which showed up as a p50 shift of the whole distribution, not as stalls
+    held = [await prefill(f"{tag}-pull-{i}", args.prompt_len, 1) for i in range(int(rate * args.duration_s))]
     for rid in running:
         await inbox.put(await prefill(rid, 16, args.running_tokens))
-    held = [await prefill(f"{tag}-pull-{i}", args.prompt_len, 1) for i in range(int(rate * args.duration_s))]
     deadline = time.monotonic() + 60
     while not all(len(arrivals.get(r, [])) >= 3 for r in running):  # every running request streams
         assert time.monotonic() < deadline, "the running requests never started streaming"
