@@ -132,18 +132,23 @@ def _w8a16_rows(proj: Projection, x, xs, device: str) -> dict:
     """The W8A16 kernel's default tiles, then each swept config (its SPLIT_K from split_k_for) and split
     variants of the default; each checked against the reference once, the best taken among those correct."""
     from splitserve.kernels._common import num_sms
-    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear_ref, fp8_skinny_linear_triton
+    from splitserve.kernels.fp8_skinny_linear import (
+        fp8_skinny_linear_error_bound,
+        fp8_skinny_linear_ref,
+        fp8_skinny_linear_triton,
+    )
 
     m, n, k = x.shape[0], proj.n, proj.k
     counters = [proj.counters(device) for _ in proj.fp8]
     layer = proj.fp8[0]
     want = fp8_skinny_linear_ref(x, layer.weight, layer.weight_scale).float()
+    bound = fp8_skinny_linear_error_bound(x, layer.weight, layer.weight_scale).float()
     configs = w8a16_configs(m, n, k, num_sms(0) if device == "cuda" else 1, device != "cuda")
     default = configs[0]
     timed = []
     for cfg in configs:
         got = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, counters=counters[0], config=cfg)
-        ok = torch.allclose(got.float(), want, atol=1e-5, rtol=2**-7)
+        ok = bool(((got.float() - want).abs() <= bound).all())
         calls = [
             lambda i=i, lay=lay: fp8_skinny_linear_triton(
                 xs[i], lay.weight, lay.weight_scale, counters=counters[i], config=cfg

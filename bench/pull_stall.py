@@ -9,7 +9,8 @@ long prompts arrive, against the same decode with no arrivals (issue 17).
 Per transport a prefill and a decode start as separate processes. Per arrival rate: `--num-running` requests (short
 prompts, long outputs) run on the decode; `--prompt-len`-token prompts are prefilled ahead and held under
 lease before the running requests start (so every rate's window begins at the same running contexts), then
-handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after one token). The table (printed last; `--json` keeps the rows) gives p50/p99/max of the running requests' gaps
+handed to the decode at `rate` per second for `--duration-s` (each pulls its KV and stops after one token).
+The table (printed last; `--json` keeps the rows) gives p50/p99/max of the running requests' gaps
 between token deltas during that window, and p99 against the rate-0 run of the same process pair.
 """
 

@@ -167,6 +167,19 @@ def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None):
     return y.to(x.dtype)
 
 
+def fp8_skinny_linear_error_bound(x, weight, weight_scale, bias=None) -> torch.Tensor:
+    """(M, N): how far a correct kernel's result may lie from fp8_skinny_linear_ref's. Both round one fp32 sum
+    to x's dtype, one step apart at most where the two sums straddle a boundary (2^-7 |y| in bf16, 2^-10 in
+    fp16, 2^-23 in fp32); and they add in different orders (tensor-core tiles, split partials; Hopper's tensor
+    cores also truncate their fp32 accumulation), each sum within 2 K 2^-24 of the sum of |x_k w_k| scale. At
+    K = 14,336 with one split the second term exceeded a bf16 step where products cancel (one H200, 2026-12-02)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = fp8_skinny_linear_ref(x, weight, weight_scale, bias).to(acc)
+    step = torch.finfo(x.dtype).eps  # one step of x's dtype, relative
+    magnitude = (x.to(acc).abs() @ weight.to(acc).abs().t()) * weight_scale.to(acc)
+    return step * y.abs() + 2 * x.shape[1] * 2.0**-24 * magnitude + torch.finfo(torch.float32).tiny
+
+
 def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(

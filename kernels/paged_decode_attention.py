@@ -212,8 +212,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool, kv_dtype: tor
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32 or head_dim > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    if kv_dtype == torch.float8_e4m3fn:  # 128-token fp8 tiles: best of docs/perf.md's fp8 sweep at all 3 shapes
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    if kv_dtype == torch.float8_e4m3fn:
+        if head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+            # the "rows" variant (words converted in registers, 16-bit q): 0.108-0.114 ms at the three 8B
+            # shapes against the upcast kernel's 0.128-0.134 (one H200, bench/fp8_attention.py, docs/perf.md)
+            return dict(VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=128, num_warps=4, num_stages=2)  # the upcast kernel's best tile
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)  # best of the sweep in docs/perf.md
 
 
@@ -284,7 +288,8 @@ def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
 ):
     """Triton kernels; `config` overrides decode_config (benchmarks and tests only), and may pick an fp8
-    cache's tile variant: VARIANT "upcast" (default) or one of paged_decode_attention_fp8.FP8_VARIANTS."""
+    cache's tile variant: VARIANT "upcast" or one of paged_decode_attention_fp8.FP8_VARIANTS (decode_config's
+    default for an fp8 cache on the GPU: "rows")."""
     batch, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out

@@ -91,7 +91,10 @@ def _check_decode(out, q, paged, seq_lens, scale, q_dtype):
 
 
 def test_fp8_caches_get_the_measured_decode_tile():
-    assert decode_config(128, torch.bfloat16, False, FP8) == dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    assert decode_config(128, torch.bfloat16, False, FP8) == dict(
+        VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2
+    )
+    assert decode_config(96, torch.bfloat16, False, FP8) == dict(BLOCK_N=128, num_warps=4, num_stages=2)  # upcast
     assert decode_config(128, torch.bfloat16, False, torch.bfloat16) == dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
