@@ -1,7 +1,9 @@
 """Llama-3-8B's projections three ways, side by side: bf16 (cuBLAS), fp8 W8A8 (per-token quantizer +
 row-wise `torch._scaled_mm`, what Fp8Linear runs on a GPU above 16 rows) and fp8 W8A16
 (`kernels.fp8_skinny_linear`, what it runs up to there), at 1 and 16 rows, W8A8 and bf16 at 128 rows,
-plus a tile sweep of the W8A16 kernel. Run through bench/kernels.py (`--sections fp8linear` or `fp8`).
+plus a tile sweep of the W8A16 kernel, and at one row the same kernel over the bf16 weight (the plain GEMV
+engine.fused_ops.GEMV_TILES can put in place of cuBLAS) with its own sweep. Run through bench/kernels.py
+(`--sections fp8linear` or `fp8`).
 
 Times are what a decode graph pays: each variant is captured back to back in one CUDA graph over enough
 weight copies that the graph's working set is 3x the L2 (each call reads its weight from HBM), replayed,
@@ -170,6 +172,51 @@ def _w8a16_rows(proj: Projection, x, xs, device: str) -> dict:
     )
 
 
+def _gemv16_rows(proj: Projection, x, xs, device: str) -> dict:
+    """The kernel over the bf16 weights at one row (no scale): its default tiles, GEMV_SWEEP's tiles at half the
+    BLOCK_K (the same bytes a step), split variants of the default; each checked against the bound once."""
+    from splitserve.kernels._common import num_sms
+    from splitserve.kernels.fp8_skinny_linear import (
+        fp8_skinny_config,
+        fp8_skinny_linear_error_bound,
+        fp8_skinny_linear_ref,
+        fp8_skinny_linear_triton,
+        split_k_for,
+    )
+
+    n, k = proj.n, proj.k
+    sms = num_sms(0) if device == "cuda" else 1
+    default = fp8_skinny_config(1, n, k, sms, device != "cuda", torch.bfloat16, weight_bytes=2)
+    configs = [default]
+    for c in GEMV_SWEEP:
+        if not c["DOT"]:
+            half = dict(c, BLOCK_K=max(32, c["BLOCK_K"] // 2))
+            configs.append(dict(half, SPLIT_K=split_k_for(n, k, half["BLOCK_N"], half["BLOCK_K"], sms)))
+    configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in (0, 2, 4)]
+    configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
+    counters = [proj.counters(device) for _ in proj.weights]
+    weight = proj.weights[0]
+    want = fp8_skinny_linear_ref(x, weight, None).float()
+    bound = fp8_skinny_linear_error_bound(x, weight, None).float()
+    timed = []
+    for cfg in configs:
+        got = fp8_skinny_linear_triton(x, weight, None, counters=counters[0], config=cfg)
+        ok = bool(((got.float() - want).abs() <= bound).all())
+        calls = [
+            lambda i=i, w=w: fp8_skinny_linear_triton(xs[i], w, None, counters=counters[i], config=cfg)
+            for i, w in enumerate(proj.weights)
+        ]
+        timed.append(dict(cfg, ms=graph_ms(calls, device), ok=ok))
+    best = min((t for t in timed if t["ok"]), key=lambda t: t["ms"], default=timed[0])
+    return dict(
+        gemv_ms=timed[0]["ms"],
+        gemv_best_ms=best["ms"],
+        gemv_best_config=best,
+        gemv_ok=all(t["ok"] for t in timed),
+        gemv_sweep=timed,
+    )
+
+
 def bench_fp8_linear(device: str, copy_bw: float, smoke: bool = False) -> list[dict]:
     """Rows per (projection, M): bf16, W8A8 (quantizer alone too) and, for M <= 16, W8A16 with its sweep."""
     gen = torch.Generator().manual_seed(0)
@@ -190,12 +237,14 @@ def bench_fp8_linear(device: str, copy_bw: float, smoke: bool = False) -> list[d
             row["scaled_mm"] = fp8.fp8[0].use_scaled_mm
             if m <= 16:
                 row.update(_w8a16_rows(fp8, x, xs, device))
-            for key in ("bf16", "w8a8", "w8a16", "w8a16_best"):
+            if m == 1:
+                row.update(_gemv16_rows(bf16, x, xs, device))
+            for key in ("bf16", "w8a8", "w8a16", "w8a16_best", "gemv", "gemv_best"):
                 if f"{key}_ms" in row:
-                    read = (2 if key == "bf16" else 1) * n * k + 2 * m * k
+                    read = (2 if key in ("bf16", "gemv", "gemv_best") else 1) * n * k + 2 * m * k
                     row[f"{key}_pct_copy"] = 100 * read / (row[f"{key}_ms"] * 1e-3) / copy_bw
             rows.append(row)
-            print({key: v for key, v in row.items() if key != "w8a16_sweep"}, flush=True)
+            print({key: v for key, v in row.items() if not key.endswith("_sweep")}, flush=True)
         del bf16, fp8
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -217,6 +266,20 @@ def swept_tiles(kernels_json: str) -> dict[tuple[str, int, int], dict]:
     return tiles
 
 
+def gemv_tiles(kernels_json: str) -> dict[tuple[int, int], dict]:
+    """engine.fused_ops.GEMV_TILES from a bench/kernels.py JSON: the bf16 GEMV's best correct tiles for each
+    projection where they beat cuBLAS at one row."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads(Path(kernels_json).read_text()).get("fp8_linear") or []
+    return {
+        (r["n"], r["k"]): {key: v for key, v in r["gemv_best_config"].items() if key not in ("ms", "ok")}
+        for r in rows
+        if r["m"] == 1 and "gemv_best_config" in r and r["gemv_best_config"]["ok"] and r["gemv_best_ms"] < r["bf16_ms"]
+    }
+
+
 def _tile(c: dict) -> str:
     kind = "dot" if c["DOT"] else "fma"
     return f"{kind} N{c['BLOCK_N']} K{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split{c['SPLIT_K']}"
@@ -228,6 +291,10 @@ def print_fp8_linear(rows: list[dict]) -> None:
     for r in rows:
         for s in r.get("w8a16_sweep", []):
             print(f"  {r['op']} M={r['m']} {_tile(s)}: {s['ms']:.4f}{'' if s['ok'] else ' WRONG'}")
+    print("\nbf16 GEMV tile sweep (ms per call, graphed):")
+    for r in rows:
+        for s in r.get("gemv_sweep", []):
+            print(f"  {r['op']} {_tile(s)}: {s['ms']:.4f}{'' if s['ok'] else ' WRONG'}")
     print()
     print("\n".join(fp8_linear_table(rows)))
 
@@ -253,9 +320,26 @@ def fp8_linear_table(rows: list[dict]) -> list[str]:
             f"{r['w8a8_ms']:.4f} ({r['w8a8_pct_copy']:.0f}) | {r['quant_ms']:.4f} | {w16} | {best} | {tiles} | "
             f"{ratio} | {r['w8a8_rel_err']:.4f}{err16} | {ok} |"
         )
+    gemv = [r for r in rows if "gemv_ms" in r]
+    if gemv:
+        lines += [
+            "",
+            "| projection (8B), one row | bf16 cuBLAS ms (% copy) | bf16 GEMV kernel ms (% copy) | GEMV best ms "
+            "(% copy) | best tiles | best / cuBLAS | kernel ok (all tiles) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in gemv:
+            lines.append(
+                f"| {r['op']} {r['n']}x{r['k']} | {r['bf16_ms']:.4f} ({r['bf16_pct_copy']:.0f}) | "
+                f"{r['gemv_ms']:.4f} ({r['gemv_pct_copy']:.0f}) | {r['gemv_best_ms']:.4f} "
+                f"({r['gemv_best_pct_copy']:.0f}) | {_tile(r['gemv_best_config'])} | "
+                f"{r['gemv_best_ms'] / r['bf16_ms']:.2f} | {'yes' if r['gemv_ok'] else '**NO**'} |"
+            )
     for m in sorted({r["m"] for r in rows}):  # what a decode step of M rows spends in its projections
         at_m = [r for r in rows if r["m"] == m]
-        keys = [key for key in ("bf16", "w8a8", "w8a16", "w8a16_best") if f"{key}_ms" in at_m[0]]
+        keys = [key for key in ("bf16", "w8a8", "w8a16", "w8a16_best", "gemv", "gemv_best") if f"{key}_ms" in at_m[0]]
         sums = ", ".join(f"{key} {32 * sum(r[f'{key}_ms'] for r in at_m):.3f}" for key in keys)
+        if "gemv_best_ms" in at_m[0]:
+            sums += f", bf16 or GEMV (the faster) {32 * sum(min(r['bf16_ms'], r['gemv_best_ms']) for r in at_m):.3f}"
         lines.append(f"\nM={m}, the four projections x 32 layers, ms: {sums}")
     return lines

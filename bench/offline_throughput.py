@@ -68,6 +68,7 @@ VARIANTS = {
     "fp8w8a16": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16},
     # the same on the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep)
     "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
+    "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
 }
 
 
@@ -81,23 +82,31 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def w8a16_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles" from `options`; when it was set, engine.quant.W8A16_TILES holds --fp8-tiles' tiles
-    while the block runs (the engine is built inside it: layers read the table when finalized)."""
-    if not options.pop("swept_tiles", False):
-        yield
-        return
-    if not tiles_json:
-        raise SystemExit("splitserve:fp8swept needs --fp8-tiles (a bench/kernels.py --sections fp8linear JSON)")
-    from bench.fp8_linear import swept_tiles
-    from splitserve.engine import quant
+    """Pops "swept_tiles" and "gemv_tiles" from `options`; when set, engine.quant.W8A16_TILES (read by the fp8
+    layers when finalized) or engine.fused_ops.GEMV_TILES (read at each call: the whole run) holds --fp8-tiles'
+    measured tiles while the block runs."""
+    from bench.fp8_linear import gemv_tiles, swept_tiles
+    from splitserve.engine import fused_ops, quant
 
-    saved = quant.W8A16_TILES
-    quant.W8A16_TILES = swept_tiles(tiles_json)
-    print(f"W8A16 tiles from {tiles_json}: {quant.W8A16_TILES}", flush=True)
+    tables = [(quant, "W8A16_TILES", swept_tiles), (fused_ops, "GEMV_TILES", gemv_tiles)]
+    wanted = [
+        (module, name, read)
+        for (module, name, read), key in zip(tables, ("swept_tiles", "gemv_tiles"))
+        if options.pop(key, False)
+    ]
+    if wanted and not tiles_json:
+        raise SystemExit(
+            "splitserve:fp8swept and :gemv need --fp8-tiles (a bench/kernels.py --sections fp8linear JSON)"
+        )
+    saved = [(module, name, getattr(module, name)) for module, name, _ in wanted]
+    for module, name, read in wanted:
+        setattr(module, name, read(tiles_json))
+        print(f"{name} from {tiles_json}: {getattr(module, name)}", flush=True)
     try:
         yield
     finally:
-        quant.W8A16_TILES = saved
+        for module, name, table in saved:
+            setattr(module, name, table)
 
 
 def run_splitserve(
@@ -106,21 +115,25 @@ def run_splitserve(
     """One engine of `variant`, each `--scheduling` mode timed in turn (sync: read each step as it is launched;
     async: launch step N+1, then read step N), rows named VARIANT-MODE; with --gpu-busy on CUDA, each mode's
     device share of the wall."""
+    options = dict(variant_options(variant))
+    with w8a16_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
+        return _run_engine(config_path, requests, dtype, device, args, variant, options)
+
+
+def _run_engine(config_path: str, requests, dtype: str, device: str, args, variant: str, options: dict) -> list[dict]:
     from splitserve.engine import LLM, SamplingParams
 
-    options = dict(variant_options(variant))
-    with w8a16_tiles(options, args.fp8_tiles):
-        llm = LLM(
-            model=config_path,
-            load_format="dummy",
-            dtype=dtype,
-            device=device,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_fraction=args.kv_fraction,
-            **options,
-        )
+    llm = LLM(
+        model=config_path,
+        load_format="dummy",
+        dtype=dtype,
+        device=device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_fraction,
+        **options,
+    )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     prompts = [p for p, _ in requests]
     if device.startswith("cuda"):  # the whole workload once: every kernel variant it needs compiled and tuned
@@ -448,38 +461,9 @@ def run_fixed(args) -> list[dict]:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for engine in [e for e in args.engines.split(",") if e.partition(":")[0] == "splitserve"]:
-        from splitserve.engine import LLM
-
         options = dict(variant_options(engine))
-        with w8a16_tiles(options, args.fp8_tiles):
-            llm = LLM(
-                **options,
-                model=args.config,
-                load_format="dummy",
-                dtype=args.dtype,
-                device=args.device,
-                max_num_seqs=max(batches),
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len,
-                enforce_eager=args.enforce_eager,
-                kv_cache_memory_fraction=args.kv_fraction,
-            )
-        fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
-        modes = args.scheduling.split(",")
-        for b in batches:
-            for mode in modes:  # alternate per batch, so a drift of the host moves every mode alike
-                llm.engine.async_scheduling = mode.startswith("async")
-                llm.engine.pool.reset_prefix_cache()  # the same prompts again: no cache hits
-                row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
-                label = engine if len(modes) == 1 else f"{engine}[{mode}]"
-                rows.append({"engine": label, "scheduling": mode, **row})
-                print(rows[-1], flush=True)
-            if args.profile and llm.engine.runner.graphs is not None:
-                from bench.decode_profile import format_profile, profile_decode
-
-                rows[-1].update(profile_decode(llm, b, args.prompt_len + args.output_len // 2, args.prompt_len, vocab))
-                print(format_profile(rows[-1]), flush=True)
-        del llm
+        with w8a16_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
+            rows += _fixed_engine(args, engine, options, batches, vocab)
         if args.device.startswith("cuda"):
             import gc
 
@@ -523,6 +507,41 @@ def run_fixed(args) -> list[dict]:
             f"{r['decode_step_ms'] / floor:>9.2f}"
             f"{r['prefill_ms']:>12.1f}{r['output_tok_s']:>10.0f}"
         )
+    return rows
+
+
+def _fixed_engine(args, engine: str, options: dict, batches: list[int], vocab: int) -> list[dict]:
+    from splitserve.engine import LLM
+
+    rows = []
+    llm = LLM(
+        **options,
+        model=args.config,
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        kv_cache_memory_fraction=args.kv_fraction,
+    )
+    fixed_splitserve(llm, 2, 32, 4, vocab, args.device)  # warm up
+    modes = args.scheduling.split(",")
+    for b in batches:
+        for mode in modes:  # alternate per batch, so a drift of the host moves every mode alike
+            llm.engine.async_scheduling = mode.startswith("async")
+            llm.engine.pool.reset_prefix_cache()  # the same prompts again: no cache hits
+            row = fixed_splitserve(llm, b, args.prompt_len, args.output_len, vocab, args.device)
+            label = engine if len(modes) == 1 else f"{engine}[{mode}]"
+            rows.append({"engine": label, "scheduling": mode, **row})
+            print(rows[-1], flush=True)
+        if args.profile and llm.engine.runner.graphs is not None:
+            from bench.decode_profile import format_profile, profile_decode
+
+            rows[-1].update(profile_decode(llm, b, args.prompt_len + args.output_len // 2, args.prompt_len, vocab))
+            print(format_profile(rows[-1]), flush=True)
+    llm.close()
     return rows
 
 

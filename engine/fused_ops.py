@@ -26,6 +26,18 @@ _SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 # the fused SiLU-mul + down projection alone beat its two launches (0.043 vs 0.084 ms). Set to 1 to
 # measure again (bench/kernel_gaps.py mode "fused").
 SKINNY_MAX_ROWS = 0
+# (N, K) of a 16-bit projection -> tiles of kernels.fp8_skinny_linear with that 16-bit weight (no scale), run
+# for one-row inputs (the batch-1 decode graph) instead of cuBLAS. Empty: cuBLAS everywhere. Entries come from
+# a measured sweep, only where the kernel beat cuBLAS (bench/fp8_linear.py's GEMV column;
+# bench/offline_throughput.py's splitserve:gemv variant loads them from that JSON).
+GEMV_TILES: dict[tuple[int, int], dict] = {}
+
+
+def gemv_tiles(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The GEMV's tiles when `weight` (N, K) times the one-row x runs as kernels.fp8_skinny_linear; else None."""
+    if not GEMV_TILES or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
+        return None
+    return GEMV_TILES.get((weight.shape[0], weight.shape[1]))
 
 
 def skinny_applies(x: torch.Tensor, linear) -> bool:

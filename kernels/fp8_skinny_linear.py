@@ -21,6 +21,9 @@ Split over K (SPLIT_K > 1) where N alone gives too few programs to keep every SM
                                         the program that sees SPLIT_K - 1 adds the SPLIT_K partials in
                                         split order, scales, writes y and sets counters[j] back to 0
 
+A 16-bit weight (the dtype of x, no scale: `weight_scale` None) runs the same loops; at one row that is a
+bf16/fp16 GEMV measured against cuBLAS for the batch-1 decode step (engine.fused_ops.GEMV_TILES).
+
 One launch, no host sync, a fixed grid per shape (CUDA-graph safe); the sum's order is fixed, so the
 result does not depend on which program finishes last. `counters` (int32, zero) must outlive the call
 and be used by one stream at a time (engine.quant.Fp8Linear owns one per layer).
@@ -40,10 +43,12 @@ PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per S
 
 
 @triton.jit
-def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr):
+def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
     """acc (R, BLOCK_N) fp32 sums -> y rows `rows`, columns n: times the row scales, plus the bias."""
     n_mask = n < N
-    out = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
+    out = acc
+    if HAS_SCALE:
+        out = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & n_mask[None, :]
@@ -68,6 +73,7 @@ def _fp8_skinny_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -116,7 +122,7 @@ def _fp8_skinny_kernel(
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
     if not SPLIT:
-        _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
+        _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, HAS_SCALE)
     else:
         store_mask = m_mask & (n < N)[None, :]
         part = part_ptr + rows[:, None] * N + n[None, :]  # (BLOCK_M, BLOCK_N) of partials[s]
@@ -127,7 +133,7 @@ def _fp8_skinny_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, SPLIT_K):  # a runtime count: one compiled kernel for any split
                 total += tl.load(part + s * M * N, mask=store_mask, other=0.0, cache_modifier=".cg")
-            _finish(total, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS)
+            _finish(total, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, HAS_SCALE)
             tl.store(count_ptr + pid_n, 0)  # ready for the next launch (a CUDA graph's replay too)
 
 
@@ -139,16 +145,20 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, want))
 
 
-def fp8_skinny_config(m: int, n: int, k: int, sms: int, on_cpu: bool, dtype=torch.bfloat16) -> dict:
-    """Tiles for M rows of an (N, K) e4m3 weight times x of `dtype`. Not measured yet (bench/kernels.py
-    --sections fp8linear sweeps the alternatives): GEMV tiles of 16 x 512 bytes (8 KiB a step, 3 in flight)
-    and tensor-core tiles of 32 x 256; SPLIT_K from split_k_for. float32 x at M > 1 takes 32 x 32: its exact
-    dot is FMAs holding the whole K slice in registers, and at 32 x 256 it spilled (~1,700 local-memory
-    instructions in the loop; 32 x 32: none, 104 registers; bench/fp8_linear_sass.py, Triton 3.6, sm_90)."""
+def fp8_skinny_config(
+    m: int, n: int, k: int, sms: int, on_cpu: bool, dtype=torch.bfloat16, weight_bytes: int = 1
+) -> dict:
+    """Tiles for M rows of an (N, K) weight of `weight_bytes` (1: e4m3, 2: 16-bit) times x of `dtype`; the
+    engine's measured tiles override them (engine.quant.W8A16_TILES, engine.fused_ops.GEMV_TILES;
+    bench/kernels.py --sections fp8linear sweeps the alternatives): GEMV tiles of 16 rows x 512 bytes (8 KiB
+    a step, 3 in flight) and tensor-core tiles of 32 x 256; SPLIT_K from split_k_for. float32 x at M > 1
+    takes 32 x 32: its exact dot is FMAs holding the whole K slice in registers, and at 32 x 256 it spilled
+    (~1,700 local-memory instructions in the loop; 32 x 32: none, 104 registers; bench/fp8_linear_sass.py,
+    Triton 3.6, sm_90)."""
     if on_cpu:  # the interpreter: small tiles, so that tests cover several tiles and steps
         cfg = dict(DOT=m > 1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
-    elif m == 1:
-        cfg = dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    elif m == 1:  # 8 KiB of weight a tile step whatever its dtype
+        cfg = dict(DOT=False, BLOCK_N=16, BLOCK_K=512 // weight_bytes, num_warps=4, num_stages=3)
     elif dtype == torch.float32:
         cfg = dict(DOT=True, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3)
     else:
@@ -159,9 +169,11 @@ def fp8_skinny_config(m: int, n: int, k: int, sms: int, on_cpu: bool, dtype=torc
 
 def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None):
     """Plain torch, the same math: the e4m3 values times x in fp32 (fp64 for fp64 x), the row scale
-    after the sum, the bias, one rounding to x's dtype."""
+    after the sum (none for a 16-bit weight), the bias, one rounding to x's dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    y = (x.to(acc) @ weight.to(acc).t()) * weight_scale.to(acc)  # (M, N)
+    y = x.to(acc) @ weight.to(acc).t()  # (M, N)
+    if weight_scale is not None:
+        y = y * weight_scale.to(acc)
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
@@ -176,7 +188,9 @@ def fp8_skinny_linear_error_bound(x, weight, weight_scale, bias=None) -> torch.T
     acc = torch.promote_types(x.dtype, torch.float32)
     y = fp8_skinny_linear_ref(x, weight, weight_scale, bias).to(acc)
     step = torch.finfo(x.dtype).eps  # one step of x's dtype, relative
-    magnitude = (x.to(acc).abs() @ weight.to(acc).abs().t()) * weight_scale.to(acc)
+    magnitude = x.to(acc).abs() @ weight.to(acc).abs().t()
+    if weight_scale is not None:
+        magnitude = magnitude * weight_scale.to(acc)
     return step * y.abs() + 2 * x.shape[1] * 2.0**-24 * magnitude + torch.finfo(torch.float32).tiny
 
 
@@ -185,10 +199,16 @@ def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
         raise ValueError(
             f"fp8_skinny_linear: x must be (M, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
-    if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
-        raise ValueError(f"fp8_skinny_linear: weight must be float8_e4m3fn with contiguous rows, got {weight.dtype}")
+    sixteen = weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
+    if not (weight.dtype == torch.float8_e4m3fn or sixteen) or weight.stride(1) != 1:
+        raise ValueError(
+            "fp8_skinny_linear: weight must be float8_e4m3fn (or x's 16-bit dtype) with contiguous rows, got "
+            f"{weight.dtype} with x {x.dtype}"
+        )
     n = weight.shape[0]
-    if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+    if sixteen != (weight_scale is None):
+        raise ValueError("fp8_skinny_linear: an e4m3 weight needs weight_scale, a 16-bit one takes none")
+    if not sixteen and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
         raise ValueError(f"fp8_skinny_linear: weight_scale must be ({n},) float32, got {tuple(weight_scale.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"fp8_skinny_linear: bias must be ({n},), got {tuple(bias.shape)}")
@@ -211,7 +231,8 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         x = x.contiguous()
     on_cpu = interpreting(x)
     sms = 1 if on_cpu else num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu, x.dtype), **(config or {}))
+    weight_bytes = weight.element_size()
+    cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu, x.dtype, weight_bytes), **(config or {}))
     _check(x, weight, weight_scale, bias, counters, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -230,8 +251,8 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
     _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x,
         weight,
-        weight_scale,
-        bias if bias is not None else weight_scale,
+        weight_scale if weight_scale is not None else y,  # unused without a scale
+        bias if bias is not None else y,  # unused without a bias
         y,
         partials,
         counters,
@@ -244,6 +265,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=weight_scale is not None,
         DOT=cfg["DOT"],
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
@@ -261,13 +283,14 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
 def fp8_skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    weight_scale: torch.Tensor,
+    weight_scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     impl: str = "auto",
     config: dict | None = None,
 ) -> torch.Tensor:
-    """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row -> (M, N) in x's dtype
+    """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row (or x's 16-bit dtype, no scale)
+    -> (M, N) in x's dtype
     (module docstring: the exact math, and what `counters` must be). `config` overrides some or all
     of fp8_skinny_config's tiles (measured ones: engine.quant.W8A16_TILES)."""
     _check(x, weight, weight_scale, bias, counters)

@@ -36,3 +36,46 @@ def test_fused_layers_equal_unfused(tmp_path, monkeypatch, arch, kwargs):
     assert calls, "the fused path did not run"
     for name in ("A", "B"):
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+
+def test_the_one_row_gemv_applies_only_to_measured_shapes_of_one_row(monkeypatch):
+    """fused_ops.GEMV_TILES names the (N, K) shapes whose one-row product runs as the few-row kernel: empty
+    (the default) means cuBLAS everywhere; a listed shape applies to CUDA one-row inputs of the weight's dtype."""
+    w = torch.zeros(48, 64, dtype=torch.bfloat16)
+    one_row = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert fused_ops.gemv_tiles(one_row, w) is None  # nothing measured
+    tiles = dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=1)
+    monkeypatch.setattr(fused_ops, "GEMV_TILES", {(48, 64): tiles})
+    assert fused_ops.gemv_tiles(one_row, w) is None  # a CPU tensor: cuBLAS's turf only on CUDA
+
+    class OnCuda:  # what gemv_tiles reads of a tensor, as a CUDA one would answer
+        def __init__(self, t):
+            self.t, self.is_cuda, self.shape, self.dtype = t, True, t.shape, t.dtype
+
+        def dim(self):
+            return self.t.dim()
+
+    assert fused_ops.gemv_tiles(OnCuda(one_row), w) == tiles
+    assert fused_ops.gemv_tiles(OnCuda(torch.zeros(2, 64, dtype=torch.bfloat16)), w) is None  # two rows
+    assert fused_ops.gemv_tiles(OnCuda(one_row.float()), w) is None  # x not of the weight's dtype
+    assert fused_ops.gemv_tiles(OnCuda(one_row), torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # unmeasured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_linear_with_measured_tiles_runs_the_gemv_at_one_row(monkeypatch):
+    from splitserve.engine.models.llama import Linear
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear_error_bound, fp8_skinny_linear_ref
+
+    gen = torch.Generator().manual_seed(0)
+    lin = Linear(4096, [1024, 256, 256], bias=False, dtype=torch.bfloat16, device="cuda")
+    lin.weight.copy_((torch.randn(1536, 4096, generator=gen) * 0.02).to("cuda", torch.bfloat16))
+    tiles = dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=2)
+    monkeypatch.setattr(fused_ops, "GEMV_TILES", {(1536, 4096): tiles})
+    x = torch.randn(1, 4096, generator=gen).to("cuda", torch.bfloat16)
+    got = lin(x)
+    assert lin.gemv_counters is not None and int(lin.gemv_counters.abs().sum()) == 0  # the kernel ran, split 2
+    err = (got.double() - fp8_skinny_linear_ref(x, lin.weight, None).double()).abs()
+    assert bool((err <= fp8_skinny_linear_error_bound(x, lin.weight, None).double()).all())
+    x2 = torch.randn(2, 4096, generator=gen).to("cuda", torch.bfloat16)
+    assert torch.equal(lin(x2), torch.nn.functional.linear(x2, lin.weight))  # two rows: cuBLAS

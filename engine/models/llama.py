@@ -16,7 +16,7 @@ from torch import nn
 
 from splitserve.engine import cpu_gemm
 from splitserve.engine.attention import AttentionMetadata, attention_forward
-from splitserve.engine.fused_ops import norm_linear, plain_linear, rope_write_attend, silu_linear
+from splitserve.engine.fused_ops import gemv_tiles, norm_linear, plain_linear, rope_write_attend, silu_linear
 from splitserve.engine.kv_layout import layer_kv
 from splitserve.engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
 from splitserve.engine.model_config import ModelConfig
@@ -46,11 +46,24 @@ class Linear(nn.Module):
         self.bias = _param((out_features,), dtype, device) if bias else None
 
         self.packed: cpu_gemm.PackedWeight | None = None  # CPU float32: see pack_for_cpu
+        self.gemv_counters: torch.Tensor | None = None  # split-K counters of the one-row GEMV (fused_ops.GEMV_TILES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
             return self.packed(x)
+        tiles = gemv_tiles(x, self.weight)
+        if tiles is not None:
+            return self._gemv(x, tiles)
         return F.linear(x, self.weight, self.bias)
+
+    def _gemv(self, x: torch.Tensor, tiles: dict) -> torch.Tensor:
+        from splitserve.kernels.fp8_skinny_linear import MIN_BLOCK_N, fp8_skinny_linear
+
+        if self.gemv_counters is None:  # first made by a graph's eager warm-up, never inside the capture
+            self.gemv_counters = torch.zeros(
+                -(-self.weight.shape[0] // MIN_BLOCK_N), dtype=torch.int32, device=x.device
+            )
+        return fp8_skinny_linear(x, self.weight, None, self.bias, self.gemv_counters, config=tiles)
 
     def pack_for_cpu(self) -> None:
         """Keep a copy of the weight packed for the CPU's GEMM library (engine.cpu_gemm; call after loading)."""

@@ -54,6 +54,34 @@ def test_matches_the_reference(device, dtype, rows, n, k, split_k):
     assert_within_bound(got, x, w_q, scale, b)
 
 
+def _sixteen_bit(device, dtype, rows, n, k, bias=True, seed=0):
+    """x, a 16-bit weight of x's dtype (no scale), bias: the plain GEMV's operands."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n)[:, None]).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    put = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return put(x), put(w), None, put(b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k", [(1, 48, 64), (1, 37, 100), (5, 33, 70), (16, 50, 129)])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_a_sixteen_bit_weight_matches_the_plain_product(device, dtype, rows, n, k, split_k):
+    """Weight in x's dtype, no scale: the few-row GEMV (M = 1) and tensor-core path (M > 1), against the
+    fp32 product rounded once."""
+    x, w, _, b = _sixteen_bit(device, dtype, rows, n, k, bias=split_k == 1)
+    got = fp8_skinny_linear_triton(x, w, None, b, config=dict(SPLIT_K=split_k))
+    want = (x.double() @ w.double().t() + (b.double() if b is not None else 0)).to(dtype)
+    assert torch.equal(
+        fp8_skinny_linear_ref(x, w, None, b),
+        (x.float() @ w.float().t() + (b.float() if b is not None else 0)).to(dtype),
+    )
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert_within_bound(got, x, w, None, b)
+    assert (got.double() - want.double()).abs().max() <= 2 * torch.finfo(dtype).eps * want.double().abs().max()
+
+
 def test_reference_is_the_dequantized_product_in_float64():
     x, w_q, scale, b = _operands("cpu", torch.float64, 4, 24, 40)
     want = x @ (w_q.double() * scale.double()[:, None]).T + b
@@ -94,6 +122,12 @@ def test_ref_impl_and_errors():
         fp8_skinny_linear(torch.zeros(17, 40), w_q, scale, impl="ref")
     with pytest.raises(ValueError, match="weight must be float8_e4m3fn"):
         fp8_skinny_linear(x, w_q.float(), scale, impl="ref")
+    with pytest.raises(ValueError, match=r"weight must be float8_e4m3fn \(or x's 16-bit dtype\).*bfloat16 with x"):
+        fp8_skinny_linear(x, w_q.bfloat16(), None, impl="ref")  # float32 x: a 16-bit weight must match it
+    with pytest.raises(ValueError, match="an e4m3 weight needs weight_scale, a 16-bit one takes none"):
+        fp8_skinny_linear(x, w_q, None, impl="ref")
+    with pytest.raises(ValueError, match="an e4m3 weight needs weight_scale, a 16-bit one takes none"):
+        fp8_skinny_linear(x.bfloat16(), w_q.bfloat16(), scale, impl="ref")
     with pytest.raises(ValueError, match=r"weight_scale must be \(24,\) float32"):
         fp8_skinny_linear(x, w_q, scale[:5], impl="ref")
     with pytest.raises(ValueError, match="counters must be int32 with at least 2 entries"):
