@@ -14,7 +14,8 @@ KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `
 (both; W8A8 projections at every size, the engine's default), `splitserve:fp8w8a16` (both, and decode
 steps of up to 16 rows through the W8A16 kernel: --fp8-w8a16-max-rows 16), `splitserve:fp8swept` (as
 fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sections fp8linear JSON, whose
-sweep picked them), e.g. --engines
+sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tiles of that sweep, where they
+beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
@@ -69,6 +70,7 @@ VARIANTS = {
     # the same on the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep)
     "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
+    "cublas": {"no_gemv": True},  # bf16, cuBLAS for every projection (the one-row GEMV off: GEMV_TILES {})
 }
 
 
@@ -82,26 +84,25 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def w8a16_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles" and "gemv_tiles" from `options`; when set, engine.quant.W8A16_TILES (read by the fp8
-    layers when finalized) or engine.fused_ops.GEMV_TILES (read at each call: the whole run) holds --fp8-tiles'
-    measured tiles while the block runs."""
+    """Pops "swept_tiles", "gemv_tiles" and "no_gemv" from `options`; while the block runs, engine.quant.W8A16_TILES
+    (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles'
+    measured tiles, and "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection)."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
 
-    tables = [(quant, "W8A16_TILES", swept_tiles), (fused_ops, "GEMV_TILES", gemv_tiles)]
-    wanted = [
-        (module, name, read)
-        for (module, name, read), key in zip(tables, ("swept_tiles", "gemv_tiles"))
-        if options.pop(key, False)
-    ]
-    if wanted and not tiles_json:
+    readers = {"swept_tiles": (quant, "W8A16_TILES", swept_tiles), "gemv_tiles": (fused_ops, "GEMV_TILES", gemv_tiles)}
+    from_json = [readers[key] for key in readers if options.pop(key, False)]
+    if from_json and not tiles_json:
         raise SystemExit(
             "splitserve:fp8swept and :gemv need --fp8-tiles (a bench/kernels.py --sections fp8linear JSON)"
         )
-    saved = [(module, name, getattr(module, name)) for module, name, _ in wanted]
-    for module, name, read in wanted:
-        setattr(module, name, read(tiles_json))
-        print(f"{name} from {tiles_json}: {getattr(module, name)}", flush=True)
+    tables = [(module, name, read(tiles_json)) for module, name, read in from_json]
+    if options.pop("no_gemv", False):
+        tables.append((fused_ops, "GEMV_TILES", {}))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in tables]
+    for module, name, table in tables:
+        setattr(module, name, table)
+        print(f"{name}: {table}", flush=True)
     try:
         yield
     finally:
@@ -672,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-wait-s", type=float, default=600.0, help="the longest such wait; the run starts anyway")
     ap.add_argument("--gpu-busy", action="store_true", help="CUDA: each variant's device busy share (profiled run)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile one run of the last --scheduling mode")
-    ap.add_argument("--fp8-tiles", default="", help="fixed workload, splitserve:fp8swept: bench/kernels.py's JSON")
+    ap.add_argument("--fp8-tiles", default="", help="splitserve:fp8swept and :gemv: bench/kernels.py's JSON")
     ap.add_argument(
         "--avx2",
         default="off",

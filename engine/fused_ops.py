@@ -27,17 +27,36 @@ _SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 # measure again (bench/kernel_gaps.py mode "fused").
 SKINNY_MAX_ROWS = 0
 # (N, K) of a 16-bit projection -> tiles of kernels.fp8_skinny_linear with that 16-bit weight (no scale), run
-# for one-row inputs (the batch-1 decode graph) instead of cuBLAS. Empty: cuBLAS everywhere. Entries come from
-# a measured sweep, only where the kernel beat cuBLAS (bench/fp8_linear.py's GEMV column;
-# bench/offline_throughput.py's splitserve:gemv variant loads them from that JSON).
-GEMV_TILES: dict[tuple[int, int], dict] = {}
+# for one-row inputs (the batch-1 decode graph) instead of cuBLAS. Measured on one H200 (docs/perf.md, issue 20):
+# Llama-3-8B's four projections at one row, graphed, 0.81-0.98x cuBLAS's time (the decode step at batch 1:
+# 4.67 -> 4.32 ms); other shapes and other GPUs keep cuBLAS until measured (bench/fp8_linear.py's GEMV column).
+GEMV_TILES_SM90: dict[tuple[int, int], dict] = {
+    (6144, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=2),  # qkv
+    (4096, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=3),  # o
+    (28672, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=1),  # gate_up
+    (4096, 14336): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=3),  # down
+}
+# None: the device's measured table (GEMV_TILES_SM90 on capability 9.0, else none); a dict replaces it
+# (bench/offline_throughput.py: `splitserve:gemv` a sweep's tiles, `splitserve:cublas` {} for cuBLAS everywhere)
+GEMV_TILES: dict[tuple[int, int], dict] | None = None
+_measured: dict[int, dict[tuple[int, int], dict]] = {}  # device index -> its table
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def gemv_tiles(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     """The GEMV's tiles when `weight` (N, K) times the one-row x runs as kernels.fp8_skinny_linear; else None."""
-    if not GEMV_TILES or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
+    if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
         return None
-    return GEMV_TILES.get((weight.shape[0], weight.shape[1]))
+    table = GEMV_TILES
+    if table is None:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if index not in _measured:
+            _measured[index] = GEMV_TILES_SM90 if _capability(x.device) == (9, 0) else {}
+        table = _measured[index]
+    return table.get((weight.shape[0], weight.shape[1]))
 
 
 def skinny_applies(x: torch.Tensor, linear) -> bool:

@@ -38,27 +38,45 @@ def test_fused_layers_equal_unfused(tmp_path, monkeypatch, arch, kwargs):
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
 
 
+class OnCuda:
+    """What gemv_tiles reads of a tensor, answered as a CUDA tensor on cuda:0 would."""
+
+    def __init__(self, t):
+        self.t, self.is_cuda, self.shape, self.dtype, self.device = t, True, t.shape, t.dtype, torch.device("cuda", 0)
+
+    def dim(self):
+        return self.t.dim()
+
+
 def test_the_one_row_gemv_applies_only_to_measured_shapes_of_one_row(monkeypatch):
-    """fused_ops.GEMV_TILES names the (N, K) shapes whose one-row product runs as the few-row kernel: empty
-    (the default) means cuBLAS everywhere; a listed shape applies to CUDA one-row inputs of the weight's dtype."""
+    """fused_ops.GEMV_TILES, when set, names the (N, K) shapes whose one-row product runs as the few-row kernel
+    (bench variants); a listed shape applies to CUDA one-row inputs of the weight's dtype only."""
     w = torch.zeros(48, 64, dtype=torch.bfloat16)
     one_row = torch.zeros(1, 64, dtype=torch.bfloat16)
-    assert fused_ops.gemv_tiles(one_row, w) is None  # nothing measured
     tiles = dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT_K=1)
     monkeypatch.setattr(fused_ops, "GEMV_TILES", {(48, 64): tiles})
-    assert fused_ops.gemv_tiles(one_row, w) is None  # a CPU tensor: cuBLAS's turf only on CUDA
-
-    class OnCuda:  # what gemv_tiles reads of a tensor, as a CUDA one would answer
-        def __init__(self, t):
-            self.t, self.is_cuda, self.shape, self.dtype = t, True, t.shape, t.dtype
-
-        def dim(self):
-            return self.t.dim()
-
+    assert fused_ops.gemv_tiles(one_row, w) is None  # a CPU tensor: the kernel is for CUDA only
     assert fused_ops.gemv_tiles(OnCuda(one_row), w) == tiles
     assert fused_ops.gemv_tiles(OnCuda(torch.zeros(2, 64, dtype=torch.bfloat16)), w) is None  # two rows
     assert fused_ops.gemv_tiles(OnCuda(one_row.float()), w) is None  # x not of the weight's dtype
     assert fused_ops.gemv_tiles(OnCuda(one_row), torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # unmeasured
+    monkeypatch.setattr(fused_ops, "GEMV_TILES", {})  # splitserve:cublas
+    assert fused_ops.gemv_tiles(OnCuda(one_row), w) is None
+
+
+@pytest.mark.parametrize("capability,applies", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
+def test_by_default_only_the_measured_gpu_runs_the_gemv_on_the_measured_shapes(monkeypatch, capability, applies):
+    """Unset (None), GEMV_TILES is the device's measured table: an H200's (capability 9.0) holds Llama-3-8B's
+    four projections; other GPUs keep cuBLAS until measured."""
+    monkeypatch.setattr(fused_ops, "GEMV_TILES", None)
+    monkeypatch.setattr(fused_ops, "_measured", {})
+    monkeypatch.setattr(fused_ops, "_capability", lambda device: capability)
+    x = OnCuda(torch.zeros(1, 4096, dtype=torch.bfloat16))
+    qkv = torch.zeros(6144, 4096, dtype=torch.bfloat16)
+    expected = fused_ops.GEMV_TILES_SM90[(6144, 4096)] if applies else None
+    assert fused_ops.gemv_tiles(x, qkv) == expected
+    assert fused_ops.gemv_tiles(x, torch.zeros(1024, 4096, dtype=torch.bfloat16)) is None  # a shape not measured
+    assert set(fused_ops.GEMV_TILES_SM90) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
 
 
 @pytest.mark.gpu
