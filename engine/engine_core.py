@@ -23,6 +23,7 @@ A transfer runs off the core thread while the engine steps on: its blocks stay p
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import random
@@ -226,8 +227,6 @@ class EngineCore:
             # what exists now (weights, modules, graphs) lives as long as the engine: keep it out of the
             # collector's full passes, whose pauses fall on the step loop (nano-vllm workload, async: the
             # collector took 0.33 s of a 6.3 s run without this, 0.05 s with it; docs/perf.md)
-            import gc
-
             gc.collect()
             gc.freeze()
         self.num_steps = 0
@@ -249,8 +248,6 @@ class EngineCore:
         allocated for the life of the process (a second LLM in one process found its GPU taken). Idempotent;
         other frozen objects become collectable too, which costs the collector's time only."""
         if self._froze_gc:
-            import gc
-
             self._froze_gc = False
             gc.unfreeze()
 
@@ -259,8 +256,6 @@ class EngineCore:
         cap = cap_blocks(self.config.max_num_seqs, max_model_len, self.config.block_size)
         if device.type != "cuda":
             return cpu_kv_blocks(self.config.kv_cache_cpu_bytes, self.layout.block_nbytes, cap)
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
         free, total = torch.cuda.mem_get_info(device)
