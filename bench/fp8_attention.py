@@ -30,6 +30,7 @@ import torch
 
 from bench.kernels import PagedCache, copy_bandwidth, time_ms
 from splitserve.kernels.paged_decode_attention import (
+    FP8_UPCAST_TILE,
     choose_num_splits,
     decode_config,
     paged_decode_attention_triton,
@@ -46,7 +47,6 @@ DRY = dict(
 )
 TOL_REL = 2e-2  # of max |reference|: bf16 output rounding is 2^-9, the e4m3 q of tokens_qk8 ~5e-2
 VARIANTS = ["rows", "tokens", "tokens_qk8x2", "tokens_qk8"]
-UPCAST_TILE = dict(BLOCK_N=128, num_warps=4, num_stages=2)
 # most likely first: when the budget runs out, every variant has had the same leading tiles
 TILES = [
     dict(BLOCK_N=n, num_warps=w, num_stages=s)
@@ -209,7 +209,7 @@ def baseline_rows(sweep: Sweep, cache, scale, p) -> dict:
         bf16 = dict(ms=ms, pct_copy=100 * 2 * shape.fp8_bytes / (ms * 1e-3) / sweep.copy_bw)
         on_cpu = shape.q.device.type == "cpu"
         # the upcast kernel at its own tile (decode_config's choice for an fp8 cache whose variants cannot run)
-        default = decode_config(p["head_dim"], torch.bfloat16, on_cpu, FP8) if on_cpu else UPCAST_TILE
+        default = decode_config(p["head_dim"], torch.bfloat16, on_cpu, FP8) if on_cpu else FP8_UPCAST_TILE
         rows = sweep.config(dict(default, VARIANT="upcast"), shapes=[shape], tag="default")
         r = rows[0]
         upcast = dict(

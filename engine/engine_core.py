@@ -156,6 +156,8 @@ def keep_freed_memory() -> bool:
 class EngineCore:
     """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
 
+    _frozen_open = 0  # engines not closed whose start froze the collector (CUDA); see close()
+
     def __init__(
         self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None, offline: bool = False
     ) -> None:
@@ -222,13 +224,9 @@ class EngineCore:
         lagged = config.async_scheduling
         self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
         self._unread: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not read yet
-        self._froze_gc = device.type == "cuda"
-        if self._froze_gc:
-            # what exists now (weights, modules, graphs) lives as long as the engine: keep it out of the
-            # collector's full passes, whose pauses fall on the step loop (nano-vllm workload, async: the
-            # collector took 0.33 s of a 6.3 s run without this, 0.05 s with it; docs/perf.md)
-            gc.collect()
-            gc.freeze()
+        self._froze_gc = False
+        if device.type == "cuda":
+            self._freeze_collector()
         self.num_steps = 0
         log.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
@@ -242,14 +240,31 @@ class EngineCore:
             config.role,
         )
 
+    def _freeze_collector(self) -> None:
+        """What exists now (weights, modules, graphs) lives as long as the engine: keep it out of the
+        collector's full passes, whose pauses fall on the step loop (nano-vllm workload, async: the collector
+        took 0.33 s of a 6.3 s run without this, 0.05 s with it; docs/perf.md)."""
+        gc.collect()
+        gc.freeze()
+        self._froze_gc = True
+        EngineCore._frozen_open += 1
+
     def close(self) -> None:
-        """Let the collector reach this engine again once it is dropped. The freeze at start (CUDA) covers the
-        engine's own reference cycles, so without this a deleted engine's weights, KV pool and graphs stay
-        allocated for the life of the process (a second LLM in one process found its GPU taken). Idempotent;
-        other frozen objects become collectable too, which costs the collector's time only."""
+        """The engine will not run again: let the collector reach it once it is dropped. The freeze at start
+        covers the engine's own reference cycles, so without this a deleted engine's weights, KV pool and graphs
+        stay allocated for the life of the process (a second LLM in one process found its GPU taken). Unfreezes
+        every frozen object; once the caller dropped the engine and collected, `refreeze()` freezes again for
+        the engines still open. Idempotent."""
         if self._froze_gc:
             self._froze_gc = False
+            EngineCore._frozen_open -= 1
             gc.unfreeze()
+
+    @staticmethod
+    def refreeze() -> None:
+        """After a closed engine was collected: freeze again what the engines still open hold (see close)."""
+        if EngineCore._frozen_open:
+            gc.freeze()
 
     def _size_pool(self, device: torch.device, max_model_len: int) -> int:
         """Blocks of a pool sized from memory (engine/kv_sizing.py): per-instance on CUDA, capped."""

@@ -30,31 +30,39 @@ SKINNY_MAX_ROWS = 0
 # for one-row inputs (the batch-1 decode graph) instead of cuBLAS. Measured on one H200 (docs/perf.md, issue 20):
 # Llama-3-8B's four projections at one row, graphed, 0.81-0.98x cuBLAS's time (the decode step at batch 1:
 # 4.67 -> 4.32 ms); other shapes and other GPUs keep cuBLAS until measured (bench/fp8_linear.py's GEMV column).
-GEMV_TILES_SM90: dict[tuple[int, int], dict] = {
+GEMV_TILES_H200: dict[tuple[int, int], dict] = {
     (6144, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=2),  # qkv
     (4096, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=3),  # o
     (28672, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=1),  # gate_up
     (4096, 14336): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=3),  # down
 }
-# None: the device's measured table (GEMV_TILES_SM90 on capability 9.0, else none); a dict replaces it
+# None: the device's measured table (GEMV_TILES_H200 on an H200, else none: an H100 has other bandwidth and SMs);
+# a dict replaces it
 # (bench/offline_throughput.py: `splitserve:gemv` a sweep's tiles, `splitserve:cublas` {} for cuBLAS everywhere)
 GEMV_TILES: dict[tuple[int, int], dict] | None = None
 _measured: dict[int, dict[tuple[int, int], dict]] = {}  # device index -> its table
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def gemv_tiles(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     """The GEMV's tiles when `weight` (N, K) times the one-row x runs as kernels.fp8_skinny_linear; else None."""
-    if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
+    if (
+        not x.is_cuda
+        or x.dim() != 2
+        or x.shape[0] != 1
+        or x.dtype not in _SKINNY_DTYPES
+        or weight.dtype != x.dtype
+        or weight.stride(1) != 1
+    ):
         return None
     table = GEMV_TILES
     if table is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if index not in _measured:
-            _measured[index] = GEMV_TILES_SM90 if _capability(x.device) == (9, 0) else {}
+            _measured[index] = GEMV_TILES_H200 if "H200" in _device_name(x.device) else {}
         table = _measured[index]
     return table.get((weight.shape[0], weight.shape[1]))
 

@@ -8,6 +8,7 @@ outs[0].token_ids, outs[0].text, outs[0].finish_reason
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,11 +51,16 @@ class LLM:
         self._counter = 0
 
     def close(self) -> None:
-        """Give the engine back to the collector: `del llm` (or leaving a `with LLM(...)` block) followed by
-        `gc.collect()` frees its device memory, so another LLM fits in the same process."""
-        engine = getattr(self, "engine", None)  # absent when __init__ failed
-        if engine is not None:
-            engine.close()
+        """Free the engine (weights, KV pool, graphs: its device memory), so another LLM fits in this process;
+        `del llm` and leaving a `with LLM(...)` block do the same. The LLM cannot generate afterwards."""
+        engine = self.__dict__.get("engine")  # absent when __init__ failed
+        if engine is None:
+            return
+        self.engine = None
+        engine.close()
+        del engine
+        gc.collect()  # the engine's own reference cycles
+        EngineCore.refreeze()
 
     def __enter__(self) -> LLM:
         return self
@@ -107,6 +113,8 @@ class LLM:
     ) -> list[GenerationOutput]:
         from splitserve.common.detokenizer import IncrementalDetokenizer
 
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed: make a new one")
         results: dict[str, GenerationOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
         order = []

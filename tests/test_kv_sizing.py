@@ -73,48 +73,69 @@ def test_cpu_pools_are_capped_too():
         cpu_kv_blocks(1000, BLOCK, cap=10)
 
 
-def test_a_dropped_llm_is_collected_although_the_engine_froze_the_collector(tmp_path):
-    """On CUDA the engine freezes the collector at start (gc.freeze: its pauses fell on the step loop), which
-    also freezes the engine's own reference cycles: a deleted LLM kept its weights, KV pool and graphs, and a
-    second LLM in the process found the GPU taken (KvSizingError, 77 GiB 'own' on an H200). Here on CPU the
-    freeze is made as CUDA makes it; dropping the LLM must leave the engine collectable."""
-    import gc
-    import weakref
-
+def _frozen_llm(tmp_path):
+    """An LLM on CPU whose engine froze the collector as a CUDA engine does at start."""
     from splitserve.engine import LLM
     from tests.model_factory import make_tiny_model_dir
 
     llm = LLM(model=str(make_tiny_model_dir(tmp_path)), device="cpu", dtype="float32", num_kv_blocks=16)
-    assert not llm.engine._froze_gc  # CPU does not freeze; do what the CUDA path does
-    gc.collect()
-    gc.freeze()
-    llm.engine._froze_gc = True
+    assert not llm.engine._froze_gc  # CPU does not freeze
+    llm.engine._freeze_collector()
+    return llm
+
+
+def test_a_dropped_llm_is_collected_although_the_engine_froze_the_collector(tmp_path):
+    """On CUDA the engine freezes the collector at start (gc.freeze: its pauses fell on the step loop), which
+    also froze the engine's own reference cycles: a deleted LLM kept its weights, KV pool and graphs, and a
+    second LLM in the process found the GPU taken (KvSizingError, 77 GiB 'own' on an H200)."""
+    import gc
+    import weakref
+
+    llm = _frozen_llm(tmp_path)
     engine = weakref.ref(llm.engine)
     try:
         del llm
-        gc.collect()
         assert engine() is None, "the dropped engine is still alive"
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == 0  # no engine left open: nothing frozen again
     finally:
         gc.unfreeze()
 
 
-def test_an_llm_used_as_a_context_manager_closes_its_engine(tmp_path):
+def test_leaving_a_with_block_frees_the_engine_and_the_llm_refuses_to_run(tmp_path):
     import gc
     import weakref
 
-    from splitserve.engine import LLM
-    from tests.model_factory import make_tiny_model_dir
+    from splitserve.common.sampling_params import SamplingParams
 
-    with LLM(model=str(make_tiny_model_dir(tmp_path)), device="cpu", dtype="float32", num_kv_blocks=16) as llm:
-        gc.collect()
-        gc.freeze()
-        llm.engine._froze_gc = True
-        engine = weakref.ref(llm.engine)
     try:
-        assert gc.get_freeze_count() == 0  # left the block: the engine gave the collector back
-        del llm
-        gc.collect()
-        assert engine() is None
+        with _frozen_llm(tmp_path) as llm:
+            engine = weakref.ref(llm.engine)
+            assert len(llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2))) == 1
+        assert engine() is None  # freed on leaving the block, while `llm` is still bound
+        with pytest.raises(RuntimeError, match="this LLM is closed: make a new one"):
+            llm.generate(prompt_token_ids=[[1, 2, 3]])
+        llm.close()  # twice: nothing happens
+    finally:
+        gc.unfreeze()
+
+
+def test_closing_one_of_two_frozen_engines_keeps_the_other_frozen(tmp_path):
+    """Two LLMs alive: closing the first frees it and freezes again what the second holds, so the second keeps
+    the collector out of its step loop; closing the second leaves nothing frozen."""
+    import gc
+    import weakref
+
+    from splitserve.common.sampling_params import SamplingParams
+
+    try:
+        first, second = _frozen_llm(tmp_path / "a"), _frozen_llm(tmp_path / "b")
+        gone = weakref.ref(first.engine)
+        first.close()
+        assert gone() is None and second.engine._froze_gc and gc.get_freeze_count() > 0
+        out = second.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_tokens=3))
+        assert len(out[0].token_ids) == 3
+        kept = weakref.ref(second.engine)
+        second.close()
+        assert kept() is None and gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()

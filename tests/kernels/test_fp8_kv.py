@@ -8,7 +8,7 @@ import torch
 from splitserve.engine.attention import attention_forward
 from splitserve.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from splitserve.kernels.fp8_quant import quantize_per_token
-from splitserve.kernels.paged_decode_attention import decode_config, paged_decode_attention_triton
+from splitserve.kernels.paged_decode_attention import decode_config, paged_decode_attention_triton, resolve_config
 from tests.kernels.conftest import PagedKv, dense_attention
 from tests.model_factory import SeqSpec, build_meta
 
@@ -96,6 +96,24 @@ def test_fp8_caches_get_the_measured_decode_tile():
     )
     assert decode_config(96, torch.bfloat16, False, FP8) == dict(BLOCK_N=128, num_warps=4, num_stages=2)  # upcast
     assert decode_config(128, torch.bfloat16, False, torch.bfloat16) == dict(BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def test_an_override_without_a_variant_and_strided_caches_take_the_upcast_kernel():
+    """On the GPU an fp8 cache defaults to the rows variant; an override naming no VARIANT (the tests' and the
+    bench's upcast configs) gets the upcast kernel's tile under it, and so do caches whose head dim is not
+    contiguous (the variants read words along it)."""
+    cache = torch.zeros(4, 16, 8, 128, dtype=FP8)
+    upcast = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    assert resolve_config(128, torch.bfloat16, False, cache, cache) == dict(
+        VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2
+    )
+    assert resolve_config(128, torch.bfloat16, False, cache, cache, dict(DOT_F16=False)) == dict(upcast, DOT_F16=False)
+    assert resolve_config(128, torch.bfloat16, False, cache, cache, dict(VARIANT="tokens", BLOCK_N=128)) == dict(
+        VARIANT="tokens", HEADS_FIRST=True, BLOCK_N=128, num_warps=4, num_stages=2
+    )
+    strided = torch.zeros(4, 16, 128, 8, dtype=FP8).transpose(2, 3)  # (4, 16, 8, 128), head dim stride 8
+    assert resolve_config(128, torch.bfloat16, False, cache, strided) == upcast
+    assert resolve_config(128, torch.bfloat16, False, strided, cache) == upcast
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -3,7 +3,7 @@ the row scale after the sum), and that reference against float64; split-K's coun
 order, and (on a GPU) the 8B shapes and a CUDA-graph replay.
 
 Tolerance: kernels.fp8_skinny_linear.fp8_skinny_linear_error_bound, per element: one step of the output dtype
-(both round one fp32 sum) plus the fp32 sums' order (2 K 2^-24 of the sum of |x_k w_k| scale). A lost or stale
+(both round one fp32 sum) plus the fp32 sums' order (4 K 2^-24 of the sum of |x_k w_k| scale). A lost or stale
 partial, a wrong row or scale is off by the size of the result itself."""
 
 import pytest
@@ -73,10 +73,6 @@ def test_a_sixteen_bit_weight_matches_the_plain_product(device, dtype, rows, n, 
     x, w, _, b = _sixteen_bit(device, dtype, rows, n, k, bias=split_k == 1)
     got = fp8_skinny_linear_triton(x, w, None, b, config=dict(SPLIT_K=split_k))
     want = (x.double() @ w.double().t() + (b.double() if b is not None else 0)).to(dtype)
-    assert torch.equal(
-        fp8_skinny_linear_ref(x, w, None, b),
-        (x.float() @ w.float().t() + (b.float() if b is not None else 0)).to(dtype),
-    )
     assert got.dtype == dtype and got.shape == (rows, n)
     assert_within_bound(got, x, w, None, b)
     assert (got.double() - want.double()).abs().max() <= 2 * torch.finfo(dtype).eps * want.double().abs().max()
@@ -122,7 +118,11 @@ def test_ref_impl_and_errors():
         fp8_skinny_linear(torch.zeros(17, 40), w_q, scale, impl="ref")
     with pytest.raises(ValueError, match="weight must be float8_e4m3fn"):
         fp8_skinny_linear(x, w_q.float(), scale, impl="ref")
-    with pytest.raises(ValueError, match=r"weight must be float8_e4m3fn \(or x's 16-bit dtype\).*bfloat16 with x"):
+    with pytest.raises(
+        ValueError,
+        match=r"float8_e4m3fn \(or x's 16-bit dtype\) with contiguous rows, got torch.bfloat16 with strides "
+        r"\(40, 1\) and x torch.float32",
+    ):
         fp8_skinny_linear(x, w_q.bfloat16(), None, impl="ref")  # float32 x: a 16-bit weight must match it
     with pytest.raises(ValueError, match="an e4m3 weight needs weight_scale, a 16-bit one takes none"):
         fp8_skinny_linear(x, w_q, None, impl="ref")
