@@ -260,6 +260,11 @@ class EngineCore:
             EngineCore._frozen_open -= 1
             gc.unfreeze()
 
+    @property
+    def froze_collector(self) -> bool:
+        """Whether this engine froze the collector at start and is not closed yet."""
+        return self._froze_gc
+
     @staticmethod
     def refreeze() -> None:
         """After a closed engine was collected: freeze again what the engines still open hold (see close)."""

@@ -57,10 +57,12 @@ class LLM:
         if engine is None:
             return
         self.engine = None
+        froze = engine.froze_collector
         engine.close()
         del engine
-        gc.collect()  # the engine's own reference cycles
-        EngineCore.refreeze()
+        if froze:  # its own reference cycles were frozen: collect them now (elsewhere the collector's turn comes)
+            gc.collect()
+            EngineCore.refreeze()
 
     def __enter__(self) -> LLM:
         return self
