@@ -35,6 +35,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.num_blocks_freed = 0  # blocks that became free: waiting allocations retry only after one did
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -89,6 +90,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed with ref count {count}")
             self.ref_counts[block_id] = count - 1
             if count == 1:
+                self.num_blocks_freed += 1
                 if self.block_hashes[block_id] is not None:
                     self._cached_free[block_id] = None
                 else:

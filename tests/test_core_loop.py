@@ -134,15 +134,18 @@ class Driver:
 # -- a fake engine ---------------------------------------------------------------------------
 class Engine:
     """A decode's engine with one request always running (while `has_work`); every step notes what had been sent
-    by then. begin_import finds room after `room_after_steps` steps and gives blocks [7, 8], none cached here."""
+    by then. begin_import finds room after `room_after_steps` steps and gives blocks [7, 8], none cached here; the
+    steps in `frees_at` free a block (the pool's num_blocks_freed, which waiting imports retry on)."""
 
     layout = "layout-a"
     config = SimpleNamespace(block_size=16)
     runner = SimpleNamespace(kv_cache="kv-cache")
     num_free_blocks = 30  # pins are only noted: never changes
 
-    def __init__(self, pipe: Pipe, room_after_steps: int = 0, has_work: bool = True) -> None:
+    def __init__(self, pipe: Pipe, room_after_steps: int = 0, has_work: bool = True, frees_at=()) -> None:
         self.pipe, self.room_after_steps, self.has_work = pipe, room_after_steps, has_work
+        self.frees_at = set(frees_at)
+        self.pool = SimpleNamespace(num_blocks_freed=0)
         self.steps = 0
         self.sent_before_step: list[list[str]] = []
         self.pins: list[tuple[str, list[int]]] = []
@@ -163,6 +166,7 @@ class Engine:
 
     def step(self):
         self.steps += 1
+        self.pool.num_blocks_freed += self.steps in self.frees_at
         self.sent_before_step.append([name for batch in self.pipe.batches for name in batch])
         time.sleep(0.002)  # a step takes time
         return []
@@ -215,14 +219,15 @@ def test_the_loop_steps_while_a_pull_waits_and_reports_it_before_the_next_step()
     assert engine.pins == [("pin", [7, 8]), ("unpin", [7, 8])]
 
 
-def test_an_import_without_room_is_retried_each_turn_and_pulled_once_room_appears():
-    driver, engine = fake_driver(Gate(opened=True), room_after_steps=3)
+def test_an_import_without_room_is_tried_again_after_each_free_and_pulled_once_room_appears():
+    driver, engine = fake_driver(Gate(opened=True), room_after_steps=3, frees_at=(2, 3))
     driver.send(import_msg())  # there at the first turn
     driver.start()
     done = driver.until(lambda: driver.done.get("r1"), 10, "no ImportDone")
     driver.stop()
-    # no room on arrival nor at the retry in that turn, nor in the next two; room after the third step
-    assert done[0].ok and engine.import_steps == [0, 0, 1, 2, 3]
+    # no room on arrival; not tried again in that turn nor after step 1 (nothing freed); tried after step 2 (a
+    # free, still no room) and step 3 (a free, room)
+    assert done[0].ok and engine.import_steps == [0, 2, 3]
 
 
 def test_every_batch_in_the_pipe_is_taken_in_before_the_next_step():

@@ -1,7 +1,7 @@
 """Every transition of an asynchronous KV load in a decode core, with exact tokens and exact block and lease
 accounting (issue 17). The request waits in WAITING_FOR_KV from ImportKv until its CommitImport:
 
-    ImportKv ─▶ no room: waits for room (retried each turn) ─▶ room ─▶ blocks allocated, pinned, pull started
+    ImportKv ─▶ no room: waits for room (tried again after a free) ─▶ room ─▶ blocks allocated, pinned, pull started
     pull ends ─▶ ImportDone(ok) ─▶ lease released: CommitImport(ok) ─▶ runs          (test_core_loop: "finish")
                                └▶ lease lost:     CommitImport(not ok) ─▶ recompute | error       (here)
     pull fails ─▶ ImportDone(error) ─▶ recompute (test_core_loop) | error                       (here)
@@ -148,6 +148,37 @@ def waiting_for_room(model, prefill, decode, device, fork_ids=()):
     d.until(lambda: len(d.tokens["a"]) >= seen + 2, 10, "a stopped")  # x's ImportKv was handled meanwhile
     assert counts(d)[1:] == (0, 1) and not gate.entered.is_set()  # x waits for room: nothing allocated
     return d, gate, x, greedy[1][:max_tokens]
+
+
+def test_an_import_waiting_for_room_is_tried_again_only_after_a_block_is_freed(model, prefill, decode, device):
+    """x waits for room while `a` runs (a allocates as it grows and frees nothing until it ends): the core tries
+    x when it arrives and once more after `a` freed its blocks, not on every loop turn between; then x imports,
+    pulls and gives its exact tokens."""
+    from splitserve.engine.engine_core import EngineCore
+
+    _, _, greedy = model
+    tries = []
+    begin_import = EngineCore.begin_import
+
+    def counted(self, request_id, *args, **kwargs):
+        started = begin_import(self, request_id, *args, **kwargs)
+        tries.append((request_id, started is not None))
+        return started
+
+    EngineCore.begin_import = counted
+    try:
+        d, gate, x, a_tokens = waiting_for_room(model, prefill, decode, device)
+        turns = d.stats()["num_steps"]
+        d.until(lambda: d.done.get("x"), 30, "x never got room")
+        assert d.stats()["num_steps"] - turns >= 3  # turns went by while x waited
+        assert tries == [("x", False), ("x", True)]
+        assert d.tokens["a"] == a_tokens and prefill[0].release_kv("x")
+        d.send(m.CommitImport("x", ok=True))
+        d.until(lambda: "x" in d.finished, 30, "x never finished")
+        assert [x.first_token_id, *d.tokens["x"]] == greedy[0]
+        assert counts(d) == (d.baseline, 0, 0)
+    finally:
+        EngineCore.begin_import = begin_import
 
 
 def test_an_import_waiting_for_room_that_is_aborted_never_starts(model, prefill, decode, device):

@@ -3,7 +3,7 @@ waiting for room, the blocks a transfer pins, and when a request whose KV was pu
 transport's connector (engine/kv_transfer/connector.py) through `start_load` / `start_send` / `poll` only, and
 turns what the connector reports into the messages its service waits for. The loop steps on meanwhile.
 
-    decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: retried each turn
+    decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: retried after a block is freed
                         ─▶ start_load: pin the blocks to fill        request: WAITING_FOR_KV
              poll(): ended ─▶ unpin ─▶ ImportDone(ok | error)
                      past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until the copy ends
@@ -45,7 +45,8 @@ class KvScheduler:
         self.connector = connector
         self.emit = emit
         self.send_now = send_now
-        self.waiting_for_room: list[m.ImportKv] = []  # imports the pool cannot hold yet; retried each turn
+        self.waiting_for_room: list[m.ImportKv] = []  # imports the pool cannot hold yet (retry_imports)
+        self._tried_at: dict[str, int] = {}  # waiting import -> the pool's num_blocks_freed when last tried
         self.aborted_forks: dict[str, set[str]] = {}  # request not in the engine yet -> its forks aborted already
 
     @property
@@ -84,14 +85,28 @@ class KvScheduler:
             return
         if started is None:
             self.waiting_for_room.append(msg)
+            self._tried_at[msg.request_id] = self.engine.pool.num_blocks_freed
             return
         self.admitted(msg.request_id)
         self._start_load(msg, *started)  # the request waits in WAITING_FOR_KV; the loop steps on
 
     def retry_imports(self) -> None:
+        """Once per loop turn: try the imports waiting for room again, if a block was freed since the last try
+        (each try hashes the prompt and looks it up: ~0.2 ms per 2,048 tokens, per waiting import, per turn).
+        A prefix cached meanwhile could also make room; it waits for the next free, which every request's end
+        brings."""
+        if not self.waiting_for_room:
+            return
+        freed = self.engine.pool.num_blocks_freed
+        if all(self._tried_at.get(msg.request_id) == freed for msg in self.waiting_for_room):
+            return
         waiting, self.waiting_for_room = self.waiting_for_room, []
         for msg in waiting:
-            self.add_import(msg)
+            if self._tried_at.get(msg.request_id) == freed:
+                self.waiting_for_room.append(msg)  # tried since the last free: it would fail again
+            else:
+                self.add_import(msg)
+        self._tried_at = {msg.request_id: self._tried_at[msg.request_id] for msg in self.waiting_for_room}
 
     def _start_load(self, msg: m.ImportKv, dst_blocks: list[int], num_local: int) -> None:
         """Pull the handle's blocks past the `num_local` cached here into `dst_blocks[num_local:]`."""
