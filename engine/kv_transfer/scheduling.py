@@ -3,7 +3,7 @@ waiting for room, the blocks a transfer pins, and when a request whose KV was pu
 transport's connector (engine/kv_transfer/connector.py) through `start_load` / `start_send` / `poll` only, and
 turns what the connector reports into the messages its service waits for. The loop steps on meanwhile.
 
-    decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: retried after a block is freed
+    decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: again after a free
                         ─▶ start_load: pin the blocks to fill        request: WAITING_FOR_KV
              poll(): ended ─▶ unpin ─▶ ImportDone(ok | error)
                      past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until the copy ends
