@@ -108,6 +108,25 @@ def test_long_contexts_and_task_splits(op, batch):
     assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [4, 7, 16])
+def test_more_query_heads_than_rows_ahead(op, block_size):
+    """A task per sequence with more query heads than a block has rows: the rows of the blocks ahead are
+    requested a few before each head's pass, so some heads request none, and the last block ahead is
+    partial or past the end (contexts of every length modulo the block size, a table ending where the
+    context does)."""
+    torch.manual_seed(2)
+    batch, num_q_heads, num_kv_heads, head_dim = 16, 8, 4, 64
+    seq_lens = torch.tensor([1 + 5 * b for b in range(batch)], dtype=torch.int32)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    kv = torch.randn(batch * max_blocks, 3, 2, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = kv[:, 2, 0], kv[:, 2, 1]
+    tables = torch.randperm(batch * max_blocks).view(batch, max_blocks).int()
+    q = torch.randn(batch, num_q_heads, head_dim)
+    got = cpu_ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    want = dense_reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert torch.allclose(got.double(), want, atol=2e-6, rtol=0)
+
+
 # ---- elementwise ops (float32) -------------------------------------------------------------------
 
 
