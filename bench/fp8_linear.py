@@ -130,44 +130,49 @@ def w8a16_configs(m: int, n: int, k: int, sms: int, on_cpu: bool) -> list[dict]:
     return unique
 
 
-def _w8a16_rows(proj: Projection, x, xs, device: str) -> dict:
-    """The W8A16 kernel's default tiles, then each swept config (its SPLIT_K from split_k_for) and split
-    variants of the default; each checked against the reference once, the best taken among those correct."""
-    from splitserve.kernels._common import num_sms
+def _time_tiles(configs: list[dict], weights: list, scales: list, x, xs, counters: list, device: str):
+    """Each config checked once on x against the first weight (within the kernel's error bound) and timed over
+    every weight copy (`scales` None for 16-bit weights). Returns the timed configs (+ ms, ok), the fastest
+    correct one (the first if none is), and the first config's output."""
     from splitserve.kernels.fp8_skinny_linear import (
         fp8_skinny_linear_error_bound,
         fp8_skinny_linear_ref,
         fp8_skinny_linear_triton,
     )
 
-    m, n, k = x.shape[0], proj.n, proj.k
-    counters = [proj.counters(device) for _ in proj.fp8]
-    layer = proj.fp8[0]
-    want = fp8_skinny_linear_ref(x, layer.weight, layer.weight_scale).float()
-    bound = fp8_skinny_linear_error_bound(x, layer.weight, layer.weight_scale).float()
-    configs = w8a16_configs(m, n, k, num_sms(0) if device == "cuda" else 1, device != "cuda")
-    default = configs[0]
-    timed = []
+    want = fp8_skinny_linear_ref(x, weights[0], scales[0]).float()
+    bound = fp8_skinny_linear_error_bound(x, weights[0], scales[0]).float()
+    timed, first = [], None
     for cfg in configs:
-        got = fp8_skinny_linear_triton(x, layer.weight, layer.weight_scale, counters=counters[0], config=cfg)
+        got = fp8_skinny_linear_triton(x, weights[0], scales[0], counters=counters[0], config=cfg)
+        first = got if first is None else first
         ok = bool(((got.float() - want).abs() <= bound).all())
         calls = [
-            lambda i=i, lay=lay: fp8_skinny_linear_triton(
-                xs[i], lay.weight, lay.weight_scale, counters=counters[i], config=cfg
-            )
-            for i, lay in enumerate(proj.fp8)
+            lambda i=i: fp8_skinny_linear_triton(xs[i], weights[i], scales[i], counters=counters[i], config=cfg)
+            for i in range(len(weights))
         ]
         timed.append(dict(cfg, ms=graph_ms(calls, device), ok=ok))
-        if cfg is default:
-            rel_err = _rel_err(got, F.linear(x.float(), proj.weights[0].float()))
     best = min((t for t in timed if t["ok"]), key=lambda t: t["ms"], default=timed[0])
+    return timed, best, first
+
+
+def _w8a16_rows(proj: Projection, x, xs, device: str) -> dict:
+    """The W8A16 kernel's default tiles, then each swept config (its SPLIT_K from split_k_for) and split
+    variants of the default; each checked against the reference once, the best taken among those correct."""
+    from splitserve.kernels._common import num_sms
+
+    m, n, k = x.shape[0], proj.n, proj.k
+    configs = w8a16_configs(m, n, k, num_sms(0) if device == "cuda" else 1, device != "cuda")
+    weights, scales = [lay.weight for lay in proj.fp8], [lay.weight_scale for lay in proj.fp8]
+    counters = [proj.counters(device) for _ in proj.fp8]
+    timed, best, got = _time_tiles(configs, weights, scales, x, xs, counters, device)
     return dict(
         w8a16_ms=timed[0]["ms"],
-        w8a16_config=default,
+        w8a16_config=configs[0],
         w8a16_best_ms=best["ms"],
         w8a16_best_config=best,
         w8a16_ok=all(t["ok"] for t in timed),
-        w8a16_rel_err=rel_err,
+        w8a16_rel_err=_rel_err(got, F.linear(x.float(), proj.weights[0].float())),
         w8a16_sweep=timed,
     )
 
@@ -176,13 +181,7 @@ def _gemv16_rows(proj: Projection, x, xs, device: str) -> dict:
     """The kernel over the bf16 weights at one row (no scale): its default tiles, GEMV_SWEEP's tiles at half the
     BLOCK_K (the same bytes a step), split variants of the default; each checked against the bound once."""
     from splitserve.kernels._common import num_sms
-    from splitserve.kernels.fp8_skinny_linear import (
-        fp8_skinny_config,
-        fp8_skinny_linear_error_bound,
-        fp8_skinny_linear_ref,
-        fp8_skinny_linear_triton,
-        split_k_for,
-    )
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_config, split_k_for
 
     n, k = proj.n, proj.k
     sms = num_sms(0) if device == "cuda" else 1
@@ -195,19 +194,7 @@ def _gemv16_rows(proj: Projection, x, xs, device: str) -> dict:
     configs += [dict(default, SPLIT_K=max(1, f * default["SPLIT_K"])) for f in (0, 2, 4)]
     configs = [c for i, c in enumerate(configs) if c not in configs[:i]]
     counters = [proj.counters(device) for _ in proj.weights]
-    weight = proj.weights[0]
-    want = fp8_skinny_linear_ref(x, weight, None).float()
-    bound = fp8_skinny_linear_error_bound(x, weight, None).float()
-    timed = []
-    for cfg in configs:
-        got = fp8_skinny_linear_triton(x, weight, None, counters=counters[0], config=cfg)
-        ok = bool(((got.float() - want).abs() <= bound).all())
-        calls = [
-            lambda i=i, w=w: fp8_skinny_linear_triton(xs[i], w, None, counters=counters[i], config=cfg)
-            for i, w in enumerate(proj.weights)
-        ]
-        timed.append(dict(cfg, ms=graph_ms(calls, device), ok=ok))
-    best = min((t for t in timed if t["ok"]), key=lambda t: t["ms"], default=timed[0])
+    timed, best, _ = _time_tiles(configs, proj.weights, [None] * len(proj.weights), x, xs, counters, device)
     return dict(
         gemv_ms=timed[0]["ms"],
         gemv_best_ms=best["ms"],

@@ -83,7 +83,7 @@ def variant_options(engine: str) -> dict:
 
 
 @contextlib.contextmanager
-def w8a16_tiles(options: dict, tiles_json: str):
+def measured_tiles(options: dict, tiles_json: str):
     """Pops "swept_tiles", "gemv_tiles" and "no_gemv" from `options`; while the block runs, engine.quant.W8A16_TILES
     (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles'
     measured tiles, and "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection)."""
@@ -117,7 +117,7 @@ def run_splitserve(
     async: launch step N+1, then read step N), rows named VARIANT-MODE; with --gpu-busy on CUDA, each mode's
     device share of the wall."""
     options = dict(variant_options(variant))
-    with w8a16_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
+    with measured_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
         return _run_engine(config_path, requests, dtype, device, args, variant, options)
 
 
@@ -463,7 +463,7 @@ def run_fixed(args) -> list[dict]:
     rows = []
     for engine in [e for e in args.engines.split(",") if e.partition(":")[0] == "splitserve"]:
         options = dict(variant_options(engine))
-        with w8a16_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
+        with measured_tiles(options, args.fp8_tiles):  # measured tiles hold while this engine runs
             rows += _fixed_engine(args, engine, options, batches, vocab)
         if args.device.startswith("cuda"):
             import gc
