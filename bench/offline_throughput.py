@@ -71,36 +71,6 @@ VARIANTS = {
     "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
     "cublas": {"no_gemv": True},  # bf16, cuBLAS for every projection (the one-row GEMV off: GEMV_TILES {})
-    # engine.fused_ops' L2 weight prefetch on for steps of up to 16 rows: (MLP bytes asked besides o_proj, mode)
-    "l2": {"l2_prefetch": (0, "bulk")},
-    "fp8swept+l2o": {
-        "quantization": "fp8",
-        "kv_cache_dtype": "fp8",
-        "fp8_w8a16_max_rows": 16,
-        "swept_tiles": True,
-        "l2_prefetch": (0, "bulk"),
-    },
-    "fp8swept+l2": {
-        "quantization": "fp8",
-        "kv_cache_dtype": "fp8",
-        "fp8_w8a16_max_rows": 16,
-        "swept_tiles": True,
-        "l2_prefetch": (16 << 20, "bulk"),
-    },
-    "fp8swept+l2x": {
-        "quantization": "fp8",
-        "kv_cache_dtype": "fp8",
-        "fp8_w8a16_max_rows": 16,
-        "swept_tiles": True,
-        "l2_prefetch": (32 << 20, "bulk"),
-    },
-    "fp8swept+l2ld": {
-        "quantization": "fp8",
-        "kv_cache_dtype": "fp8",
-        "fp8_w8a16_max_rows": 16,
-        "swept_tiles": True,
-        "l2_prefetch": (16 << 20, "ld"),
-    },
 }
 
 
@@ -114,10 +84,9 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv" and "l2_prefetch" from `options`; while the block runs,
-    engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
-    call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection), and
-    "l2_prefetch" (MLP bytes, mode) turns fused_ops' L2 weight prefetch on for steps of up to 16 rows."""
+    """Pops "swept_tiles", "gemv_tiles" and "no_gemv" from `options`; while the block runs, engine.quant.W8A16_TILES
+    (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles'
+    measured tiles, and "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection)."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
 
@@ -130,13 +99,6 @@ def measured_tiles(options: dict, tiles_json: str):
     tables = [(module, name, read(tiles_json)) for module, name, read in from_json]
     if options.pop("no_gemv", False):
         tables.append((fused_ops, "GEMV_TILES", {}))
-    if "l2_prefetch" in options:
-        mlp_bytes, mode = options.pop("l2_prefetch")
-        tables += [
-            (fused_ops, "L2_PREFETCH_MAX_ROWS", 16),
-            (fused_ops, "L2_PREFETCH_MLP_BYTES", mlp_bytes),
-            (fused_ops, "L2_PREFETCH_MODE", mode),
-        ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in tables]
     for module, name, table in tables:
         setattr(module, name, table)

@@ -4,8 +4,6 @@
     silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below)
     rope_write_attend  rotary + KV write, then attention             two launches instead of three;
                     a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention)
-    WeightPrefetch  the next projections' weights asked into L2   on a side stream, while attention
-                    (kernels.l2_prefetch)                          runs (off until measured, below)
 
 Why: at batch 1 an 8B decode step is ~350 small launches, ~0.7 ms of its 4.4 ms graph beyond the
 GEMMs (docs/perf.md, "Decode-step time"). The few-row projections can run `kernels.skinny_linear`
@@ -43,14 +41,6 @@ GEMV_TILES_H200: dict[tuple[int, int], dict] = {
 # (bench/offline_throughput.py: `splitserve:gemv` a sweep's tiles, `splitserve:cublas` {} for cuBLAS everywhere)
 GEMV_TILES: dict[tuple[int, int], dict] | None = None
 _measured: dict[int, dict[tuple[int, int], dict]] = {}  # device index -> its table
-# Weight prefetch into L2 (kernels.l2_prefetch) while a decode step's attention runs: steps of up to this many
-# rows (0: off) ask for the o projection's weight and the first L2_PREFETCH_MLP_BYTES of the MLP's gate|up
-# weight right after the qkv projection, on a side stream (compute capability 9.0 and later). Off until a GPU
-# run measures it against no prefetch (bench/offline_throughput.py variants `:l2`).
-L2_PREFETCH_MAX_ROWS = 0
-L2_PREFETCH_MLP_BYTES = 16 << 20
-L2_PREFETCH_MODE = "bulk"
-_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _device_name(device: torch.device) -> str:
@@ -75,51 +65,6 @@ def gemv_tiles(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
             _measured[index] = GEMV_TILES_H200 if "H200" in _device_name(x.device) else {}
         table = _measured[index]
     return table.get((weight.shape[0], weight.shape[1]))
-
-
-class WeightPrefetch:
-    """Weights asked into L2 on a side stream forked from the current one; `join()` makes the current stream
-    wait for the side stream (a CUDA graph's capture needs every fork joined; the requests are issued, not
-    fetched, by then: nothing reads their result, a later kernel's loads simply find the lines in L2)."""
-
-    def __init__(self, requests: list[tuple[torch.Tensor, int | None]]):
-        from splitserve.kernels.l2_prefetch import l2_prefetch
-
-        main = torch.cuda.current_stream()
-        index = main.device.index if main.device.index is not None else torch.cuda.current_device()
-        if index not in _side_streams:
-            _side_streams[index] = torch.cuda.Stream(device=main.device)
-        self.side = _side_streams[index]
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            for tensor, nbytes in requests:
-                l2_prefetch(tensor, nbytes, L2_PREFETCH_MODE, _sink(tensor.device))
-
-    def join(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.side)
-
-
-_sinks: dict[torch.device, torch.Tensor] = {}
-
-
-def _sink(device: torch.device) -> torch.Tensor | None:
-    """The "ld" mode's scratch words (one per program of the largest request: 1 GiB of weight)."""
-    if L2_PREFETCH_MODE != "ld":
-        return None
-    if device not in _sinks:
-        _sinks[device] = torch.zeros(2048, dtype=torch.int32, device=device)
-    return _sinks[device]
-
-
-def start_weight_prefetch(x: torch.Tensor, o_proj, gate_up_proj) -> WeightPrefetch | None:
-    """After the qkv projection of x (T, ...): o_proj's weight and the head of gate_up_proj's asked into L2,
-    when T <= L2_PREFETCH_MAX_ROWS on a device with the bulk prefetch (capability 9.0+); else None."""
-    if not x.is_cuda or x.shape[0] > L2_PREFETCH_MAX_ROWS or torch.cuda.get_device_capability(x.device) < (9, 0):
-        return None
-    weights = [getattr(o_proj, "weight", None), getattr(gate_up_proj, "weight", None)]
-    if not all(isinstance(w, torch.Tensor) and w.is_cuda and w.is_contiguous() for w in weights):
-        return None
-    return WeightPrefetch([(weights[0], None), (weights[1], L2_PREFETCH_MLP_BYTES)])
 
 
 def skinny_applies(x: torch.Tensor, linear) -> bool:

@@ -127,29 +127,3 @@ def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
     pool_bytes = sizes[0][1]
     assert abs(left[1] - left[0]) < pool_bytes, f"{(left[1] - left[0]) / 2**20:.1f} MiB more after the second engine"
     assert sizes[0] == sizes[1]
-
-
-@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="the bulk L2 prefetch needs sm_90")
-@pytest.mark.parametrize("mode", ["bulk", "ld"])
-def test_l2_weight_prefetch_leaves_the_tokens_unchanged(mode, monkeypatch):
-    """engine.fused_ops' L2 weight prefetch (a side stream in the decode graphs) changes no token, in fp8 and bf16."""
-    from splitserve.common.default_model_path import default_model_path
-    from splitserve.engine import fused_ops
-
-    prompts = make_prompts()
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for options in ({}, {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16}):
-        tokens = []
-        for rows in (0, 16):
-            monkeypatch.setattr(fused_ops, "L2_PREFETCH_MAX_ROWS", rows)
-            monkeypatch.setattr(fused_ops, "L2_PREFETCH_MODE", mode)
-            with LLM(
-                model=str(default_model_path()),
-                dtype="bfloat16",
-                device="cuda",
-                num_kv_blocks=128,
-                max_num_seqs=16,
-                **options,
-            ) as llm:
-                tokens.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
-        assert tokens[1] == tokens[0], f"{options}: the prefetch changed tokens"

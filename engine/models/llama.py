@@ -16,14 +16,7 @@ from torch import nn
 
 from splitserve.engine import cpu_gemm
 from splitserve.engine.attention import AttentionMetadata, attention_forward
-from splitserve.engine.fused_ops import (
-    gemv_tiles,
-    norm_linear,
-    plain_linear,
-    rope_write_attend,
-    silu_linear,
-    start_weight_prefetch,
-)
+from splitserve.engine.fused_ops import gemv_tiles, norm_linear, plain_linear, rope_write_attend, silu_linear
 from splitserve.engine.kv_layout import layer_kv
 from splitserve.engine.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
 from splitserve.engine.model_config import ModelConfig
@@ -184,11 +177,8 @@ class DecoderLayer(nn.Module):
         attention on their own k/v; norm/SiLU fused into the projections where skinny_applies."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        prefetch = start_weight_prefetch(qkv, attn.o_proj, mlp.gate_up_proj)  # None unless enabled (fused_ops)
         h = attn.attend(positions, qkv, cos_sin_cache, kv_cache, meta, fused=True)
         gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
-        if prefetch is not None:
-            prefetch.join()
         return silu_linear(mlp.down_proj, gate_up), residual
 
 
