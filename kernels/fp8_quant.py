@@ -14,12 +14,16 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._common import next_pow2, use_triton
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 FP8_MAX = 448.0
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xt, stride_qt, min_scale, BLOCK_K: tl.constexpr):
+def _quant_kernel(
+    x_ptr, q_ptr, scale_ptr, K, stride_xt, stride_qt, min_scale, BLOCK_K: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -51,7 +55,16 @@ def quantize_per_token_triton(x: torch.Tensor, min_scale: float) -> tuple[torch.
         return x_q, scale
     block_k = min(4096, next_pow2(k))
     _quant_kernel[(num_tokens,)](
-        x, x_q, scale, k, x.stride(0), x_q.stride(0), min_scale, BLOCK_K=block_k, num_warps=4 if block_k >= 1024 else 1
+        x,
+        x_q,
+        scale,
+        k,
+        x.stride(0),
+        x_q.stride(0),
+        min_scale,
+        BLOCK_K=block_k,
+        **pdl_launch(x),
+        num_warps=4 if block_k >= 1024 else 1,
     )
     return x_q, scale
 

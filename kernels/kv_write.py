@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._common import next_pow2, use_triton
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -48,7 +49,9 @@ def _write_kv_kernel(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -142,6 +145,7 @@ def write_kv_triton(
         BLOCK_D=block_d,
         PAGE=k_cache.shape[1],
         FP8=k_cache.dtype == torch.float8_e4m3fn,
+        **pdl_launch(key),
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )
 

@@ -39,6 +39,7 @@ from splitserve.kernels._common import (
     use_triton,
 )
 from splitserve.kernels.paged_decode_attention_fp8 import check_fp8_variant, launch_fp8_decode
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic constants (see choose_num_splits and docs/perf.md "Kernels").
@@ -84,7 +85,9 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     DOT_F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,7 +174,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -294,6 +299,7 @@ def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         DOT_F32=on_cpu,
         PREC=dot_precision(q.dtype),
         DOT_F16=cfg.get("DOT_F16", fp8_dot_f16(q, k_cache)),
+        **pdl_launch(q),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -344,6 +350,7 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=max(2, next_pow2(num_splits)),
+            **pdl_launch(out),
             num_warps=4,
         )
     return out

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
+
 # variant name -> (TOKENS_M, QK8); "upcast" is paged_decode_attention.py's own kernel
 FP8_VARIANTS = {
     "rows": (False, 0),
@@ -287,7 +289,9 @@ def _decode_fp8_kernel(
     HEADS_FIRST: tl.constexpr,
     PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     if HEADS_FIRST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -524,6 +528,7 @@ def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, ou
         HEADS_FIRST=heads_first,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
         INTERPRET=on_cpu,
+        **pdl_launch(q),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

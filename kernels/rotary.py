@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._common import next_pow2, use_triton
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -69,7 +70,9 @@ def _rotary_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -166,6 +169,7 @@ def rotary_embedding_triton(
         BLOCK_QH=next_pow2(num_q_heads),
         BLOCK_KH=next_pow2(k.shape[1]),
         BLOCK_HALF=next_pow2(half),
+        **pdl_launch(q),
         num_warps=4,
     )
 

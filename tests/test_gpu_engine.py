@@ -127,3 +127,22 @@ def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
     pool_bytes = sizes[0][1]
     assert abs(left[1] - left[0]) < pool_bytes, f"{(left[1] - left[0]) / 2**20:.1f} MiB more after the second engine"
     assert sizes[0] == sizes[1]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="programmatic dependent launch needs sm_90")
+def test_pdl_leaves_the_tokens_unchanged(monkeypatch):
+    """kernels.pdl on (the decode graphs' Triton kernels launched with PDL) changes no token, bf16 and fp8."""
+    from splitserve.common.default_model_path import default_model_path
+    from splitserve.kernels import pdl
+
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for options in ({}, {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16}):
+        tokens = []
+        for enabled in (False, True):
+            monkeypatch.setattr(pdl, "ENABLED", enabled)
+            with LLM(
+                model=str(default_model_path()), device="cuda", num_kv_blocks=128, max_num_seqs=16, **options
+            ) as llm:
+                tokens.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+        assert tokens[1] == tokens[0], f"{options}: PDL changed tokens"
