@@ -9,6 +9,10 @@ rounding to the input dtype, then the cache's dtype), but one program per token 
 rotated key goes to the cache from registers instead of a second launch reading it back. At batch 1
 the two ops are ~2-3 us launches each per layer, a measurable share of an 8B model's decode step
 (docs/perf.md).
+
+An fp8 (e4m3) cache gets what `kv_write` stores there, bit for bit: the rotated key rounded to k's
+dtype, then clamp(float32(k) * float32(1 / k_scale), -448, 448) cast to e4m3 (v likewise with v_scale);
+the same operations in the same order as kv_write's kernel, so the cached bytes equal the unfused ops'.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ def _rope_heads(x1, x2, cos, sin):
 
 
 @triton.jit
+def _fp8_scaled(x, inv_scale):
+    """x (k's dtype) -> clamp(float32(x) * inv_scale, -448, 448) in fp32, as kv_write's fp8 path computes it."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
+
+
+@triton.jit
 def _rotary_kv_write_kernel(
     pos_ptr,
     q_ptr,
@@ -41,6 +51,8 @@ def _rotary_kv_write_kernel(
     v_cache_ptr,
     slot_ptr,
     cos_sin_ptr,
+    inv_k_scale,
+    inv_v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -61,6 +73,7 @@ def _rotary_kv_write_kernel(
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     PAGE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -98,19 +111,27 @@ def _rotary_kv_write_kernel(
         vc = v_cache_ptr + block_id * stride_vcb + offset * stride_vct + hk[:, None] * stride_vch + i[None, :]
         kc_dtype = k_cache_ptr.dtype.element_ty
         vc_dtype = v_cache_ptr.dtype.element_ty
-        tl.store(kc, k1.to(kc_dtype), mask=k_mask)
-        tl.store(kc + HALF, k2.to(kc_dtype), mask=k_mask)
-        tl.store(vc, v1.to(vc_dtype), mask=k_mask)
-        tl.store(vc + HALF, v2.to(vc_dtype), mask=k_mask)
+        if FP8:  # kv_write's quantization, operation for operation (e4m3 casts do not saturate)
+            tl.store(kc, _fp8_scaled(k1, inv_k_scale).to(kc_dtype), mask=k_mask)
+            tl.store(kc + HALF, _fp8_scaled(k2, inv_k_scale).to(kc_dtype), mask=k_mask)
+            tl.store(vc, _fp8_scaled(v1, inv_v_scale).to(vc_dtype), mask=k_mask)
+            tl.store(vc + HALF, _fp8_scaled(v2, inv_v_scale).to(vc_dtype), mask=k_mask)
+        else:
+            tl.store(kc, k1.to(kc_dtype), mask=k_mask)
+            tl.store(kc + HALF, k2.to(kc_dtype), mask=k_mask)
+            tl.store(vc, v1.to(vc_dtype), mask=k_mask)
+            tl.store(vc + HALF, v2.to(vc_dtype), mask=k_mask)
 
 
-def rotary_kv_write_ref(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache) -> None:
+def rotary_kv_write_ref(
+    positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
     """The two unfused references, in order: rotate q and k in place, then scatter k and v."""
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache) -> None:
+def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -124,6 +145,8 @@ def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache) -
         v_cache,
         slot_mapping,
         cos_sin_cache,
+        1.0 / k_scale,  # what kv_write passes: its kernel multiplies by the fp32 rounding of this
+        1.0 / v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -144,6 +167,7 @@ def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache) -
         BLOCK_KH=next_pow2(k.shape[1]),
         BLOCK_HALF=next_pow2(half),
         PAGE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
 
@@ -158,10 +182,14 @@ def rotary_kv_write(
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     impl: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place (neox RoPE at positions (T,)), then write k and
     v (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,) (< 0: skipped).
-    Equal to `rotary_embedding` then `write_kv`; the head dim must be contiguous in every tensor."""
+    An fp8 (e4m3) cache stores k / k_scale and v / v_scale, clamped to +-448 (the scales are ignored
+    otherwise). Equal to `rotary_embedding` then `write_kv` with the same impl, bit for bit; the head dim
+    must be contiguous in every tensor."""
     _check_write(k, v, k_cache, v_cache, slot_mapping)
     for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
@@ -176,6 +204,6 @@ def rotary_kv_write(
             f"got {tuple(cos_sin_cache.shape)}"
         )
     if use_triton(impl, q, "rotary_kv_write"):
-        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache)
+        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale)
     else:
-        rotary_kv_write_ref(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache)
+        rotary_kv_write_ref(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale)

@@ -8,7 +8,7 @@ from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from splitserve.kernels.rotary_kv_write import rotary_kv_write
 
 
-def _inputs(device, dtype, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size):
+def _inputs(device, dtype, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, cache_dtype=None):
     gen = torch.Generator().manual_seed(1)
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)  # one fused projection's output
@@ -17,7 +17,8 @@ def _inputs(device, dtype, num_tokens, num_q_heads, num_kv_heads, head_dim, bloc
     k = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
     num_blocks = num_tokens // block_size + 3
-    kv = torch.full((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype, device=device)
+    kv_shape = (num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    kv = torch.full(kv_shape, 7.0, dtype=cache_dtype or dtype, device=device)
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]  # strided, as engine.kv_layout hands them out
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[1] = -1  # a padding row: nothing written
@@ -51,3 +52,49 @@ def test_rejects_a_bad_positions_shape(device):
     qkv, q, k, v, kv, k_cache, v_cache, slots, positions, cache = _inputs(device, torch.float32, 4, 2, 1, 16, 4)
     with pytest.raises(ValueError, match=r"rotary_kv_write: positions must be \(4,\), got \(3,\)"):
         rotary_kv_write(positions[:3], q, k, v, k_cache, v_cache, slots, cache)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bytes as integers of its width, on the CPU (exact comparison, nan and -0.0 included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return x.cpu().view(ints[x.element_size()])
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [(4, 2, 16, 4), (6, 1, 32, 16)])
+def test_fp8_cache_bytes_equal_rotary_then_write(
+    device, impl, dtype, k_scale, v_scale, num_q_heads, num_kv_heads, head_dim, block_size
+):
+    """Into an e4m3 cache with per-layer scales: the cached bytes, and q and k rotated in place, equal
+    rotary_embedding then write_kv (same impl) bit for bit; padding rows (slot -1) and every other slot keep
+    their bytes. Triton is compared with Triton: the interpreter's float32 -> e4m3 cast differs from torch's
+    in places (it can lose a rounding carry), the same in both kernels; on a GPU they compile for real."""
+    args = _inputs(device, dtype, 9, num_q_heads, num_kv_heads, head_dim, block_size, cache_dtype=FP8)
+    qkv, q, k, v, kv, k_cache, v_cache, slots, positions, cache = args
+    k_end = (num_q_heads + num_kv_heads) * head_dim
+    qkv[0, k_end - 1] = 2000.0  # a key past 448 * k_scale, and a value: clamped to +-448, never nan
+    qkv[2, -1] = -3000.0
+    want_qkv, want_kv = qkv.clone(), kv.clone()
+    q_end = num_q_heads * head_dim
+    wq = want_qkv[:, :q_end].view(q.shape)
+    wk, wv = want_qkv[:, q_end:k_end].view(k.shape), want_qkv[:, k_end:].view(v.shape)
+    rotary_embedding(positions, wq, wk, cache, impl=impl)
+    write_kv(wk, wv, want_kv[:, 1, 0], want_kv[:, 1, 1], slots, impl=impl, k_scale=k_scale, v_scale=v_scale)
+
+    rotary_kv_write(positions, q, k, v, k_cache, v_cache, slots, cache, impl=impl, k_scale=k_scale, v_scale=v_scale)
+
+    assert torch.equal(_bits(qkv), _bits(want_qkv))  # q and k rotated in place, v untouched
+    assert torch.equal(_bits(kv), _bits(want_kv))
+    written = torch.zeros(kv.shape[0], block_size, dtype=torch.bool)  # (num_blocks, bs)
+    for slot in slots.tolist():
+        if slot >= 0:
+            written[slot // block_size, slot % block_size] = True
+    assert int(written.sum()) == 8  # nine tokens, one padding row
+    untouched = torch.cat([kv[:, 0].flatten(), kv[:, 1].transpose(0, 1)[:, ~written.to(device)].flatten()])
+    assert bool((untouched.float() == 7.0).all()), "a padding row or another slot was written"
+    assert bool((kv[:, 1].float().abs() <= 448).all()) and float(kv[:, 1].float().abs().max()) == 448.0
