@@ -3,7 +3,8 @@
     norm_linear     RMSNorm(x [+ residual]) then a projection     one launch when skinny (off, see below)
     silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below)
     rope_write_attend  rotary + KV write, then attention             two launches instead of three;
-                    a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention)
+                    a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention);
+                    into a 16-bit cache of k's dtype or an fp8 one (k_scale / v_scale)
 
 Why: at batch 1 an 8B decode step is ~350 small launches, ~0.7 ms of its 4.4 ms graph beyond the
 GEMMs (docs/perf.md, "Decode-step time"). The few-row projections can run `kernels.skinny_linear`
@@ -116,6 +117,12 @@ def plain_linear(linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
 
 
+def fused_write_applies(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """rope_write_attend's one-launch rotary + KV write runs on CUDA into a cache of k's dtype or an fp8
+    (e4m3) one (kernels.rotary_kv_write quantizes as kv_write does); elsewhere the unfused ops run."""
+    return q.is_cuda and k_cache.dtype in (k.dtype, torch.float8_e4m3fn)
+
+
 def rope_write_attend(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -129,13 +136,29 @@ def rope_write_attend(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Rotate q/k, write k/v into the cache, attend: q (T, Hq, D) -> (T, Hq, D). On CUDA the rotation
-    and the write are one kernel (`kernels.rotary_kv_write`); elsewhere, and into an fp8 cache (which
-    stores k / k_scale, v / v_scale: engine.attention), the unfused ops."""
-    if q.is_cuda and k_cache.dtype == k.dtype:
-        from splitserve.kernels.rotary_kv_write import rotary_kv_write
-
-        rotary_kv_write(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin_cache)
-        return paged_attention_cuda(q, k_cache, v_cache, meta, scale, k, v)
+    """Rotate q/k, write k/v into the cache, attend: q (T, Hq, D) -> (T, Hq, D). When `fused_write_applies`
+    the rotation and the write are one kernel (`kernels.rotary_kv_write`), then `rope_write_attend_fused`;
+    elsewhere the unfused ops. An fp8 cache stores k / k_scale, v / v_scale (engine.attention)."""
+    if fused_write_applies(q, k, k_cache):
+        return rope_write_attend_fused(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale, k_scale, v_scale
+        )
     rotary_embedding(positions, q, k, cos_sin_cache)
     return attention_forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+
+def rope_write_attend_fused(
+    positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0
+) -> torch.Tensor:
+    """The fused path of rope_write_attend (its kernels' torch references on CPU tensors). The scales fold in
+    as attention_forward's CUDA path folds them (scale * k_scale, the output times v_scale), so its result
+    equals that path's bit for bit; a fresh prompt attends over its own k/v only with a 16-bit cache (an fp8
+    cache's prompts read the stored, quantized keys, as attention_forward's do)."""
+    from splitserve.kernels.rotary_kv_write import rotary_kv_write
+
+    rotary_kv_write(
+        positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin_cache, k_scale=k_scale, v_scale=v_scale
+    )
+    own_kv = (k, v) if k_cache.dtype == k.dtype else ()
+    out = paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale, *own_kv)
+    return out if v_scale == 1.0 else out.mul_(v_scale)

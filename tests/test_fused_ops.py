@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from splitserve.engine import fused_ops
+from splitserve.engine.attention import attention_forward
+from splitserve.engine.layers import build_cos_sin_cache, rotary_embedding
 from splitserve.engine.loader import load_model
-from tests.model_factory import make_tiny_model_dir
+from tests.model_factory import SeqSpec, build_meta, make_tiny_model_dir, step_positions
 from tests.test_models import run_engine
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("arch,kwargs", [("llama", dict(num_kv_heads=2)), ("qwen2", dict(num_kv_heads=1))])
@@ -102,3 +106,60 @@ def test_a_linear_with_measured_tiles_runs_the_gemv_at_one_row(monkeypatch):
     assert bool((err <= fp8_skinny_linear_error_bound(x, lin.weight, None).double()).all())
     x2 = torch.randn(2, 4096, generator=gen).to("cuda", torch.bfloat16)
     assert torch.equal(lin(x2), torch.nn.functional.linear(x2, lin.weight))  # two rows: cuBLAS
+
+
+def test_the_fused_rotary_write_applies_on_cuda_into_a_cache_of_ks_dtype_or_fp8():
+    k = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16)
+    assert fused_ops.fused_write_applies(OnCuda(q), k, cache)
+    assert fused_ops.fused_write_applies(OnCuda(q), k, cache.to(torch.float8_e4m3fn))
+    assert not fused_ops.fused_write_applies(OnCuda(q), k, cache.half())  # a 16-bit cache of another dtype
+    assert not fused_ops.fused_write_applies(q, k, cache)  # CPU: the unfused ops (the C++ CPU ops)
+
+
+# a step of fresh prompts, a decode beside a chunk, then a decode-only step (block size 4)
+FP8_STEPS = [
+    [SeqSpec(0, 6, (3, 1)), SeqSpec(0, 3, (5,))],
+    [SeqSpec(6, 1, (3, 1)), SeqSpec(3, 5, (5, 7))],
+    [SeqSpec(7, 1, (3, 1)), SeqSpec(8, 1, (5, 7, 2))],
+]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu]), "cpu"])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
+def test_fp8_cache_fused_rotary_write_equals_the_unfused_ops(device, k_scale, v_scale):
+    """Into an fp8 cache with per-layer scales, over three steps: the fused path (rotary_kv_write, then paged
+    attention with the scales folded in) leaves the cache bytes and rotated q the unfused ops (rotary_embedding,
+    attention_forward) leave; q, k and the output equal theirs bit for bit on a GPU (the same kernels and folding;
+    rope_write_attend routes there), within float32 rounding on CPU (kernel references against the CPU path)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    heads, kv_heads, dim, bs = 4, 2, 32, 4
+    kv = torch.full((12, 2, 2, bs, kv_heads, dim), 7.0, dtype=torch.float8_e4m3fn, device=device)
+    want_kv = kv.clone()
+    cos_sin = build_cos_sin_cache(dim, 64, 10000.0, None, dtype, device=device)
+    gen = torch.Generator().manual_seed(3)
+    for specs in FP8_STEPS:
+        meta, positions = build_meta(specs, bs, device), step_positions(specs, device)
+        num_tokens = positions.shape[0]
+        q, k, v = (
+            (torch.randn(num_tokens, h, dim, generator=gen) * 3).to(device, dtype) for h in (heads, kv_heads, kv_heads)
+        )
+        want_q, want_k = q.clone(), k.clone()
+        args = (k, v, cos_sin, kv[:, 1, 0], kv[:, 1, 1], meta, dim**-0.5, k_scale, v_scale)
+        if device == "cuda":
+            assert fused_ops.fused_write_applies(q, k, kv)
+            out = fused_ops.rope_write_attend(positions, q, *args)
+        else:
+            out = fused_ops.rope_write_attend_fused(positions, q, *args)
+        rotary_embedding(positions, want_q, want_k, cos_sin)
+        want = attention_forward(
+            want_q, want_k, v, want_kv[:, 1, 0], want_kv[:, 1, 1], meta, dim**-0.5, k_scale, v_scale
+        )
+        assert torch.equal(kv.view(torch.uint8), want_kv.view(torch.uint8))
+        for got, expected in ((q, want_q), (k, want_k), (out, want)):
+            if device == "cuda":
+                assert torch.equal(got, expected)
+            else:  # the C++ CPU rotary and the torch attention round apart from the kernel references
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert int((kv[:, 1, 0].float() != 7.0).any(-1).any(-1).sum()) == 17  # every new token's key slot written
