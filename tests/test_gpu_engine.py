@@ -146,3 +146,35 @@ def test_pdl_leaves_the_tokens_unchanged(monkeypatch):
             ) as llm:
                 tokens.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
         assert tokens[1] == tokens[0], f"{options}: PDL changed tokens"
+
+
+def test_fp8_kv_tokens_are_the_same_with_the_fused_rotary_write(monkeypatch):
+    """fp8 weights and KV cache: the fused rotary + KV write (kernels.rotary_kv_write, the default) gives the
+    tokens the unfused rotary + write give (each layer's cache bytes and attention output are the same bits:
+    tests/test_fused_ops.py), prompts and graphed decode steps alike."""
+    from splitserve.common.default_model_path import default_model_path
+    from splitserve.engine import fused_ops
+
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls, tokens = [], []
+    fused_rule = fused_ops.fused_write_applies
+    for fused in (True, False):
+
+        def applies(q, k, k_cache, fused=fused):
+            calls.append((fused, k_cache.dtype))
+            return fused_rule(q, k, k_cache) if fused else False
+
+        monkeypatch.setattr(fused_ops, "fused_write_applies", applies)
+        with LLM(
+            model=str(default_model_path()),
+            dtype="bfloat16",
+            device="cuda",
+            num_kv_blocks=128,
+            max_num_seqs=16,
+            quantization="fp8",
+            kv_cache_dtype="fp8",
+        ) as llm:
+            tokens.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+    assert (True, torch.float8_e4m3fn) in calls and (False, torch.float8_e4m3fn) in calls
+    assert tokens[0] == tokens[1]
