@@ -20,6 +20,20 @@ FP8_MAX = 448.0
 
 
 @triton.jit
+def fp8_row_scale(amax, min_scale):
+    """A row's scale from its elementwise |x| maxima (any shape, fp32): max(amax) / 448, at least min_scale.
+    Every kernel that quantizes per token calls this and `fp8_quantize`, so fused producers
+    (kernels.rmsnorm, kernels.activation) write the bytes this file's kernel writes."""
+    return tl.maximum(tl.max(amax, axis=0) / 448.0, min_scale)  # 448: largest finite e4m3
+
+
+@triton.jit
+def fp8_quantize(x, inv_scale, fp8_dtype: tl.constexpr):
+    """fp32 values times 1 / scale, clamped to +-448 (the cast does not saturate), cast to e4m3."""
+    return tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0).to(fp8_dtype)
+
+
+@triton.jit
 def _quant_kernel(
     x_ptr, q_ptr, scale_ptr, K, stride_xt, stride_qt, min_scale, BLOCK_K: tl.constexpr, PDL: tl.constexpr
 ):
@@ -30,13 +44,12 @@ def _quant_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + t * stride_xt + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, min_scale)  # 448: largest finite e4m3
+    scale = fp8_row_scale(amax, min_scale)
     inv = 1.0 / scale
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
         x = tl.load(x_ptr + t * stride_xt + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-        tl.store(q_ptr + t * stride_qt + k0 + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + t * stride_qt + k0 + offs, fp8_quantize(x, inv, q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + t, scale)
 
 
