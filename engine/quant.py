@@ -166,18 +166,29 @@ class Fp8Linear(nn.Module):
             return quantize_per_token(x)
         return quantize_static(x, self._static_scale), self._static_scale.expand(x.shape[0], 1)
 
+    def takes_fused_quant(self, rows: int) -> bool:
+        """Whether a step of `rows` rows may hand this layer its input already quantized (forward_quantized):
+        it runs W8A8 through `_scaled_mm` (rows > w8a16_max_rows, a capable device) on per-token scales.
+        engine.fused_ops then quantizes in the launch that makes the input (an RMSNorm, a SiLU-mul) instead of
+        in a launch of its own. A static `input_scale` keeps the unfused path (the fused kernels compute
+        per-token scales), as do W8A16 steps (not quantized) and the reference (CPU, odd K or N)."""
+        return self.use_scaled_mm and self._static_scale is None and rows > self.w8a16_max_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (T, K)
         if x2.shape[0] <= self.w8a16_max_rows:
             return self._w8a16(x2).reshape(*lead, self.out_features)
-        x_q, x_scale = self.quantize_input(x2)
+        return self.forward_quantized(*self.quantize_input(x2)).reshape(*lead, self.out_features)
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The W8A8 product of an input quantized already: x_q (T, K) e4m3, x_scale (T, 1) fp32 (or the static
+        scale expanded) -> (T, N) in the model's dtype; `_scaled_mm` where the layer uses it, else the reference
+        (both operands dequantized to the model's dtype)."""
         if self.use_scaled_mm:
-            y = self._scaled_mm(x_q, x_scale)
-        else:
-            w = dequantize(self.weight, self.weight_scale[:, None], self.out_dtype)  # (N, K)
-            y = F.linear(dequantize(x_q, x_scale, self.out_dtype), w, self.bias)
-        return y.reshape(*lead, self.out_features)
+            return self._scaled_mm(x_q, x_scale)
+        w = dequantize(self.weight, self.weight_scale[:, None], self.out_dtype)  # (N, K)
+        return F.linear(dequantize(x_q, x_scale, self.out_dtype), w, self.bias)
 
     def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
         """x (T <= w8a16_max_rows, K), not quantized, times the e4m3 weight -> (T, N) in x's dtype."""

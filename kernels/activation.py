@@ -126,7 +126,14 @@ def silu_and_mul_quant(
     if x2.shape[0] > 0:
         block_f = min(max_block_f, next_pow2(feat))
         _silu_and_mul_quant_kernel[(x2.shape[0],)](
-            x2, x_q, scale, x2.stride(0), x_q.stride(0), min_scale, FEAT=feat, BLOCK_F=block_f,
+            x2,
+            x_q,
+            scale,
+            x2.stride(0),
+            x_q.stride(0),
+            min_scale,
+            FEAT=feat,
+            BLOCK_F=block_f,
             num_warps=min(16, max(1, block_f // 512)),
         )
     return x_q, scale
