@@ -129,3 +129,29 @@ def test_forward_quantized_is_forward_after_the_quantizer():
         layer = fp8_layer(scaled_mm=scaled_mm)
         x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).bfloat16()
         assert torch.equal(layer.forward_quantized(*quantize_per_token(x)), layer(x))
+
+
+def test_a_quantized_decoder_through_the_fused_layers_gives_the_unfused_logits(tmp_path, monkeypatch, fused_calls):
+    """The decoder's fused layer path (forced on CPU) with every projection fp8 on the `_scaled_mm` path: the
+    norms and SiLU-muls hand their projections quantized input (layer 0's norm without a residual), and the
+    logits of a chunked schedule equal the unfused layers', bit for bit."""
+    from splitserve.engine.fp8_checkpoint import quantize_model
+    from splitserve.engine.loader import load_model
+    from tests.model_factory import make_tiny_model_dir
+    from tests.test_models import run_engine
+
+    needs_cpu_scaled_mm()
+    path = make_tiny_model_dir(tmp_path, "llama", vocab_size=503, dtype=torch.bfloat16, num_kv_heads=2)
+    net, config = load_model(path, dtype=torch.bfloat16, device="cpu")
+    assert quantize_model(net) == 4 * config.num_layers
+    for layer in net.modules():
+        if isinstance(layer, Fp8Linear):
+            layer.use_scaled_mm = True  # as finalize() sets it on an sm_89+ GPU
+    want = run_engine(net, config, torch.bfloat16)
+    assert fused_calls == {"norm": 0, "silu": 0}
+    forward = type(net.model.layers[0]).forward
+    monkeypatch.setattr(type(net.model.layers[0]), "forward", lambda self, *a: forward(self, *a[:6], True))
+    got = run_engine(net, config, torch.bfloat16)
+    assert fused_calls["norm"] > 0 and fused_calls["silu"] == fused_calls["norm"] // 2
+    for name in ("A", "B"):
+        assert torch.equal(got[name], want[name]), name
