@@ -25,9 +25,12 @@ import torch
 from bench.fp8_linear import graph_ms
 
 NUM_LAYERS = 32  # Llama-3-8B: 2 norms and 1 SiLU-mul quantized per layer
-FULL = dict(hidden=4096, feat=14336, exact_rows=(1, 128, 256), time_rows=(1, 16, 64, 128, 256))
-DRY = dict(hidden=256, feat=640, exact_rows=(1, 3), time_rows=(3,))
-TWO_PASS_BLOCK_F = 4096  # the SiLU-mul kernel's other layout, timed beside the default (row in registers)
+# two_pass: the SiLU-mul kernel's other layout (the row read twice, this many features at a time), timed beside
+# the default (the row in registers, up to kernels.activation._MAX_ONE_PASS_F); the fastest belongs there
+FULL = dict(
+    hidden=4096, feat=14336, exact_rows=(1, 128, 256), time_rows=(1, 16, 64, 128, 256), two_pass=(8192, 4096, 2048)
+)
+DRY = dict(hidden=256, feat=640, exact_rows=(1, 3), time_rows=(3,), two_pass=(256,))
 
 
 def inputs(rows: int, p: dict, dtype, device: str, seed: int = 0):
@@ -44,7 +47,7 @@ def inputs(rows: int, p: dict, dtype, device: str, seed: int = 0):
     return [t.to(device, dtype) for t in (x, residual, weight, gate_up)]
 
 
-def variants(x, residual, weight, gate_up, min_scale: float) -> dict:
+def variants(x, residual, weight, gate_up, min_scale: float, two_pass=()) -> dict:
     """name -> (op, zero-argument call returning (x_q, scale[, new_residual])); unfused first per op."""
     from splitserve.kernels.activation import silu_and_mul_quant, silu_and_mul_triton
     from splitserve.kernels.fp8_quant import quantize_per_token_triton as quant
@@ -56,7 +59,7 @@ def variants(x, residual, weight, gate_up, min_scale: float) -> dict:
         out, new_residual = rms_norm_triton(x, weight, eps, residual)
         return (*quant(out, min_scale), new_residual)
 
-    return {
+    calls = {
         "norm+res: rms_norm, quantize": ("norm", norm_then_quant),
         "norm+res: rms_norm_quant": (
             "norm",
@@ -66,11 +69,13 @@ def variants(x, residual, weight, gate_up, min_scale: float) -> dict:
         "norm: rms_norm_quant": ("norm0", lambda: rms_norm_quant(x, weight, eps, min_scale, impl="triton")[:2]),
         "silu: silu_and_mul, quantize": ("silu", lambda: quant(silu_and_mul_triton(gate_up), min_scale)),
         "silu: silu_and_mul_quant": ("silu", lambda: silu_and_mul_quant(gate_up, min_scale, impl="triton")),
-        f"silu: silu_and_mul_quant {TWO_PASS_BLOCK_F}": (
-            "silu",
-            lambda: silu_and_mul_quant(gate_up, min_scale, impl="triton", max_block_f=TWO_PASS_BLOCK_F),
-        ),
     }
+    for block_f in two_pass:
+        calls[f"silu: silu_and_mul_quant {block_f}"] = (
+            "silu",
+            lambda b=block_f: silu_and_mul_quant(gate_up, min_scale, impl="triton", max_block_f=b),
+        )
+    return calls
 
 
 def mismatches(got: tuple, want: tuple) -> int:
@@ -90,7 +95,7 @@ def check_exact(p: dict, device: str, min_scale: float) -> list[dict]:
     rows_out = []
     for dtype in (torch.bfloat16, torch.float16):
         for rows in p["exact_rows"]:
-            calls = variants(*inputs(rows, p, dtype, device), min_scale)
+            calls = variants(*inputs(rows, p, dtype, device), min_scale, p["two_pass"])
             unfused = {}
             for name, (op, call) in calls.items():
                 result = call()
@@ -105,7 +110,7 @@ def check_exact(p: dict, device: str, min_scale: float) -> list[dict]:
 def time_variants(p: dict, device: str, min_scale: float) -> list[dict]:
     rows_out = []
     for rows in p["time_rows"]:
-        calls = variants(*inputs(rows, p, torch.bfloat16, device), min_scale)
+        calls = variants(*inputs(rows, p, torch.bfloat16, device), min_scale, p["two_pass"])
         base = {}
         for name, (op, call) in calls.items():
             ms = graph_ms([call] * (64 if device == "cuda" else 1), device)
