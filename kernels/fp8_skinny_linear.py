@@ -4,6 +4,12 @@
     w_q (N, K) float8_e4m3fn, scale (N,) fp32   one scale per output row (engine.quant's weights)
     y[m, n] = scale[n] * sum_k x[m, k] * w_q[n, k]  (+ b[n])          fp32 sums, rounded once to x's dtype
 
+With `silu` (constexpr SILU) x arrives as [gate | up] (M, 2K), and each program makes its K slice of the MLP's
+activation as it loads it, so the down projection needs no silu_and_mul launch in front:
+
+    x[m, k] = r(r(silu(gate[m, k])) * up[m, k])    silu and the product in fp32, r() rounding to x's dtype
+                                                    (kernels.activation's arithmetic: bit for bit its output)
+
 Why: at a decode step of a few rows the projections are bound by the weight bytes they read. The
 e4m3 GEMM (`torch._scaled_mm`) at one row plus the activation quantizer in front of it was slower
 than cuBLAS bf16 (the K=14336 down projection 3x, docs/perf.md); this kernel streams the one-byte
@@ -56,6 +62,15 @@ def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up as kernels.activation's kernel computes it, so that the fused projection sees the same
+    x bit for bit: silu in fp32 rounded to gate's dtype, the product in fp32 rounded again."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     x_ptr,
     w_ptr,
@@ -83,6 +98,7 @@ def _fp8_skinny_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -102,9 +118,13 @@ def _fp8_skinny_kernel(
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask, other=0.0)
+                if SILU:  # up sits K columns after gate; masked-out zeros stay zero (silu(0) * 0)
+                    a = _silu_mul(a, tl.load(x_rows + K + kk[None, :], mask=m_mask, other=0.0))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
+                if SILU:
+                    a = _silu_mul(a, tl.load(x_rows + K + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0))
             if DOT_F32:  # the interpreter's 16-bit dot is wrong (kernels._common.interpreting)
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PREC)
             else:
@@ -116,9 +136,13 @@ def _fp8_skinny_kernel(
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk)
+                if SILU:
+                    a = _silu_mul(a, tl.load(x_ptr + K + kk))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+                if SILU:
+                    a = _silu_mul(a, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0))
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
     if not SPLIT:
@@ -167,9 +191,14 @@ def fp8_skinny_config(
     return cfg
 
 
-def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None):
+def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None, silu=False):
     """Plain torch, the same math: the e4m3 values times x in fp32 (fp64 for fp64 x), the row scale
-    after the sum (none for a 16-bit weight), the bias, one rounding to x's dtype."""
+    after the sum (none for a 16-bit weight), the bias, one rounding to x's dtype. With `silu`, x (M, 2K) =
+    [gate | up] goes through kernels.activation's reference first."""
+    if silu:
+        from splitserve.kernels.activation import silu_and_mul_ref
+
+        x = silu_and_mul_ref(x)
     acc = torch.promote_types(x.dtype, torch.float32)
     y = x.to(acc) @ weight.to(acc).t()  # (M, N)
     if weight_scale is not None:
@@ -196,10 +225,16 @@ def fp8_skinny_linear_error_bound(x, weight, weight_scale, bias=None) -> torch.T
     return step * y.abs() + 4 * x.shape[1] * 2.0**-24 * magnitude + smallest
 
 
-def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+def _check(x, weight, weight_scale, bias, counters, cfg=None, silu=False) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if silu else 1):
+        if silu and x.dim() == 2 and weight.dim() == 2:
+            raise ValueError(
+                f"fp8_skinny_linear: with silu x must be [gate | up] (M, 2K) = (M, {2 * weight.shape[1]}) for "
+                f"weight (N, K) {tuple(weight.shape)}, got x {tuple(x.shape)}"
+            )
         raise ValueError(
-            f"fp8_skinny_linear: x must be (M, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}"
+            f"fp8_skinny_linear: x must be (M, {'2K' if silu else 'K'}) and weight (N, K), "
+            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
     sixteen = weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
     if not (weight.dtype == torch.float8_e4m3fn or sixteen) or weight.stride(1) != 1:
@@ -224,10 +259,10 @@ def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
         raise ValueError(f"fp8_skinny_linear: config {cfg} needs BLOCK_N >= {MIN_BLOCK_N} and DOT for M > 1")
 
 
-def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, config=None):
+def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, config=None, silu=False):
     """The Triton kernel; `config` overrides fp8_skinny_config (benchmarks and tests only).
-    Without `counters` a zeroed set is made for this call."""
-    m, k = x.shape
+    Without `counters` a zeroed set is made for this call. `silu`: x is [gate | up] (M, 2K)."""
+    m, k = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
     n = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -235,7 +270,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
     sms = 1 if on_cpu else num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     weight_bytes = weight.element_size()
     cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu, x.dtype, weight_bytes), **(config or {}))
-    _check(x, weight, weight_scale, bias, counters, cfg)
+    _check(x, weight, weight_scale, bias, counters, cfg, silu)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -277,6 +312,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         NUM_STAGES=cfg["num_stages"],
         DOT_F32=on_cpu,
         PREC="ieee" if on_cpu else dot_precision(x.dtype),
+        SILU=silu,
         num_warps=cfg["num_warps"],
     )
     return y
@@ -290,12 +326,13 @@ def fp8_skinny_linear(
     counters: torch.Tensor | None = None,
     impl: str = "auto",
     config: dict | None = None,
+    silu: bool = False,
 ) -> torch.Tensor:
     """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row (or x's 16-bit dtype, no scale)
-    -> (M, N) in x's dtype
+    -> (M, N) in x's dtype; with `silu`, x (M, 2K) = [gate | up] and the product is silu(gate) * up's
     (module docstring: the exact math, and what `counters` must be). `config` overrides some or all
     of fp8_skinny_config's tiles (measured ones: engine.quant.W8A16_TILES)."""
-    _check(x, weight, weight_scale, bias, counters)
+    _check(x, weight, weight_scale, bias, counters, silu=silu)
     if use_triton(impl, x, "fp8_skinny_linear"):
-        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters, config)
-    return fp8_skinny_linear_ref(x, weight, weight_scale, bias)
+        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters, config, silu)
+    return fp8_skinny_linear_ref(x, weight, weight_scale, bias, silu)
