@@ -1,7 +1,8 @@
 """Fused GPU paths of the decoder's ops, each with the unfused ops as its fallback.
 
     norm_linear     RMSNorm(x [+ residual]) then a projection     one launch when skinny (off, see below)
-    silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below)
+    silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below), and
+                    for an Fp8Linear at the rows its W8A16 kernel runs (Fp8Linear.forward_silu)
     rope_write_attend  rotary + KV write, then attention             two launches instead of three;
                     a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention);
                     into a 16-bit cache of k's dtype or an fp8 one (k_scale / v_scale)
@@ -10,7 +11,8 @@ Why: at batch 1 an 8B decode step is ~350 small launches, ~0.7 ms of its 4.4 ms 
 GEMMs (docs/perf.md, "Decode-step time"). The few-row projections can run `kernels.skinny_linear`
 (the weight read once, the op before it recomputed from x in every program), which measured slower
 inside the graph and is off (SKINNY_MAX_ROWS). A projection whose weight is not a plain
-float16/bfloat16 matrix of x's dtype (a quantized layer, a CPU-packed one) takes the unfused path.
+float16/bfloat16 matrix of x's dtype (a quantized layer, a CPU-packed one) takes the unfused path, except
+an Fp8Linear in silu_linear: its forward_silu fuses at the rows its W8A16 kernel runs.
 
 An fp8 projection that quantizes its input per token for `_scaled_mm` (`Fp8Linear.takes_fused_quant`)
 gets it from the launch before it: the RMSNorm or SiLU-mul kernel writes e4m3 values and row scales
@@ -120,14 +122,16 @@ def silu_linear(linear, gate_up: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) * up) of gate_up (T, 2F) = [gate | up]."""
     from splitserve.engine.layers import silu_and_mul
 
+    if fused_quant_applies(gate_up, linear):  # many rows, W8A8: the SiLU-mul launch quantizes
+        from splitserve.kernels.activation import silu_and_mul_quant
+
+        return linear.forward_quantized(*silu_and_mul_quant(gate_up, MIN_SCALE)).view(*gate_up.shape[:-1], -1)
+    if isinstance(linear, Fp8Linear):  # few rows: the W8A16 kernel with the SiLU-mul in its loads
+        return linear.forward_silu(gate_up)
     if skinny_applies(gate_up, linear):
         from splitserve.kernels.skinny_linear import skinny_linear
 
         return skinny_linear(gate_up, linear.weight, linear.bias, "silu")
-    if fused_quant_applies(gate_up, linear):
-        from splitserve.kernels.activation import silu_and_mul_quant
-
-        return linear.forward_quantized(*silu_and_mul_quant(gate_up, MIN_SCALE)).view(*gate_up.shape[:-1], -1)
     return linear(silu_and_mul(gate_up))
 
 

@@ -101,7 +101,7 @@ def test_silu_in_the_loads_equals_silu_and_mul_then_the_kernel_bit_for_bit(devic
 
 
 def test_silu_reads_rows_at_their_stride(device):
-    """gate_up as a column slice of a wider buffer (row stride 2K + 24): each row's gate and up come from its own row."""
+    """gate_up a column slice of a wider buffer (row stride 2K + 24): each row's gate and up from its own row."""
     _, w_q, scale, b = _operands(device, torch.bfloat16, 3, 40, 64)
     wide = torch.randn(3, 2 * 64 + 24, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
     gate_up = wide[:, : 2 * 64]
@@ -115,7 +115,9 @@ def test_silu_ref_and_width_errors():
     gate_up = torch.randn(2, 80, generator=torch.Generator().manual_seed(3)).bfloat16()
     want = fp8_skinny_linear_ref(silu_and_mul_ref(gate_up), w_q, scale, b)
     assert torch.equal(fp8_skinny_linear(gate_up, w_q, scale, b, impl="ref", silu=True), want)
-    message = r"with silu x must be \[gate \| up\] \(M, 2K\) = \(M, 80\) for weight \(N, K\) \(24, 40\), got x \(2, 40\)"
+    message = (
+        r"with silu x must be \[gate \| up\] \(M, 2K\) = \(M, 80\) for weight \(N, K\) \(24, 40\), got x \(2, 40\)"
+    )
     with pytest.raises(ValueError, match=message):
         fp8_skinny_linear(gate_up[:, :40], w_q, scale, impl="ref", silu=True)
     with pytest.raises(ValueError, match=message):
