@@ -97,22 +97,26 @@ def compile_only(module, arch: int):
 
 
 def launch_all(module) -> int:
-    """Every launch: the engine's (default tiles, M = 1, 2, 16, bf16 + fp16/fp32 + bias on one shape), the
-    projection bench's sweep (bench.fp8_linear.w8a16_configs at M = 1, 16), the GPU tests'. Returns the count."""
+    """Every launch: the engine's (default tiles, M = 1, 2, 16, bf16 + fp16/fp32 + bias on one shape; the down
+    projections also with the SiLU-mul in their loads, as Fp8Linear.forward_silu runs them), the projection
+    bench's sweep (bench.fp8_linear.w8a16_configs at M = 1, 16), the GPU tests'. Returns the count."""
     from bench.fp8_linear import FP8_LINEARS, w8a16_configs
 
-    def call(m, n, k, dtype=torch.bfloat16, bias=False, config=None):
-        x = torch.zeros(m, k, dtype=dtype)
+    def call(m, n, k, dtype=torch.bfloat16, bias=False, config=None, silu=False):
+        x = torch.zeros(m, 2 * k if silu else k, dtype=dtype)
         w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
         b = torch.zeros(n, dtype=dtype) if bias else None
         counters = torch.zeros(-(-n // module.MIN_BLOCK_N), dtype=torch.int32)
-        module.fp8_skinny_linear_triton(x, w, torch.ones(n), b, counters, config)
+        module.fp8_skinny_linear_triton(x, w, torch.ones(n), b, counters, config, silu)
 
     launches = 0
-    for _, n, k in FP8_LINEARS + ENGINE_SHAPES:
+    for name, n, k in FP8_LINEARS + ENGINE_SHAPES:
         for m in (1, 2, 16):
             call(m, n, k)
             launches += 1
+            if name.endswith("down"):
+                call(m, n, k, silu=True)
+                launches += 1
             if (n, k) == (4096, 4096):
                 for dtype in (torch.float16, torch.float32):
                     call(m, n, k, dtype)
@@ -202,7 +206,7 @@ def analyse(recorder, tools) -> list[dict]:
 
 
 COLUMNS = (
-    *("x", "M", "DOT", "BLOCK_N x K", "warps", "stages", "split", "EVEN_K", "bias", "regs", "spill ops"),
+    *("x", "M", "DOT", "BLOCK_N x K", "warps", "stages", "split", "EVEN_K", "bias", "silu", "regs", "spill ops"),
     *("shared B", "K loop SASS", "warp SASS / KiB", "loop mix", "launched for (M N K)"),
 )
 
@@ -210,7 +214,7 @@ COLUMNS = (
 def table(rows: list[dict]) -> list[str]:
     """One markdown line per compiled kernel, by tile; M shows 1 where Triton specialized it to a constant."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    key = lambda r: (r["DOT"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["NUM_STAGES"], r["SPLIT"])  # noqa: E731
+    key = lambda r: (r["DOT"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["NUM_STAGES"], r["SPLIT"], r["SILU"])  # noqa: E731
     for r in sorted(rows, key=key):
         mix = ", ".join(f"{k} {v}" for k, v in sorted(r["mix"].items(), key=lambda kv: -kv[1]))
         cells = [
@@ -218,7 +222,10 @@ def table(rows: list[dict]) -> list[str]:
             r["constants"].get("(7,)", "M"),
             r["DOT"],
             f"{r['BLOCK_N']} x {r['BLOCK_K']}",
-            *(r[c] for c in ("num_warps", "NUM_STAGES", "SPLIT", "EVEN_K", "HAS_BIAS", "registers", "local_ops")),
+            *(
+                r[c]
+                for c in ("num_warps", "NUM_STAGES", "SPLIT", "EVEN_K", "HAS_BIAS", "SILU", "registers", "local_ops")
+            ),
             *(r[c] for c in ("shared_bytes", "loop_sass")),
             f"{r['sass_per_kib']:.0f}",
             mix,
