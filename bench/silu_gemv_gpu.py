@@ -29,6 +29,22 @@ import torch
 from bench.fp8_linear import copies_for, graph_ms, swept_tiles, w8a16_configs
 
 LAYERS = 32  # Llama-3-8B: one down projection per layer and decode step
+# Tiles for --sweep beside bench.fp8_linear's, for the SiLU's cost: in the tensor-core loop every warp makes the
+# activation of all 16 rows x BLOCK_K (the dot operand is replicated across warps), so its share of a weight KiB
+# goes as 16 warps / BLOCK_N: wide N tiles with few warps; the GEMV's as 1 / BLOCK_N (bench/fp8_linear_sass.py,
+# Triton 3.6 sm_90: 16 x 512 fused 238 warp SASS a KiB against 118 unfused, 64 x 128 128; tensor cores 32 x 256
+# 1,064 against 145, 128 x 64 341)
+SILU_SWEEP = {
+    1: [
+        dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1),
+        dict(DOT=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    ],
+    16: [
+        dict(DOT=True, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+        dict(DOT=True, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=3),
+        dict(DOT=True, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    ],
+}
 
 
 def _weights(n: int, k: int, copies: int, device: str):
@@ -101,9 +117,9 @@ def _time(ops, cfg: dict, device: str) -> dict:
 
 def _configs(m: int, n: int, k: int, args, device: str) -> list[dict]:
     """The tiles run for M rows: the kernel's own or --fp8-tiles', with --tiles / --dot-tiles over them;
-    with --sweep, bench.fp8_linear's W8A16 sweep after them."""
+    with --sweep, bench.fp8_linear's W8A16 sweep and SILU_SWEEP after them."""
     from splitserve.kernels._common import num_sms
-    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_config
+    from splitserve.kernels.fp8_skinny_linear import fp8_skinny_config, split_k_for
 
     on_cpu = device != "cuda"
     sms = 1 if on_cpu else num_sms(0)
@@ -113,7 +129,8 @@ def _configs(m: int, n: int, k: int, args, device: str) -> list[dict]:
     cfg.update(json.loads((args.tiles if m == 1 else args.dot_tiles) or "{}"))
     configs = [cfg]
     if args.sweep:
-        configs += [c for c in w8a16_configs(m, n, k, sms, on_cpu) if c != cfg]
+        wide = [dict(c, SPLIT_K=split_k_for(n, k, c["BLOCK_N"], c["BLOCK_K"], sms)) for c in SILU_SWEEP[m]]
+        configs += [c for c in w8a16_configs(m, n, k, sms, on_cpu) + wide if c != cfg]
     return configs
 
 
