@@ -17,8 +17,8 @@ the whole range; values are clamped to +-448 before the cast (the cast itself do
     T >  w8a16_max_rows   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
                           K and N multiples of 16, as cuBLASLt/CUTLASS need) `torch._scaled_mm`
 
-`forward_silu` (the MLP's down projection, from [gate | up]): at the rows the kernel runs, one launch that makes
-silu(gate) * up in its loads, bit for bit silu_and_mul's output; elsewhere silu_and_mul then the layer.
+`forward_silu` (the MLP's down projection, from [gate | up]): at the rows the kernel runs (up to SILU_FUSED_MAX_ROWS),
+one launch that makes silu(gate) * up in its loads, bit for bit silu_and_mul's output; else silu_and_mul, the layer.
 
 w8a16_max_rows comes from EngineConfig.fp8_w8a16_max_rows (at most the kernel's 16 rows) and is 0 by
 default: every step W8A8, on every device. It stays off until a GPU run measures the kernel against
@@ -49,6 +49,13 @@ MAX_W8A16_ROWS = 16
 # own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
 # --fp8-tiles fills it from bench/kernels.py's sweep).
 W8A16_TILES: dict[tuple[str, int, int], dict] = {}
+# Most rows at which Fp8Linear.forward_silu fuses the SiLU-mul into the W8A16 kernel (within w8a16_max_rows).
+# One row (the GEMV) until a GPU run measures more (bench/silu_gemv_gpu.py, M = 16): the tensor-core loop makes
+# the activation of all 16 rows x BLOCK_K in every warp of every N tile, and compiled for sm_90 (Triton 3.6) its
+# K loop at the default 32 x 256 tiles is 2,129 warp instructions against 290 unfused (1,064 a weight KiB against
+# an issue budget of ~220: some 3x the time of silu_and_mul + the kernel, estimated; bench/fp8_linear_sass.py).
+# The GEMV's: 476 against 236 at 16 x 512 (238 a KiB), 255 against 236 at 64 x 128.
+SILU_FUSED_MAX_ROWS = 1
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -195,15 +202,16 @@ class Fp8Linear(nn.Module):
 
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of gate_up (..., 2K) = [gate | up], K = in_features (the MLP's down projection).
-        Rows the W8A16 kernel runs (T <= w8a16_max_rows, use_skinny_kernel) take one launch that makes the
-        activation as it loads it, bit for bit silu_and_mul's output on the same tiles; others the two ops."""
+        Rows the W8A16 kernel runs (T <= w8a16_max_rows, use_skinny_kernel), up to SILU_FUSED_MAX_ROWS, take one
+        launch that makes the activation as it loads it, bit for bit silu_and_mul's output on the same tiles;
+        others the two ops."""
         if gate_up.shape[-1] != 2 * self.in_features:
             raise ValueError(
                 f"Fp8Linear.forward_silu: gate_up must be (..., 2 * in_features) = (..., {2 * self.in_features}), "
                 f"got {tuple(gate_up.shape)}"
             )
         x2 = gate_up.reshape(-1, 2 * self.in_features)  # (T, 2K)
-        if self.use_skinny_kernel and x2.shape[0] <= self.w8a16_max_rows:
+        if self.use_skinny_kernel and x2.shape[0] <= min(self.w8a16_max_rows, SILU_FUSED_MAX_ROWS):
             return self._w8a16(x2, silu=True).reshape(*gate_up.shape[:-1], self.out_features)
         from splitserve.engine.layers import silu_and_mul
 

@@ -1,6 +1,7 @@
 """Fp8Linear.forward_silu (the MLP's down projection from [gate | up]) and fused_ops.silu_linear's route to it.
 
-Rows the W8A16 kernel runs take one launch with the SiLU-mul in its loads; more rows, or a layer without the
+Rows the W8A16 kernel runs, up to quant.SILU_FUSED_MAX_ROWS (1 until measured; the tests raise it to 16 to
+cover the tensor-core loop), take one launch with the SiLU-mul in its loads; more rows, or a layer without the
 kernel, take silu_and_mul then the layer. On CPU the kernel runs under Triton's interpreter: the tests switch it
 on the way finalize does on an sm_89+ GPU (use_skinny_kernel, split counters), and watch
 engine.layers.silu_and_mul (wrapped, not replaced) to see which route ran.
@@ -9,7 +10,7 @@ engine.layers.silu_and_mul (wrapped, not replaced) to see which route ran.
 import pytest
 import torch
 
-from splitserve.engine import fused_ops, layers
+from splitserve.engine import fused_ops, layers, quant
 from splitserve.engine.quant import MAX_W8A16_ROWS, Fp8Linear
 from splitserve.kernels import activation
 from splitserve.kernels.fp8_skinny_linear import MIN_BLOCK_N, fp8_skinny_linear_triton
@@ -51,7 +52,8 @@ def _gate_up(rows: int, dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, MAX_W8A16_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_take_one_launch_equal_to_silu_and_mul_then_the_kernel(silu_calls, dtype, rows, bias):
+def test_few_rows_take_one_launch_equal_to_silu_and_mul_then_the_kernel(monkeypatch, silu_calls, dtype, rows, bias):
+    monkeypatch.setattr(quant, "SILU_FUSED_MAX_ROWS", MAX_W8A16_ROWS)
     layer = _layer(dtype, MAX_W8A16_ROWS, kernel=True, bias=bias)
     gate_up = _gate_up(rows, dtype)
     got = layer.forward_silu(gate_up)
@@ -63,8 +65,9 @@ def test_few_rows_take_one_launch_equal_to_silu_and_mul_then_the_kernel(silu_cal
     assert torch.equal(layer(act), want)  # the layer's own unfused W8A16 call: the same bits
 
 
-def test_measured_tiles_reach_the_fused_launch(silu_calls):
+def test_measured_tiles_reach_the_fused_launch(monkeypatch, silu_calls):
     """skinny_tiles (W8A16_TILES of the weight's (N, K), K the intermediate size) choose the fused launch's tiles."""
+    monkeypatch.setattr(quant, "SILU_FUSED_MAX_ROWS", MAX_W8A16_ROWS)
     layer = _layer(torch.bfloat16, MAX_W8A16_ROWS, kernel=True)
     layer.skinny_tiles = {"dot": dict(DOT=True, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1, SPLIT_K=2)}
     gate_up = _gate_up(2, torch.bfloat16).reshape(2, 1, 2 * K)  # leading dims are kept
@@ -76,11 +79,21 @@ def test_measured_tiles_reach_the_fused_launch(silu_calls):
 
 
 @pytest.mark.parametrize(
-    "max_rows,kernel,rows",
-    [(4, True, 5), (MAX_W8A16_ROWS, True, MAX_W8A16_ROWS + 1), (MAX_W8A16_ROWS, False, 1), (0, False, 1)],
+    "fused_max_rows,max_rows,kernel,rows",
+    [
+        (1, MAX_W8A16_ROWS, True, 2),  # the default: the kernel's tensor-core loop without the SiLU
+        (MAX_W8A16_ROWS, 4, True, 5),
+        (MAX_W8A16_ROWS, MAX_W8A16_ROWS, True, MAX_W8A16_ROWS + 1),
+        (MAX_W8A16_ROWS, MAX_W8A16_ROWS, False, 1),
+        (MAX_W8A16_ROWS, 0, False, 1),
+    ],
 )
-def test_more_rows_or_no_kernel_take_silu_and_mul_then_the_layer(silu_calls, max_rows, kernel, rows):
-    """Above w8a16_max_rows (W8A8), or without the kernel (its reference), or W8A16 off: the two ops, exactly."""
+def test_more_rows_or_no_kernel_take_silu_and_mul_then_the_layer(
+    monkeypatch, silu_calls, fused_max_rows, max_rows, kernel, rows
+):
+    """Above SILU_FUSED_MAX_ROWS, above w8a16_max_rows (W8A8), without the kernel (its reference), or W8A16 off:
+    the two ops, exactly."""
+    monkeypatch.setattr(quant, "SILU_FUSED_MAX_ROWS", fused_max_rows)
     layer = _layer(torch.bfloat16, max_rows, kernel=kernel)
     gate_up = _gate_up(rows, torch.bfloat16)
     got = layer.forward_silu(gate_up)
