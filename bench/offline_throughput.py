@@ -16,8 +16,8 @@ steps of up to 16 rows through the W8A16 kernel: --fp8-w8a16-max-rows 16), `spli
 fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sections fp8linear JSON, whose
 sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tiles of that sweep, where they
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
-`splitserve:pdl` / `splitserve:fp8swept+pdl` (kernels.pdl on: the Triton kernels launched with programmatic
-dependent launch), e.g. --engines
+`splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
+`splitserve:fp8swept+nosilu` (the one-row down projection after a separate SiLU-mul launch), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
@@ -73,13 +73,21 @@ VARIANTS = {
     "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
     "cublas": {"no_gemv": True},  # bf16, cuBLAS for every projection (the one-row GEMV off: GEMV_TILES {})
-    "pdl": {"pdl": True},  # bf16 with kernels.pdl on: the decode step's Triton kernels launched with PDL
-    "fp8swept+pdl": {
+    "nopdl": {"pdl": False},  # bf16 with kernels.pdl off: no programmatic dependent launch (on by default)
+    # fp8swept with the one-row SiLU-mul + down projection as two launches (quant.SILU_FUSED_MAX_ROWS 0)
+    "fp8swept+nosilu": {
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
         "fp8_w8a16_max_rows": 16,
         "swept_tiles": True,
-        "pdl": True,
+        "silu_fused_max_rows": 0,
+    },
+    "fp8swept+nopdl": {
+        "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
+        "fp8_w8a16_max_rows": 16,
+        "swept_tiles": True,
+        "pdl": False,
     },
 }
 
@@ -97,7 +105,8 @@ def measured_tiles(options: dict, tiles_json: str):
     """Pops "swept_tiles", "gemv_tiles", "no_gemv" and "pdl" from `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
     call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection), and
-    "pdl" turns kernels.pdl.ENABLED on (programmatic dependent launch of the Triton kernels)."""
+    "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), and
+    "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
 
@@ -110,10 +119,12 @@ def measured_tiles(options: dict, tiles_json: str):
     tables = [(module, name, read(tiles_json)) for module, name, read in from_json]
     if options.pop("no_gemv", False):
         tables.append((fused_ops, "GEMV_TILES", {}))
-    if options.pop("pdl", False):
+    if "pdl" in options:
         from splitserve.kernels import pdl
 
-        tables.append((pdl, "ENABLED", True))
+        tables.append((pdl, "ENABLED", options.pop("pdl")))
+    if "silu_fused_max_rows" in options:
+        tables.append((quant, "SILU_FUSED_MAX_ROWS", options.pop("silu_fused_max_rows")))
     saved = [(module, name, getattr(module, name)) for module, name, _ in tables]
     for module, name, table in tables:
         setattr(module, name, table)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from splitserve.kernels._common import next_pow2, use_triton
 from splitserve.kernels.fp8_quant import fp8_quantize, fp8_row_scale, quantize_per_token_ref
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 _BLOCK_F = 1024
 # Widest row silu_and_mul_quant keeps in registers: Llama-3-8B's 14336 features -> 16384, 32 values a thread
@@ -36,7 +37,10 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, FEAT: tl.constexpr, BLOCK_F: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, FEAT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < FEAT
@@ -57,8 +61,9 @@ def _silu_mul_row(x_ptr, row, stride_x, f0, FEAT: tl.constexpr, BLOCK_F: tl.cons
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, min_scale, FEAT: tl.constexpr, BLOCK_F: tl.constexpr
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, min_scale, FEAT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_F)
     if BLOCK_F >= FEAT:  # the whole row in registers
@@ -94,7 +99,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and feat > 0:
         block_f = min(_BLOCK_F, triton.next_power_of_2(feat))
         grid = (x2.shape[0], triton.cdiv(feat, block_f))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), FEAT=feat, BLOCK_F=block_f, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            x2, out, x2.stride(0), out.stride(0), FEAT=feat, BLOCK_F=block_f, **pdl_launch(x2), num_warps=4
+        )
     return out.view(*x.shape[:-1], feat)
 
 
@@ -134,6 +141,7 @@ def silu_and_mul_quant(
             min_scale,
             FEAT=feat,
             BLOCK_F=block_f,
+            **pdl_launch(x2),
             num_warps=min(16, max(1, block_f // 512)),
         )
     return x_q, scale

@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._common import dot_precision, interpreting, num_sms, use_triton
+from splitserve.kernels.activation import _silu_mul
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 16  # rows of one tensor-core tile; more rows belong to a real GEMM
 MIN_BLOCK_N = 16  # narrowest tile: `counters` needs cdiv(N, MIN_BLOCK_N) entries for any config
@@ -62,12 +64,9 @@ def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl
 
 
 @triton.jit
-def _silu_mul(gate, up):
-    """silu(gate) * up as kernels.activation's kernel computes it, so that the fused projection sees the same
-    x bit for bit: silu in fp32 rounded to gate's dtype, the product in fp32 rounded again."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+def _silu_mul_x(gate, up):
+    """kernels.activation's silu(gate) * up rounded to gate's dtype: bit for bit the x silu_and_mul writes."""
+    return _silu_mul(gate, up).to(gate.dtype)
 
 
 @triton.jit
@@ -99,7 +98,9 @@ def _fp8_skinny_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,12 +120,12 @@ def _fp8_skinny_kernel(
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask, other=0.0)
                 if SILU:  # up sits K columns after gate; masked-out zeros stay zero (silu(0) * 0)
-                    a = _silu_mul(a, tl.load(x_rows + K + kk[None, :], mask=m_mask, other=0.0))
+                    a = _silu_mul_x(a, tl.load(x_rows + K + kk[None, :], mask=m_mask, other=0.0))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
                 if SILU:
-                    a = _silu_mul(a, tl.load(x_rows + K + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0))
+                    a = _silu_mul_x(a, tl.load(x_rows + K + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0))
             if DOT_F32:  # the interpreter's 16-bit dot is wrong (kernels._common.interpreting)
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PREC)
             else:
@@ -137,12 +138,12 @@ def _fp8_skinny_kernel(
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk)
                 if SILU:
-                    a = _silu_mul(a, tl.load(x_ptr + K + kk))
+                    a = _silu_mul_x(a, tl.load(x_ptr + K + kk))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
                 if SILU:
-                    a = _silu_mul(a, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0))
+                    a = _silu_mul_x(a, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0))
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
     if not SPLIT:
@@ -313,6 +314,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         DOT_F32=on_cpu,
         PREC="ieee" if on_cpu else dot_precision(x.dtype),
         SILU=silu,
+        **pdl_launch(x),
         num_warps=cfg["num_warps"],
     )
     return y

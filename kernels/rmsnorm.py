@@ -21,6 +21,7 @@ import triton.language as tl
 
 from splitserve.kernels._common import next_pow2, use_triton
 from splitserve.kernels.fp8_quant import fp8_quantize, fp8_row_scale, quantize_per_token_ref
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -41,7 +42,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -108,6 +111,7 @@ def _launch(x, weight, eps, residual, out, scale=None, min_scale=0.0):
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             QUANT=scale is not None,
+            **pdl_launch(x),
             num_warps=min(16, max(1, block // 256)),
         )
     return None if residual is None else res_out

@@ -24,6 +24,7 @@ import triton.language as tl
 from splitserve.kernels._common import next_pow2, use_triton
 from splitserve.kernels.kv_write import _check as _check_write
 from splitserve.kernels.kv_write import write_kv_ref
+from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 from splitserve.kernels.rotary import rotary_embedding_ref
 
 
@@ -74,7 +75,9 @@ def _rotary_kv_write_kernel(
     BLOCK_HALF: tl.constexpr,
     PAGE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -168,6 +171,7 @@ def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k
         BLOCK_HALF=next_pow2(half),
         PAGE=k_cache.shape[1],
         FP8=k_cache.dtype == torch.float8_e4m3fn,
+        **pdl_launch(q),
         num_warps=4,
     )
 

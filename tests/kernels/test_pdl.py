@@ -7,12 +7,9 @@ import torch
 from splitserve.kernels import pdl
 
 
-def test_off_by_default_and_never_on_cpu(monkeypatch):
-    assert pdl.ENABLED is False
-    x = torch.zeros(4)
-    assert pdl.pdl_launch(x) == {"PDL": False}
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.pdl_launch(x) == {"PDL": False}, "the interpreter takes no launch_pdl option"
+def test_on_by_default_and_never_on_cpu(monkeypatch):
+    assert pdl.ENABLED is True
+    assert pdl.pdl_launch(torch.zeros(4)) == {"PDL": False}, "the interpreter takes no launch_pdl option"
 
 
 def test_on_for_a_capable_gpu_only(monkeypatch):
