@@ -17,7 +17,7 @@ fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sectio
 sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tiles of that sweep, where they
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
-`splitserve:fp8swept+nosilu` (the one-row down projection after a separate SiLU-mul launch), e.g. --engines
+`splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
@@ -74,13 +74,13 @@ VARIANTS = {
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
     "cublas": {"no_gemv": True},  # bf16, cuBLAS for every projection (the one-row GEMV off: GEMV_TILES {})
     "nopdl": {"pdl": False},  # bf16 with kernels.pdl off: no programmatic dependent launch (on by default)
-    # fp8swept with the one-row SiLU-mul + down projection as two launches (quant.SILU_FUSED_MAX_ROWS 0)
-    "fp8swept+nosilu": {
+    # fp8swept with the one-row SiLU-mul fused into the down projection (quant.SILU_FUSED_MAX_ROWS 1; off by default)
+    "fp8swept+silu": {
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
         "fp8_w8a16_max_rows": 16,
         "swept_tiles": True,
-        "silu_fused_max_rows": 0,
+        "silu_fused_max_rows": 1,
     },
     "fp8swept+nopdl": {
         "quantization": "fp8",

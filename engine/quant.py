@@ -49,13 +49,13 @@ MAX_W8A16_ROWS = 16
 # own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
 # --fp8-tiles fills it from bench/kernels.py's sweep).
 W8A16_TILES: dict[tuple[str, int, int], dict] = {}
-# Most rows at which Fp8Linear.forward_silu fuses the SiLU-mul into the W8A16 kernel (within w8a16_max_rows).
-# One row (the GEMV) until a GPU run measures more (bench/silu_gemv_gpu.py, M = 16): the tensor-core loop makes
-# the activation of all 16 rows x BLOCK_K in every warp of every N tile, and compiled for sm_90 (Triton 3.6) its
-# K loop at the default 32 x 256 tiles is 2,129 warp instructions against 290 unfused (1,064 a weight KiB against
-# an issue budget of ~220: some 3x the time of silu_and_mul + the kernel, estimated; bench/fp8_linear_sass.py).
-# The GEMV's: 476 against 236 at 16 x 512 (238 a KiB), 255 against 236 at 64 x 128.
-SILU_FUSED_MAX_ROWS = 1
+# Most rows at which Fp8Linear.forward_silu fuses the SiLU-mul into the W8A16 kernel (within w8a16_max_rows):
+# 0, off. Measured on one H200 (docs/perf.md, session 11; bench/silu_gemv_gpu.py, the 8B down projection on the
+# swept tiles, bit-exact): fused 0.036 ms against 0.019 for silu_and_mul + the kernel at one row (1.9x), 0.103
+# against 0.027 at 16 rows (3.9x); the 8B step at batch 1 went 2.80 -> 3.36 ms with it. Making the activation in
+# the loads costs issue slots the byte-bound loop has none of (its SASS: 476 warp instructions a step against
+# 236 at 16 x 512 tiles, 2,129 against 290 for 16 rows x 32 x 256; bench/fp8_linear_sass.py).
+SILU_FUSED_MAX_ROWS = 0
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
