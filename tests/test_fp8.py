@@ -157,7 +157,15 @@ def test_w8a16_switch_limits_and_reaches_every_layer(f64_dir):
         assert len(layers) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
         assert {m.w8a16_max_rows for m in layers} == {max_rows}
         assert f"rows <= {max_rows}: W8A16 reference" in repr(layers[0])
-    llm = LLM(str(f64_dir), dtype="float64", num_kv_blocks=64, block_size=4, quantization="fp8", fp8_w8a16_max_rows=16)
+    llm = LLM(
+        str(f64_dir),
+        dtype="float64",
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=4,
+        quantization="fp8",
+        fp8_w8a16_max_rows=16,
+    )
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == 8 and {m.w8a16_max_rows for m in layers} == {16}
 
@@ -267,7 +275,7 @@ COMPRESSED_TENSORS = {
 
 
 def _greedy(model_dir: Path, **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), dtype="float64", num_kv_blocks=64, block_size=4, **engine_args)
+    llm = LLM(str(model_dir), dtype="float64", device="cpu", num_kv_blocks=64, block_size=4, **engine_args)
     prompts = [[5, 17, 99, 3, 250], [7, 7, 7], [100, 200, 300, 400, 12, 13, 14, 15, 16]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
@@ -304,7 +312,7 @@ def test_vllm_fp8_static_per_tensor_checkpoint_with_kv_scales(f64_dir, tmp_path)
     q_rows = written["model.layers.0.self_attn.q_proj.weight_scale"].expand(64)  # per-tensor scale on every row
     assert torch.equal(qkv.weight_scale[:64], q_rows)
     assert net.checkpoint_kv_scales == kv
-    llm = LLM(str(path), dtype="float64", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
+    llm = LLM(str(path), dtype="float64", device="cpu", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
     assert llm.engine.layout.k_scales == (0.5, 2.0) and llm.engine.layout.v_scales == (0.25, 1.0)
     attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]
     assert [(a.k_scale, a.v_scale) for a in attn] == kv
@@ -353,7 +361,7 @@ def test_unquantized_tensor_in_an_fp8_checkpoint_is_refused(f64_dir, tmp_path):
 
 
 def test_fp8_kv_cache_engine_generates_and_halves_the_block_bytes(f64_dir):
-    llm = LLM(str(f64_dir), dtype="float32", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
+    llm = LLM(str(f64_dir), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8")
     layout = llm.engine.layout
     assert layout.dtype == "float8_e4m3fn" and layout.k_scales == (1.0, 1.0) and layout.v_scales == (1.0, 1.0)
     assert layout.block_nbytes == 2 * 2 * 4 * 2 * 16  # layers x (k, v) x tokens x heads x head_dim, one byte each

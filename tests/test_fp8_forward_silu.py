@@ -16,18 +16,19 @@ from splitserve.kernels import activation
 from splitserve.kernels.fp8_skinny_linear import MIN_BLOCK_N, fp8_skinny_linear_triton
 
 N, K = 40, 100  # K not a multiple of the interpreter's 32-wide steps
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled on a GPU, interpreted on CPU
 
 
 def _layer(dtype, w8a16_max_rows: int, kernel: bool, bias: bool = True) -> Fp8Linear:
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Module()
-    linear.weight = torch.nn.Parameter((torch.randn(N, K, generator=gen) * 0.1).to(dtype), False)
-    linear.bias = torch.nn.Parameter(torch.randn(N, generator=gen).to(dtype), False) if bias else None
+    linear.weight = torch.nn.Parameter((torch.randn(N, K, generator=gen) * 0.1).to(DEVICE, dtype), False)
+    linear.bias = torch.nn.Parameter(torch.randn(N, generator=gen).to(DEVICE, dtype), False) if bias else None
     linear.output_sizes = (N,)
     layer = Fp8Linear.from_linear(linear, w8a16_max_rows)
-    if kernel:  # what finalize sets on an sm_89+ GPU
-        layer.use_skinny_kernel = True
-        layer.split_counters = torch.zeros(-(-N // MIN_BLOCK_N), dtype=torch.int32)
+    layer.use_skinny_kernel = kernel  # what finalize sets on an sm_89+ GPU (or, False, elsewhere)
+    if kernel:
+        layer.split_counters = torch.zeros(-(-N // MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
     return layer
 
 
@@ -46,7 +47,7 @@ def silu_calls(monkeypatch):
 
 
 def _gate_up(rows: int, dtype) -> torch.Tensor:
-    return (4 * torch.randn(rows, 2 * K, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    return (4 * torch.randn(rows, 2 * K, generator=torch.Generator().manual_seed(rows))).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
