@@ -28,7 +28,7 @@ import torch
 
 from splitserve.engine.attention import AttentionMetadata, attention_forward, paged_attention_cuda
 from splitserve.engine.layers import rotary_embedding
-from splitserve.engine.quant import MIN_SCALE, Fp8Linear
+from splitserve.engine.quant import MIN_SCALE, Fp8Linear, cuda_device_name
 
 _SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 # Rows up to which projections run as one few-row launch (kernels.skinny_linear): 0, off. Measured on
@@ -55,7 +55,7 @@ _measured: dict[int, dict[tuple[int, int], dict]] = {}  # device index -> its ta
 
 
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
+    return cuda_device_name(device)
 
 
 def gemv_tiles(x: torch.Tensor, weight: torch.Tensor) -> dict | None:

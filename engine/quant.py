@@ -21,10 +21,11 @@ the whole range; values are clamped to +-448 before the cast (the cast itself do
 one launch that makes silu(gate) * up in its loads, bit for bit silu_and_mul's output; else silu_and_mul, the layer.
 
 w8a16_max_rows comes from EngineConfig.fp8_w8a16_max_rows (at most the kernel's 16 rows) and is 0 by
-default: every step W8A8, on every device. It stays off until a GPU run measures the kernel against
-`_scaled_mm` (bench/fp8_gpu.sh); with it on, W8A16 and W8A8 differ by the activations' quantization
-error, so a token's result depends on how many rows its step had (W8A8 alone is batch-invariant, as the
-tests of disaggregated against colocated tokens need). Off the GPU each path runs its reference: W8A16
+default: every step W8A8, on every device, as vLLM runs fp8 checkpoints. Measured on one H200 (docs/perf.md),
+16 takes the Llama-3-8B decode step at batch 1 from 5.2 ms to 2.8 ms (the kernel on W8A16_TILES_H200); it
+stays opt-in because with it on, W8A16 and W8A8 differ by the activations' quantization error, so a token's
+result depends on how many rows its step had (W8A8 alone is batch-invariant, as the tests of disaggregated
+against colocated tokens need). Off the GPU each path runs its reference: W8A16
 the same sums in fp32 (fp64 for fp64 x), W8A8 both operands dequantized to x's dtype and multiplied.
 Kernel and reference see the same quantized operands, so they differ only by accumulation order.
 """
@@ -46,9 +47,37 @@ SCALED_MM_MIN_CAPABILITY = (8, 9)
 # that a CPU load does not import Triton; tests/test_fp8.py checks the two (and EngineConfig's limit) agree.
 MAX_W8A16_ROWS = 16
 # Measured tiles for kernels.fp8_skinny_linear, {("gemv" (one row) | "dot", N, K): config}, over the kernel's
-# own choice (fp8_skinny_config); empty: the kernel's. Read when a layer is finalized (bench/offline_throughput's
-# --fp8-tiles fills it from bench/kernels.py's sweep).
-W8A16_TILES: dict[tuple[str, int, int], dict] = {}
+# own choice (fp8_skinny_config). Read when a layer is finalized (bench/offline_throughput's --fp8-tiles fills it
+# from bench/kernels.py's sweep).
+W8A16_TILES: dict[tuple[str, int, int], dict] | None = None
+# None: the device's measured table, W8A16_TILES_H200 on an H200 (by device name; other GPUs the kernel's own
+# tiles until measured); a dict replaces it ({}: the kernel's own everywhere). The H200's: the best correct tiles
+# of the sweep on one H200 (bench/kernels.py --sections fp8linear, docs/perf.md, session 10) for Llama-3-8B's
+# four projections, at one row ("gemv") and 2-16 rows ("dot"); the 8B step at batch 1 ran 2.80 ms on them.
+W8A16_TILES_H200: dict[tuple[str, int, int], dict] = {
+    ("gemv", 6144, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    ("dot", 6144, 4096): dict(DOT=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=6),
+    ("gemv", 4096, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    ("dot", 4096, 4096): dict(DOT=True, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=5),
+    ("gemv", 28672, 4096): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=1),
+    ("dot", 28672, 4096): dict(DOT=True, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=1),
+    ("gemv", 4096, 14336): dict(DOT=False, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=3),
+    ("dot", 4096, 14336): dict(DOT=True, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3, SPLIT_K=8),
+}
+
+
+def cuda_device_name(device: torch.device) -> str:
+    """The CUDA device's name (what the measured tables are keyed on)."""
+    return torch.cuda.get_device_name(device)
+
+
+def measured_w8a16_tiles(device: torch.device) -> dict[tuple[str, int, int], dict]:
+    """W8A16_TILES when set, else the measured table of `device` (W8A16_TILES_H200 on an H200, else {})."""
+    if W8A16_TILES is not None:
+        return W8A16_TILES
+    return W8A16_TILES_H200 if device.type == "cuda" and "H200" in cuda_device_name(device) else {}
+
+
 # Most rows at which Fp8Linear.forward_silu fuses the SiLU-mul into the W8A16 kernel (within w8a16_max_rows):
 # 0, off. Measured on one H200 (docs/perf.md, session 11; bench/silu_gemv_gpu.py, the 8B down projection on the
 # swept tiles, bit-exact): fused 0.036 ms against 0.019 for silu_and_mul + the kernel at one row (1.9x), 0.103
@@ -132,7 +161,7 @@ class Fp8Linear(nn.Module):
         self.use_skinny_kernel = False  # likewise: kernels.fp8_skinny_linear for the W8A16 rows
         self.w8a16_max_rows = 0  # finalize() sets it: 0 = W8A8 at every size
         self.split_counters = None  # the kernel's split-K counters (int32, zero between launches)
-        self.skinny_tiles: dict[str, dict] = {}  # "gemv" / "dot" -> tiles from W8A16_TILES for this (N, K)
+        self.skinny_tiles: dict[str, dict] = {}  # "gemv" / "dot" -> measured tiles for this (N, K) (W8A16_TILES)
         self._static_scale = None
 
     @classmethod
@@ -164,9 +193,8 @@ class Fp8Linear(nn.Module):
             num_tiles = -(-self.out_features // MIN_BLOCK_N)
             self.split_counters = torch.zeros(num_tiles, dtype=torch.int32, device=self.weight.device)
             shape = (self.out_features, self.in_features)
-            self.skinny_tiles = {
-                kind: W8A16_TILES[(kind, *shape)] for kind in ("gemv", "dot") if (kind, *shape) in W8A16_TILES
-            }
+            table = measured_w8a16_tiles(self.weight.device)
+            self.skinny_tiles = {kind: table[(kind, *shape)] for kind in ("gemv", "dot") if (kind, *shape) in table}
         if self.input_scale is not None:
             self._static_scale = self.input_scale.data.max().reshape(1, 1)  # (1, 1)
 

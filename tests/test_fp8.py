@@ -398,3 +398,20 @@ def test_fp8_blocks_copy_bit_exactly(copy):
     assert num_bytes == 3 * src[0].numel()  # one byte an element
     assert torch.equal(dst[[1, 2, 3]].view(torch.uint8), src[[4, 0, 1]].view(torch.uint8))
     assert torch.equal(dst[[0, 4, 5]].view(torch.uint8), torch.zeros(3, *src.shape[1:], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name,measured", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_w8a16_tiles_default_to_the_devices_measured_table(monkeypatch, name, measured):
+    """Unset (None), W8A16_TILES is the device's measured table: an H200's holds Llama-3-8B's four projections at
+    one row and at 2-16; other GPUs (an H100 too) keep the kernel's own tiles until measured; the CPU has none."""
+    monkeypatch.setattr(quant, "W8A16_TILES", None)
+    monkeypatch.setattr(quant, "cuda_device_name", lambda device: name)
+    table = quant.measured_w8a16_tiles(torch.device("cuda", 0))
+    assert table == (quant.W8A16_TILES_H200 if measured else {})
+    assert quant.measured_w8a16_tiles(torch.device("cpu")) == {}
+    shapes = {(n, k) for _, n, k in quant.W8A16_TILES_H200}
+    assert shapes == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert {kind for kind, _, _ in quant.W8A16_TILES_H200} == {"gemv", "dot"}
+    swept = {("gemv", 96, 64): dict(DOT=False, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, SPLIT_K=1)}
+    monkeypatch.setattr(quant, "W8A16_TILES", swept)  # a sweep's table (bench --fp8-tiles) replaces the measured one
+    assert quant.measured_w8a16_tiles(torch.device("cuda", 0)) is swept
