@@ -11,11 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/fp8-attention}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/fp8_attention.log") 2>&1
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site . \
-    || { echo "installing splitserve failed"; exit 1; }
-rm -rf build
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+source bench/gpu_setup.sh || exit 1  # the checkout into /tmp/site (and .whl/ when carried)
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "=== bench ($(date +%T))"
 timeout 240 python3 -m bench.fp8_attention --budget-s "${BUDGET_S:-150}" --json "$OUT/fp8_attention.json" \

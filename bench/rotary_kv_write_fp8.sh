@@ -13,15 +13,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/rotary-kv-write-fp8}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/rotary_kv_write_fp8.log") 2>&1
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # carried wheels: the full install (bench/gpu_setup.sh); none are needed by what runs here
-  source bench/gpu_setup.sh || exit 1
-else
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site . \
-      || { echo "installing splitserve failed"; exit 1; }
-  rm -rf build
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/gpu_setup.sh || exit 1  # the checkout into /tmp/site (and .whl/ when carried)
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "=== bench ($(date +%T))"
 timeout 120 python3 -m bench.rotary_kv_write_fp8 --json "$OUT/rotary_kv_write_fp8.json" > "$OUT/bench.txt" 2>&1
