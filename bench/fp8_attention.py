@@ -222,6 +222,27 @@ def baseline_rows(sweep: Sweep, cache, scale, p) -> dict:
     return out
 
 
+def split_sweep(sweep: Sweep, config: dict) -> int:
+    """decode_config's fp8 default at every shape and split count (each split at least 64 tokens), the table last."""
+    rows = []
+    for shape in sweep.shapes:
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            if shape.ctx // splits >= 64:
+                rows += sweep.config(config, shapes=[shape], num_splits=splits, tag="split")
+    with open(sweep.json_path, "w") as f:
+        json.dump(dict(config=config, copy_gbps=sweep.copy_bw / 1e9, rows=rows), f, indent=1, default=str)
+    print(f"\n{label(dict(config, VARIANT=config.get('VARIANT', 'upcast')))}: ms (% of copy) by split count")
+    print("| (B, ctx) | heuristic | " + " | ".join(f"S{n}" for n in (1, 2, 4, 8, 16, 32, 64)) + " |")
+    print("|---|---|" + "---|" * 7)
+    for shape in sweep.shapes:
+        got = {r["num_splits"]: r for r in rows if r["shape"] == shape.name and "ms" in r}
+        cells = [
+            f"{got[n]['ms']:.4f} ({got[n]['pct_copy']:.0f}%)" if n in got else "-" for n in (1, 2, 4, 8, 16, 32, 64)
+        ]
+        print(f"| {shape.name} | S{shape.splits} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_attention.json"))
@@ -233,6 +254,19 @@ def main(argv=None) -> int:
         metavar="JSON",
         help="confirm run: time only these configs ({variant: config}, as a run prints after 'best config per "
         "variant'; a JSON string or file) beside the baselines, no sweep",
+    )
+    parser.add_argument(
+        "--split-sweep",
+        action="store_true",
+        help="only time decode_config's fp8 default at every shape over split counts 1-64 (the split heuristic was "
+        "tuned on bf16 caches, whose programs move twice the bytes of an fp8 one's)",
+    )
+    parser.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the bf16 kernel and the fp8 default N times per shape, untimed, and exit (for ncu)",
     )
     args = parser.parse_args(argv)
     if args.table_from:
@@ -264,6 +298,17 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     sweep = Sweep(shapes, k8, v8, scale, copy_bw, args.budget_s, args.json)
     print(f"shapes {[s.name for s in shapes]} (splits {[s.splits for s in shapes]}); ms (% copy) per shape", flush=True)
+    default = decode_config(p["head_dim"], torch.bfloat16, device == "cpu", FP8)
+    if args.probe:
+        for shape in shapes:
+            for _ in range(args.probe):
+                paged_decode_attention_triton(shape.q, cache.k_cache, cache.v_cache, shape.table, shape.seq_lens, scale)
+                run_config(shape, k8, v8, scale, default)
+        torch.cuda.synchronize() if device == "cuda" else None
+        print(f"probe: {args.probe} launches of the bf16 kernel and the fp8 default {default} per shape")
+        return 0
+    if args.split_sweep:
+        return split_sweep(sweep, default)
     baselines = baseline_rows(sweep, cache, scale, p)
     if args.configs:
         given = json.load(open(args.configs)) if os.path.exists(args.configs) else json.loads(args.configs)
