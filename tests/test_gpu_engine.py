@@ -133,7 +133,10 @@ def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
     assert sizes[0] == sizes[1]
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="programmatic dependent launch needs sm_90")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs sm_90",
+)
 def test_pdl_leaves_the_tokens_unchanged(monkeypatch):
     """kernels.pdl on (the decode graphs' Triton kernels launched with PDL) changes no token, bf16 and fp8."""
     from splitserve.common.default_model_path import default_model_path
