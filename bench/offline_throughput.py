@@ -12,7 +12,8 @@ vLLM runs in its own virtual environment (--vllm-python), as a subprocess of thi
 splitserve variants (in --engines, each measured in the same run): `splitserve` (the --dtype model and
 KV cache), `splitserve:fp8kv` (fp8 KV cache), `splitserve:fp8w` (fp8 weights), `splitserve:fp8`
 (both; W8A8 projections at every size, the engine's default), `splitserve:fp8w8a16` (both, and decode
-steps of up to 16 rows through the W8A16 kernel: --fp8-w8a16-max-rows 16), `splitserve:fp8swept` (as
+steps of up to 16 rows through the W8A16 kernel: --fp8-w8a16-max-rows 16, on the device's measured tiles),
+`splitserve:fp8w8a16own` (the same on the kernel's own tiles), `splitserve:fp8swept` (as
 fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sections fp8linear JSON, whose
 sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tiles of that sweep, where they
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
@@ -67,8 +68,11 @@ VARIANTS = {
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "fp8w": {"quantization": "fp8"},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    # fp8 with steps of up to 16 rows W8A16 (kernels.fp8_skinny_linear), on the kernel's own tiles
+    # fp8 with steps of up to 16 rows W8A16 (kernels.fp8_skinny_linear) as a user runs it: the device's measured
+    # tiles (engine.quant.W8A16_TILES_H200 on an H200), else the kernel's own
     "fp8w8a16": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16},
+    # the same on the kernel's own tiles everywhere (engine.quant.W8A16_TILES {})
+    "fp8w8a16own": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "own_tiles": True},
     # the same on the W8A16 tiles of --fp8-tiles (bench/kernels.py --sections fp8linear's sweep)
     "fp8swept": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "swept_tiles": True},
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
@@ -104,7 +108,8 @@ def variant_options(engine: str) -> dict:
 def measured_tiles(options: dict, tiles_json: str):
     """Pops "swept_tiles", "gemv_tiles", "no_gemv" and "pdl" from `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
-    call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection), and
+    call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection),
+    "own_tiles" W8A16_TILES to {} (the kernel's own tiles),
     "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), and
     "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
@@ -119,6 +124,8 @@ def measured_tiles(options: dict, tiles_json: str):
     tables = [(module, name, read(tiles_json)) for module, name, read in from_json]
     if options.pop("no_gemv", False):
         tables.append((fused_ops, "GEMV_TILES", {}))
+    if options.pop("own_tiles", False):
+        tables.append((quant, "W8A16_TILES", {}))
     if "pdl" in options:
         from splitserve.kernels import pdl
 

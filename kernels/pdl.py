@@ -19,6 +19,7 @@ bench/offline_throughput.py's `:nopdl` variants turn it off to measure again.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -33,14 +34,12 @@ def _capable(device_index: int) -> bool:
 
 
 def pdl_launch(t: torch.Tensor) -> dict:
-    """The launch arguments of a PDL-aware kernel for tensors on t's device: PDL on for CUDA devices of
-    capability 9.0+ while ENABLED, else the constexpr False and no launch option (the interpreter takes none)."""
-    if (
-        ENABLED
-        and t.is_cuda
-        and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    ):
-        return {"PDL": True, "launch_pdl": True}
+    """The launch arguments of a PDL-aware kernel for tensors on t's device: PDL on for NVIDIA CUDA devices of
+    capability 9.0+ while ENABLED, else the constexpr False and no launch option (the interpreter takes none, even
+    over CUDA tensors; a ROCm build's devices report other capabilities)."""
+    if ENABLED and t.is_cuda and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1":
+        if _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+            return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
 

@@ -17,6 +17,8 @@ def test_on_for_a_capable_gpu_only(monkeypatch):
         is_cuda = True
         device = torch.device("cuda", 0)
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # what pdl_launch sees on a GPU (the CPU tests set it)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "_capable", lambda index: index == 0)
     assert pdl.pdl_launch(FakeCuda()) == {"PDL": True, "launch_pdl": True}
@@ -25,3 +27,18 @@ def test_on_for_a_capable_gpu_only(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
     assert pdl.pdl_launch(FakeCuda()) == {"PDL": False}
+
+
+def test_never_under_the_interpreter_or_on_rocm(monkeypatch):
+    class FakeCuda:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.pdl_launch(FakeCuda()) == {"PDL": False}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert pdl.pdl_launch(FakeCuda()) == {"PDL": False}
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert pdl.pdl_launch(FakeCuda()) == {"PDL": True, "launch_pdl": True}
