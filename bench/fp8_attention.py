@@ -262,6 +262,13 @@ def main(argv=None) -> int:
         "tuned on bf16 caches, whose programs move twice the bytes of an fp8 one's)",
     )
     parser.add_argument(
+        "--head-major",
+        action="store_true",
+        help="the fp8 cache with each block's heads stored one after another ((block, head, token, dim): a head's 16 "
+        "tokens are one 2 KiB run) instead of the engine's (block, token, head, dim) (128-byte runs at fp8): whether "
+        "DRAM locality is what holds the fp8 kernels back; the kernels read either through strides",
+    )
+    parser.add_argument(
         "--probe",
         type=int,
         default=0,
@@ -287,6 +294,9 @@ def main(argv=None) -> int:
     cache = PagedCache(p, device, torch.bfloat16)
     kv8 = cache.kv.to(FP8)
     k8, v8 = kv8[:, 1, 0], kv8[:, 1, 1]
+    if args.head_major:  # the same values, (N, L, 2, Hkv, bs, D) in memory, read as (N, bs, Hkv, D) views
+        head_major = kv8.permute(0, 1, 2, 4, 3, 5).contiguous()
+        k8, v8 = head_major[:, 1, 0].transpose(1, 2), head_major[:, 1, 1].transpose(1, 2)
     kv_up = kv8.to(torch.bfloat16)  # the e4m3 values in bf16: what the bf16 kernel reads for the reference
     scale = p["head_dim"] ** -0.5
     shapes = [Shape(p, cache, b, ctx, gen, sms) for b, ctx in p["shapes"]]
