@@ -12,7 +12,8 @@ the bf16 kernel over a bf16 cache, then the same values rounded to e4m3 read by 
 max |fp8 variant - the bf16 kernel over the e4m3 values upcast to bf16| (same inputs; bf16 output rounding
 is ~4e-3 of |out|), flagged when above TOL_REL of max |reference|. Phase 1 times every variant on a tile
 sweep (BLOCK_N, warps, stages); phase 2 takes each variant's best tile (least total ms over the shapes)
-and tries CONV 1 (bit conversion), HEADS_FIRST, BLOCK_G 8 (tokens variants), PREFETCH (rows, tokens), and
+and tries CONV 1 (bit conversion), HEADS_FIRST, BLOCK_G 8 (tokens variants), PREFETCH (rows, tokens),
+HEADS_PER_PROGRAM 2/4/8 (rows), and
 split counts at the split shape. % copy = bytes the kernel reads (each K/V element of the context once) /
 time, against a plain device copy (read + write counted) measured in the same run. A time budget (--budget-s) stops the
 sweep early; what ran is still tabulated.
@@ -97,7 +98,13 @@ def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None) -> dict:
 
 def label(row) -> str:
     parts = [row.get("VARIANT", "bf16"), f"N{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}"]
-    for key, fmt in (("CONV", "conv{}"), ("HEADS_FIRST", "hf"), ("BLOCK_G", "G{}"), ("PREFETCH", "prefetch")):
+    for key, fmt in (
+        ("CONV", "conv{}"),
+        ("HEADS_FIRST", "hf"),
+        ("BLOCK_G", "G{}"),
+        ("PREFETCH", "prefetch"),
+        ("HEADS_PER_PROGRAM", "hpp{}"),
+    ):
         if row.get(key):
             parts.append(fmt.format(row[key]))
     if row.get("split_sweep"):
@@ -158,6 +165,8 @@ def sweep_variants(sweep: Sweep, tiles, dry: bool) -> dict:
         toggles = [dict(CONV=1), dict(HEADS_FIRST=True)] + ([dict(BLOCK_G=8)] if variant.startswith("tokens") else [])
         if variant in ("rows", "tokens"):  # words prefetched into registers: 8 warps (4 spill at 128 tokens)
             toggles.append(dict(PREFETCH=True, num_warps=8, num_stages=1))
+        if variant == "rows":  # several KV heads a program: HPP x 128-byte runs of a token, fuller dots
+            toggles += [heads_per_program(base, n) for n in (2, 4, 8)]
         print(f"toggles on {label(base)}:", flush=True)
         for toggle in toggles if variant != "tokens_qk8" else []:
             consider(variant, dict(base, **toggle), sweep.config(dict(base, **toggle), tag="toggle"))
@@ -222,15 +231,26 @@ def baseline_rows(sweep: Sweep, cache, scale, p) -> dict:
     return out
 
 
+def heads_per_program(config: dict, hpp: int) -> dict:
+    """`config` reading `hpp` KV heads a program, its token tile cut by as much (at least 8 tokens), so that the
+    tile's rows (tokens x heads) and registers stay about the same."""
+    return dict(config, HEADS_PER_PROGRAM=hpp, HEADS_FIRST=True, BLOCK_N=max(8, config["BLOCK_N"] // hpp))
+
+
 def split_sweep(sweep: Sweep, config: dict) -> int:
     """decode_config's fp8 default at every shape and split count (each split at least 64 tokens), the table last."""
-    rows = []
+    rows, heads = [], []
     for shape in sweep.shapes:
         for splits in (1, 2, 4, 8, 16, 32, 64):
             if shape.ctx // splits >= 64:
                 rows += sweep.config(config, shapes=[shape], num_splits=splits, tag="split")
+        if config.get("VARIANT") == "rows":  # several KV heads a program, at the heuristic's split and twice it
+            for hpp in (2, 4, 8):
+                for splits in (shape.splits, 2 * shape.splits):
+                    hpp_config = heads_per_program(config, hpp)
+                    heads += sweep.config(hpp_config, shapes=[shape], num_splits=splits, tag="hpp")
     with open(sweep.json_path, "w") as f:
-        json.dump(dict(config=config, copy_gbps=sweep.copy_bw / 1e9, rows=rows), f, indent=1, default=str)
+        json.dump(dict(config=config, copy_gbps=sweep.copy_bw / 1e9, rows=rows + heads), f, indent=1, default=str)
     print(f"\n{label(dict(config, VARIANT=config.get('VARIANT', 'upcast')))}: ms (% of copy) by split count")
     print("| (B, ctx) | heuristic | " + " | ".join(f"S{n}" for n in (1, 2, 4, 8, 16, 32, 64)) + " |")
     print("|---|---|" + "---|" * 7)
@@ -240,6 +260,11 @@ def split_sweep(sweep: Sweep, config: dict) -> int:
             f"{got[n]['ms']:.4f} ({got[n]['pct_copy']:.0f}%)" if n in got else "-" for n in (1, 2, 4, 8, 16, 32, 64)
         ]
         print(f"| {shape.name} | S{shape.splits} | " + " | ".join(cells) + " |")
+    if heads:
+        print("\nHEADS_PER_PROGRAM (rows): ms (% of copy)")
+        for r in heads:
+            cell = f"{r['ms']:.4f} ({r['pct_copy']:.0f}%{'' if r['ok'] else ' ERR'})" if "ms" in r else r.get("error")
+            print(f"| {r['shape']} | hpp{r['HEADS_PER_PROGRAM']} S{r['num_splits']} | {cell} |")
     return 0
 
 

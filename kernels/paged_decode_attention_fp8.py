@@ -24,6 +24,12 @@ q.k and the output unchanged. Under the interpreter (`INTERPRET`) the PTX is rep
 operations computing the same values and dots run in float32, so CPU tests check the tiling, the
 column order and the scales; the PTX itself is checked on a GPU (tests on a GPU, bench/fp8_attention.py).
 
+HEADS_PER_PROGRAM (HPP, "rows" only): one program reads HPP neighbouring KV heads, so each token's bytes come
+in runs of HPP x head_dim (the cache is (block, token, head, dim): at fp8 one head's row is a single 128-byte
+run, half a bf16 row's) and its query rows, HPP x the group, fill more of the dot's 16 rows instead of padding.
+Tile rows are (token, head) pairs; a query row's scores outside its own head's rows are masked to -inf, so the
+dots compute HPP x the products they keep (cheap beside the bytes: the tensor cores idle in this kernel).
+
 Outputs and split-K partials are those of paged_decode_attention.py's `_decode_kernel` (its merge
 kernel finishes a split launch). Program ids: (sequence, KV head, split), or with HEADS_FIRST
 (KV head, sequence, split), so that programs running side by side read neighbouring heads' bytes of
@@ -132,8 +138,9 @@ def _tile_offsets(
     GROUPS: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Offsets (GROUPS, ROWS, W) of tokens n0 .. n0 + GROUPS * ROWS: ROWS consecutive tokens share a page,
-    so each group reads one block-table entry; `inner` (ROWS, W) is the loop-invariant part."""
+    """Offsets (GROUPS, R, W) of tokens n0 .. n0 + GROUPS * ROWS: ROWS consecutive tokens share a page,
+    so each group reads one block-table entry; `inner` (R, W) is the loop-invariant part (R = ROWS * the heads
+    a program reads)."""
     first = n0 + tl.arange(0, GROUPS) * ROWS  # (GROUPS,) first token of each group
     if MASKED:
         block_id = tl.load(bt_row + first // PAGE, mask=first < end, other=0)
@@ -160,12 +167,15 @@ def _tile_words(
     ROWS: tl.constexpr,
     GROUPS: tl.constexpr,
     MASKED: tl.constexpr,
+    HPP: tl.constexpr,
 ):
-    """The K and V words (or K bytes) of tokens n0 .. n0 + GROUPS * ROWS, each (GROUPS, ROWS, W), zeros past `end`."""
+    """The K and V words (or K bytes) of tokens n0 .. n0 + GROUPS * ROWS, each (GROUPS, ROWS * HPP, W) (HPP heads'
+    rows of each token, one after another), zeros past `end`."""
     k_offs = _tile_offsets(bt_row, n0, end, stride_kb, stride_kt, k_inner, PAGE, ROWS, GROUPS, MASKED)
     v_offs = _tile_offsets(bt_row, n0, end, stride_vb, stride_vt, v_inner, PAGE, ROWS, GROUPS, MASKED)
     if MASKED:
-        mask = ((n0 + tl.arange(0, GROUPS * ROWS)) < end).reshape(GROUPS, ROWS)[:, :, None]
+        token = n0 + (tl.arange(0, GROUPS) * ROWS)[:, None] + (tl.arange(0, ROWS * HPP) // HPP)[None, :]
+        mask = (token < end)[:, :, None]
         kw = tl.load(k_ptr + k_offs, mask=mask, other=0.0)
         vw = tl.load(v_ptr + v_offs, mask=mask, other=0)
     else:
@@ -188,6 +198,7 @@ def _attend_tile(
     q_lo8,
     scale_cols,
     lo_cols,
+    row_head,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TOKENS_M: tl.constexpr,
@@ -195,21 +206,22 @@ def _attend_tile(
     CONV: tl.constexpr,
     MASKED: tl.constexpr,
     INTERPRET: tl.constexpr,
+    HPP: tl.constexpr,
 ):
     """One tile of online softmax: convert the words, scores, (m, l, acc) updated. TOKENS_M: l is (BLOCK_N,
     BLOCK_G) per-row partial sums and acc is O^T (BLOCK_D, BLOCK_G); otherwise l (BLOCK_G,), acc (BLOCK_G, BLOCK_D)."""
-    v = _words_tile_f16(vw, BLOCK_N, BLOCK_D, CONV, INTERPRET)  # (BLOCK_N, BLOCK_D)
+    v = _words_tile_f16(vw, BLOCK_N * HPP, BLOCK_D, CONV, INTERPRET)  # (BLOCK_N * HPP, BLOCK_D): (token, head) rows
     if QK8 != 0:  # e4m3 bytes as stored: the wgmma reads them from shared memory
         k = tl.reshape(kw, (BLOCK_N, BLOCK_D))
     else:
-        k = _words_tile_f16(kw, BLOCK_N, BLOCK_D, CONV, INTERPRET)
+        k = _words_tile_f16(kw, BLOCK_N * HPP, BLOCK_D, CONV, INTERPRET)
     if INTERPRET:  # the interpreter's dots: float32
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         q16 = q16.to(tl.float32)
         q8 = q8.to(tl.float32)
         q_lo8 = q_lo8.to(tl.float32)
-    n_mask = (n0 + tl.arange(0, BLOCK_N)) < end
+    n_mask = (n0 + tl.arange(0, BLOCK_N * HPP) // HPP) < end  # each tile row's token
     if TOKENS_M:
         if QK8 != 0:
             s = tl.dot(k, q8) * scale_cols[None, :]
@@ -225,8 +237,13 @@ def _attend_tile(
         l = l * alpha[None, :] + p
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))  # (BLOCK_D, BLOCK_G)
     else:
-        s = tl.dot(q16, tl.trans(k)) * scale_cols[:, None]  # (BLOCK_G, BLOCK_N)
-        if MASKED:
+        s = tl.dot(q16, tl.trans(k)) * scale_cols[:, None]  # (BLOCK_G, BLOCK_N * HPP)
+        if HPP > 1:  # a query row scores only its own KV head's rows of the tile
+            own = row_head[:, None] == (tl.arange(0, BLOCK_N * HPP) % HPP)[None, :]
+            if MASKED:
+                own = own & n_mask[None, :]
+            s = tl.where(own, s, float("-inf"))
+        elif MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -289,17 +306,18 @@ def _decode_fp8_kernel(
     HEADS_FIRST: tl.constexpr,
     PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
+    HPP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     if HEADS_FIRST:
-        kvh = tl.program_id(0)
+        kvh = tl.program_id(0) * HPP  # the first of this program's HPP KV heads
         b = tl.program_id(1)
     else:
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) * HPP
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+    num_kv_heads = (tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)) * HPP
     seq_len = tl.load(seq_lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -307,8 +325,9 @@ def _decode_fp8_kernel(
 
     g = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D)
-    head = kvh * group + g  # (BLOCK_G,) query heads of this KV head
-    g_mask = g < group
+    head = kvh * group + g  # (BLOCK_G,) query heads of this program's KV heads
+    g_mask = g < group * HPP
+    row_head = g // group  # which of the program's KV heads each query row attends with
     v_col = _column_source(c, CONV)  # head-dim index of each V tile column
     q_col = c if QK8 else v_col  # K tiles: bytes as stored (QK8) or converted like V
     v_scale = 256.0 if CONV == 1 else 1.0  # CONV 1 tiles hold value / 256
@@ -339,10 +358,12 @@ def _decode_fp8_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     GROUPS: tl.constexpr = BLOCK_N // ROWS
-    r = tl.arange(0, ROWS)
+    rr = tl.arange(0, ROWS * HPP)  # a group's tile rows: (token, head) pairs, heads fastest
+    r = rr // HPP  # token in the group
+    kvh_rows = kvh + rr % HPP
     j = tl.arange(0, BLOCK_D // 4)
-    k_inner = (r * stride_kt + kvh * stride_kh)[:, None] + (c[None, :] if QK8 != 0 else j[None, :])  # (ROWS, W)
-    v_inner = (r * stride_vt + kvh * stride_vh)[:, None] + j[None, :]
+    k_inner = (r * stride_kt + kvh_rows * stride_kh)[:, None] + (c[None, :] if QK8 != 0 else j[None, :])  # (R, W)
+    v_inner = (r * stride_vt + kvh_rows * stride_vh)[:, None] + j[None, :]
     if PREFETCH:  # the next tile's words load into registers while this one computes (num_stages 1)
         kw, vw = _tile_words(
             k_ptr,
@@ -360,6 +381,7 @@ def _decode_fp8_kernel(
             ROWS,
             GROUPS,
             True,
+            HPP,
         )
         for n0 in range(start, end, BLOCK_N):
             kw_next, vw_next = _tile_words(
@@ -378,6 +400,7 @@ def _decode_fp8_kernel(
                 ROWS,
                 GROUPS,
                 True,
+                HPP,
             )
             m, l, acc = _attend_tile(
                 kw,
@@ -392,6 +415,7 @@ def _decode_fp8_kernel(
                 q_lo8,
                 scale_cols,
                 lo_cols,
+                row_head,
                 BLOCK_N,
                 BLOCK_D,
                 TOKENS_M,
@@ -399,6 +423,7 @@ def _decode_fp8_kernel(
                 CONV,
                 True,
                 INTERPRET,
+                HPP,
             )
             kw, vw = kw_next, vw_next
     else:  # whole tiles without masks, then the last partial tile (if any) with them
@@ -421,6 +446,7 @@ def _decode_fp8_kernel(
                     ROWS,
                     GROUPS,
                     MASKED,
+                    HPP,
                 )
                 m, l, acc = _attend_tile(
                     kw,
@@ -435,6 +461,7 @@ def _decode_fp8_kernel(
                     q_lo8,
                     scale_cols,
                     lo_cols,
+                    row_head,
                     BLOCK_N,
                     BLOCK_D,
                     TOKENS_M,
@@ -442,6 +469,7 @@ def _decode_fp8_kernel(
                     CONV,
                     MASKED,
                     INTERPRET,
+                    HPP,
                 )
 
     if TOKENS_M:
@@ -487,18 +515,30 @@ def check_fp8_variant(variant: str, k_cache: torch.Tensor, v_cache: torch.Tensor
 def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, cfg):
     """Launch `_decode_fp8_kernel` for cfg["VARIANT"] (cfg also: BLOCK_N, num_warps, num_stages, and
     optionally CONV (0), HEADS_FIRST (False), PREFETCH (False: the next tile's words loaded into registers
-    during this one, for num_stages 1), BLOCK_G (query-head rows, default max(16, group); "tokens"
-    variants take 8: their heads are the dots' N side)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
+    during this one, for num_stages 1), HEADS_PER_PROGRAM ("rows" only, default 1: KV heads one program reads,
+    module docstring), BLOCK_G (query-head rows, default max(16, group x heads per program); "tokens" variants
+    take 8: their heads are the dots' N side)). grid_args = (batch, num_kv_heads, num_splits, interpreting)."""
     batch, num_kv_heads, num_splits, on_cpu = grid_args
     tokens_m, qk8 = FP8_VARIANTS[cfg["VARIANT"]]
     heads_first = bool(cfg.get("HEADS_FIRST", False))
     k_view = k_cache if qk8 else k_cache.view(torch.int32)  # (N, bs, Hkv, D // 4) words, strides in words
     v_view = v_cache.view(torch.int32)
     group = q.shape[1] // num_kv_heads
-    block_g = cfg.get("BLOCK_G", max(16, 1 << (group - 1).bit_length()))
-    if block_g < group:
-        raise ValueError(f"paged_decode_attention: BLOCK_G {block_g} is below the {group} query heads per KV head")
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    hpp = int(cfg.get("HEADS_PER_PROGRAM", 1))
+    if hpp < 1 or num_kv_heads % hpp:
+        raise ValueError(
+            f"paged_decode_attention: HEADS_PER_PROGRAM {hpp} must be >= 1 and divide the {num_kv_heads} KV heads"
+        )
+    if hpp > 1 and tokens_m:
+        raise ValueError(
+            f"paged_decode_attention: HEADS_PER_PROGRAM {hpp} needs VARIANT 'rows', got {cfg['VARIANT']!r}"
+        )
+    rows = group * hpp  # query rows of a program
+    block_g = cfg.get("BLOCK_G", max(16, 1 << (rows - 1).bit_length()))
+    if block_g < rows:
+        raise ValueError(f"paged_decode_attention: BLOCK_G {block_g} is below the {rows} query heads of a program")
+    programs = num_kv_heads // hpp
+    grid = (programs, batch, num_splits) if heads_first else (batch, programs, num_splits)
     _decode_fp8_kernel[grid](
         q,
         k_view,
@@ -528,6 +568,7 @@ def launch_fp8_decode(grid_args, q, k_cache, v_cache, block_tables, seq_lens, ou
         HEADS_FIRST=heads_first,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
         INTERPRET=on_cpu,
+        HPP=hpp,
         **pdl_launch(q),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -80,3 +80,48 @@ def test_unsupported_variant_is_refused(variant, cache_dtype, head_dim, message)
             q, k_cache, v_cache, paged.block_tables, paged.seq_lens, 1.0, config=dict(TILE, VARIANT=variant)
         )
     assert str(err.value) == f"paged_decode_attention: {message}"
+
+
+@pytest.mark.parametrize("hpp", [1, 2])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_rows_over_several_kv_heads_per_program(hpp, num_splits, heads_first):
+    """HEADS_PER_PROGRAM: one program reads both KV heads (tile rows = (token, head) pairs, each query row masked
+    to its own head's rows); uneven pages, partial last tiles, split and unsplit."""
+    err = _run("rows", 1, num_splits, seq_lens=(5, 31, 40, 1), block_size=6, HEADS_FIRST=heads_first,
+               HEADS_PER_PROGRAM=hpp)  # fmt: skip
+    assert err <= TOL["rows"], f"HEADS_PER_PROGRAM {hpp}, splits {num_splits}: max error {err:.2e}"
+
+
+def test_rows_over_four_heads_of_a_group_of_two():
+    """8 KV heads, 16 query heads (Qwen3's grouping), 4 KV heads a program: 8 query rows of the 16."""
+    paged = PagedKv([9, 33], 8, 32, 4, FP8, DEVICE, seed=5)
+    q = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    scale = 32**-0.5
+    cfg = dict(TILE, VARIANT="rows", HEADS_PER_PROGRAM=4, HEADS_FIRST=True)
+    out = paged_decode_attention_triton(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale, num_splits=2, config=cfg
+    )
+    for b, n in enumerate([9, 33]):
+        want = dense_attention(q[b : b + 1], paged.keys[b], paged.values[b], scale, first_pos=n - 1)
+        err = (out[b : b + 1].double().cpu() - want).abs().max().item()
+        assert err <= TOL["rows"], f"sequence {b}: max error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "variant,hpp,message",
+    [
+        ("rows", 3, "HEADS_PER_PROGRAM 3 must be >= 1 and divide the 2 KV heads"),
+        ("rows", 0, "HEADS_PER_PROGRAM 0 must be >= 1 and divide the 2 KV heads"),
+        ("tokens", 2, "HEADS_PER_PROGRAM 2 needs VARIANT 'rows', got 'tokens'"),
+    ],
+)
+def test_heads_per_program_is_checked(variant, hpp, message):
+    with pytest.raises(ValueError, match=message):
+        _run(variant, 0, 1, HEADS_PER_PROGRAM=hpp)
+
+
+def test_rows_over_two_heads_with_eight_token_tiles():
+    """The bench's shape of HEADS_PER_PROGRAM: the token tile cut as the heads grow (8 tokens x 2 heads: 16 rows)."""
+    err = _run("rows", 0, 2, seq_lens=(5, 31, 40, 16), block_size=16, HEADS_PER_PROGRAM=2, BLOCK_N=8)
+    assert err <= TOL["rows"], f"max error {err:.2e}"
