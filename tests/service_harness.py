@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -48,10 +49,20 @@ def fault_env(faults: str) -> dict[str, str]:
     return {"SPLITSERVE_TEST_FAULTS": faults, "PYTHONPATH": f"{REPO / 'tests' / 'faults'}{os.pathsep}{REPO}"}
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process: a service started on an earlier one
+    may not have bound it yet (a slow prefill and a fast gateway once got the same port, and the prefill could not
+    listen)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class Proc:
@@ -72,19 +83,28 @@ class Proc:
             env=env,
             stdout=subprocess.PIPE,
             stderr=self.log,
-            text=True,
             start_new_session=True,
         )
+        self._stdout = b""  # what wait_ready has read of stdout and not used yet
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the READY line; a process that exits first, or stays silent past `timeout_s`, fails with its log
+        (stdout is read as it arrives, never blocking, so a hung start cannot hold the test past the bound)."""
         deadline = time.monotonic() + timeout_s
+        fd = self.popen.stdout.fileno()
         while time.monotonic() < deadline:
-            line = self.popen.stdout.readline()
-            if line.startswith("READY"):
-                return
-            if not line and self.popen.poll() is not None:
-                break
-        raise RuntimeError(f"{self.name} did not become ready; log:\n{self.log_path.read_text()[-3000:]}")
+            while b"\n" in self._stdout:
+                line, self._stdout = self._stdout.split(b"\n", 1)
+                if line.startswith(b"READY"):
+                    return
+            if select.select([fd], [], [], min(1.0, max(0.0, deadline - time.monotonic())))[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:  # end of output: the process exited
+                    self.popen.wait(10)
+                    break
+                self._stdout += chunk
+        state = f"exited {self.popen.returncode}" if self.popen.poll() is not None else f"silent for {timeout_s:.0f} s"
+        raise RuntimeError(f"{self.name} did not become ready ({state}); log:\n{self.log_path.read_text()[-3000:]}")
 
     def kill(self, sig=signal.SIGKILL) -> None:
         """Signal the whole process group (the service and its engine core)."""

@@ -150,4 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for config in configs.values():
         print(describe(config), file=sys.stderr)
-    return int(loaded.run(ns, configs) or 0)
+    from splitserve.runtime.grpc_server import PortInUse
+
+    try:
+        return int(loaded.run(ns, configs) or 0)
+    except PortInUse as exc:  # a clear line and exit status 1, not a traceback
+        print(f"splitserve {command}: error: {exc}", file=sys.stderr)
+        return 1

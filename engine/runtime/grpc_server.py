@@ -242,6 +242,10 @@ def internal_channel(address: str, auth: InternalAuth | None, extra_options: tup
     return grpc.aio.secure_channel(address, auth.tls.channel_credentials(), options=options, interceptors=interceptors)
 
 
+class PortInUse(RuntimeError):
+    """A server's address could not be bound (another process holds it, or the host is not this machine's)."""
+
+
 def build_server(
     host: str, port: int, add_servicers, service_names: list[str], auth: InternalAuth | None = None
 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
@@ -265,9 +269,12 @@ def build_server(
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    try:  # grpcio raises (older ones returned 0) when another socket holds the address
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+        raise PortInUse(f"cannot listen on {address}: the address is in use or not available")
     return server, health_servicer, bound
 
 

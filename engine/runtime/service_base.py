@@ -12,7 +12,7 @@ import grpc
 from splitserve.common.wire import layout_to_proto
 from splitserve.engine.core_process import EngineClient
 from splitserve.protos import common_pb2
-from splitserve.runtime.grpc_server import InternalAuth, build_server, install_drain, set_serving
+from splitserve.runtime.grpc_server import InternalAuth, PortInUse, build_server, install_drain, set_serving
 from splitserve.runtime.logs import setup_logging
 from splitserve.runtime.metrics import ServiceCounters
 
@@ -139,8 +139,17 @@ class ServiceBase:
         )
 
     async def serve(self, add_servicers) -> int:
-        """Start the core and the gRPC server; run until SIGTERM, then drain."""
+        """Start the core and the gRPC server; run until SIGTERM, then drain. A start that fails after the core
+        runs (a port in use, a peer refused) stops the core before raising: the process then exits instead of
+        waiting on the core it started."""
         await self.client.start()
+        try:
+            return await self._serve(add_servicers)
+        except BaseException:
+            self.client.shutdown()
+            raise
+
+    async def _serve(self, add_servicers) -> int:
         from splitserve.runtime.metrics import Metrics, serve_http
 
         self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
@@ -148,15 +157,21 @@ class ServiceBase:
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
             log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
-        server, health, port = build_server(
-            self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
-        )
+        try:
+            server, health, port = build_server(
+                self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
+            )
+        except PortInUse as exc:
+            raise PortInUse(f"{self.name} --port {self.config.port}: {exc}") from None
         # gRPC hands a server's calls to it in arrival order: behind a burst of queued requests a Describe
         # waited long enough (25 s on a loaded machine) for the gateway to mark a busy instance down. A
         # second server answers only Describe and health; Describe advertises it.
-        health_server, health_health, health_port = build_server(
-            self.config.host, self.config.health_port, self._add_describe, self.service_names, self.internal_auth
-        )
+        try:
+            health_server, health_health, health_port = build_server(
+                self.config.host, self.config.health_port, self._add_describe, self.service_names, self.internal_auth
+            )
+        except PortInUse as exc:
+            raise PortInUse(f"{self.name} --health-port {self.config.health_port}: {exc}") from None
         self.health_address = f"{self.config.peer_host}:{health_port}"
         healths = (health, health_health)
         # Listen before preparing peers: a prefill with --decode-peers asks this decode to confirm the
