@@ -3,6 +3,7 @@ limits, and large inputs that never stall the gateway's event loop."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -28,10 +29,17 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture()
 def stack(tokenizer_dir):
+    # The gateway runs inside pytest here, beside everything earlier tests left on the heap: a full collection
+    # that the attack's objects trigger then scans all of it on the loop (0.5-0.6 s in whole-suite runs, never
+    # alone). Freezing what exists moves that heap out of the collector's view, as a gateway process of its own
+    # would not have it; the attack's own allocations are still collected.
+    gc.collect()
+    gc.freeze()
     s = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode(step_s=0.02)], overrides={"model_id": MODEL}).start()
     wait_until(lambda: httpx.get(s.base_url + "/health").status_code == 200, 5, "the fake stack never served")
     yield s
     s.stop()
+    gc.unfreeze()
 
 
 def test_tokenize_and_detokenize_over_rest(stack):
