@@ -65,6 +65,15 @@ def free_port() -> int:
             return port
 
 
+class PortTaken(RuntimeError):
+    """A service exited because its port was taken between `free_port` and its bind: another process's
+    OS-chosen port (an outgoing connection, a server on port 0) can land on a port handed out but not yet
+    bound. A caller that picked the ports starts again on fresh ones."""
+
+
+_PORT_ERRORS = ("cannot listen on", "could not start on", "address already in use")
+
+
 class Proc:
     """One `python -m splitserve.cli <command> ...` process; waits for its READY line."""
 
@@ -104,7 +113,14 @@ class Proc:
                     break
                 self._stdout += chunk
         state = f"exited {self.popen.returncode}" if self.popen.poll() is not None else f"silent for {timeout_s:.0f} s"
-        raise RuntimeError(f"{self.name} did not become ready ({state}); log:\n{self.log_path.read_text()[-3000:]}")
+        raise self.start_failure(state)
+
+    def start_failure(self, state: str) -> RuntimeError:
+        """The error for a start that failed (`state` says how): `PortTaken` when the process exited naming a
+        port it could not bind, else a RuntimeError with the log's tail."""
+        log = self.log_path.read_text()
+        taken = self.popen.poll() is not None and any(e in log.lower() for e in _PORT_ERRORS)
+        return (PortTaken if taken else RuntimeError)(f"{self.name} did not become ready ({state}); log:\n{log[-3000:]}")
 
     def kill(self, sig=signal.SIGKILL) -> None:
         """Signal the whole process group (the service and its engine core)."""
@@ -210,11 +226,21 @@ class Stack:
     ):
         from splitserve.common.default_model_path import default_model_path
 
-        model = default_model_path()
-        self.model, self.logs, self.transport = model, logs, transport
-        self.procs: dict[str, Proc] = {}
+        self.model, self.logs, self.transport = default_model_path(), logs, transport
         self.prefill_args = ["--kv-transport", transport, *prefill_args]
         self.prefill_faults = prefill_faults
+        for attempt in range(3):
+            self.procs: dict[str, Proc] = {}
+            try:
+                self._start(num_decode, decode_args, decode_faults)
+                return
+            except BaseException as exc:
+                self.stop()  # no process outlives a failed start
+                if not isinstance(exc, PortTaken) or attempt == 2:
+                    raise
+
+    def _start(self, num_decode: int, decode_args: list[str], decode_faults: str) -> None:
+        model, logs, transport, prefill_faults = self.model, self.logs, self.transport, self.prefill_faults
         self.prefill = start_service(
             "prefill", model, logs, "prefill", service_args=self.prefill_args, faults=prefill_faults, **ENGINE
         )
@@ -256,8 +282,10 @@ class Stack:
                     return
             except httpx.HTTPError:
                 pass
+            if self.gateway.popen.poll() is not None:
+                raise self.gateway.start_failure(f"exited {self.gateway.popen.returncode}")
             time.sleep(0.2)
-        raise RuntimeError("gateway never became ready:\n" + self.gateway.log_path.read_text()[-3000:])
+        raise self.gateway.start_failure(f"not ready with every instance up in {timeout_s:g} s")
 
     def stop(self):
         for proc in self.procs.values():
