@@ -120,7 +120,8 @@ class Proc:
         port it could not bind, else a RuntimeError with the log's tail."""
         log = self.log_path.read_text()
         taken = self.popen.poll() is not None and any(e in log.lower() for e in _PORT_ERRORS)
-        return (PortTaken if taken else RuntimeError)(f"{self.name} did not become ready ({state}); log:\n{log[-3000:]}")
+        error = PortTaken if taken else RuntimeError
+        return error(f"{self.name} did not become ready ({state}); log:\n{log[-3000:]}")
 
     def kill(self, sig=signal.SIGKILL) -> None:
         """Signal the whole process group (the service and its engine core)."""
