@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         given = json.load(open(args.configs)) if os.path.exists(args.configs) else json.loads(args.configs)
         for variant, config in given.items():
             print(f"{variant}:", flush=True)
-            sweep.config(dict(config, VARIANT=variant), tag="confirm")
+            sweep.config(dict(config, VARIANT=variant.split("/")[0]), tag="confirm")
         best = given
     else:
         best = sweep_variants(sweep, tiles, dry=p is DRY)

@@ -14,6 +14,9 @@ OUT=${OUT:-/tmp/fp8-attention-ncu}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/fp8_attention_ncu.log") 2>&1
 source bench/gpu_setup.sh || exit 1
+STALLS=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard \
+    lg_throttle mio_throttle math_pipe_throttle wait barrier not_selected selected dispatch_stall no_instruction \
+    branch_resolving drain membar imc_miss tex_throttle sleeping); STALLS=${STALLS%,}
 for layout in "" --head-major; do
   tag=${layout:-engine-layout}; tag=${tag#--}
   echo "=== split sweep, $tag ($(date +%T))"
@@ -21,7 +24,8 @@ for layout in "" --head-major; do
   echo "=== ncu, $tag ($(date +%T))"
   timeout 120 ncu --clock-control none --kernel-name regex:"_decode_kernel|_decode_fp8_kernel" --launch-skip 3 --launch-count 6 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-      --section MemoryWorkloadAnalysis --csv --page details \
+      --section MemoryWorkloadAnalysis --metrics "$STALLS,smsp__inst_executed.sum,dram__bytes_read.sum" \
+      --csv --page details \
       python3 -m bench.fp8_attention --probe 1 $layout --json "$OUT/probe_$tag.json" > "$OUT/ncu_$tag.csv" \
       2> "$OUT/ncu_$tag.err"
   echo "ncu exit $?"

@@ -27,6 +27,9 @@ KEEP = (
     "L2 Hit Rate",
     "Mem Busy",
     "Max Bandwidth",
+    "smsp__average_warps_issue_stalled",  # the stall reasons (--metrics), warps per issued instruction
+    "smsp__inst_executed",
+    "dram__bytes_read",
 )
 
 
