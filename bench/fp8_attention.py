@@ -97,13 +97,18 @@ def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None) -> dict:
 
 
 def label(row) -> str:
-    parts = [row.get("VARIANT", "bf16"), f"N{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}"]
+    parts = [row.get("VARIANT", "bf16")]
+    if "BLOCK_N" in row:  # the Triton kernels' tiles (the mma kernel has its own: 32 tokens a warp)
+        parts.append(f"N{row['BLOCK_N']} w{row['num_warps']} s{row['num_stages']}")
     for key, fmt in (
         ("CONV", "conv{}"),
         ("HEADS_FIRST", "hf"),
         ("BLOCK_G", "G{}"),
         ("PREFETCH", "prefetch"),
         ("HEADS_PER_PROGRAM", "hpp{}"),
+        ("WARPS", "w{}"),
+        ("MIN_BLOCKS", "b{}"),
+        ("PF", "pf"),
     ):
         if row.get(key):
             parts.append(fmt.format(row[key]))
@@ -183,7 +188,7 @@ def summary(sweep: Sweep, baselines: dict) -> list[dict]:
     out = []
     for shape in sweep.shapes:
         entry = dict(shape=shape.name, fp8_bytes=shape.fp8_bytes, **baselines[shape.name])
-        for variant in VARIANTS:
+        for variant in VARIANTS + ["mma"]:
             rows = [r for r in sweep.rows if r["shape"] == shape.name and r.get("VARIANT") == variant and r.get("ok")]
             if rows:
                 fastest = min(rows, key=lambda r: r["ms"])
@@ -202,7 +207,7 @@ def print_summary(table, copy_gbps) -> None:
         bf = e["bf16"]
         print(f"| {e['shape']} | bf16 (bf16 cache) | {bf['ms']:.4f} | {bf['pct_copy']:.1f} | default | |")
         named = [("fp8 upcast (the default until 2026-12-02)", e["upcast"])]
-        for name, v in named + [(f"fp8 {k}", e[k]) for k in VARIANTS if k in e]:
+        for name, v in named + [(f"fp8 {k}", e[k]) for k in VARIANTS + ["mma"] if k in e]:
             cells = f"{v['ms']:.4f} | {v['pct_copy']:.1f} | {v['config']} | {v['err']:.1e}"
             print(f"| {e['shape']} | {name} | {cells} |")
 

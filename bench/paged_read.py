@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     rows = []
     print(f"copy rate {copy_bw / 1e9:.0f} GB/s; ms (% copy) per shape {SHAPES}", flush=True)
     for name, (k, v) in caches.items():
-        tables = [(cache.tables(b, ctx, gen), torch.full((b,), ctx, dtype=torch.int32, device="cuda")) for b, ctx in SHAPES]
+        lens = [torch.full((b,), ctx, dtype=torch.int32, device="cuda") for b, ctx in SHAPES]
+        tables = [(cache.tables(b, ctx, gen), seq_lens) for (b, ctx), seq_lens in zip(SHAPES, lens)]
         for block_n, warps, stages in ((64, 4, 2), (64, 4, 1), (128, 4, 2), (128, 8, 2), (256, 8, 2), (32, 4, 2)):
             for split_scale in (1, 2):
                 cells = []

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 from splitserve.kernels._common import (
     check_paged_attention_shapes,
     dot_precision,
@@ -329,7 +330,14 @@ def paged_decode_attention_triton(
     else:
         part_acc = part_ml = out  # unused
     variant = cfg.get("VARIANT", "upcast")
-    if variant == "upcast":
+    if variant == "mma":
+        why = fp8_mma.supports(q, k_cache, v_cache) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
+        if why:
+            raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
+        fp8_mma.launch_fp8_mma(
+            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, num_splits, cfg
+        )
+    elif variant == "upcast":
         _launch_upcast(
             q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
         )

@@ -1,0 +1,438 @@
+"""Paged decode attention over an fp8 (e4m3) cache on the e4m3 tensor cores, without shared memory in the loop
+(issue 19: the Triton variants read at 55-60% of the copy rate).
+
+Why a CUDA kernel: the Triton variants convert each e4m3 tile to 16 bits in registers, then go through shared
+memory to reach the dot's operand layout, and reduce each tile's softmax across the program's warps (Nsight
+Compute on the H200: 25% occupancy at 128 registers, stalled on shared memory and global loads in equal parts,
+27.5 warp instructions per (token, KV head)). Here every operand is loaded from global memory straight into the
+registers of `mma.sync.m16n8k32` with e4m3 inputs (sm_89+), so there is no conversion and no shared memory until
+the end, and each warp runs its own online softmax over its own tiles (about 7 instructions per (token, head)):
+
+    S  (16 query rows x 8 tokens)  = q (16 x 32 dims) . K^T (32 dims x 8 tokens)   per 32 dims, per 8 tokens
+    O^T (16 dims x 8 query rows)  += V^T (16 dims x 32 tokens) . P^T (32 tokens x 8 rows)
+
+- K^T's fragment wants 4 neighbouring dims of one token per register: words of the cache row as stored. A dot
+  does not care in which order its dims come, so each thread's words are two 16-byte runs of the row (one load
+  each), and q is loaded in the same order.
+- P^T's fragment wants 4 tokens of one query row per register: S's accumulators already hold them (two tokens
+  of each of two neighbouring 8-token tiles), so P goes from the softmax to the dot without a shuffle, the
+  tokens of a 32-token tile taken in that order.
+- V^T's fragment wants 4 tokens of one dim per register: each thread loads its tokens' 16-byte runs of V (its
+  dims, D/8 of them) and transposes 4 x 4 bytes at a time with byte permutes (8 `prmt` per 4 words). Output
+  dims come out in that order too and are stored through it.
+- q and P are quantized to e4m3 in the kernel, each as a sum of two e4m3 terms (`Q2`, `P2`: hi + the rounding
+  error's own e4m3; the products are then as exact as a 16-bit operand's, at one more mma per product), q per
+  query row (its own scale), P as p x 256 (its range is [0, 1]).
+- Query rows: the group's Hq / Hkv heads, at most 8 (S's rows 8-15 and O^T's columns past the group are zero).
+- The softmax's denominator is a ninth product, a row of e4m3 ones times P^T: the sum of the weights exactly as
+  the dot used them, so a V equal for every token comes back exactly.
+- Each warp takes every WARPS-th 32-token tile of the (sequence, KV head, split); the warps merge their
+  (m, l, acc) through shared memory at the end and write the output, or the split's partial in the format
+  paged_decode_attention.py's merge kernel reads.
+
+Compiled at first use with NVRTC (`torch.cuda._compile_kernel`), per head dim, group, q dtype and options;
+`available()` says whether this build and device can (CUDA, capability >= 8.9, NVRTC present).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define TILE 32
+#define KW (HEAD_DIM / 16)   // K words per token per thread (its HEAD_DIM / 4 dims)
+#define VW (HEAD_DIM / 32)   // V words per token per thread (its HEAD_DIM / 8 dims)
+#define MT (HEAD_DIM / 16)   // O^T m-tiles (16 dims each)
+#define NEG (-1.0e30f)
+#define ONES 0x3C003C00u     // two f16 1.0
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+// 4 e4m3 bytes -> two f16x2: lo = bytes 0, 1; hi = bytes 2, 3 (the lower byte in the lower half)
+__device__ __forceinline__ void unpack(u32 w, u32 &lo, u32 &hi) {
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+}
+// two floats -> f16x2 (x0 in the lower half)
+__device__ __forceinline__ u32 f16x2(float x0, float x1) {
+  u32 d; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(x1), "f"(x0)); return d;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+__device__ __forceinline__ float load_q(const unsigned short* p) {
+  unsigned short h = *p; float f;
+#if Q_BF16
+  f = __uint_as_float(((u32)h) << 16);
+#else
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+#endif
+  return f;
+}
+__device__ __forceinline__ unsigned short to_out(float f) {
+  unsigned short h;
+#if Q_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+__device__ __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// the 4 x 4 byte transpose: out_i byte j = in_j byte i
+__device__ __forceinline__ void transpose4(u32 w0, u32 w1, u32 w2, u32 w3, u32 &o0, u32 &o1, u32 &o2, u32 &o3) {
+  u32 x = prmt(w0, w1, 0x5140), y = prmt(w2, w3, 0x5140);
+  u32 z = prmt(w0, w1, 0x7362), u = prmt(w2, w3, 0x7362);
+  o0 = prmt(x, y, 0x5410); o1 = prmt(x, y, 0x7632);
+  o2 = prmt(z, u, 0x5410); o3 = prmt(z, u, 0x7632);
+}
+template <int N> __device__ __forceinline__ void load_words(u32 *w, const unsigned char* p) {
+  if (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + i);
+      w[2 * i] = v.x; w[2 * i + 1] = v.y;
+    }
+  }
+}
+
+struct Tile {
+  u32 k[4][KW];  // K words of tokens 8 nt + g, nt = 0..3: dims 64 (w >> 2) + 16 t + 4 (w & 3) + 0..3
+  u32 v[8][VW];  // V words of tokens 8 (j >> 1) + 2 t + (j & 1), j = 0..7: dims (D / 8) g + 4 i + 0..3
+};
+
+// The tile's tokens base + x, x = 0..31: block id from lane x (table entry clamped into the sequence: a token
+// past the end reads the last block's bytes, then is masked), slot x & page_mask (tiles start at multiples of 32
+// and pages are at most 32 tokens: SMALL_PAGE) or (base & page_mask) + x (pages of 32 and more: one block a tile)
+template <bool MASK>
+__device__ __forceinline__ void load_tile(
+    Tile &T, int bid, int base, int end, int g, int t, int page_mask,
+    const unsigned char* k_thread, const unsigned char* v_thread, int stride_kb, int stride_kt, int stride_vb,
+    int stride_vt) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int x = 8 * nt + g;
+    const int blk = __shfl_sync(0xffffffffu, bid, x);
+#if SMALL_PAGE
+    const int slot = x & page_mask;
+#else
+    const int slot = (base & page_mask) + x;
+#endif
+    const unsigned char* row = k_thread + (u64)(unsigned)blk * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 64; ++c) load_words<4>(&T.k[nt][4 * c], row + 64 * c);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int x = 8 * (j >> 1) + 2 * (threadIdx.x & 3) + (j & 1);
+    const int blk = __shfl_sync(0xffffffffu, bid, x);
+#if SMALL_PAGE
+    const int slot = x & page_mask;
+#else
+    const int slot = (base & page_mask) + x;
+#endif
+    const unsigned char* row = v_thread + (u64)(unsigned)blk * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
+    load_words<VW>(T.v[j], row);
+    if (MASK && base + x >= end) {
+#pragma unroll
+      for (int i = 0; i < VW; ++i) T.v[j][i] = 0u;  // a slot past the sequence may hold NaN bytes
+    }
+  }
+}
+
+// one 32-token tile into the warp's (m, lsum, acc)
+template <bool MASK>
+__device__ __forceinline__ void attend_tile(
+    const Tile &T, const u32 (&qa)[KW][2], int base, int end, int g, int t, float &m, float (&lsum)[4],
+    float (&acc)[MT][4]) {
+  // S = q K^T over 4 tiles of 8 tokens, one k16 step per K word
+  float s[4][4];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      u32 b0, b1;
+      unpack(T.k[nt][w], b0, b1);
+      mma(s[nt], qa[w][0], 0u, qa[w][1], 0u, b0, b1);
+    }
+  }
+  // online softmax of row g over its tokens 8 nt + 2 t + {0, 1}
+  float mx = NEG;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (MASK && base + 8 * nt + 2 * t + i >= end) s[nt][i] = NEG;
+      mx = fmaxf(mx, s[nt][i]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float alpha = ex2(m - m_new);
+  m = m_new;
+  // P^T fragments of k16 step st: tokens 16 st + 2 t + {0, 1} (b0) and 16 st + 8 + 2 t + {0, 1} (b1)
+  u32 pb[2][2];
+#pragma unroll
+  for (int st = 0; st < 2; ++st)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int nt = 2 * st + h;
+      pb[st][h] = (GROUP == 8 || g < GROUP) ? f16x2(ex2(s[nt][0] - m_new), ex2(s[nt][1] - m_new)) : 0u;
+    }
+  // rescale O^T's columns (query rows 2t, 2t+1: their alpha lives in lanes 8t and 8t+4)
+  const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);
+  const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    acc[mt][0] *= a_lo; acc[mt][1] *= a_hi; acc[mt][2] *= a_lo; acc[mt][3] *= a_hi;
+  }
+  lsum[0] *= a_lo; lsum[1] *= a_hi; lsum[2] *= a_lo; lsum[3] *= a_hi;
+  // O^T += V^T P^T: a token's word i holds dims (D / 8) g + 4 i + 0..3 = rows g, g + 8 of m-tile 2 i (bytes 0,
+  // 1) and of m-tile 2 i + 1 (bytes 2, 3); k16 step st takes tokens j = 4 st .. 4 st + 3
+#pragma unroll
+  for (int st = 0; st < 2; ++st) {
+    mma(lsum, ONES, ONES, ONES, ONES, pb[st][0], pb[st][1]);
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+      u32 d0, d1, d2, d3;  // dim 4 i + e of tokens j = 4 st .. 4 st + 3, one byte each
+      transpose4(T.v[4 * st][i], T.v[4 * st + 1][i], T.v[4 * st + 2][i], T.v[4 * st + 3][i], d0, d1, d2, d3);
+      u32 a0, a2, a1, a3;
+      unpack(d0, a0, a2);
+      unpack(d1, a1, a3);
+      mma(acc[2 * i], a0, a1, a2, a3, pb[st][0], pb[st][1]);
+      unpack(d2, a0, a2);
+      unpack(d3, a1, a3);
+      mma(acc[2 * i + 1], a0, a1, a2, a3, pb[st][0], pb[st][1]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+splitserve_fp8_decode(
+    const unsigned short* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+    const int* __restrict__ bt, const int* __restrict__ seq_lens, unsigned short* __restrict__ out,
+    float* __restrict__ part_acc, float* __restrict__ part_ml,
+    int num_splits, int page_shift, int num_q_heads,
+    int stride_qb, int stride_qh, int stride_kb, int stride_kt, int stride_kh,
+    int stride_vb, int stride_vt, int stride_vh, int stride_btb, int stride_ob, int stride_oh, double qk_scale_d) {
+  __shared__ float sm_ml[WARPS][2][8];
+  __shared__ float sm_acc[WARPS][8][HEAD_DIM];
+  const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int page_mask = (1 << page_shift) - 1;
+  const int seq_len = seq_lens[b];
+  const int per_split = ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+  const int start = split * per_split;
+  const int end = min(start + per_split, seq_len);
+  const int num_tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
+  const int num_full = end > start ? (end - start) / TILE : 0;
+  const int* bt_row = bt + (u64)b * stride_btb;
+  const unsigned char* k_thread = kc + (u64)kvh * stride_kh + 16 * t;
+  const unsigned char* v_thread = vc + (u64)kvh * stride_vh + (HEAD_DIM / 8) * g;
+
+  // q row g (query head kvh GROUP + g) in f16, log2 units, over the dims of this thread's K words: word w's
+  // bytes 0, 1 pair with qa[w][0], bytes 2, 3 with qa[w][1]
+  u32 qa[KW][2];
+  {
+    const unsigned short* qrow = q + (u64)b * stride_qb + (u64)(kvh * GROUP + min(g, GROUP - 1)) * stride_qh;
+    const float sc = g < GROUP ? (float)qk_scale_d : 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      const unsigned short* p = qrow + 64 * (w >> 2) + 16 * t + 4 * (w & 3);
+      qa[w][0] = f16x2(load_q(p) * sc, load_q(p + 1) * sc);
+      qa[w][1] = f16x2(load_q(p + 2) * sc, load_q(p + 3) * sc);
+    }
+  }
+
+  float m = NEG;                         // row g's running max (log2 units)
+  float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum of the f16 weights of query rows 2t, 2t+1 (a ones-row product)
+  float acc[MT][4];  // O^T: rows = dims (D / 8) g + 2 mt (+ 1 for [2], [3]), columns = query rows 2 t, 2 t + 1
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  // each warp takes every WARPS-th tile: the whole ones first, then the split's last, partial one (if any)
+  int tile = warp;
+  Tile T;
+  int bid = tile < num_tiles ? __ldg(bt_row + (min(start + tile * TILE + lane, end - 1) >> page_shift)) : 0;
+#if PF
+  // L2 prefetch of the warp's next tile while this one computes: lane x asks for token x's K and V rows
+  const unsigned char* pf_k = kc + (u64)kvh * stride_kh;
+  const unsigned char* pf_v = vc + (u64)kvh * stride_vh;
+#endif
+  for (; tile < num_full; tile += WARPS) {
+    const int base = start + tile * TILE;
+    load_tile<false>(T, bid, base, end, g, t, page_mask, k_thread, v_thread, stride_kb, stride_kt, stride_vb,
+                     stride_vt);
+    const int next = tile + WARPS;
+    if (next < num_tiles) {
+      bid = __ldg(bt_row + (min(start + next * TILE + lane, end - 1) >> page_shift));
+#if PF
+      const int slot = SMALL_PAGE ? (lane & page_mask) : ((start + next * TILE) & page_mask) + lane;
+      const u64 kb = (u64)(unsigned)bid * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
+      const u64 vb = (u64)(unsigned)bid * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_k + kb));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_v + vb));
+#endif
+    }
+    attend_tile<false>(T, qa, base, end, g, t, m, lsum, acc);
+  }
+  if (tile < num_tiles) {
+    const int base = start + tile * TILE;
+    load_tile<true>(T, bid, base, end, g, t, page_mask, k_thread, v_thread, stride_kb, stride_kt, stride_vb,
+                    stride_vt);
+    attend_tile<true>(T, qa, base, end, g, t, m, lsum, acc);
+  }
+
+  // merge the warps through shared memory: m per query row, the weights' sum and acc per (row, dim)
+  if (t == 0) sm_ml[warp][0][g] = m;
+  if (g == 0) { sm_ml[warp][1][2 * t] = lsum[0]; sm_ml[warp][1][2 * t + 1] = lsum[1]; }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int d = (HEAD_DIM / 8) * g + 2 * mt;
+    sm_acc[warp][2 * t][d] = acc[mt][0];
+    sm_acc[warp][2 * t + 1][d] = acc[mt][1];
+    sm_acc[warp][2 * t][d + 1] = acc[mt][2];
+    sm_acc[warp][2 * t + 1][d + 1] = acc[mt][3];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
+    const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+    float M = NEG;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_ml[w][0][h]);
+    float L = 0.f, A = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = ex2(sm_ml[w][0][h] - M);
+      L += f * sm_ml[w][1][h];
+      A += f * sm_acc[w][h][d];
+    }
+    const int head = kvh * GROUP + h;
+    if (num_splits == 1) {
+      out[(u64)b * stride_ob + (u64)head * stride_oh + d] = to_out(L > 0.f ? A / L : 0.f);
+    } else {
+      const u64 row = ((u64)b * num_q_heads + head) * num_splits + split;
+      part_acc[row * HEAD_DIM + d] = A;
+      if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
+    }
+  }
+}
+"""
+
+# options: WARPS (warps per program, each on its own 32-token tiles), MIN_BLOCKS (programs an SM should hold:
+# __launch_bounds__ caps the registers to fit them), PF (an L2 prefetch of each warp's next tile)
+DEFAULT_OPTIONS = dict(WARPS=4, MIN_BLOCKS=1, PF=0)
+HEAD_DIMS = (64, 128)  # 256: its tile's registers spill (ptxas: 255 and local memory)
+MAX_GROUP = 8
+
+
+def available(device: torch.device | None = None) -> bool:
+    """CUDA (not ROCm), compute capability >= 8.9 (e4m3 mma), and NVRTC through torch."""
+    if not torch.cuda.is_available() or torch.version.hip or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (8, 9)
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when this kernel can run these operands, else why not."""
+    head_dim = q.shape[-1]
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        return f"caches are {k_cache.dtype}, not float8_e4m3fn"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q.dtype}, not bfloat16 or float16"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (at most {MAX_GROUP})"
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two"
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return "q, k_cache and v_cache need unit stride along head_dim"
+    for cache in (k_cache, v_cache):
+        if any(s % 16 for s in cache.stride()[:3]) or cache.data_ptr() % 16:
+            return "cache rows must start at 16-byte boundaries"
+    return None
+
+
+@functools.cache
+def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: tuple):
+    defines = dict(HEAD_DIM=head_dim, GROUP=group, Q_BF16=int(q_bf16), SMALL_PAGE=int(small_page), **dict(options))
+    source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
+    return _Launcher(torch.cuda._compile_kernel(source, "splitserve_fp8_decode"))
+
+
+class _Launcher:
+    """cuLaunchKernel with the argument array built once per call from ctypes values (torch's launcher converts
+    every argument each call; this one's host cost is about a Triton launch's)."""
+
+    def __init__(self, kernel) -> None:
+        from torch.cuda._utils import _get_gpu_runtime_library
+
+        self.kernel = kernel
+        self.lib = _get_gpu_runtime_library()
+
+    def __call__(self, grid, block, pointers, ints, double) -> None:
+        values = [ctypes.c_void_p(p) for p in pointers] + [ctypes.c_int(i) for i in ints] + [ctypes.c_double(double)]
+        args = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        stream = torch.cuda.current_stream()
+        result = self.lib.cuLaunchKernel(self.kernel.func, *grid, *block, 0, stream._as_parameter_, args, None)
+        if result != 0:
+            raise RuntimeError(f"paged_decode_attention_fp8_mma: cuLaunchKernel failed with CUDA error {result}")
+
+
+def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, num_splits, cfg):
+    """Launch the kernel over grid (KV head, sequence, split); cfg may set WARPS, MIN_BLOCKS and PF. With num_splits > 1
+    the partials go to part_acc / part_ml for the merge kernel (paged_decode_attention.py)."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    opts = {k: int(cfg.get(k, v)) for k, v in DEFAULT_OPTIONS.items()}
+    group = num_q_heads // num_kv_heads
+    kernel = _kernel(head_dim, group, q.dtype == torch.bfloat16, block_size <= 32, tuple(sorted(opts.items())))
+    kernel(
+        (num_kv_heads, batch, num_splits),
+        (opts["WARPS"] * 32, 1, 1),
+        [
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            part_acc.data_ptr(),
+            part_ml.data_ptr(),
+        ],  # fmt: skip
+        [
+            num_splits,
+            block_size.bit_length() - 1,
+            num_q_heads,
+            q.stride(0),
+            q.stride(1),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+        ],  # fmt: skip
+        float(qk_scale),
+    )

@@ -1,0 +1,126 @@
+"""The e4m3-mma decode attention (kernels/paged_decode_attention_fp8_mma.py) against fp64 attention over the
+cache's e4m3 values, on a GPU with e4m3 mma (capability >= 8.9): every head dim it takes, groups of 1-8 query
+heads, pages of 4 and 16 tokens, split and unsplit, its options; and two structured cases that pin the
+kernel's internal orders (a V that is the same for every token must come back exactly: the dims' order; keys of
+zero give the plain mean of V: every token counted once)."""
+
+import pytest
+import torch
+
+from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
+from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+from tests.kernels.conftest import DEVICE, PagedKv, dense_attention
+
+FP8 = torch.float8_e4m3fn
+pytestmark = pytest.mark.skipif(
+    DEVICE != "cuda" or not fp8_mma.available(), reason="needs a CUDA GPU with e4m3 mma (capability >= 8.9)"
+)
+SEQ_LENS = (1, 13, 64, 7, 100, 33)
+# max |error| / max |reference|: q in bf16 (2^-9) and the output's bf16 rounding bound the two-term kernel; one
+# e4m3 term for q or P (3 mantissa bits) costs up to ~2^-5 of a score or a weight
+TOL = {(1, 1): 1e-2, (0, 1): 6e-2, (1, 0): 6e-2}
+
+
+def _run(head_dim=128, group=4, num_kv_heads=2, block_size=16, num_splits=1, seq_lens=SEQ_LENS, dtype=None, **opts):
+    dtype = dtype or torch.bfloat16
+    paged = PagedKv(list(seq_lens), num_kv_heads, head_dim, block_size, FP8, DEVICE, seed=head_dim + group)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(seq_lens), group * num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    out = paged_decode_attention_triton(
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        paged.seq_lens,
+        scale,
+        num_splits=num_splits,
+        config=dict(VARIANT="mma", **opts),
+    )
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    want = torch.cat(
+        [dense_attention(q[b : b + 1], paged.keys[b], paged.values[b], scale, n - 1) for b, n in enumerate(seq_lens)]
+    )
+    return (out.double().cpu() - want).abs().max().item() / want.abs().max().item(), paged, q, out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_matches_fp64_attention(head_dim, group, num_splits):
+    err = _run(head_dim, group, num_splits=num_splits)[0]
+    assert err <= TOL[1, 1], f"D {head_dim} group {group} splits {num_splits}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(WARPS=1), dict(WARPS=2), dict(WARPS=8), dict(PIPE=1), dict(Q2=0), dict(P2=0), dict(PIPE=1, WARPS=2)],
+    ids=lambda o: ",".join(f"{k}{v}" for k, v in o.items()),
+)
+def test_options(opts):
+    err = _run(num_splits=2, **opts)[0]
+    tol = TOL[opts.get("Q2", 1), opts.get("P2", 1)]
+    assert err <= tol, f"{opts}: relative error {err:.2e} > {tol}"
+
+
+def test_float16_queries_and_4_token_pages():
+    err = _run(block_size=4, dtype=torch.float16, num_splits=2)[0]
+    assert err <= TOL[1, 1], f"relative error {err:.2e}"
+
+
+def test_a_value_equal_for_every_token_comes_back_in_its_dims():
+    """Every token's V row is the same per KV head: the output is that row (as bf16) for each query head, whatever
+    the weights; a wrong dim order in the transposes or the store shows here as a permuted row."""
+    paged = PagedKv([45, 70], 2, 128, 16, FP8, DEVICE, seed=1)
+    row = (torch.arange(2 * 128, dtype=torch.float32).reshape(2, 128) / 32 - 4).to(FP8)  # distinct e4m3 values
+    for b, n in enumerate([45, 70]):
+        for pos in range(n):
+            blk = int(paged.block_tables[b, pos // 16])
+            paged.v_cache[blk, pos % 16] = row.to(DEVICE)
+    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    for splits in (1, 2):
+        out = paged_decode_attention_triton(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.1, num_splits=splits,
+            config=dict(VARIANT="mma"),
+        )  # fmt: skip
+        want = row.float().repeat_interleave(4, dim=0).to(torch.bfloat16)  # (8 query heads, 128)
+        for b in range(2):
+            assert torch.equal(out[b].cpu(), want), f"splits {splits}, sequence {b}: {out[b].cpu()} != {want}"
+
+
+def test_zero_keys_give_the_mean_of_the_values():
+    """q . k = 0 for every token: equal weights, so the output is the plain mean over exactly the sequence's
+    tokens (a token counted twice or a masked one let in moves it)."""
+    seq_lens = [1, 31, 32, 33, 97]
+    paged = PagedKv(seq_lens, 1, 64, 16, FP8, DEVICE, seed=5)
+    for b, n in enumerate(seq_lens):
+        for pos in range(n):
+            paged.k_cache[int(paged.block_tables[b, pos // 16]), pos % 16] = 0
+    q = torch.randn(len(seq_lens), 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    out = paged_decode_attention_triton(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 1.0, config=dict(VARIANT="mma")
+    )
+    for b, n in enumerate(seq_lens):
+        want = paged.values[b].double().mean(0)[0]  # (64,)
+        err = (out[b].double().cpu() - want).abs().max().item()
+        assert err <= 8e-3 * want.abs().max().item() + 1e-3, f"sequence {b} ({n} tokens): error {err:.2e}"
+
+
+def test_an_empty_sequence_gives_zeros():
+    paged = PagedKv([0, 20], 2, 128, 16, FP8, DEVICE)
+    q = torch.randn(2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    for splits in (1, 2):
+        out = paged_decode_attention_triton(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.1, num_splits=splits,
+            config=dict(VARIANT="mma"),
+        )  # fmt: skip
+        assert torch.equal(out[0].cpu(), torch.zeros(8, 128, dtype=torch.bfloat16)), f"splits {splits}"
+
+
+def test_what_it_cannot_run_is_named():
+    paged = PagedKv([5], 1, 32, 16, FP8, DEVICE)
+    q = torch.randn(1, 2, 32, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="VARIANT 'mma' cannot run: head_dim 32 is not one of"):
+        paged_decode_attention_triton(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 1.0, config=dict(VARIANT="mma")
+        )
