@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench.kernels import PagedCache, copy_bandwidth, time_ms
+from bench.kernels import PagedCache, copy_bandwidth, time_graph_ms, time_ms
 from splitserve.kernels.paged_decode_attention import (
     FP8_UPCAST_TILE,
     choose_num_splits,
@@ -80,13 +80,13 @@ def run_config(shape, k_cache, v_cache, scale, config, num_splits=None):
     )
 
 
-def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None) -> dict:
+def measure(shape, k8, v8, scale, config, copy_bw, num_splits=None, timer=time_ms) -> dict:
     """Error against the reference and time of one config at one shape (an exception is recorded, not raised)."""
     row = dict(shape=shape.name, **{k: v for k, v in config.items()}, num_splits=num_splits or shape.splits)
     try:
         out = run_config(shape, k8, v8, scale, config, num_splits)
         err = (out.float() - shape.ref.float()).abs().max().item()
-        ms = time_ms(lambda: run_config(shape, k8, v8, scale, config, num_splits))
+        ms = timer(lambda: run_config(shape, k8, v8, scale, config, num_splits))
     except Exception as exc:  # a tile that does not compile or fit (shared memory, registers): record why
         row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         return row
@@ -120,8 +120,9 @@ def label(row) -> str:
 class Sweep:
     """All measurements of one run, with the time budget."""
 
-    def __init__(self, shapes, k8, v8, scale, copy_bw, budget_s, json_path):
+    def __init__(self, shapes, k8, v8, scale, copy_bw, budget_s, json_path, timer=time_ms):
         self.shapes, self.k8, self.v8, self.scale, self.copy_bw = shapes, k8, v8, scale, copy_bw
+        self.timer = timer
         self.json_path = json_path
         self.deadline = time.monotonic() + budget_s
         self.rows, self.skipped = [], []
@@ -132,7 +133,7 @@ class Sweep:
             return []
         rows = []
         for shape in shapes or self.shapes:
-            row = measure(shape, self.k8, self.v8, self.scale, config, self.copy_bw, num_splits)
+            row = measure(shape, self.k8, self.v8, self.scale, config, self.copy_bw, num_splits, self.timer)
             row.update(tag=tag, split_sweep=num_splits is not None)
             rows.append(row)
             self.rows.append(row)
@@ -219,7 +220,7 @@ def baseline_rows(sweep: Sweep, cache, scale, p) -> dict:
         run = lambda: paged_decode_attention_triton(  # noqa: E731
             shape.q, cache.k_cache, cache.v_cache, shape.table, shape.seq_lens, scale
         )
-        ms = time_ms(run)
+        ms = sweep.timer(run)
         bf16 = dict(ms=ms, pct_copy=100 * 2 * shape.fp8_bytes / (ms * 1e-3) / sweep.copy_bw)
         on_cpu = shape.q.device.type == "cpu"
         # the upcast kernel at its own tile (decode_config's choice for an fp8 cache whose variants cannot run)
@@ -273,6 +274,11 @@ def split_sweep(sweep: Sweep, config: dict) -> int:
     return 0
 
 
+def load_configs(text: str) -> dict:
+    """--configs: {variant or "variant/tag": config}, a JSON string or a file holding one."""
+    return json.load(open(text)) if os.path.exists(text) else json.loads(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "fp8_attention.json"))
@@ -297,6 +303,12 @@ def main(argv=None) -> int:
         help="the fp8 cache with each block's heads stored one after another ((block, head, token, dim): a head's 16 "
         "tokens are one 2 KiB run) instead of the engine's (block, token, head, dim) (128-byte runs at fp8): whether "
         "DRAM locality is what holds the fp8 kernels back; the kernels read either through strides",
+    )
+    parser.add_argument(
+        "--cudagraph",
+        action="store_true",
+        help="time every kernel replayed from a CUDA graph (the device's time; the engine replays decode steps from "
+        "graphs) instead of launched from Python, whose host cost can exceed a 0.1 ms kernel's",
     )
     parser.add_argument(
         "--probe",
@@ -336,9 +348,13 @@ def main(argv=None) -> int:
         )
     del kv_up
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    sweep = Sweep(shapes, k8, v8, scale, copy_bw, args.budget_s, args.json)
+    timer = time_graph_ms if args.cudagraph and device == "cuda" else time_ms
+    sweep = Sweep(shapes, k8, v8, scale, copy_bw, args.budget_s, args.json, timer)
     print(f"shapes {[s.name for s in shapes]} (splits {[s.splits for s in shapes]}); ms (% copy) per shape", flush=True)
     default = decode_config(p["head_dim"], torch.bfloat16, device == "cpu", FP8)
+    if args.configs and (args.probe or args.split_sweep):  # probe or sweep the first config given, not the default
+        name, config = next(iter(load_configs(args.configs).items()))
+        default = dict(config, VARIANT=name.split("/")[0])
     if args.probe:
         for shape in shapes:
             for _ in range(args.probe):
@@ -351,7 +367,7 @@ def main(argv=None) -> int:
         return split_sweep(sweep, default)
     baselines = baseline_rows(sweep, cache, scale, p)
     if args.configs:
-        given = json.load(open(args.configs)) if os.path.exists(args.configs) else json.loads(args.configs)
+        given = load_configs(args.configs)
         for variant, config in given.items():
             print(f"{variant}:", flush=True)
             sweep.config(dict(config, VARIANT=variant.split("/")[0]), tag="confirm")

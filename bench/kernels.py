@@ -104,6 +104,14 @@ def time_ms(fn) -> float:
     return statistics.median(samples)
 
 
+def time_graph_ms(fn) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph: the device's time, without the host's launch cost
+    (the engine replays its decode steps from graphs)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
 def copy_bandwidth(device, nbytes) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device=device)

@@ -29,6 +29,7 @@ KEEP = (
     "Max Bandwidth",
     "smsp__average_warps_issue_stalled",  # the stall reasons (--metrics), warps per issued instruction
     "smsp__inst_executed",
+    "smsp__issue_active",
     "dram__bytes_read",
 )
 

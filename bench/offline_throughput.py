@@ -18,6 +18,7 @@ fp8w8a16, the kernel on the tiles --fp8-tiles names: a bench/kernels.py --sectio
 sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tiles of that sweep, where they
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
+`splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
@@ -78,6 +79,9 @@ VARIANTS = {
     "gemv": {"gemv_tiles": True},  # bf16; one-row projections on the GEMV where --fp8-tiles' sweep beat cuBLAS
     "cublas": {"no_gemv": True},  # bf16, cuBLAS for every projection (the one-row GEMV off: GEMV_TILES {})
     "nopdl": {"pdl": False},  # bf16 with kernels.pdl off: no programmatic dependent launch (on by default)
+    # fp8 KV / fp8w8a16 with the Triton "rows" decode attention instead of the mma kernel (fp8_mma.ENABLED False)
+    "fp8kv+rows": {"kv_cache_dtype": "fp8", "fp8_mma": False},
+    "fp8w8a16+rows": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "fp8_mma": False},
     # fp8swept with the one-row SiLU-mul fused into the down projection (quant.SILU_FUSED_MAX_ROWS 1; off by default)
     "fp8swept+silu": {
         "quantization": "fp8",
@@ -106,11 +110,13 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv" and "pdl" from `options`; while the block runs,
+    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "pdl" and "silu_fused_max_rows" from
+    `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
     call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection),
     "own_tiles" W8A16_TILES to {} (the kernel's own tiles),
-    "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), and
+    "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
+    kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel), and
     "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
@@ -126,6 +132,10 @@ def measured_tiles(options: dict, tiles_json: str):
         tables.append((fused_ops, "GEMV_TILES", {}))
     if options.pop("own_tiles", False):
         tables.append((quant, "W8A16_TILES", {}))
+    if "fp8_mma" in options:
+        from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
+
+        tables.append((fp8_mma, "ENABLED", options.pop("fp8_mma")))
     if "pdl" in options:
         from splitserve.kernels import pdl
 

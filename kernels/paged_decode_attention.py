@@ -309,16 +309,21 @@ def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
 ):
-    """Triton kernels; `config` overrides decode_config (benchmarks and tests only), and may pick an fp8
-    cache's tile variant: VARIANT "upcast" or one of paged_decode_attention_fp8.FP8_VARIANTS (decode_config's
-    default for an fp8 cache on the GPU: "rows"; resolve_config says what an override gives)."""
+    """Triton kernels, or for an e4m3 cache on a GPU of capability >= 8.9 the CUDA kernel of
+    paged_decode_attention_fp8_mma (VARIANT "mma", the default there when it takes the operands). `config`
+    overrides the choice (benchmarks and tests only): VARIANT "mma", "upcast" or one of
+    paged_decode_attention_fp8.FP8_VARIANTS, with their options (decode_config's default for an fp8 cache the
+    mma kernel cannot take: "rows"; resolve_config says what an override gives)."""
     batch, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     on_cpu = interpreting(q)
-    cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
+    if config is None and not on_cpu and fp8_mma.runs(q, k_cache, v_cache):
+        cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
+    else:
+        cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
     if num_splits is None:
         sms = 4 if on_cpu else num_sms(q.device.index or 0)
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)

@@ -1,37 +1,38 @@
-"""Paged decode attention over an fp8 (e4m3) cache on the e4m3 tensor cores, without shared memory in the loop
-(issue 19: the Triton variants read at 55-60% of the copy rate).
+"""Paged decode attention over an fp8 (e4m3) cache without shared memory in the loop (issue 19: the Triton variants
+read at 55-60% of the copy rate).
 
 Why a CUDA kernel: the Triton variants convert each e4m3 tile to 16 bits in registers, then go through shared
 memory to reach the dot's operand layout, and reduce each tile's softmax across the program's warps (Nsight
 Compute on the H200: 25% occupancy at 128 registers, stalled on shared memory and global loads in equal parts,
-27.5 warp instructions per (token, KV head)). Here every operand is loaded from global memory straight into the
-registers of `mma.sync.m16n8k32` with e4m3 inputs (sm_89+), so there is no conversion and no shared memory until
-the end, and each warp runs its own online softmax over its own tiles (about 7 instructions per (token, head)):
+27.5 warp instructions per (token, KV head)). Here each thread loads its K and V words from global memory in an
+order that the f16 `mma.sync.m16n8k16` fragments can take after an in-register convert, and each warp runs its own
+online softmax over its own 32-token tiles (ptxas, sm_90: 469 instructions a tile, 14.7 per (token, KV head)):
 
-    S  (16 query rows x 8 tokens)  = q (16 x 32 dims) . K^T (32 dims x 8 tokens)   per 32 dims, per 8 tokens
-    O^T (16 dims x 8 query rows)  += V^T (16 dims x 32 tokens) . P^T (32 tokens x 8 rows)
+    S   (16 query rows x 8 tokens) = q (16 x 16 dims) . K^T (16 dims x 8 tokens)     per 16 dims, per 8 tokens
+    O^T (16 dims x 8 query rows)  += V^T (16 dims x 16 tokens) . P^T (16 tokens x 8 rows)
 
-- K^T's fragment wants 4 neighbouring dims of one token per register: words of the cache row as stored. A dot
-  does not care in which order its dims come, so each thread's words are two 16-byte runs of the row (one load
-  each), and q is loaded in the same order.
-- P^T's fragment wants 4 tokens of one query row per register: S's accumulators already hold them (two tokens
+- K^T's fragment wants 2 + 2 dims of one token per thread: one word (4 e4m3 bytes) converted by
+  `cvt.rn.f16x2.e4m3x2` twice. A dot does not care in which order its dims come, so each thread's words are
+  16-byte runs of the row (one load each), and q is loaded in the same order.
+- P^T's fragment wants 2 + 2 tokens of one query row per thread: S's accumulators already hold them (two tokens
   of each of two neighbouring 8-token tiles), so P goes from the softmax to the dot without a shuffle, the
-  tokens of a 32-token tile taken in that order.
-- V^T's fragment wants 4 tokens of one dim per register: each thread loads its tokens' 16-byte runs of V (its
-  dims, D/8 of them) and transposes 4 x 4 bytes at a time with byte permutes (8 `prmt` per 4 words). Output
-  dims come out in that order too and are stored through it.
-- q and P are quantized to e4m3 in the kernel, each as a sum of two e4m3 terms (`Q2`, `P2`: hi + the rounding
-  error's own e4m3; the products are then as exact as a 16-bit operand's, at one more mma per product), q per
-  query row (its own scale), P as p x 256 (its range is [0, 1]).
+  tokens of a 16-token step taken in that order.
+- V^T's fragment wants 2 + 2 tokens of one dim per thread: each thread loads its tokens' runs of V (its D / 8
+  dims, one 16-byte load a token at D 128), transposes 4 x 4 bytes at a time with byte permutes (8 `prmt` per
+  4 words), then converts. Output dims come out in that order too and are stored through it.
+- q and P enter the dots in f16: q in log2 units (the softmax scale folded in), P in [0, 1].
 - Query rows: the group's Hq / Hkv heads, at most 8 (S's rows 8-15 and O^T's columns past the group are zero).
-- The softmax's denominator is a ninth product, a row of e4m3 ones times P^T: the sum of the weights exactly as
-  the dot used them, so a V equal for every token comes back exactly.
-- Each warp takes every WARPS-th 32-token tile of the (sequence, KV head, split); the warps merge their
-  (m, l, acc) through shared memory at the end and write the output, or the split's partial in the format
-  paged_decode_attention.py's merge kernel reads.
+- The softmax's denominator is one more product, a row of ones times P^T: the sum of the weights exactly as
+  the dot used them (f16), so a V equal for every token comes back exactly.
+- Each warp takes every WARPS-th 32-token tile of the (sequence, KV head, split): the whole tiles without masks,
+  then the split's last, partial one with them; the warps merge their (m, l, acc) through shared memory at the
+  end and write the output, or the split's partial in the format paged_decode_attention.py's merge kernel reads.
+- Not e4m3 dots: on sm_90 ptxas lowers `mma.sync` with e4m3 operands to the same converts plus two f16 HMMAs
+  (Hopper's e4m3 tensor-core path is wgmma, whose operands come from shared memory), so f16 dots cost no more and
+  keep q and P at 11 bits.
 
-Compiled at first use with NVRTC (`torch.cuda._compile_kernel`), per head dim, group, q dtype and options;
-`available()` says whether this build and device can (CUDA, capability >= 8.9, NVRTC present).
+Compiled at first use with NVRTC (`torch.cuda._compile_kernel`), per head dim, group, q dtype, page size class and
+options; `available()` says whether this build and device can (CUDA, capability >= 8.9, NVRTC through torch).
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ import functools
 
 import torch
 
+from splitserve.kernels._common import num_sms
+
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
-#define TILE 32
+#define NT (TILE / 8)       // 8-token n-tiles of S a tile
+#define NV (TILE / 4)       // V tokens per thread a tile
+#define NS (TILE / 16)      // k16 steps of O^T a tile
 #define KW (HEAD_DIM / 16)   // K words per token per thread (its HEAD_DIM / 4 dims)
 #define VW (HEAD_DIM / 32)   // V words per token per thread (its HEAD_DIM / 8 dims)
 #define MT (HEAD_DIM / 16)   // O^T m-tiles (16 dims each)
@@ -66,14 +71,20 @@ __device__ __forceinline__ u32 f16x2(float x0, float x1) {
 __device__ __forceinline__ float ex2(float x) {
   float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
 }
-__device__ __forceinline__ float load_q(const unsigned short* p) {
-  unsigned short h = *p; float f;
+// the low / high 16-bit value of a word of q (bf16 or f16) as a float
+__device__ __forceinline__ float half_lo(u32 h) {
 #if Q_BF16
-  f = __uint_as_float(((u32)h) << 16);
+  return __uint_as_float(h << 16);
 #else
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  float f; asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(f) : "r"(h)); return f;
 #endif
-  return f;
+}
+__device__ __forceinline__ float half_hi(u32 h) {
+#if Q_BF16
+  return __uint_as_float(h & 0xFFFF0000u);
+#else
+  float f; asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(f) : "r"(h)); return f;
+#endif
 }
 __device__ __forceinline__ unsigned short to_out(float f) {
   unsigned short h;
@@ -113,58 +124,65 @@ template <int N> __device__ __forceinline__ void load_words(u32 *w, const unsign
 }
 
 struct Tile {
-  u32 k[4][KW];  // K words of tokens 8 nt + g, nt = 0..3: dims 64 (w >> 2) + 16 t + 4 (w & 3) + 0..3
-  u32 v[8][VW];  // V words of tokens 8 (j >> 1) + 2 t + (j & 1), j = 0..7: dims (D / 8) g + 4 i + 0..3
+  u32 k[NT][KW];  // K words of tokens 8 nt + g: dims 64 (w >> 2) + 16 t + 4 (w & 3) + 0..3
+  u32 v[NV][VW];  // V words of tokens 8 (j >> 1) + 2 t + (j & 1): dims (D / 8) g + 4 i + 0..3
 };
 
 // The tile's tokens base + x, x = 0..31: block id from lane x (table entry clamped into the sequence: a token
 // past the end reads the last block's bytes, then is masked), slot x & page_mask (tiles start at multiples of 32
-// and pages are at most 32 tokens: SMALL_PAGE) or (base & page_mask) + x (pages of 32 and more: one block a tile)
-template <bool MASK>
-__device__ __forceinline__ void load_tile(
-    Tile &T, int bid, int base, int end, int g, int t, int page_mask,
-    const unsigned char* k_thread, const unsigned char* v_thread, int stride_kb, int stride_kt, int stride_vb,
-    int stride_vt) {
+// and pages are at most 32 tokens: SMALL_PAGE) or (base & page_mask) + x (pages of 32 and more: one block a tile).
+// The shuffles run in every lane; `valid` (the same in the whole warp) only gates the loads.
+struct Cache {
+  const unsigned char* k_thread;  // + this program's KV head and this thread's first dim
+  const unsigned char* v_thread;
+  int stride_kb, stride_kt, stride_vb, stride_vt, page_mask;
+};
+
+__device__ __forceinline__ int slot_of(int base, int x, int page_mask) {
+#if SMALL_PAGE
+  return x & page_mask;
+#else
+  return (base & page_mask) + x;
+#endif
+}
+
+__device__ __forceinline__ void load_k(Tile &T, const Cache &C, int bid, int base, bool valid) {
+  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     const int x = 8 * nt + g;
     const int blk = __shfl_sync(0xffffffffu, bid, x);
-#if SMALL_PAGE
-    const int slot = x & page_mask;
-#else
-    const int slot = (base & page_mask) + x;
-#endif
-    const unsigned char* row = k_thread + (u64)(unsigned)blk * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
+    const unsigned char* row = C.k_thread + (u64)(unsigned)blk * (u64)(unsigned)C.stride_kb
+                               + (unsigned)(slot_of(base, x, C.page_mask) * C.stride_kt);
+    if (valid) {
 #pragma unroll
-    for (int c = 0; c < HEAD_DIM / 64; ++c) load_words<4>(&T.k[nt][4 * c], row + 64 * c);
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int x = 8 * (j >> 1) + 2 * (threadIdx.x & 3) + (j & 1);
-    const int blk = __shfl_sync(0xffffffffu, bid, x);
-#if SMALL_PAGE
-    const int slot = x & page_mask;
-#else
-    const int slot = (base & page_mask) + x;
-#endif
-    const unsigned char* row = v_thread + (u64)(unsigned)blk * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
-    load_words<VW>(T.v[j], row);
-    if (MASK && base + x >= end) {
-#pragma unroll
-      for (int i = 0; i < VW; ++i) T.v[j][i] = 0u;  // a slot past the sequence may hold NaN bytes
+      for (int c = 0; c < HEAD_DIM / 64; ++c) load_words<4>(&T.k[nt][4 * c], row + 64 * c);
     }
   }
 }
 
-// one 32-token tile into the warp's (m, lsum, acc)
-template <bool MASK>
-__device__ __forceinline__ void attend_tile(
-    const Tile &T, const u32 (&qa)[KW][2], int base, int end, int g, int t, float &m, float (&lsum)[4],
-    float (&acc)[MT][4]) {
-  // S = q K^T over 4 tiles of 8 tokens, one k16 step per K word
-  float s[4][4];
+__device__ __forceinline__ void load_v(Tile &T, const Cache &C, int bid, int base, bool valid) {
+  const int t = threadIdx.x & 3;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int j = 0; j < NV; ++j) {
+    const int x = 8 * (j >> 1) + 2 * t + (j & 1);
+    const int blk = __shfl_sync(0xffffffffu, bid, x);
+    const unsigned char* row = C.v_thread + (u64)(unsigned)blk * (u64)(unsigned)C.stride_vb
+                               + (unsigned)(slot_of(base, x, C.page_mask) * C.stride_vt);
+    if (valid) load_words<VW>(T.v[j], row);
+  }
+}
+
+// One 32-token tile into the warp's (m, lsum, acc). LOAD_NEXT: the warp's next tile (at nbase, its block ids in nbid)
+// is loaded into T as this one frees it: its K after S = q K^T, its V after O^T += V^T P^T.
+template <bool MASK, bool LOAD_NEXT>
+__device__ __forceinline__ void attend_tile(
+    Tile &T, const u32 (&qa)[KW][2], int base, int end, int g, int t, float &m, float (&lsum)[4],
+    float (&acc)[MT][4], const Cache &C, bool has_next, int nbid, int nbase) {
+  // S = q K^T over the tile's 8-token n-tiles, one k16 step per K word
+  float s[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
     s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int w = 0; w < KW; ++w) {
@@ -173,10 +191,11 @@ __device__ __forceinline__ void attend_tile(
       mma(s[nt], qa[w][0], 0u, qa[w][1], 0u, b0, b1);
     }
   }
+  if (LOAD_NEXT) load_k(T, C, nbid, nbase, has_next);
   // online softmax of row g over its tokens 8 nt + 2 t + {0, 1}
   float mx = NEG;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (MASK && base + 8 * nt + 2 * t + i >= end) s[nt][i] = NEG;
@@ -188,9 +207,9 @@ __device__ __forceinline__ void attend_tile(
   const float alpha = ex2(m - m_new);
   m = m_new;
   // P^T fragments of k16 step st: tokens 16 st + 2 t + {0, 1} (b0) and 16 st + 8 + 2 t + {0, 1} (b1)
-  u32 pb[2][2];
+  u32 pb[NS][2];
 #pragma unroll
-  for (int st = 0; st < 2; ++st)
+  for (int st = 0; st < NS; ++st)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int nt = 2 * st + h;
@@ -204,10 +223,18 @@ __device__ __forceinline__ void attend_tile(
     acc[mt][0] *= a_lo; acc[mt][1] *= a_hi; acc[mt][2] *= a_lo; acc[mt][3] *= a_hi;
   }
   lsum[0] *= a_lo; lsum[1] *= a_hi; lsum[2] *= a_lo; lsum[3] *= a_hi;
+  if (MASK) {  // a slot past the sequence may hold NaN bytes, and NaN x 0 is NaN
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (base + 8 * (j >> 1) + 2 * t + (j & 1) >= end) {
+#pragma unroll
+        for (int i = 0; i < VW; ++i) T.v[j][i] = 0u;
+      }
+  }
   // O^T += V^T P^T: a token's word i holds dims (D / 8) g + 4 i + 0..3 = rows g, g + 8 of m-tile 2 i (bytes 0,
   // 1) and of m-tile 2 i + 1 (bytes 2, 3); k16 step st takes tokens j = 4 st .. 4 st + 3
 #pragma unroll
-  for (int st = 0; st < 2; ++st) {
+  for (int st = 0; st < NS; ++st) {
     mma(lsum, ONES, ONES, ONES, ONES, pb[st][0], pb[st][1]);
 #pragma unroll
     for (int i = 0; i < VW; ++i) {
@@ -222,6 +249,7 @@ __device__ __forceinline__ void attend_tile(
       mma(acc[2 * i + 1], a0, a1, a2, a3, pb[st][0], pb[st][1]);
     }
   }
+  if (LOAD_NEXT) load_v(T, C, nbid, nbase, has_next);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
@@ -245,8 +273,6 @@ splitserve_fp8_decode(
   const int num_tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
   const int num_full = end > start ? (end - start) / TILE : 0;
   const int* bt_row = bt + (u64)b * stride_btb;
-  const unsigned char* k_thread = kc + (u64)kvh * stride_kh + 16 * t;
-  const unsigned char* v_thread = vc + (u64)kvh * stride_vh + (HEAD_DIM / 8) * g;
 
   // q row g (query head kvh GROUP + g) in f16, log2 units, over the dims of this thread's K words: word w's
   // bytes 0, 1 pair with qa[w][0], bytes 2, 3 with qa[w][1]
@@ -255,10 +281,15 @@ splitserve_fp8_decode(
     const unsigned short* qrow = q + (u64)b * stride_qb + (u64)(kvh * GROUP + min(g, GROUP - 1)) * stride_qh;
     const float sc = g < GROUP ? (float)qk_scale_d : 0.f;
 #pragma unroll
-    for (int w = 0; w < KW; ++w) {
-      const unsigned short* p = qrow + 64 * (w >> 2) + 16 * t + 4 * (w & 3);
-      qa[w][0] = f16x2(load_q(p) * sc, load_q(p + 1) * sc);
-      qa[w][1] = f16x2(load_q(p + 2) * sc, load_q(p + 3) * sc);
+    for (int c = 0; c < HEAD_DIM / 64; ++c) {  // dims 64 c + 16 t + 0..15: two 16-byte loads
+      const uint4* src = reinterpret_cast<const uint4*>(qrow + 64 * c + 16 * t);
+      const uint4 x = src[0], y = src[1];
+      const u32 h[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};  // dims 2 i, 2 i + 1 in h[i] (low half first)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        qa[4 * c + i][0] = f16x2(half_lo(h[2 * i]) * sc, half_hi(h[2 * i]) * sc);
+        qa[4 * c + i][1] = f16x2(half_lo(h[2 * i + 1]) * sc, half_hi(h[2 * i + 1]) * sc);
+      }
     }
   }
 
@@ -269,9 +300,15 @@ splitserve_fp8_decode(
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   // each warp takes every WARPS-th tile: the whole ones first, then the split's last, partial one (if any)
+  const Cache C = {kc + (u64)kvh * stride_kh + 16 * t, vc + (u64)kvh * stride_vh + (HEAD_DIM / 8) * g,
+                   stride_kb, stride_kt, stride_vb, stride_vt, page_mask};
   int tile = warp;
   Tile T;
-  int bid = tile < num_tiles ? __ldg(bt_row + (min(start + tile * TILE + lane, end - 1) >> page_shift)) : 0;
+  int bid = __ldg(bt_row + (max(min(start + tile * TILE + lane, end - 1), 0) >> page_shift));
+#if AHEAD
+  load_k(T, C, bid, start + tile * TILE, tile < num_tiles);
+  load_v(T, C, bid, start + tile * TILE, tile < num_tiles);
+#endif
 #if PF
   // L2 prefetch of the warp's next tile while this one computes: lane x asks for token x's K and V rows
   const unsigned char* pf_k = kc + (u64)kvh * stride_kh;
@@ -279,26 +316,33 @@ splitserve_fp8_decode(
 #endif
   for (; tile < num_full; tile += WARPS) {
     const int base = start + tile * TILE;
-    load_tile<false>(T, bid, base, end, g, t, page_mask, k_thread, v_thread, stride_kb, stride_kt, stride_vb,
-                     stride_vt);
+#if !AHEAD
+    load_k(T, C, bid, base, true);
+    load_v(T, C, bid, base, true);
+#endif
     const int next = tile + WARPS;
-    if (next < num_tiles) {
-      bid = __ldg(bt_row + (min(start + next * TILE + lane, end - 1) >> page_shift));
+    const int nbase = start + next * TILE;
+    const bool has_next = next < num_tiles;
+    const int nbid = __ldg(bt_row + (min(has_next ? nbase + lane : base, end - 1) >> page_shift));
 #if PF
-      const int slot = SMALL_PAGE ? (lane & page_mask) : ((start + next * TILE) & page_mask) + lane;
-      const u64 kb = (u64)(unsigned)bid * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
-      const u64 vb = (u64)(unsigned)bid * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
+    if (has_next && lane < TILE) {
+      const int slot = SMALL_PAGE ? (lane & page_mask) : (nbase & page_mask) + lane;
+      const u64 kb = (u64)(unsigned)nbid * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
+      const u64 vb = (u64)(unsigned)nbid * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
       asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_k + kb));
       asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_v + vb));
-#endif
     }
-    attend_tile<false>(T, qa, base, end, g, t, m, lsum, acc);
+#endif
+    attend_tile<false, AHEAD != 0>(T, qa, base, end, g, t, m, lsum, acc, C, has_next, nbid, nbase);
+    bid = nbid;
   }
   if (tile < num_tiles) {
     const int base = start + tile * TILE;
-    load_tile<true>(T, bid, base, end, g, t, page_mask, k_thread, v_thread, stride_kb, stride_kt, stride_vb,
-                    stride_vt);
-    attend_tile<true>(T, qa, base, end, g, t, m, lsum, acc);
+#if !AHEAD
+    load_k(T, C, bid, base, true);
+    load_v(T, C, bid, base, true);
+#endif
+    attend_tile<true, false>(T, qa, base, end, g, t, m, lsum, acc, C, false, 0, 0);
   }
 
   // merge the warps through shared memory: m per query row, the weights' sum and acc per (row, dim)
@@ -338,18 +382,25 @@ splitserve_fp8_decode(
 """
 
 # options: WARPS (warps per program, each on its own 32-token tiles), MIN_BLOCKS (programs an SM should hold:
-# __launch_bounds__ caps the registers to fit them), PF (an L2 prefetch of each warp's next tile)
-DEFAULT_OPTIONS = dict(WARPS=4, MIN_BLOCKS=1, PF=0)
+# __launch_bounds__ caps the registers to fit them), PF (an L2 prefetch of each warp's next tile), AHEAD (load the
+# warp's next tile into the registers this one frees: K after the scores, V after the values' dots), TILE (tokens a
+# warp takes at a time: 16 or 32)
+DEFAULT_OPTIONS = dict(WARPS=0, MIN_BLOCKS=1, PF=0, AHEAD=1, TILE=32)  # WARPS 0: choose_warps
 HEAD_DIMS = (64, 128)  # 256: its tile's registers spill (ptxas: 255 and local memory)
 MAX_GROUP = 8
 
 
-def available(device: torch.device | None = None) -> bool:
-    """CUDA (not ROCm), compute capability >= 8.9 (e4m3 mma), and NVRTC through torch."""
+def available(device: torch.device | int | None = None) -> bool:
+    """CUDA (not ROCm), compute capability >= 8.9, and NVRTC through torch."""
+    index = device if isinstance(device, int) or device is None else device.index
+    return _available(torch.cuda.current_device() if index is None and torch.cuda.is_available() else index)
+
+
+@functools.cache
+def _available(index: int | None) -> bool:
     if not torch.cuda.is_available() or torch.version.hip or not hasattr(torch.cuda, "_compile_kernel"):
         return False
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (8, 9)
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -369,46 +420,87 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
         return f"block_size {block_size} is not a power of two"
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return "q, k_cache and v_cache need unit stride along head_dim"
+    if q.data_ptr() % 16 or any(s * q.element_size() % 16 for s in q.stride()[:2]):
+        return "q's rows must start at 16-byte boundaries"
     for cache in (k_cache, v_cache):
         if any(s % 16 for s in cache.stride()[:3]) or cache.data_ptr() % 16:
             return "cache rows must start at 16-byte boundaries"
     return None
 
 
+# paged_decode_attention's default for the caches it takes; False: the Triton "rows" variant (benches compare them)
+ENABLED = True
+
+
+def runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes these operands here (what paged_decode_attention defaults to it on)."""
+    return (
+        ENABLED
+        and k_cache.dtype == torch.float8_e4m3fn
+        and available(q.device)
+        and supports(q, k_cache, v_cache) is None
+    )
+
+
+def choose_warps(units: int, sm_count: int) -> int:
+    """Warps a program for `units` (sequence, KV head, split) programs: each warp takes its own tiles, so fewer
+    warps a program means longer runs per warp; more are needed only to fill the GPU. One H200 (docs/perf.md):
+    2,048 units (256 x 512 tokens) 1 warp 0.078 ms, 2 warps 0.086; 512 units (64 x 2k, 4 x 32k in 16 splits)
+    2 warps 0.070 / 0.073, 1 warp 0.088 / 0.090, 4 warps 0.075 / 0.078."""
+    if units >= 8 * sm_count:
+        return 1
+    return 2 if units >= 2 * sm_count else 4
+
+
 @functools.cache
 def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: tuple):
     defines = dict(HEAD_DIM=head_dim, GROUP=group, Q_BF16=int(q_bf16), SMALL_PAGE=int(small_page), **dict(options))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
-    return _Launcher(torch.cuda._compile_kernel(source, "splitserve_fp8_decode"))
+    return _Launcher(torch.cuda._compile_kernel(source, "splitserve_fp8_decode"), num_pointers=8, num_ints=14)
 
 
 class _Launcher:
-    """cuLaunchKernel with the argument array built once per call from ctypes values (torch's launcher converts
-    every argument each call; this one's host cost is about a Triton launch's)."""
+    """cuLaunchKernel through ctypes with the argument slots built once: each launch writes the new values into
+    them (torch's own launcher rebuilds every argument per call: tens of microseconds a launch in Python)."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, num_pointers: int, num_ints: int) -> None:
         from torch.cuda._utils import _get_gpu_runtime_library
 
-        self.kernel = kernel
-        self.lib = _get_gpu_runtime_library()
+        self.func = kernel.func
+        self.launch = _get_gpu_runtime_library().cuLaunchKernel
+        self.pointers = [ctypes.c_void_p() for _ in range(num_pointers)]
+        self.ints = [ctypes.c_int() for _ in range(num_ints)]
+        self.double = ctypes.c_double()
+        slots = [*self.pointers, *self.ints, self.double]
+        self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
 
     def __call__(self, grid, block, pointers, ints, double) -> None:
-        values = [ctypes.c_void_p(p) for p in pointers] + [ctypes.c_int(i) for i in ints] + [ctypes.c_double(double)]
-        args = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        stream = torch.cuda.current_stream()
-        result = self.lib.cuLaunchKernel(self.kernel.func, *grid, *block, 0, stream._as_parameter_, args, None)
+        for slot, value in zip(self.pointers, pointers):
+            slot.value = value
+        for slot, value in zip(self.ints, ints):
+            slot.value = value
+        self.double.value = double
+        stream = torch.cuda.current_stream().cuda_stream
+        result = self.launch(self.func, *grid, *block, 0, ctypes.c_void_p(stream), self.args, None)
         if result != 0:
             raise RuntimeError(f"paged_decode_attention_fp8_mma: cuLaunchKernel failed with CUDA error {result}")
 
 
 def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, num_splits, cfg):
-    """Launch the kernel over grid (KV head, sequence, split); cfg may set WARPS, MIN_BLOCKS and PF. With num_splits > 1
+    """Launch the kernel over grid (KV head, sequence, split); cfg may set DEFAULT_OPTIONS' keys. With num_splits > 1
     the partials go to part_acc / part_ml for the merge kernel (paged_decode_attention.py)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     opts = {k: int(cfg.get(k, v)) for k, v in DEFAULT_OPTIONS.items()}
+    if opts["WARPS"] == 0:
+        opts["WARPS"] = choose_warps(batch * num_kv_heads * num_splits, num_sms(q.device.index or 0))
     group = num_q_heads // num_kv_heads
-    kernel = _kernel(head_dim, group, q.dtype == torch.bfloat16, block_size <= 32, tuple(sorted(opts.items())))
+    if opts["TILE"] not in (16, 32):
+        raise ValueError(f"paged_decode_attention: VARIANT 'mma' takes TILE 16 or 32, got {opts['TILE']}")
+    # pages no longer than a tile: a token's slot is fixed by its place in the tile (tiles start at multiples of it)
+    kernel = _kernel(
+        head_dim, group, q.dtype == torch.bfloat16, block_size <= opts["TILE"], tuple(sorted(opts.items()))
+    )
     kernel(
         (num_kv_heads, batch, num_splits),
         (opts["WARPS"] * 32, 1, 1),

@@ -283,10 +283,11 @@ class Stack:
                     return
             except httpx.HTTPError:
                 pass
-            if self.gateway.popen.poll() is not None:
-                raise self.gateway.start_failure(f"exited {self.gateway.popen.returncode}")
+            gateway = self.procs["gateway"]  # the one running now (a test may have started another)
+            if gateway.popen.poll() is not None:
+                raise gateway.start_failure(f"exited {gateway.popen.returncode}")
             time.sleep(0.2)
-        raise self.gateway.start_failure(f"not ready with every instance up in {timeout_s:g} s")
+        raise self.procs["gateway"].start_failure(f"not ready with every instance up in {timeout_s:g} s")
 
     def stop(self):
         for proc in self.procs.values():
