@@ -320,13 +320,18 @@ def paged_decode_attention_triton(
     if batch == 0:
         return out
     on_cpu = interpreting(q)
-    if config is None and not on_cpu and fp8_mma.runs(q, k_cache, v_cache):
+    sms = 4 if on_cpu else num_sms(q.device.index or 0)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+    if (
+        config is None
+        and not on_cpu
+        and fp8_mma.runs(q, k_cache, v_cache)
+        and fp8_mma.pays(batch * num_kv_heads * num_splits, sms)
+    ):
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
     else:
         cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
-    if num_splits is None:
-        sms = 4 if on_cpu else num_sms(q.device.index or 0)
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
     block_d = max(16, next_pow2(head_dim))
     is_split = num_splits > 1
     if is_split:

@@ -442,6 +442,13 @@ def runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     )
 
 
+def pays(units: int, sm_count: int) -> bool:
+    """Whether `units` (sequence, KV head, split) programs are enough work for this kernel to beat the Triton rows
+    variant: at least one per SM. One H200 (docs/perf.md): at 512-2,048 units 1.3-1.5x faster; at 16 (the 8B step
+    at batch 1, 544 tokens: 2 tiles a warp, too few to hide its loads) 0.04 ms a step slower."""
+    return units >= sm_count
+
+
 def choose_warps(units: int, sm_count: int) -> int:
     """Warps a program for `units` (sequence, KV head, split) programs: each warp takes its own tiles, so fewer
     warps a program means longer runs per warp; more are needed only to fill the GPU. One H200 (docs/perf.md):
