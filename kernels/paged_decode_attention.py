@@ -323,10 +323,11 @@ def paged_decode_attention_triton(
     sms = 4 if on_cpu else num_sms(q.device.index or 0)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+    mma_operands = (q, k_cache, v_cache, out, block_tables, seq_lens)
     if (
         config is None
         and not on_cpu
-        and fp8_mma.runs(q, k_cache, v_cache)
+        and fp8_mma.runs(*mma_operands)
         and fp8_mma.pays(batch * num_kv_heads * num_splits, sms)
     ):
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
@@ -341,7 +342,7 @@ def paged_decode_attention_triton(
         part_acc = part_ml = out  # unused
     variant = cfg.get("VARIANT", "upcast")
     if variant == "mma":
-        why = fp8_mma.supports(q, k_cache, v_cache) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
+        why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
         if why:
             raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
         fp8_mma.launch_fp8_mma(

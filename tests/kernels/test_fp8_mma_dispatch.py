@@ -21,9 +21,9 @@ def launches(monkeypatch):
     got = []
     monkeypatch.setattr(pda, "interpreting", lambda q: False)
     monkeypatch.setattr(pda, "num_sms", lambda index: 132)
-    monkeypatch.setattr(fp8_mma, "runs", lambda q, k, v: True)
+    monkeypatch.setattr(fp8_mma, "runs", lambda *operands: True)
     monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: got.append(("mma", args[-1])))
-    monkeypatch.setattr(fp8_mma, "supports", lambda q, k, v: None)
+    monkeypatch.setattr(fp8_mma, "supports", lambda *operands: None)
     monkeypatch.setattr(fp8_mma, "available", lambda device: True)
     monkeypatch.setattr(pda, "launch_fp8_decode", lambda *args: got.append((args[-1]["VARIANT"], args[-1])))
     return got
@@ -58,3 +58,19 @@ def test_a_given_config_is_run_as_given(launches):
 def test_pays_and_choose_warps():
     assert fp8_mma.pays(132, 132) and not fp8_mma.pays(131, 132)
     assert [fp8_mma.choose_warps(n, 132) for n in (2048, 1056, 1055, 264, 263, 16)] == [1, 1, 2, 2, 4, 4]
+
+
+def test_what_the_kernel_cannot_write_or_read_is_named():
+    """The output in q's dtype with unit stride, int32 tables and lengths (the kernel reads and writes them raw)."""
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 128, dtype=FP8)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    assert fp8_mma.supports(q, cache, cache, torch.zeros_like(q), table, lens) is None
+    assert fp8_mma.supports(q, cache, cache, torch.zeros(2, 8, 128)) == (
+        "the output must be torch.bfloat16 with unit stride along head_dim"
+    )
+    strided = torch.zeros(2, 8, 256, dtype=torch.bfloat16)[..., ::2]
+    assert fp8_mma.supports(q, cache, cache, strided).startswith("the output must be")
+    assert fp8_mma.supports(q, cache, cache, table.long()) == (
+        "block tables and sequence lengths must be int32, got torch.int64"
+    )
