@@ -30,6 +30,7 @@ import time
 import torch
 
 from bench.kernels import PagedCache, copy_bandwidth, time_graph_ms, time_ms
+from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 from splitserve.kernels.paged_decode_attention import (
     FP8_UPCAST_TILE,
     choose_num_splits,
@@ -155,7 +156,8 @@ def total_ms(rows) -> float:
 
 def sweep_variants(sweep: Sweep, tiles, dry: bool) -> dict:
     """Phase 1: the tiles (outer) for each variant (inner; tokens_qk8, one e4m3 q, at the first tile only);
-    phase 2: toggles on each variant's best tile; then split counts. -> the best config per variant."""
+    phase 2: toggles on each variant's best tile; the mma kernel's warp counts (where it runs); then split counts.
+    -> the best config per variant."""
     best = {}
 
     def consider(variant, config, rows):
@@ -176,6 +178,11 @@ def sweep_variants(sweep: Sweep, tiles, dry: bool) -> dict:
         print(f"toggles on {label(base)}:", flush=True)
         for toggle in toggles if variant != "tokens_qk8" else []:
             consider(variant, dict(base, **toggle), sweep.config(dict(base, **toggle), tag="toggle"))
+    if fp8_mma.available():  # the CUDA kernel: its default (warps from the work), then each warp count forced
+        print("mma:", flush=True)
+        for options in ({}, dict(WARPS=1), dict(WARPS=2), dict(WARPS=4), dict(AHEAD=0)):
+            config = dict(options, VARIANT="mma")
+            consider("mma", config, sweep.config(config, tag="mma"))
     split_shapes = [s for s in sweep.shapes if s.splits > 1]
     for variant in ("tokens", "rows") if split_shapes else ():
         if variant in best:
