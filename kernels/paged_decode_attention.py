@@ -345,9 +345,17 @@ def paged_decode_attention_triton(
         why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
         if why:
             raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
-        fp8_mma.launch_fp8_mma(
-            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, num_splits, cfg
-        )
+        try:
+            fp8_mma.launch_fp8_mma(
+                q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, num_splits, cfg
+            )
+        except fp8_mma.CompileError:
+            if config is not None:  # asked for by name: say so
+                raise
+            cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache)  # the default it replaced
+            variant = cfg.get("VARIANT", "upcast")
+    if variant == "mma":
+        pass  # launched above
     elif variant == "upcast":
         _launch_upcast(
             q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu

@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
 from splitserve.kernels._common import num_sms
+
+log = logging.getLogger("splitserve.kernels.fp8_mma")
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -436,12 +439,20 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *oth
 
 # paged_decode_attention's default for the caches it takes; False: the Triton "rows" variant (benches compare them)
 ENABLED = True
+# why NVRTC could not build the kernel in this process (a build of torch without it, a driver it does not know):
+# set at the first failure, after which runs() says no and the default is the Triton kernel again
+FAILED: str | None = None
+
+
+class CompileError(RuntimeError):
+    """NVRTC could not build the kernel here."""
 
 
 def runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether this kernel takes these operands here (what paged_decode_attention defaults to it on)."""
     return (
         ENABLED
+        and FAILED is None
         and k_cache.dtype == torch.float8_e4m3fn
         and available(q.device)
         and supports(q, k_cache, v_cache, *others) is None
@@ -469,7 +480,14 @@ def choose_warps(units: int, sm_count: int) -> int:
 def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: tuple):
     defines = dict(HEAD_DIM=head_dim, GROUP=group, Q_BF16=int(q_bf16), SMALL_PAGE=int(small_page), **dict(options))
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
-    return _Launcher(torch.cuda._compile_kernel(source, "splitserve_fp8_decode"), num_pointers=8, num_ints=14)
+    global FAILED
+    try:
+        kernel = torch.cuda._compile_kernel(source, "splitserve_fp8_decode")
+    except Exception as exc:  # any failure of the toolchain: the caller falls back, once, loudly
+        FAILED = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        log.warning("the fp8 mma decode attention could not be compiled (%s); using the Triton kernel", FAILED)
+        raise CompileError(f"paged_decode_attention_fp8_mma: NVRTC failed: {FAILED}") from exc
+    return _Launcher(kernel, num_pointers=8, num_ints=14)
 
 
 class _Launcher:

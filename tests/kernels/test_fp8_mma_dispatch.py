@@ -11,6 +11,7 @@ import torch
 from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 
 pda = importlib.import_module("splitserve.kernels.paged_decode_attention")  # the module (the package exports the op)
+RUNS = fp8_mma.runs
 
 FP8 = torch.float8_e4m3fn
 
@@ -74,3 +75,24 @@ def test_what_the_kernel_cannot_write_or_read_is_named():
     assert fp8_mma.supports(q, cache, cache, table.long()) == (
         "block tables and sequence lengths must be int32, got torch.int64"
     )
+
+
+def test_a_kernel_nvrtc_cannot_build_falls_back_to_triton_once(launches, monkeypatch):
+    """A toolchain failure at the first build: a warning, the Triton kernel for this call and every later one (no
+    second 1-s attempt), and the same failure named when the kernel is asked for by name."""
+    calls = []
+
+    def no_nvrtc(source, name):
+        calls.append(name)
+        raise RuntimeError("CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE\nmore")
+
+    monkeypatch.setattr(fp8_mma, "FAILED", None)
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", no_nvrtc, raising=False)
+    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: fp8_mma._kernel(128, 4, True, True, (("T", 1),)))
+    monkeypatch.setattr(fp8_mma, "runs", RUNS)  # itself, over the fixture's available() and supports()
+    _attend(64, 1)
+    _attend(64, 1)
+    assert [name for name, _ in launches] == ["rows", "rows"] and calls == ["splitserve_fp8_decode"]
+    assert fp8_mma.FAILED == "RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE"
+    with pytest.raises(fp8_mma.CompileError, match="NVRTC failed: RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN"):
+        _attend(64, 1, config=dict(VARIANT="mma"))
