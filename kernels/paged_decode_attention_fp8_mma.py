@@ -6,7 +6,7 @@ memory to reach the dot's operand layout, and reduce each tile's softmax across 
 Compute on the H200: 25% occupancy at 128 registers, stalled on shared memory and global loads in equal parts,
 27.5 warp instructions per (token, KV head)). Here each thread loads its K and V words from global memory in an
 order that the f16 `mma.sync.m16n8k16` fragments can take after an in-register convert, and each warp runs its own
-online softmax over its own 32-token tiles (ptxas, sm_90: 469 instructions a tile, 14.7 per (token, KV head)):
+online softmax over its own 32-token tiles (ptxas, sm_90: 469-551 instructions a tile, 15-17 per (token, KV head)):
 
     S   (16 query rows x 8 tokens) = q (16 x 16 dims) . K^T (16 dims x 8 tokens)     per 16 dims, per 8 tokens
     O^T (16 dims x 8 query rows)  += V^T (16 dims x 16 tokens) . P^T (16 tokens x 8 rows)
