@@ -306,6 +306,21 @@ def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
     )
 
 
+def _launch_triton(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu):
+    """The Triton kernel `cfg` names: the upcast kernel, or one of paged_decode_attention_fp8's variants."""
+    variant = cfg.get("VARIANT", "upcast")
+    if variant == "upcast":
+        _launch_upcast(
+            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
+        )
+        return
+    check_fp8_variant(variant, k_cache, v_cache, q.shape[2])
+    grid_args = (q.shape[0], k_cache.shape[2], num_splits, on_cpu)
+    launch_fp8_decode(
+        grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, cfg
+    )
+
+
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
 ):
@@ -324,15 +339,16 @@ def paged_decode_attention_triton(
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
     mma_operands = (q, k_cache, v_cache, out, block_tables, seq_lens)
-    if (
-        config is None
-        and not on_cpu
-        and fp8_mma.runs(*mma_operands)
-        and fp8_mma.pays(batch * num_kv_heads * num_splits, sms)
-    ):
+    if config is not None:
+        cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
+        if cfg.get("VARIANT") == "mma":  # asked for by name: what it cannot run is named
+            why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
+            if why:
+                raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
+    elif not on_cpu and fp8_mma.runs(*mma_operands) and fp8_mma.pays(batch * num_kv_heads * num_splits, sms):
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
     else:
-        cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
+        cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache)
     block_d = max(16, next_pow2(head_dim))
     is_split = num_splits > 1
     if is_split:
@@ -340,32 +356,18 @@ def paged_decode_attention_triton(
         part_ml = torch.empty(batch * num_q_heads * num_splits * 2, device=q.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
-    variant = cfg.get("VARIANT", "upcast")
-    if variant == "mma":
-        why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
-        if why:
-            raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
+    launch = (q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml)
+    if cfg.get("VARIANT") == "mma":
         try:
-            fp8_mma.launch_fp8_mma(
-                q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, num_splits, cfg
-            )
+            fp8_mma.launch_fp8_mma(*launch, scale * LOG2E, num_splits, cfg)
         except fp8_mma.CompileError:
             if config is not None:  # asked for by name: say so
                 raise
-            cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache)  # the default it replaced
-            variant = cfg.get("VARIANT", "upcast")
-    if variant == "mma":
-        pass  # launched above
-    elif variant == "upcast":
-        _launch_upcast(
-            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
-        )
+            _launch_triton(
+                *launch, scale, num_splits, resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache), on_cpu
+            )
     else:
-        check_fp8_variant(variant, k_cache, v_cache, head_dim)
-        grid_args = (batch, num_kv_heads, num_splits, on_cpu)
-        launch_fp8_decode(
-            grid_args, q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, cfg
-        )
+        _launch_triton(*launch, scale, num_splits, cfg, on_cpu)
     if is_split:
         _merge_splits_kernel[(batch, num_q_heads)](
             part_acc,

@@ -406,13 +406,13 @@ def _available(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *others: torch.Tensor) -> str | None:
-    """None when this kernel can run these operands, else why not. `others`: any of the output (q's dtype, unit
+def supports(q, k_cache, v_cache, out=None, block_tables=None, seq_lens=None) -> str | None:
+    """None when this kernel can run these operands, else why not; also, when given, the output (q's dtype, unit
     stride along head_dim), the block tables and the sequence lengths (int32)."""
-    for t in others:
-        if t.shape == q.shape and (t.dtype != q.dtype or t.stride(-1) != 1):
-            return f"the output must be {q.dtype} with unit stride along head_dim"
-        if t.shape != q.shape and t.dtype != torch.int32:
+    if out is not None and (out.dtype != q.dtype or out.stride(-1) != 1):
+        return f"the output must be {q.dtype} with unit stride along head_dim"
+    for t in (block_tables, seq_lens):
+        if t is not None and t.dtype != torch.int32:
             return f"block tables and sequence lengths must be int32, got {t.dtype}"
     head_dim = q.shape[-1]
     group = q.shape[1] // k_cache.shape[2]
@@ -448,14 +448,14 @@ class CompileError(RuntimeError):
     """NVRTC could not build the kernel here."""
 
 
-def runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *others: torch.Tensor) -> bool:
+def runs(q, k_cache, v_cache, out=None, block_tables=None, seq_lens=None) -> bool:
     """Whether this kernel takes these operands here (what paged_decode_attention defaults to it on)."""
     return (
         ENABLED
         and FAILED is None
         and k_cache.dtype == torch.float8_e4m3fn
         and available(q.device)
-        and supports(q, k_cache, v_cache, *others) is None
+        and supports(q, k_cache, v_cache, out, block_tables, seq_lens) is None
     )
 
 

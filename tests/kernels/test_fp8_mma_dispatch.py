@@ -72,7 +72,7 @@ def test_what_the_kernel_cannot_write_or_read_is_named():
     )
     strided = torch.zeros(2, 8, 256, dtype=torch.bfloat16)[..., ::2]
     assert fp8_mma.supports(q, cache, cache, strided).startswith("the output must be")
-    assert fp8_mma.supports(q, cache, cache, table.long()) == (
+    assert fp8_mma.supports(q, cache, cache, block_tables=table.long()) == (
         "block tables and sequence lengths must be int32, got torch.int64"
     )
 
