@@ -60,19 +60,27 @@ DRY_TILES = [dict(BLOCK_N=16, num_warps=4, num_stages=1)]
 class Shape:
     """One (B, ctx): q, block table, the reference output and the byte count."""
 
-    def __init__(self, p, cache, batch, ctx, gen, sms):
+    def __init__(self, p, cache, batch, ctx, gen, sms, mixed: str = ""):
+        """mixed "random" / "sorted": lengths U[ctx / 8, ctx] (as an engine's batch has), in random order or
+        longest first (the order the GPU starts the programs in); "" every sequence ctx tokens."""
         device = cache.kv.device
-        self.batch, self.ctx = batch, ctx
+        self.batch, self.ctx, self.mixed = batch, ctx, mixed
         self.table = cache.tables(batch, ctx, gen)
-        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        if mixed:
+            same = torch.Generator().manual_seed(batch * 100_003 + ctx)  # random and sorted: the same lengths
+            lens = torch.randint(ctx // 8, ctx + 1, (batch,), generator=same, dtype=torch.int32)
+            if mixed == "sorted":
+                lens = lens.sort(descending=True).values
+        self.seq_lens = lens.to(device)
         self.q = torch.randn(batch, p["num_q_heads"], p["head_dim"], generator=gen).to(device, torch.bfloat16)
         self.splits = choose_num_splits(batch, p["num_kv_heads"], self.table.shape[1] * p["block_size"], sms)
-        self.fp8_bytes = 2 * batch * ctx * p["num_kv_heads"] * p["head_dim"]
+        self.fp8_bytes = 2 * int(lens.sum()) * p["num_kv_heads"] * p["head_dim"]
         self.ref = None
 
     @property
     def name(self) -> str:
-        return f"({self.batch}, {self.ctx})"
+        return f"({self.batch}, {self.ctx}{' ' + self.mixed if self.mixed else ''})"
 
 
 def run_config(shape, k_cache, v_cache, scale, config, num_splits=None):
@@ -109,7 +117,8 @@ def label(row) -> str:
         ("HEADS_PER_PROGRAM", "hpp{}"),
         ("WARPS", "w{}"),
         ("MIN_BLOCKS", "b{}"),
-        ("PF", "pf"),
+        ("HEADS", "h{}"),
+        ("SEQS", "s{}"),
     ):
         if row.get(key):
             parts.append(fmt.format(row[key]))
@@ -318,6 +327,12 @@ def main(argv=None) -> int:
         "graphs) instead of launched from Python, whose host cost can exceed a 0.1 ms kernel's",
     )
     parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="also the first two shapes with lengths U[ctx / 8, ctx] (an engine's batch), in random order and sorted "
+        "longest first: what uneven programs cost, and whether starting the longest first wins it back",
+    )
+    parser.add_argument(
         "--probe",
         type=int,
         default=0,
@@ -349,6 +364,8 @@ def main(argv=None) -> int:
     kv_up = kv8.to(torch.bfloat16)  # the e4m3 values in bf16: what the bf16 kernel reads for the reference
     scale = p["head_dim"] ** -0.5
     shapes = [Shape(p, cache, b, ctx, gen, sms) for b, ctx in p["shapes"]]
+    if args.mixed:  # lengths U[ctx / 8, ctx], random order and longest first, at two of the shapes
+        shapes += [Shape(p, cache, b, ctx, gen, sms, m) for b, ctx in p["shapes"][:2] for m in ("random", "sorted")]
     for shape in shapes:
         shape.ref = paged_decode_attention_triton(
             shape.q, kv_up[:, 1, 0], kv_up[:, 1, 1], shape.table, shape.seq_lens, scale

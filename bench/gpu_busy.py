@@ -1,9 +1,10 @@
 """How much of a run's wall time the GPU works: two measures of one engine run.
 
-kernel_busy_s   the union of every device activity's [start, end) in a torch profiler trace (kernels,
+device_activity the union of every device activity's [start, end) in a torch profiler trace (kernels,
                 copies, memsets; graph replays are seen kernel by kernel), read straight from kineto's
                 events (building FunctionEvents for ~10^6 kernels would take minutes). The profiler slows
-                the host, so divide by the wall time of an unprofiled run of the same variant.
+                the host, so divide by the wall time of an unprofiled run of the same variant. Also each
+                activity name's device seconds.
 step_span_s     the sum, over launched steps, of the time between a CUDA event recorded before the step's
                 first device work and one after its last: the device had the step's work in hand (idle
                 gaps inside a step, when the host launches eager kernels slower than they run, count in).
@@ -16,8 +17,9 @@ import time
 from collections.abc import Callable
 
 
-def kernel_busy_s(fn: Callable[[], object]) -> float:
-    """Seconds in which the device ran anything while `fn` ran (union of activity intervals)."""
+def device_activity(fn: Callable[[], object]) -> tuple[float, dict[str, float]]:
+    """Seconds in which the device ran anything while `fn` ran (the union of activity intervals), and the device
+    seconds of each activity's name (kernels, copies, memsets)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -25,12 +27,13 @@ def kernel_busy_s(fn: Callable[[], object]) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    spans = sorted(
-        (e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA
-    )
+    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name()] = by_name.get(e.name(), 0.0) + (e.end_ns() - e.start_ns()) / 1e9
     busy = 0
     run_start, run_end = None, None
-    for start, end in spans:
+    for start, end in sorted((e.start_ns(), e.end_ns()) for e in events):
         if run_end is None or start > run_end:
             if run_end is not None:
                 busy += run_end - run_start
@@ -39,7 +42,7 @@ def kernel_busy_s(fn: Callable[[], object]) -> float:
             run_end = max(run_end, end)
     if run_end is not None:
         busy += run_end - run_start
-    return busy / 1e9
+    return busy / 1e9, by_name
 
 
 class StepSpans:

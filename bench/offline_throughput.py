@@ -19,6 +19,7 @@ sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tile
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
 `splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
+`splitserve:fp8kv+s1` (the mma kernel on one sequence a program at every batch),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
@@ -82,6 +83,8 @@ VARIANTS = {
     # fp8 KV / fp8w8a16 with the Triton "rows" decode attention instead of the mma kernel (fp8_mma.ENABLED False)
     "fp8kv+rows": {"kv_cache_dtype": "fp8", "fp8_mma": False},
     "fp8w8a16+rows": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "fp8_mma": False},
+    # fp8 KV with the mma kernel taking one sequence a program at every batch (fp8_mma.choose_seqs off)
+    "fp8kv+s1": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 1}},
     # fp8swept with the one-row SiLU-mul fused into the down projection (quant.SILU_FUSED_MAX_ROWS 1; off by default)
     "fp8swept+silu": {
         "quantization": "fp8",
@@ -110,13 +113,15 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "pdl" and "silu_fused_max_rows" from
+    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "pdl" and
+    "silu_fused_max_rows" from
     `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
     call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection),
     "own_tiles" W8A16_TILES to {} (the kernel's own tiles),
     "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
-    kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel), and
+    kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel), "fp8_mma_options"
+    overrides keys of its DEFAULT_OPTIONS, and
     "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
@@ -136,6 +141,10 @@ def measured_tiles(options: dict, tiles_json: str):
         from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 
         tables.append((fp8_mma, "ENABLED", options.pop("fp8_mma")))
+    if "fp8_mma_options" in options:
+        from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
+
+        tables.append((fp8_mma, "DEFAULT_OPTIONS", dict(fp8_mma.DEFAULT_OPTIONS, **options.pop("fp8_mma_options"))))
     if "pdl" in options:
         from splitserve.kernels import pdl
 
@@ -260,12 +269,13 @@ def _host_profile(llm, prompts, params, mode: str, top: int = 25) -> None:
 
 def _gpu_busy(llm, prompts, params, rows: list[dict]) -> None:
     """Per mode: device activity (profiled run) and step spans (unprofiled run) as shares of its wall."""
-    from bench.gpu_busy import StepSpans, kernel_busy_s
+    from bench.gpu_busy import StepSpans, device_activity
 
     for mode in dict.fromkeys(r["engine"].split("-", 1)[1] for r in rows):
         llm.engine.async_scheduling = mode.startswith("async")
         llm.engine.pool.reset_prefix_cache()
-        kernel_s = kernel_busy_s(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        kernel_s, by_name = device_activity(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
         llm.engine.pool.reset_prefix_cache()
         with StepSpans(llm.engine.runner) as spans:
             _sync("cuda")
@@ -276,7 +286,7 @@ def _gpu_busy(llm, prompts, params, rows: list[dict]) -> None:
         span_s = spans.total_s()
         for row in rows:
             if row["engine"].split("-", 1)[1] == mode:
-                row.update(kernel_busy_s=kernel_s, step_span_s=span_s, span_run_wall_s=wall)
+                row.update(kernel_busy_s=kernel_s, step_span_s=span_s, span_run_wall_s=wall, top_kernels=top)
 
 
 def run_hf(config_path: str, requests, dtype: str, device: str, args) -> dict:
@@ -667,6 +677,9 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         if "host_s" in r:
             print(f"host seconds, {r['engine']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["host_s"].items()))
+    for r in rows:
+        if "top_kernels" in r:  # the profiled run's device seconds by activity name, most first
+            print(f"device seconds, {r['engine']}: " + "; ".join(f"{n[:60]} {v:.3f}" for n, v in r["top_kernels"]))
 
 
 def _config_dir(config_path: str) -> str:

@@ -255,140 +255,207 @@ __device__ __forceinline__ void attend_tile(
   if (LOAD_NEXT) load_v(T, C, nbid, nbase, has_next);
 }
 
+// One (sequence, KV head) of a program: where its split's tokens are, and this warp's first tile.
+struct Unit {
+  int b, kvh, start, end, num_tiles, num_full, first_base, first_bid;
+  const int* bt_row;
+  bool live;  // a sequence of the batch (a program's last SEQS may run past it)
+};
+
+__device__ __forceinline__ int unit_seq(int u) { return blockIdx.y * SEQS + u / HEADS; }
+
+// unit u given its sequence's length (read a unit earlier, so that the table read here does not wait for it)
+__device__ __forceinline__ Unit unit_of(int u, int seq_len, const int* bt, int stride_btb, int num_seqs,
+                                        int num_splits, int page_shift) {
+  Unit U;
+  U.b = unit_seq(u);
+  U.kvh = blockIdx.x * HEADS + u % HEADS;
+  U.live = U.b < num_seqs;
+  const int per_split = ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+  U.start = blockIdx.z * per_split;
+  U.end = min(U.start + per_split, seq_len);
+  U.num_tiles = U.end > U.start ? (U.end - U.start + TILE - 1) / TILE : 0;
+  U.num_full = U.end > U.start ? (U.end - U.start) / TILE : 0;
+  U.bt_row = bt + (u64)(U.live ? U.b : 0) * stride_btb;
+  U.first_base = U.start + (threadIdx.x >> 5) * TILE;
+  U.first_bid = U.num_tiles > 0
+      ? __ldg(U.bt_row + (max(min(U.first_base + (int)(threadIdx.x & 31), U.end - 1), 0) >> page_shift)) : 0;
+  return U;
+}
+
+__device__ __forceinline__ int seq_len_of(int u, const int* seq_lens, int num_seqs) {
+  const int b = unit_seq(u);
+  return u < HEADS * SEQS && b < num_seqs ? __ldg(seq_lens + b) : 0;
+}
+
+// this thread's 16-byte runs of q row g (query head kvh GROUP + g): dims 64 c + 16 t + 0..15, c < HEAD_DIM / 64
+struct QRaw { uint4 x[HEAD_DIM / 32]; };
+
+__device__ __forceinline__ void load_q(QRaw &R, const unsigned short* q, const Unit &U, int stride_qb,
+                                       int stride_qh, int g, int t) {
+  const unsigned short* qrow = q + (u64)U.b * stride_qb + (u64)(U.kvh * GROUP + min(g, GROUP - 1)) * stride_qh;
+#pragma unroll
+  for (int c = 0; c < HEAD_DIM / 64; ++c) {
+    const uint4* src = reinterpret_cast<const uint4*>(qrow + 64 * c + 16 * t);
+    R.x[2 * c] = U.live ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
+    R.x[2 * c + 1] = U.live ? __ldg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 splitserve_fp8_decode(
     const unsigned short* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
     const int* __restrict__ bt, const int* __restrict__ seq_lens, unsigned short* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
-    int num_splits, int page_shift, int num_q_heads,
+    int num_splits, int page_shift, int num_q_heads, int num_seqs,
     int stride_qb, int stride_qh, int stride_kb, int stride_kt, int stride_kh,
     int stride_vb, int stride_vt, int stride_vh, int stride_btb, int stride_ob, int stride_oh, double qk_scale_d) {
   __shared__ float sm_ml[WARPS][2][8];
   __shared__ float sm_acc[WARPS][8][HEAD_DIM];
-  const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int page_mask = (1 << page_shift) - 1;
-  const int seq_len = seq_lens[b];
-  const int per_split = ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
-  const int start = split * per_split;
-  const int end = min(start + per_split, seq_len);
-  const int num_tiles = end > start ? (end - start + TILE - 1) / TILE : 0;
-  const int num_full = end > start ? (end - start) / TILE : 0;
-  const int* bt_row = bt + (u64)b * stride_btb;
-
-  // q row g (query head kvh GROUP + g) in f16, log2 units, over the dims of this thread's K words: word w's
-  // bytes 0, 1 pair with qa[w][0], bytes 2, 3 with qa[w][1]
-  u32 qa[KW][2];
+  // a thread's K and V words of KV head h start at these + h * stride_kh / stride_vh
+  const unsigned char* k_thread = kc + 16 * t;
+  const unsigned char* v_thread = vc + (HEAD_DIM / 8) * g;
+  // the program's HEADS x SEQS (sequence, KV head) units, heads inner. Each warp's first tile of the next unit is
+  // loaded during its last tile of this one (AHEAD), the next unit's q and block table entry at this one's start,
+  // and the length of the one after that too: no unit waits on a chain of dependent loads but the first.
+  Unit nu = unit_of(0, seq_len_of(0, seq_lens, num_seqs), bt, stride_btb, num_seqs, num_splits, page_shift);
+  int next_len = seq_len_of(1, seq_lens, num_seqs);
+  QRaw qn;
+  load_q(qn, q, nu, stride_qb, stride_qh, g, t);
+  Tile T;
+#if AHEAD
   {
-    const unsigned short* qrow = q + (u64)b * stride_qb + (u64)(kvh * GROUP + min(g, GROUP - 1)) * stride_qh;
-    const float sc = g < GROUP ? (float)qk_scale_d : 0.f;
+    const Cache C0 = {k_thread + (u64)nu.kvh * stride_kh, v_thread + (u64)nu.kvh * stride_vh,
+                      stride_kb, stride_kt, stride_vb, stride_vt, page_mask};
+    load_k(T, C0, nu.first_bid, nu.first_base, warp < nu.num_tiles);
+    load_v(T, C0, nu.first_bid, nu.first_base, warp < nu.num_tiles);
+  }
+#endif
+#pragma unroll 1
+  for (int u = 0; u < HEADS * SEQS; ++u) {
+    const Unit cu = nu;
+    if (!cu.live) break;  // units past the batch are the program's last ones
+    const bool more = u + 1 < HEADS * SEQS;
+    // q row g (query head kvh GROUP + g) in f16, log2 units, over the dims of this thread's K words: word w's
+    // bytes 0, 1 pair with qa[w][0], bytes 2, 3 with qa[w][1]
+    u32 qa[KW][2];
+    {
+      const float sc = g < GROUP ? (float)qk_scale_d : 0.f;
 #pragma unroll
-    for (int c = 0; c < HEAD_DIM / 64; ++c) {  // dims 64 c + 16 t + 0..15: two 16-byte loads
-      const uint4* src = reinterpret_cast<const uint4*>(qrow + 64 * c + 16 * t);
-      const uint4 x = src[0], y = src[1];
-      const u32 h[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};  // dims 2 i, 2 i + 1 in h[i] (low half first)
+      for (int c = 0; c < HEAD_DIM / 64; ++c) {
+        const uint4 x = qn.x[2 * c], y = qn.x[2 * c + 1];
+        const u32 h[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};  // dims 2 i, 2 i + 1 in h[i] (low half first)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        qa[4 * c + i][0] = f16x2(half_lo(h[2 * i]) * sc, half_hi(h[2 * i]) * sc);
-        qa[4 * c + i][1] = f16x2(half_lo(h[2 * i + 1]) * sc, half_hi(h[2 * i + 1]) * sc);
+        for (int i = 0; i < 4; ++i) {
+          qa[4 * c + i][0] = f16x2(half_lo(h[2 * i]) * sc, half_hi(h[2 * i]) * sc);
+          qa[4 * c + i][1] = f16x2(half_lo(h[2 * i + 1]) * sc, half_hi(h[2 * i + 1]) * sc);
+        }
       }
     }
-  }
+    if (more) {
+      nu = unit_of(u + 1, next_len, bt, stride_btb, num_seqs, num_splits, page_shift);
+      next_len = seq_len_of(u + 2, seq_lens, num_seqs);
+      load_q(qn, q, nu, stride_qb, stride_qh, g, t);
+    }
+    const int b = cu.b, kvh = cu.kvh, start = cu.start, end = cu.end;
 
-  float m = NEG;                         // row g's running max (log2 units)
-  float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum of the f16 weights of query rows 2t, 2t+1 (a ones-row product)
-  float acc[MT][4];  // O^T: rows = dims (D / 8) g + 2 mt (+ 1 for [2], [3]), columns = query rows 2 t, 2 t + 1
+    float m = NEG;                         // row g's running max (log2 units)
+    float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum of the f16 weights of query rows 2t, 2t+1 (a ones-row product)
+    float acc[MT][4];  // O^T: rows = dims (D / 8) g + 2 mt (+ 1 for [2], [3]), columns = query rows 2 t, 2 t + 1
 #pragma unroll
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  // each warp takes every WARPS-th tile: the whole ones first, then the split's last, partial one (if any)
-  const Cache C = {kc + (u64)kvh * stride_kh + 16 * t, vc + (u64)kvh * stride_vh + (HEAD_DIM / 8) * g,
-                   stride_kb, stride_kt, stride_vb, stride_vt, page_mask};
-  int tile = warp;
-  Tile T;
-  int bid = __ldg(bt_row + (max(min(start + tile * TILE + lane, end - 1), 0) >> page_shift));
+    // each warp takes every WARPS-th tile: the whole ones first, then the split's last, partial one (if any);
+    // the tile after the unit's last is the next unit's first (nu: loaded only when it is live and has tiles)
+    const Cache C = {k_thread + (u64)kvh * stride_kh, v_thread + (u64)kvh * stride_vh,
+                     stride_kb, stride_kt, stride_vb, stride_vt, page_mask};
+    const Cache CN = {k_thread + (u64)nu.kvh * stride_kh, v_thread + (u64)nu.kvh * stride_vh,
+                      stride_kb, stride_kt, stride_vb, stride_vt, page_mask};
+    const bool load_nu = more && nu.live && warp < nu.num_tiles;
+    int tile = warp;
+    int bid = cu.first_bid;
+    for (; tile < cu.num_full; tile += WARPS) {
+      const int base = start + tile * TILE;
+#if !AHEAD
+      load_k(T, C, bid, base, true);
+      load_v(T, C, bid, base, true);
+#endif
+      const int next = tile + WARPS;
+      if (next < cu.num_tiles) {
+        const int nbase = start + next * TILE;
+        const int nbid = __ldg(cu.bt_row + (min(nbase + lane, end - 1) >> page_shift));
+        attend_tile<false, AHEAD != 0>(T, qa, base, end, g, t, m, lsum, acc, C, true, nbid, nbase);
+        bid = nbid;
+      } else {
+        attend_tile<false, AHEAD != 0>(T, qa, base, end, g, t, m, lsum, acc, CN, load_nu, nu.first_bid,
+                                       nu.first_base);
+      }
+    }
+    if (tile < cu.num_tiles) {
+      const int base = start + tile * TILE;
+#if !AHEAD
+      load_k(T, C, bid, base, true);
+      load_v(T, C, bid, base, true);
+#endif
+      attend_tile<true, (AHEAD != 0 && HEADS * SEQS > 1)>(T, qa, base, end, g, t, m, lsum, acc, CN, load_nu,
+                                                          nu.first_bid, nu.first_base);
+    }
 #if AHEAD
-  load_k(T, C, bid, start + tile * TILE, tile < num_tiles);
-  load_v(T, C, bid, start + tile * TILE, tile < num_tiles);
-#endif
-#if PF
-  // L2 prefetch of the warp's next tile while this one computes: lane x asks for token x's K and V rows
-  const unsigned char* pf_k = kc + (u64)kvh * stride_kh;
-  const unsigned char* pf_v = vc + (u64)kvh * stride_vh;
-#endif
-  for (; tile < num_full; tile += WARPS) {
-    const int base = start + tile * TILE;
-#if !AHEAD
-    load_k(T, C, bid, base, true);
-    load_v(T, C, bid, base, true);
-#endif
-    const int next = tile + WARPS;
-    const int nbase = start + next * TILE;
-    const bool has_next = next < num_tiles;
-    const int nbid = __ldg(bt_row + (min(has_next ? nbase + lane : base, end - 1) >> page_shift));
-#if PF
-    if (has_next && lane < TILE) {
-      const int slot = SMALL_PAGE ? (lane & page_mask) : (nbase & page_mask) + lane;
-      const u64 kb = (u64)(unsigned)nbid * (u64)(unsigned)stride_kb + (unsigned)(slot * stride_kt);
-      const u64 vb = (u64)(unsigned)nbid * (u64)(unsigned)stride_vb + (unsigned)(slot * stride_vt);
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_k + kb));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_v + vb));
+    if (cu.num_tiles <= warp && load_nu) {  // this warp had no tile of the unit: the next one's first still loads
+      load_k(T, CN, nu.first_bid, nu.first_base, true);
+      load_v(T, CN, nu.first_bid, nu.first_base, true);
     }
 #endif
-    attend_tile<false, AHEAD != 0>(T, qa, base, end, g, t, m, lsum, acc, C, has_next, nbid, nbase);
-    bid = nbid;
-  }
-  if (tile < num_tiles) {
-    const int base = start + tile * TILE;
-#if !AHEAD
-    load_k(T, C, bid, base, true);
-    load_v(T, C, bid, base, true);
-#endif
-    attend_tile<true, false>(T, qa, base, end, g, t, m, lsum, acc, C, false, 0, 0);
-  }
 
-  // merge the warps through shared memory: m per query row, the weights' sum and acc per (row, dim)
-  if (t == 0) sm_ml[warp][0][g] = m;
-  if (g == 0) { sm_ml[warp][1][2 * t] = lsum[0]; sm_ml[warp][1][2 * t + 1] = lsum[1]; }
+    // merge the warps through shared memory: m per query row, the weights' sum and acc per (row, dim)
+    if (t == 0) sm_ml[warp][0][g] = m;
+    if (g == 0) { sm_ml[warp][1][2 * t] = lsum[0]; sm_ml[warp][1][2 * t + 1] = lsum[1]; }
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int d = (HEAD_DIM / 8) * g + 2 * mt;
-    sm_acc[warp][2 * t][d] = acc[mt][0];
-    sm_acc[warp][2 * t + 1][d] = acc[mt][1];
-    sm_acc[warp][2 * t][d + 1] = acc[mt][2];
-    sm_acc[warp][2 * t + 1][d + 1] = acc[mt][3];
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
-    const int h = e / HEAD_DIM, d = e % HEAD_DIM;
-    float M = NEG;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_ml[w][0][h]);
-    float L = 0.f, A = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float f = ex2(sm_ml[w][0][h] - M);
-      L += f * sm_ml[w][1][h];
-      A += f * sm_acc[w][h][d];
+    for (int mt = 0; mt < MT; ++mt) {
+      const int d = (HEAD_DIM / 8) * g + 2 * mt;
+      sm_acc[warp][2 * t][d] = acc[mt][0];
+      sm_acc[warp][2 * t + 1][d] = acc[mt][1];
+      sm_acc[warp][2 * t][d + 1] = acc[mt][2];
+      sm_acc[warp][2 * t + 1][d + 1] = acc[mt][3];
     }
-    const int head = kvh * GROUP + h;
-    if (num_splits == 1) {
-      out[(u64)b * stride_ob + (u64)head * stride_oh + d] = to_out(L > 0.f ? A / L : 0.f);
-    } else {
-      const u64 row = ((u64)b * num_q_heads + head) * num_splits + split;
-      part_acc[row * HEAD_DIM + d] = A;
-      if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
+    __syncthreads();
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
+      const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+      float M = NEG;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_ml[w][0][h]);
+      float L = 0.f, A = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = ex2(sm_ml[w][0][h] - M);
+        L += f * sm_ml[w][1][h];
+        A += f * sm_acc[w][h][d];
+      }
+      const int head = kvh * GROUP + h;
+      if (num_splits == 1) {
+        out[(u64)b * stride_ob + (u64)head * stride_oh + d] = to_out(L > 0.f ? A / L : 0.f);
+      } else {
+        const u64 row = ((u64)b * num_q_heads + head) * num_splits + split;
+        part_acc[row * HEAD_DIM + d] = A;
+        if (d == 0) { part_ml[row * 2] = M; part_ml[row * 2 + 1] = L; }
+      }
     }
+    if (more) __syncthreads();  // the next unit's merge writes the same shared memory
   }
 }
 """
 
-# options: WARPS (warps per program, each on its own 32-token tiles), MIN_BLOCKS (programs an SM should hold:
-# __launch_bounds__ caps the registers to fit them), PF (an L2 prefetch of each warp's next tile), AHEAD (load the
-# warp's next tile into the registers this one frees: K after the scores, V after the values' dots), TILE (tokens a
-# warp takes at a time: 16 or 32)
-DEFAULT_OPTIONS = dict(WARPS=0, MIN_BLOCKS=1, PF=0, AHEAD=1, TILE=32)  # WARPS 0: choose_warps
+# options: WARPS (warps per program, each on its own 32-token tiles), HEADS and SEQS (a program takes HEADS KV heads
+# of SEQS sequences, one (sequence, KV head) after the other, heads inner: each warp's first tile of the next is
+# loaded during its last tile of the one before), MIN_BLOCKS (programs an SM should hold: __launch_bounds__ caps the
+# registers to fit them), AHEAD (load the warp's next tile into the registers this one frees: K after the scores, V
+# after the values' dots), TILE (tokens a warp takes at a time: 16 or 32). An L2 prefetch of each warp's next tile
+# (PF) was measured slower (docs/perf.md, twelfth session) and removed.
+DEFAULT_OPTIONS = dict(WARPS=0, HEADS=1, SEQS=0, MIN_BLOCKS=1, AHEAD=1, TILE=32)  # 0: choose_warps / choose_seqs
 HEAD_DIMS = (64, 128)  # 256: its tile's registers spill (ptxas: 255 and local memory)
 MAX_GROUP = 8
 
@@ -466,11 +533,20 @@ def pays(units: int, sm_count: int) -> bool:
     return units >= sm_count
 
 
+def choose_seqs(units: int, sm_count: int) -> int:
+    """Sequences a program takes in turn: 2 when there are more than 12 (sequence, KV head, split) units an SM.
+    One-warp programs at ~200 registers fit 9 an SM: 2,048 units (256 x 512) fill 1.7 waves of them, and the second
+    wave's programs start whenever a slot frees, so a sequence's KV heads, whose 128-byte rows of a token lie side
+    by side, are no longer read together. Two sequences a program: one wave, every KV head of a sequence read at
+    once (two KV heads a program, read one after the other, were no faster: docs/perf.md)."""
+    return 2 if units > 12 * sm_count else 1
+
+
 def choose_warps(units: int, sm_count: int) -> int:
-    """Warps a program for `units` (sequence, KV head, split) programs: each warp takes its own tiles, so fewer
-    warps a program means longer runs per warp; more are needed only to fill the GPU. One H200 (docs/perf.md):
-    2,048 units (256 x 512 tokens) 1 warp 0.078 ms, 2 warps 0.086; 512 units (64 x 2k, 4 x 32k in 16 splits)
-    2 warps 0.070 / 0.073, 1 warp 0.088 / 0.090, 4 warps 0.075 / 0.078."""
+    """Warps a program for `units` (sequence, KV head, split) triples: each warp takes its own tiles, so
+    fewer warps a program means longer runs per warp; more are needed only to fill the GPU. One H200
+    (docs/perf.md): 2,048 units (256 x 512 tokens) 1 warp 0.078 ms, 2 warps 0.086; 512 units (64 x 2k, 4 x 32k in
+    16 splits) 2 warps 0.070 / 0.073, 1 warp 0.088 / 0.090, 4 warps 0.075 / 0.078."""
     if units >= 8 * sm_count:
         return 1
     return 2 if units >= 2 * sm_count else 4
@@ -487,7 +563,7 @@ def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: 
         FAILED = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         log.warning("the fp8 mma decode attention could not be compiled (%s); using the Triton kernel", FAILED)
         raise CompileError(f"paged_decode_attention_fp8_mma: NVRTC failed: {FAILED}") from exc
-    return _Launcher(kernel, num_pointers=8, num_ints=14)
+    return _Launcher(kernel, num_pointers=8, num_ints=15)
 
 
 class _Launcher:
@@ -518,13 +594,19 @@ class _Launcher:
 
 
 def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, num_splits, cfg):
-    """Launch the kernel over grid (KV head, sequence, split); cfg may set DEFAULT_OPTIONS' keys. With num_splits > 1
+    """Launch the kernel over grid (KV heads / HEADS, sequences / SEQS, split); cfg may set DEFAULT_OPTIONS' keys.
+    With num_splits > 1
     the partials go to part_acc / part_ml for the merge kernel (paged_decode_attention.py)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     opts = {k: int(cfg.get(k, v)) for k, v in DEFAULT_OPTIONS.items()}
+    sms = num_sms(q.device.index or 0)
+    if opts["HEADS"] < 1 or num_kv_heads % opts["HEADS"]:
+        raise ValueError(f"paged_decode_attention: VARIANT 'mma' HEADS {opts['HEADS']} does not divide {num_kv_heads}")
+    if opts["SEQS"] == 0:
+        opts["SEQS"] = choose_seqs(batch * num_kv_heads * num_splits, sms)
     if opts["WARPS"] == 0:
-        opts["WARPS"] = choose_warps(batch * num_kv_heads * num_splits, num_sms(q.device.index or 0))
+        opts["WARPS"] = choose_warps(batch * num_kv_heads * num_splits, sms)
     group = num_q_heads // num_kv_heads
     if opts["TILE"] not in (16, 32):
         raise ValueError(f"paged_decode_attention: VARIANT 'mma' takes TILE 16 or 32, got {opts['TILE']}")
@@ -533,7 +615,7 @@ def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         head_dim, group, q.dtype == torch.bfloat16, block_size <= opts["TILE"], tuple(sorted(opts.items()))
     )
     kernel(
-        (num_kv_heads, batch, num_splits),
+        (num_kv_heads // opts["HEADS"], -(-batch // opts["SEQS"]), num_splits),
         (opts["WARPS"] * 32, 1, 1),
         [
             q.data_ptr(),
@@ -549,6 +631,7 @@ def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
             num_splits,
             block_size.bit_length() - 1,
             num_q_heads,
+            batch,
             q.stride(0),
             q.stride(1),
             *k_cache.stride()[:3],

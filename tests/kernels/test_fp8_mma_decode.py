@@ -58,17 +58,24 @@ def test_matches_fp64_attention(head_dim, group, num_splits):
         dict(WARPS=1),
         dict(WARPS=2, MIN_BLOCKS=5),
         dict(WARPS=8),
-        dict(PF=1),
-        dict(PF=1, MIN_BLOCKS=3),
-        dict(AHEAD=1),
+        dict(AHEAD=0),
         dict(AHEAD=1, WARPS=2, TILE=16),
-        dict(TILE=16, PF=1),
+        dict(HEADS=2, WARPS=1),
+        dict(HEADS=2, WARPS=2),
+        dict(HEADS=4, WARPS=1),
+        dict(HEADS=4, WARPS=4, TILE=16),
+        dict(HEADS=2, AHEAD=0),
+        dict(SEQS=2, WARPS=1),
+        dict(SEQS=4, WARPS=2),
+        dict(SEQS=4, WARPS=1, HEADS=2),
+        dict(SEQS=5, WARPS=4, TILE=16),
+        dict(SEQS=2, AHEAD=0),
     ],
     ids=lambda o: ",".join(f"{k}{v}" for k, v in o.items()),
 )
 def test_options(opts):
     for block_size in (16, 32, 64):  # pages of a tile or more: a tile's tokens share one block
-        err = _run(num_splits=2, block_size=block_size, **opts)[0]
+        err = _run(num_kv_heads=4, num_splits=2, block_size=block_size, **opts)[0]
         assert err <= TOL, f"{opts}, pages of {block_size}: relative error {err:.2e} > {TOL}"
 
 
@@ -153,3 +160,27 @@ def test_an_fp8_cache_on_this_gpu_defaults_to_it_given_one_program_an_sm():
     assert fp8_mma.pays(132, 132) and not fp8_mma.pays(16, 132)
     assert fp8_mma.choose_warps(2048, 132) == 1 and fp8_mma.choose_warps(512, 132) == 2
     assert fp8_mma.choose_warps(132, 132) == 4
+
+
+def test_units_a_program_cover_every_head_and_sequence_once():
+    """Several KV heads and sequences a program, each (sequence, KV head)'s V a constant of its own: every query
+    head's output is its own constant (a unit skipped, taken twice or read from a neighbour's slots shows here), also
+    for a program whose last sequences are past the batch and for sequences of no tokens or fewer tiles than warps."""
+    seq_lens = [40, 96, 1, 65, 0, 200, 33]
+    paged = PagedKv(seq_lens, 4, 128, 16, FP8, DEVICE, seed=4)
+    consts = torch.arange(len(seq_lens) * 4, dtype=torch.float32).view(-1, 4) / 8 - 1.5  # exact in e4m3 and bf16
+    for b, n in enumerate(seq_lens):
+        for pos in range(n):
+            paged.v_cache[int(paged.block_tables[b, pos // 16]), pos % 16] = consts[b].view(4, 1).to(FP8).to(DEVICE)
+    q = torch.randn(len(seq_lens), 8, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
+    want = consts.repeat_interleave(2, dim=1).unsqueeze(-1).expand(-1, -1, 128).clone()
+    want[4] = 0  # no tokens: zeros
+    want = want.to(torch.bfloat16)
+    for opts in (dict(HEADS=1, SEQS=1), dict(HEADS=2, SEQS=1), dict(HEADS=4, SEQS=3), dict(HEADS=1, SEQS=2)):
+        for warps in (1, 4):
+            for splits in (1, 3):
+                out = paged_decode_attention_triton(
+                    q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.1, num_splits=splits,
+                    config=dict(VARIANT="mma", WARPS=warps, **opts),
+                )  # fmt: skip
+                assert torch.equal(out.cpu(), want), f"{opts}, {warps} warps, splits {splits}: {out[:, :, 0].cpu()}"

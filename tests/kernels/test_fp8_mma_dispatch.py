@@ -59,6 +59,45 @@ def test_a_given_config_is_run_as_given(launches):
 def test_pays_and_choose_warps():
     assert fp8_mma.pays(132, 132) and not fp8_mma.pays(131, 132)
     assert [fp8_mma.choose_warps(n, 132) for n in (2048, 1056, 1055, 264, 263, 16)] == [1, 1, 2, 2, 4, 4]
+    assert [fp8_mma.choose_seqs(n, 132) for n in (2048, 1585, 1584, 1024)] == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "num_splits", "config", "grid", "warps", "seqs"),
+    [
+        (256, 1, {}, (8, 128, 1), 1, 2),  # 2,048 (sequence, KV head) units: two sequences a one-warp program
+        (255, 1, {}, (8, 128, 1), 1, 2),  # the last program's second sequence is past the batch
+        (128, 1, {}, (8, 128, 1), 2, 1),  # 1,024: one sequence, two warps
+        (16, 4, {}, (8, 16, 4), 2, 1),  # 512 with the splits: two warps a program
+        (4, 1, {}, (8, 4, 1), 4, 1),
+        (256, 1, dict(HEADS=4, SEQS=1, WARPS=2), (2, 256, 1), 2, 1),  # asked for
+        (256, 1, dict(HEADS=2, SEQS=3), (4, 86, 1), 1, 3),
+    ],
+)
+def test_the_launch_grid(monkeypatch, num_seqs, num_splits, config, grid, warps, seqs):
+    """launch_fp8_mma's grid (KV heads / HEADS, sequences / SEQS, splits), block (WARPS x 32) and sequence count on a
+    132-SM GPU, 8 KV heads; the launch recorded, not run."""
+    got = []
+    monkeypatch.setattr(fp8_mma, "num_sms", lambda index: 132)
+    monkeypatch.setattr(fp8_mma, "_kernel", lambda *key: lambda *args: got.append((key, args)))
+    q = torch.zeros(num_seqs, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 8, 128, dtype=FP8)
+    table, lens = torch.zeros(num_seqs, 1, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32)
+    fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, num_splits, dict(VARIANT="mma", **config))
+    ((key, (got_grid, block, _, ints, _)),) = got
+    options = dict(key[-1])
+    assert (got_grid, block, options["WARPS"], options["SEQS"]) == (grid, (32 * warps, 1, 1), warps, seqs)
+    assert ints[:4] == [num_splits, 4, 32, num_seqs]  # splits, log2 of the page, query heads, sequences
+
+
+def test_heads_that_do_not_divide_the_kv_heads_are_refused(monkeypatch):
+    monkeypatch.setattr(fp8_mma, "num_sms", lambda index: 132)
+    monkeypatch.setattr(fp8_mma, "_kernel", lambda *key: pytest.fail("launched"))
+    q, cache = torch.zeros(2, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 16, 8, 128, dtype=FP8)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for heads in (3, 0):
+        with pytest.raises(ValueError, match=f"VARIANT 'mma' HEADS {heads} does not divide 8"):
+            fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, 1, dict(VARIANT="mma", HEADS=heads))
 
 
 def test_what_the_kernel_cannot_write_or_read_is_named():
