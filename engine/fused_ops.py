@@ -3,7 +3,8 @@
     norm_linear     RMSNorm(x [+ residual]) then a projection     one launch when skinny (off, see below)
     silu_linear     SiLU-mul then a projection                    one launch when skinny (off, see below), and
                     for an Fp8Linear at the rows its W8A16 kernel runs (Fp8Linear.forward_silu)
-    rope_write_attend  rotary + KV write, then attention             two launches instead of three;
+    rope_write_attend  rotary + KV write, then attention             two launches instead of three (seven
+                    with Qwen3's q/k norms, whose two norms and two reshape copies it takes in);
                     a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention);
                     into a 16-bit cache of k's dtype or an fp8 one (k_scale / v_scale)
 
@@ -162,29 +163,58 @@ def rope_write_attend(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    qk_norm=None,
 ) -> torch.Tensor:
-    """Rotate q/k, write k/v into the cache, attend: q (T, Hq, D) -> (T, Hq, D). When `fused_write_applies`
-    the rotation and the write are one kernel (`kernels.rotary_kv_write`), then `rope_write_attend_fused`;
-    elsewhere the unfused ops. An fp8 cache stores k / k_scale, v / v_scale (engine.attention)."""
+    """(Normalize q/k per head: `qk_norm`, Qwen3's (q_norm, k_norm) RMSNorm modules,) rotate q/k, write k/v into
+    the cache, attend: q (T, Hq, D) -> (T, Hq, D). When `fused_write_applies` the norms, the rotation and the
+    write are one kernel (`kernels.rotary_kv_write`), then `rope_write_attend_fused`; elsewhere the unfused ops.
+    An fp8 cache stores k / k_scale, v / v_scale (engine.attention)."""
     if fused_write_applies(q, k, k_cache):
         return rope_write_attend_fused(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale, k_scale, v_scale
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale, k_scale, v_scale, qk_norm
         )
+    if qk_norm is not None:
+        q, k = qk_norm[0](q), qk_norm[1](k)
     rotary_embedding(positions, q, k, cos_sin_cache)
     return attention_forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def rope_write_attend_fused(
-    positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale=1.0, v_scale=1.0
+    positions,
+    q,
+    k,
+    v,
+    cos_sin_cache,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    qk_norm=None,
 ) -> torch.Tensor:
     """The fused path of rope_write_attend (its kernels' torch references on CPU tensors). The scales fold in
     as attention_forward's CUDA path folds them (scale * k_scale, the output times v_scale), so its result
     equals that path's bit for bit; a fresh prompt attends over its own k/v only with a 16-bit cache (an fp8
-    cache's prompts read the stored, quantized keys, as attention_forward's do)."""
+    cache's prompts read the stored, quantized keys, as attention_forward's do). q and k are normalized (with
+    `qk_norm`) and rotated in place."""
     from splitserve.kernels.rotary_kv_write import rotary_kv_write
 
+    norms = {}
+    if qk_norm is not None:
+        norms = dict(q_norm=qk_norm[0].weight, k_norm=qk_norm[1].weight, eps=qk_norm[0].eps)
     rotary_kv_write(
-        positions, q, k, v, k_cache, v_cache, meta.slot_mapping, cos_sin_cache, k_scale=k_scale, v_scale=v_scale
+        positions,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        cos_sin_cache,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **norms,
     )
     own_kv = (k, v) if k_cache.dtype == k.dtype else ()
     out = paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale, *own_kv)

@@ -10,6 +10,12 @@ rotated key goes to the cache from registers instead of a second launch reading 
 the two ops are ~2-3 us launches each per layer, a measurable share of an 8B model's decode step
 (docs/perf.md).
 
+With `q_norm` / `k_norm` (Qwen3's per-head RMSNorm of q and k, before the rotation) each head is normalized
+first, with `rmsnorm`'s numerics (fp32 mean of squares, the normalized row rounded to the input dtype, times the
+weight, rounded again): two norm launches and the two copies that reshaping q and k out of the fused projection's
+output takes go. Its sum of squares adds the two halves' sums, so it may round apart from the norm kernel's in
+the last bit of the mean.
+
 An fp8 (e4m3) cache gets what `kv_write` stores there, bit for bit: the rotated key rounded to k's
 dtype, then clamp(float32(k) * float32(1 / k_scale), -448, 448) cast to e4m3 (v likewise with v_scale);
 the same operations in the same order as kv_write's kernel, so the cached bytes equal the unfused ops'.
@@ -25,6 +31,7 @@ from splitserve.kernels._common import next_pow2, use_triton
 from splitserve.kernels.kv_write import _check as _check_write
 from splitserve.kernels.kv_write import write_kv_ref
 from splitserve.kernels.pdl import pdl_launch, pdl_prologue
+from splitserve.kernels.rmsnorm import rms_norm_ref
 from splitserve.kernels.rotary import rotary_embedding_ref
 
 
@@ -34,6 +41,20 @@ def _rope_heads(x1, x2, cos, sin):
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     return a * cos[None, :] - b * sin[None, :], b * cos[None, :] + a * sin[None, :]
+
+
+@triton.jit
+def _rms_heads(x1, x2, w_ptr, i, eps, HALF: tl.constexpr):
+    """(H, D/2) halves of each head -> the halves of weight * rmsnorm(head), in x1's dtype (rmsnorm's numerics)."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF)
+    inv = tl.rsqrt(var + eps)[:, None]
+    w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    n1 = (a * inv).to(x1.dtype).to(tl.float32)
+    n2 = (b * inv).to(x1.dtype).to(tl.float32)
+    return (n1 * w1).to(x1.dtype), (n2 * w2).to(x1.dtype)
 
 
 @triton.jit
@@ -52,6 +73,9 @@ def _rotary_kv_write_kernel(
     v_cache_ptr,
     slot_ptr,
     cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     inv_k_scale,
     inv_v_scale,
     stride_qt,
@@ -75,6 +99,7 @@ def _rotary_kv_write_kernel(
     BLOCK_HALF: tl.constexpr,
     PAGE: tl.constexpr,
     FP8: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -89,6 +114,8 @@ def _rotary_kv_write_kernel(
     q1_ptr = q_ptr + t * stride_qt + hq[:, None] * stride_qh + i[None, :]
     q1 = tl.load(q1_ptr, mask=q_mask, other=0.0)
     q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0)
+    if NORM:
+        q1, q2 = _rms_heads(q1, q2, q_norm_ptr, i, eps, HALF)
     r1, r2 = _rope_heads(q1, q2, cos, sin)
     tl.store(q1_ptr, r1.to(q1.dtype), mask=q_mask)
     tl.store(q1_ptr + HALF, r2.to(q1.dtype), mask=q_mask)
@@ -98,6 +125,8 @@ def _rotary_kv_write_kernel(
     k1_ptr = k_ptr + t * stride_kt + hk[:, None] * stride_kh + i[None, :]
     k1 = tl.load(k1_ptr, mask=k_mask, other=0.0)
     k2 = tl.load(k1_ptr + HALF, mask=k_mask, other=0.0)
+    if NORM:
+        k1, k2 = _rms_heads(k1, k2, k_norm_ptr, i, eps, HALF)
     s1, s2 = _rope_heads(k1, k2, cos, sin)
     k1 = s1.to(k1.dtype)
     k2 = s2.to(k1.dtype)
@@ -127,14 +156,31 @@ def _rotary_kv_write_kernel(
 
 
 def rotary_kv_write_ref(
-    positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale: float = 1.0, v_scale: float = 1.0
+    positions,
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    cos_sin_cache,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    q_norm=None,
+    k_norm=None,
+    eps: float = 0.0,
 ) -> None:
-    """The two unfused references, in order: rotate q and k in place, then scatter k and v."""
+    """The unfused references, in order: normalize q and k (with norms), rotate them in place, scatter k and v."""
+    if q_norm is not None:
+        q.copy_(rms_norm_ref(q, q_norm, eps))
+        k.copy_(rms_norm_ref(k, k_norm, eps))
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale) -> None:
+def _launch(
+    positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, q_norm, k_norm, eps
+) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -148,6 +194,9 @@ def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k
         v_cache,
         slot_mapping,
         cos_sin_cache,
+        q if q_norm is None else q_norm,
+        q if k_norm is None else k_norm,
+        eps,
         1.0 / k_scale,  # what kv_write passes: its kernel multiplies by the fp32 rounding of this
         1.0 / v_scale,
         q.stride(0),
@@ -171,6 +220,7 @@ def _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k
         BLOCK_HALF=next_pow2(half),
         PAGE=k_cache.shape[1],
         FP8=k_cache.dtype == torch.float8_e4m3fn,
+        NORM=q_norm is not None,
         **pdl_launch(q),
         num_warps=4,
     )
@@ -188,12 +238,21 @@ def rotary_kv_write(
     impl: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place (neox RoPE at positions (T,)), then write k and
+    """With q_norm / k_norm (D,) weights (both or neither), first RMS-normalize each head of q and k in place (eps),
+    then: rotate q (T, Hq, D) and k (T, Hkv, D) in place (neox RoPE at positions (T,)), then write k and
     v (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,) (< 0: skipped).
     An fp8 (e4m3) cache stores k / k_scale and v / v_scale, clamped to +-448 (the scales are ignored
-    otherwise). Equal to `rotary_embedding` then `write_kv` with the same impl, bit for bit; the head dim
-    must be contiguous in every tensor."""
+    otherwise). Equal to (`rms_norm` per head,) `rotary_embedding` then `write_kv` with the same impl, bit for bit
+    (but the norm's mean of squares: see the module's docstring); the head dim must be contiguous in every tensor."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rotary_kv_write: q_norm and k_norm come together")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (q.shape[-1],) or w.stride(0) != 1):
+            raise ValueError(f"rotary_kv_write: {name} must be a contiguous ({q.shape[-1]},), got {tuple(w.shape)}")
     _check_write(k, v, k_cache, v_cache, slot_mapping)
     for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
@@ -208,6 +267,8 @@ def rotary_kv_write(
             f"got {tuple(cos_sin_cache.shape)}"
         )
     if use_triton(impl, q, "rotary_kv_write"):
-        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale)
+        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, q_norm, k_norm, eps)
     else:
-        rotary_kv_write_ref(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale)
+        rotary_kv_write_ref(
+            positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, q_norm, k_norm, eps
+        )

@@ -163,3 +163,30 @@ def test_fp8_cache_fused_rotary_write_equals_the_unfused_ops(device, k_scale, v_
             else:  # the C++ CPU rotary and the torch attention round apart from the kernel references
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert int((kv[:, 1, 0].float() != 7.0).any(-1).any(-1).sum()) == 17  # every new token's key slot written
+
+
+def test_qwen3_qk_norms_taken_into_the_fused_write():
+    """rope_write_attend_fused with Qwen3's q/k norms (CPU: the kernels' references) equals the unfused layer's
+    ops: the norm modules, rotary_embedding, attention_forward, over a prompt step and a decode step."""
+    from splitserve.engine.models.llama import RMSNorm
+
+    heads, kv_heads, dim, bs = 4, 2, 32, 4
+    gen = torch.Generator().manual_seed(4)
+    q_norm, k_norm = RMSNorm(dim, 1e-6, torch.float32, "cpu"), RMSNorm(dim, 1e-6, torch.float32, "cpu")
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+        k_norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    kv = torch.zeros(8, 2, 2, bs, kv_heads, dim)
+    want_kv = kv.clone()
+    cos_sin = build_cos_sin_cache(dim, 64, 10000.0, None, torch.float32)
+    for specs in ([SeqSpec(0, 6, (3, 1))], [SeqSpec(6, 1, (3, 1))]):
+        meta, positions = build_meta(specs, bs, "cpu"), step_positions(specs, "cpu")
+        q, k, v = (torch.randn(positions.shape[0], h, dim, generator=gen) * 3 for h in (heads, kv_heads, kv_heads))
+        want_q, want_k = q_norm(q), k_norm(k)
+        args = (v, cos_sin, kv[:, 1, 0], kv[:, 1, 1], meta, dim**-0.5)
+        out = fused_ops.rope_write_attend_fused(positions, q, k, *args, qk_norm=(q_norm, k_norm))
+        rotary_embedding(positions, want_q, want_k, cos_sin)
+        want = attention_forward(want_q, want_k, v, want_kv[:, 1, 0], want_kv[:, 1, 1], meta, dim**-0.5)
+        for got, expected in ((q, want_q), (k, want_k), (out, want), (kv, want_kv)):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert int((kv[:, 1, 0] != 0).any(-1).any(-1).sum()) == 7  # the seven tokens' key slots written

@@ -122,13 +122,16 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = layer_kv(kv_cache, self.layer_idx)
         scales = (self.k_scale, self.v_scale)
-        if fused:
-            out = rope_write_attend(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale, *scales)
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        if fused:  # the norms (Qwen3), rotary and the KV write in one launch where it applies
+            out = rope_write_attend(
+                positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale, *scales, qk_norm
+            )
             return plain_linear(self.o_proj, out.reshape(num_tokens, self.num_heads * self.head_dim))  # (T, H)
+        if qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         rotary_embedding(positions, q, k, cos_sin_cache)
         out = attention_forward(q, k, v, k_cache, v_cache, meta, self.scale, *scales)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # (T, H)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from splitserve.kernels.kv_write import write_kv
+from splitserve.kernels.rmsnorm import rms_norm
 from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from splitserve.kernels.rotary_kv_write import rotary_kv_write
 
@@ -98,3 +99,56 @@ def test_fp8_cache_bytes_equal_rotary_then_write(
     untouched = torch.cat([kv[:, 0].flatten(), kv[:, 1].transpose(0, 1)[:, ~written.to(device)].flatten()])
     assert bool((untouched.float() == 7.0).all()), "a padding row or another slot was written"
     assert bool((kv[:, 1].float().abs() <= 448).all()) and float(kv[:, 1].float().abs().max()) == 448.0
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, FP8])
+def test_qk_norms_then_rotary_then_write(device, impl, dtype, cache_dtype):
+    """Qwen3's per-head q/k RMSNorm taken in: equal to rms_norm over each head, then rotary_embedding and write_kv in
+    the same impl (every norm weight distinct, so a head normalized with the other's weight shows). The references
+    bit for bit; the kernel's mean of squares adds two halves' sums, so a 16-bit head may round a last bit apart
+    before the rotation mixes it (within 2 ulps after it), and an e4m3 byte fed by it with it."""
+    heads, kv_heads, dim, bs = 4, 2, 32, 4
+    args = _inputs(device, dtype, 9, heads, kv_heads, dim, bs, cache_dtype)
+    qkv, q, k, v, kv, k_cache, v_cache, slots, positions, cache = args
+    gen = torch.Generator().manual_seed(2)
+    q_w, k_w = (torch.rand(dim, generator=gen).add(0.5).to(dtype).to(device) for _ in range(2))
+    want_qkv, want_kv = qkv.clone(), kv.clone()
+    wq = want_qkv[:, : heads * dim].view(q.shape)
+    wk = want_qkv[:, heads * dim : (heads + kv_heads) * dim].view(k.shape)
+    wv = want_qkv[:, (heads + kv_heads) * dim :].view(v.shape)
+    wq.copy_(rms_norm(wq, q_w, 1e-6, impl=impl))
+    wk.copy_(rms_norm(wk, k_w, 1e-6, impl=impl))
+    rotary_embedding(positions, wq, wk, cache, impl=impl)
+    write_kv(wk, wv, want_kv[:, 1, 0], want_kv[:, 1, 1], slots, impl=impl, k_scale=0.5, v_scale=2.0)
+
+    rotary_kv_write(
+        positions, q, k, v, k_cache, v_cache, slots, cache, impl=impl, k_scale=0.5, v_scale=2.0, q_norm=q_w,
+        k_norm=k_w, eps=1e-6,
+    )  # fmt: skip
+
+    differ = int((_bits(kv) != _bits(want_kv)).sum())
+    if impl == "ref":
+        assert torch.equal(_bits(qkv), _bits(want_qkv)) and differ == 0
+        return
+    if dtype == torch.float32:
+        torch.testing.assert_close(qkv, want_qkv, atol=1e-5, rtol=1e-5)
+    else:  # 2 bf16 ulps of the larger of the two values the rotation mixed
+        bound = 2 * 2.0 ** (torch.floor(torch.log2(want_qkv.float().abs().view(9, -1, dim).amax(-1, True))) - 7)
+        err = (qkv.float() - want_qkv.float()).abs().view(9, -1, dim)
+        assert bool((err <= bound).all()), f"max error {err.max():.3g}"
+    assert (qkv[:, (heads + kv_heads) * dim :] == want_qkv[:, (heads + kv_heads) * dim :]).all()  # v untouched
+    if cache_dtype is None:
+        torch.testing.assert_close(kv, want_kv, atol=1e-5 if dtype == torch.float32 else 0.07, rtol=1e-5)
+    else:  # of the 9 x 2 x 32 key bytes written, only those whose bf16 key rounded apart
+        assert differ <= (1 if dtype == torch.float32 else 20), f"{differ} cache bytes differ"
+
+
+def test_norms_come_together_and_fit_the_head_dim(device):
+    qkv, q, k, v, kv, k_cache, v_cache, slots, positions, cache = _inputs(device, torch.float32, 4, 2, 1, 16, 4)
+    w = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="rotary_kv_write: q_norm and k_norm come together"):
+        rotary_kv_write(positions, q, k, v, k_cache, v_cache, slots, cache, q_norm=w)
+    with pytest.raises(ValueError, match=r"rotary_kv_write: k_norm must be a contiguous \(16,\), got \(8,\)"):
+        rotary_kv_write(positions, q, k, v, k_cache, v_cache, slots, cache, q_norm=w, k_norm=w[:8])
