@@ -19,7 +19,8 @@ sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tile
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
 `splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
-`splitserve:fp8kv+s1` (the mma kernel on one sequence a program at every batch),
+`splitserve:fp8kv+s1` (the mma kernel on one sequence a program at every batch), `splitserve:lf` /
+`splitserve:fp8kv+lf` (decode steps' rows longest first),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
@@ -85,6 +86,9 @@ VARIANTS = {
     "fp8w8a16+rows": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "fp8_mma": False},
     # fp8 KV with the mma kernel taking one sequence a program at every batch (fp8_mma.choose_seqs off)
     "fp8kv+s1": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 1}},
+    # decode-only steps' rows longest first (engine.model_runner.ModelRunner.LONGEST_FIRST), bf16 / fp8 KV
+    "lf": {"longest_first": True},
+    "fp8kv+lf": {"kv_cache_dtype": "fp8", "longest_first": True},
     # fp8swept with the one-row SiLU-mul fused into the down projection (quant.SILU_FUSED_MAX_ROWS 1; off by default)
     "fp8swept+silu": {
         "quantization": "fp8",
@@ -113,15 +117,15 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "pdl" and
-    "silu_fused_max_rows" from
+    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "longest_first",
+    "pdl" and "silu_fused_max_rows" from
     `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
     call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection),
     "own_tiles" W8A16_TILES to {} (the kernel's own tiles),
     "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
     kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel), "fp8_mma_options"
-    overrides keys of its DEFAULT_OPTIONS, and
+    overrides keys of its DEFAULT_OPTIONS, "longest_first" sets engine.model_runner.ModelRunner.LONGEST_FIRST, and
     "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
@@ -145,6 +149,10 @@ def measured_tiles(options: dict, tiles_json: str):
         from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 
         tables.append((fp8_mma, "DEFAULT_OPTIONS", dict(fp8_mma.DEFAULT_OPTIONS, **options.pop("fp8_mma_options"))))
+    if "longest_first" in options:
+        from splitserve.engine.model_runner import ModelRunner
+
+        tables.append((ModelRunner, "LONGEST_FIRST", options.pop("longest_first")))
     if "pdl" in options:
         from splitserve.kernels import pdl
 

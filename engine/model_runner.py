@@ -129,6 +129,10 @@ def sampling_row(request: Request) -> SamplingRow:
 class ModelRunner:
     """Owns the model, the KV cache tensor and the device buffers of one worker."""
 
+    # a decode-only step's rows in order of context length, longest first: the decode attention's programs start
+    # in row order, so the longest start first and the short fill in behind them (bench/fp8_attention.py --mixed)
+    LONGEST_FIRST = False
+
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -178,7 +182,10 @@ class ModelRunner:
         pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
         pending_src: list[int] = []  # ... and its row in the latest launch's sampled tokens
         wanted: list[PromptRows] = []
-        for s in out.scheduled:
+        scheduled = out.scheduled
+        if self.LONGEST_FIRST and all(s.num_new_tokens == 1 for s in scheduled):
+            scheduled = sorted(scheduled, key=lambda s: -s.num_computed_tokens)
+        for s in scheduled:
             request = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             blocks = block_tables[request.request_id]

@@ -245,3 +245,36 @@ def test_scheduler_frees_a_lagged_finish_only_when_the_step_in_flight_is_read():
 def test_async_scheduling_is_off_by_default_on_cpu_and_the_flag_turns_it_on(model_dir):
     assert make_llm(model_dir, None).engine.async_scheduling is False
     assert make_llm(model_dir, True).engine.async_scheduling is True
+
+
+def test_decode_rows_longest_first_keep_every_output(model_dir, monkeypatch):
+    """ModelRunner.LONGEST_FIRST: a decode-only step's rows go to the device longest context first (the decode
+    attention starts its programs in row order); every output is the default order's, sync and async."""
+    from splitserve.engine.model_runner import ModelRunner
+
+    prompts = make_prompts(n=12)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=5 + i % 4, ignore_eos=True)
+        for i in range(12)
+    ]
+    base = make_llm(model_dir, False).generate(prompt_token_ids=prompts, sampling_params=params)
+    monkeypatch.setattr(ModelRunner, "LONGEST_FIRST", True)
+    steps = []  # per decode-only step of several rows: (scheduled order's lengths, the rows' lengths)
+    for lagged in (False, True):
+        llm = make_llm(model_dir, lagged)
+        prepare = llm.engine.runner.prepare_inputs
+
+        def recorded(out, tables, prepare=prepare):
+            inputs = prepare(out, tables)
+            if len(out.scheduled) > 1 and all(s.num_new_tokens == 1 for s in out.scheduled):
+                steps.append(([s.num_computed_tokens + 1 for s in out.scheduled], inputs.meta.seq_lens_cpu))
+            return inputs
+
+        llm.engine.runner.prepare_inputs = recorded
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert summary(outs) == summary(base, expected=True), f"async {lagged}"
+        assert llm.engine.num_free_blocks == llm.engine.pool.num_blocks
+    assert steps and all(rows == sorted(scheduled, reverse=True) for scheduled, rows in steps)
+    assert any(scheduled != rows for scheduled, rows in steps), "no step was out of order: the test shows nothing"
