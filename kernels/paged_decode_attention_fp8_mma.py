@@ -44,6 +44,7 @@ import logging
 import torch
 
 from splitserve.kernels._common import num_sms
+from splitserve.kernels.pdl import pdl_launch
 
 log = logging.getLogger("splitserve.kernels.fp8_mma")
 
@@ -312,6 +313,12 @@ splitserve_fp8_decode(
     int stride_vb, int stride_vt, int stride_vh, int stride_btb, int stride_ob, int stride_oh, double qk_scale_d) {
   __shared__ float sm_ml[WARPS][2][8];
   __shared__ float sm_acc[WARPS][8][HEAD_DIM];
+#if PDL
+  // programmatic dependent launch (kernels/pdl.py): wait for the kernel before (q, the new token's K and V), then
+  // let the one after be scheduled
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   const int split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -553,9 +560,9 @@ def choose_warps(units: int, sm_count: int) -> int:
 
 
 @functools.cache
-def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: tuple):
-    defines = dict(HEAD_DIM=head_dim, GROUP=group, Q_BF16=int(q_bf16), SMALL_PAGE=int(small_page), **dict(options))
-    source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
+def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, pdl: bool, options: tuple):
+    defines = dict(HEAD_DIM=head_dim, GROUP=group, Q_BF16=int(q_bf16), SMALL_PAGE=int(small_page), PDL=int(pdl))
+    source = "".join(f"#define {k} {v}\n" for k, v in {**defines, **dict(options)}.items()) + SOURCE
     global FAILED
     try:
         kernel = torch.cuda._compile_kernel(source, "splitserve_fp8_decode")
@@ -563,23 +570,49 @@ def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, options: 
         FAILED = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         log.warning("the fp8 mma decode attention could not be compiled (%s); using the Triton kernel", FAILED)
         raise CompileError(f"paged_decode_attention_fp8_mma: NVRTC failed: {FAILED}") from exc
-    return _Launcher(kernel, num_pointers=8, num_ints=15)
+    return _Launcher(kernel, num_pointers=8, num_ints=15, pdl=pdl)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union at offset 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class _Launcher:
     """cuLaunchKernel through ctypes with the argument slots built once: each launch writes the new values into
-    them (torch's own launcher rebuilds every argument per call: tens of microseconds a launch in Python)."""
+    them (torch's own launcher rebuilds every argument per call: tens of microseconds a launch in Python). With
+    `pdl`, cuLaunchKernelEx with programmatic stream serialization allowed (the kernel was built with PDL 1)."""
 
-    def __init__(self, kernel, num_pointers: int, num_ints: int) -> None:
+    def __init__(self, kernel, num_pointers: int, num_ints: int, pdl: bool = False) -> None:
         from torch.cuda._utils import _get_gpu_runtime_library
 
+        driver = _get_gpu_runtime_library()
         self.func = kernel.func
-        self.launch = _get_gpu_runtime_library().cuLaunchKernel
+        self.launch = driver.cuLaunchKernel
         self.pointers = [ctypes.c_void_p() for _ in range(num_pointers)]
         self.ints = [ctypes.c_int() for _ in range(num_ints)]
         self.double = ctypes.c_double()
         slots = [*self.pointers, *self.ints, self.double]
         self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
+        self.pdl = pdl
+        if pdl:
+            self.launch_ex = driver.cuLaunchKernelEx
+            self.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self.attr.value[0] = 1
+            self.config = _LaunchConfig(attrs=ctypes.pointer(self.attr), num_attrs=1)
 
     def __call__(self, grid, block, pointers, ints, double) -> None:
         for slot, value in zip(self.pointers, pointers):
@@ -588,7 +621,14 @@ class _Launcher:
             slot.value = value
         self.double.value = double
         stream = torch.cuda.current_stream().cuda_stream
-        result = self.launch(self.func, *grid, *block, 0, ctypes.c_void_p(stream), self.args, None)
+        if self.pdl:
+            config = self.config
+            config.grid[:] = grid
+            config.block[:] = block
+            config.stream = stream
+            result = self.launch_ex(ctypes.byref(config), self.func, self.args, None)
+        else:
+            result = self.launch(self.func, *grid, *block, 0, ctypes.c_void_p(stream), self.args, None)
         if result != 0:
             raise RuntimeError(f"paged_decode_attention_fp8_mma: cuLaunchKernel failed with CUDA error {result}")
 
@@ -611,8 +651,9 @@ def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
     if opts["TILE"] not in (16, 32):
         raise ValueError(f"paged_decode_attention: VARIANT 'mma' takes TILE 16 or 32, got {opts['TILE']}")
     # pages no longer than a tile: a token's slot is fixed by its place in the tile (tiles start at multiples of it)
+    pdl = pdl_launch(q)["PDL"]  # programmatic dependent launch where the Triton kernels use it (capability 9.0+)
     kernel = _kernel(
-        head_dim, group, q.dtype == torch.bfloat16, block_size <= opts["TILE"], tuple(sorted(opts.items()))
+        head_dim, group, q.dtype == torch.bfloat16, block_size <= opts["TILE"], pdl, tuple(sorted(opts.items()))
     )
     kernel(
         (num_kv_heads // opts["HEADS"], -(-batch // opts["SEQS"]), num_splits),

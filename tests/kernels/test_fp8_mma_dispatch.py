@@ -3,6 +3,7 @@
 kernel once the (sequence, KV head, split) programs are at least the SMs (`fp8_mma.pays`), the Triton rows variant
 below (at the 8B step's batch 1 it was 0.04 ms a step faster, docs/perf.md) and whenever a config is given."""
 
+import ctypes
 import importlib
 
 import pytest
@@ -85,6 +86,7 @@ def test_the_launch_grid(monkeypatch, num_seqs, num_splits, config, grid, warps,
     table, lens = torch.zeros(num_seqs, 1, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.int32)
     fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, num_splits, dict(VARIANT="mma", **config))
     ((key, (got_grid, block, _, ints, _)),) = got
+    assert key[4] is False  # PDL: not for CPU tensors (pdl_launch)
     options = dict(key[-1])
     assert (got_grid, block, options["WARPS"], options["SEQS"]) == (grid, (32 * warps, 1, 1), warps, seqs)
     assert ints[:4] == [num_splits, 4, 32, num_seqs]  # splits, log2 of the page, query heads, sequences
@@ -127,7 +129,7 @@ def test_a_kernel_nvrtc_cannot_build_falls_back_to_triton_once(launches, monkeyp
 
     monkeypatch.setattr(fp8_mma, "FAILED", None)
     monkeypatch.setattr(torch.cuda, "_compile_kernel", no_nvrtc, raising=False)
-    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: fp8_mma._kernel(128, 4, True, True, (("T", 1),)))
+    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: fp8_mma._kernel(128, 4, True, True, False, (("T", 1),)))
     monkeypatch.setattr(fp8_mma, "runs", RUNS)  # itself, over the fixture's available() and supports()
     _attend(64, 1)
     _attend(64, 1)
@@ -135,3 +137,27 @@ def test_a_kernel_nvrtc_cannot_build_falls_back_to_triton_once(launches, monkeyp
     assert fp8_mma.FAILED == "RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE"
     with pytest.raises(fp8_mma.CompileError, match="NVRTC failed: RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN"):
         _attend(64, 1, config=dict(VARIANT="mma"))
+
+
+def test_the_pdl_launch_config_has_the_drivers_layout():
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out on 64-bit hosts: the
+    attribute's value union at byte 8 of 72, the config's stream at 32, attributes at 40, their count at 48."""
+    attr, config = fp8_mma._LaunchAttribute, fp8_mma._LaunchConfig
+    assert (ctypes.sizeof(attr), attr.value.offset) == (72, 8)
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset, ctypes.sizeof(config)) == (
+        32,
+        40,
+        48,
+        56,
+    )
+
+
+def test_a_pdl_device_builds_and_launches_the_pdl_kernel(monkeypatch):
+    got = []
+    monkeypatch.setattr(fp8_mma, "num_sms", lambda index: 132)
+    monkeypatch.setattr(fp8_mma, "pdl_launch", lambda t: {"PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(fp8_mma, "_kernel", lambda *key: lambda *args: got.append(key))
+    q, cache = torch.zeros(2, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 16, 8, 128, dtype=FP8)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, 1, dict(VARIANT="mma"))
+    assert got[0][4] is True
