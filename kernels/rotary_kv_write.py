@@ -267,7 +267,8 @@ def rotary_kv_write(
             f"got {tuple(cos_sin_cache.shape)}"
         )
     if use_triton(impl, q, "rotary_kv_write"):
-        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, q_norm, k_norm, eps)
+        norms = (q_norm, k_norm, eps)
+        _launch(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, *norms)
     else:
         rotary_kv_write_ref(
             positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, k_scale, v_scale, q_norm, k_norm, eps

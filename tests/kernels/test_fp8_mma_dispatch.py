@@ -129,7 +129,8 @@ def test_a_kernel_nvrtc_cannot_build_falls_back_to_triton_once(launches, monkeyp
 
     monkeypatch.setattr(fp8_mma, "FAILED", None)
     monkeypatch.setattr(torch.cuda, "_compile_kernel", no_nvrtc, raising=False)
-    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: fp8_mma._kernel(128, 4, True, True, False, (("T", 1),)))
+    build = lambda *args: fp8_mma._kernel(128, 4, True, True, False, (("T", 1),))  # noqa: E731
+    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", build)
     monkeypatch.setattr(fp8_mma, "runs", RUNS)  # itself, over the fixture's available() and supports()
     _attend(64, 1)
     _attend(64, 1)
