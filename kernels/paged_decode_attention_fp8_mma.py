@@ -607,9 +607,9 @@ class _Launcher:
         self.double = ctypes.c_double()
         slots = [*self.pointers, *self.ints, self.double]
         self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
-        self.pdl = pdl
-        if pdl:
-            self.launch_ex = driver.cuLaunchKernelEx
+        self.launch_ex = getattr(driver, "cuLaunchKernelEx", None)  # CUDA 12+ drivers
+        self.pdl = pdl and self.launch_ex is not None  # without: griddepcontrol.wait returns at once
+        if self.pdl:
             self.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
             self.attr.value[0] = 1
             self.config = _LaunchConfig(attrs=ctypes.pointer(self.attr), num_attrs=1)
@@ -621,13 +621,17 @@ class _Launcher:
             slot.value = value
         self.double.value = double
         stream = torch.cuda.current_stream().cuda_stream
+        result = None
         if self.pdl:
             config = self.config
             config.grid[:] = grid
             config.block[:] = block
             config.stream = stream
             result = self.launch_ex(ctypes.byref(config), self.func, self.args, None)
-        else:
+            if result != 0:  # a driver that takes no PDL launch: plain launches from now on (the wait is a no-op)
+                log.warning("cuLaunchKernelEx with PDL failed (CUDA error %s); launching without PDL", result)
+                self.pdl = False
+        if not self.pdl:
             result = self.launch(self.func, *grid, *block, 0, ctypes.c_void_p(stream), self.args, None)
         if result != 0:
             raise RuntimeError(f"paged_decode_attention_fp8_mma: cuLaunchKernel failed with CUDA error {result}")
