@@ -19,8 +19,8 @@ sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tile
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
 `splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
-`splitserve:fp8kv+s1` (the mma kernel on one sequence a program at every batch), `splitserve:lf` /
-`splitserve:fp8kv+lf` (decode steps' rows longest first),
+`splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:sched` /
+`splitserve:fp8kv+sched` (decode steps' rows in the scheduler's order, not longest first),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
@@ -84,11 +84,12 @@ VARIANTS = {
     # fp8 KV / fp8w8a16 with the Triton "rows" decode attention instead of the mma kernel (fp8_mma.ENABLED False)
     "fp8kv+rows": {"kv_cache_dtype": "fp8", "fp8_mma": False},
     "fp8w8a16+rows": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "fp8_mma": False},
-    # fp8 KV with the mma kernel taking one sequence a program at every batch (fp8_mma.choose_seqs off)
-    "fp8kv+s1": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 1}},
-    # decode-only steps' rows longest first (engine.model_runner.ModelRunner.LONGEST_FIRST), bf16 / fp8 KV
-    "lf": {"longest_first": True},
-    "fp8kv+lf": {"kv_cache_dtype": "fp8", "longest_first": True},
+    # fp8 KV with the mma kernel taking two sequences a program (its SEQS option; one by default)
+    "fp8kv+s2": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 2}},
+    # decode-only steps' rows in the scheduler's order (engine.model_runner.ModelRunner.LONGEST_FIRST off; on by
+    # default), bf16 / fp8 KV
+    "sched": {"longest_first": False},
+    "fp8kv+sched": {"kv_cache_dtype": "fp8", "longest_first": False},
     # fp8swept with the one-row SiLU-mul fused into the down projection (quant.SILU_FUSED_MAX_ROWS 1; off by default)
     "fp8swept+silu": {
         "quantization": "fp8",

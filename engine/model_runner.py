@@ -130,8 +130,10 @@ class ModelRunner:
     """Owns the model, the KV cache tensor and the device buffers of one worker."""
 
     # a decode-only step's rows in order of context length, longest first: the decode attention's programs start
-    # in row order, so the longest start first and the short fill in behind them (bench/fp8_attention.py --mixed)
-    LONGEST_FIRST = False
+    # in row order, so the longest start first and the short fill in behind them. One H200 (docs/perf.md, thirteenth
+    # session): the fp8 attention at 256 sequences of U[64, 512] tokens 60% -> 72% of the copy rate
+    # (bench/fp8_attention.py --mixed), the nano-vllm workload 4.24 -> 4.09 s with fp8 KV, 5.76 -> 5.59 s in bf16
+    LONGEST_FIRST = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
         self.model = model

@@ -345,7 +345,11 @@ def paged_decode_attention_triton(
             why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
             if why:
                 raise ValueError(f"paged_decode_attention: VARIANT 'mma' cannot run: {why}")
-    elif not on_cpu and fp8_mma.runs(*mma_operands) and fp8_mma.pays(batch * num_kv_heads * num_splits, sms):
+    elif (
+        not on_cpu
+        and fp8_mma.runs(*mma_operands)
+        and fp8_mma.pays(batch * num_kv_heads * num_splits, sms, block_tables.shape[1] * block_size // num_splits)
+    ):
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
     else:
         cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache)

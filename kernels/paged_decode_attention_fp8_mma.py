@@ -462,7 +462,8 @@ splitserve_fp8_decode(
 # registers to fit them), AHEAD (load the warp's next tile into the registers this one frees: K after the scores, V
 # after the values' dots), TILE (tokens a warp takes at a time: 16 or 32). An L2 prefetch of each warp's next tile
 # (PF) was measured slower (docs/perf.md, twelfth session) and removed.
-DEFAULT_OPTIONS = dict(WARPS=0, HEADS=1, SEQS=0, MIN_BLOCKS=1, AHEAD=1, TILE=32)  # 0: choose_warps / choose_seqs
+# HEADS / SEQS 2 were no faster at any shape measured, in the bench or the engine (docs/perf.md, thirteenth session)
+DEFAULT_OPTIONS = dict(WARPS=0, HEADS=1, SEQS=1, MIN_BLOCKS=1, AHEAD=1, TILE=32)  # WARPS 0: choose_warps
 HEAD_DIMS = (64, 128)  # 256: its tile's registers spill (ptxas: 255 and local memory)
 MAX_GROUP = 8
 
@@ -533,20 +534,17 @@ def runs(q, k_cache, v_cache, out=None, block_tables=None, seq_lens=None) -> boo
     )
 
 
-def pays(units: int, sm_count: int) -> bool:
-    """Whether `units` (sequence, KV head, split) programs are enough work for this kernel to beat the Triton rows
-    variant: at least one per SM. One H200 (docs/perf.md): at 512-2,048 units 1.3-1.5x faster; at 16 (the 8B step
-    at batch 1, 544 tokens: 2 tiles a warp, too few to hide its loads) 0.04 ms a step slower."""
-    return units >= sm_count
+MIN_TOKENS_PER_SPLIT = 512  # pays(): below, a program's start is too large a share of its work
 
 
-def choose_seqs(units: int, sm_count: int) -> int:
-    """Sequences a program takes in turn: 2 when there are more than 12 (sequence, KV head, split) units an SM.
-    One-warp programs at ~200 registers fit 9 an SM: 2,048 units (256 x 512) fill 1.7 waves of them, and the second
-    wave's programs start whenever a slot frees, so a sequence's KV heads, whose 128-byte rows of a token lie side
-    by side, are no longer read together. Two sequences a program: one wave, every KV head of a sequence read at
-    once (two KV heads a program, read one after the other, were no faster: docs/perf.md)."""
-    return 2 if units > 12 * sm_count else 1
+def pays(units: int, sm_count: int, tokens_per_split: int) -> bool:
+    """Whether `units` (sequence, KV head, split) programs of at most `tokens_per_split` tokens each (the block
+    table's width over the splits: in a CUDA graph the graph's width, not the batch's lengths) are work enough for
+    this kernel to beat the Triton rows variant: one program an SM at least, and at least MIN_TOKENS_PER_SPLIT
+    tokens a split. One H200 (docs/perf.md): at 512-2,048 programs of 512-2,048 tokens 1.4-1.5x faster; the 8B
+    step at batch 1 (an 8,192-token graph table in 32 splits: 256 programs of at most 256 tokens, 17 used)
+    2.81-2.84 ms a step against rows' 2.78-2.80, with or without programmatic dependent launch."""
+    return units >= sm_count and tokens_per_split >= MIN_TOKENS_PER_SPLIT
 
 
 def choose_warps(units: int, sm_count: int) -> int:
@@ -647,8 +645,8 @@ def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
     sms = num_sms(q.device.index or 0)
     if opts["HEADS"] < 1 or num_kv_heads % opts["HEADS"]:
         raise ValueError(f"paged_decode_attention: VARIANT 'mma' HEADS {opts['HEADS']} does not divide {num_kv_heads}")
-    if opts["SEQS"] == 0:
-        opts["SEQS"] = choose_seqs(batch * num_kv_heads * num_splits, sms)
+    if opts["SEQS"] < 1:
+        raise ValueError(f"paged_decode_attention: VARIANT 'mma' SEQS must be at least 1, got {opts['SEQS']}")
     if opts["WARPS"] == 0:
         opts["WARPS"] = choose_warps(batch * num_kv_heads * num_splits, sms)
     group = num_q_heads // num_kv_heads

@@ -248,9 +248,12 @@ def test_async_scheduling_is_off_by_default_on_cpu_and_the_flag_turns_it_on(mode
 
 
 def test_decode_rows_longest_first_keep_every_output(model_dir, monkeypatch):
-    """ModelRunner.LONGEST_FIRST: a decode-only step's rows go to the device longest context first (the decode
-    attention starts its programs in row order); every output is the default order's, sync and async."""
+    """ModelRunner.LONGEST_FIRST (the default): a decode-only step's rows go to the device longest context first
+    (the decode attention starts its programs in row order); every output is the scheduled order's, sync and
+    async."""
     from splitserve.engine.model_runner import ModelRunner
+
+    assert ModelRunner.LONGEST_FIRST
 
     prompts = make_prompts(n=12)
     params = [
@@ -259,6 +262,7 @@ def test_decode_rows_longest_first_keep_every_output(model_dir, monkeypatch):
         else SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=5 + i % 4, ignore_eos=True)
         for i in range(12)
     ]
+    monkeypatch.setattr(ModelRunner, "LONGEST_FIRST", False)
     base = make_llm(model_dir, False).generate(prompt_token_ids=prompts, sampling_params=params)
     monkeypatch.setattr(ModelRunner, "LONGEST_FIRST", True)
     steps = []  # per decode-only step of several rows: (scheduled order's lengths, the rows' lengths)

@@ -142,22 +142,23 @@ def test_what_it_cannot_run_is_named():
         )
 
 
-def test_an_fp8_cache_on_this_gpu_defaults_to_it_given_one_program_an_sm():
+def test_an_fp8_cache_on_this_gpu_defaults_to_it_given_one_program_an_sm_of_512_tokens():
     """No config: the mma kernel (its output bit for bit) once (sequence, KV head, split) programs are at least the
-    SMs; below, the Triton rows variant (other sums' order: different bits)."""
+    SMs and each covers 512 tokens of the table; else the Triton rows variant (other sums' order: other bits)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = dict(VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2)
     gen = torch.Generator().manual_seed(1)
-    for num_seqs, picked in ((-(-sms // 8), "mma"), (2, "rows")):  # 8 KV heads, 64-token contexts: one split
-        paged = PagedKv([64] * num_seqs, 8, 128, 16, FP8, DEVICE, seed=9)
+    many = -(-sms // 8)  # 8 KV heads: programs enough at one split
+    for num_seqs, tokens, picked in ((many, 512, "mma"), (2, 512, "rows"), (many, 256, "rows")):
+        paged = PagedKv([tokens] * num_seqs, 8, 128, 16, FP8, DEVICE, seed=9)
         q = torch.randn(num_seqs, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
         args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.09)
         default = paged_decode_attention_triton(*args, num_splits=1)
         mma = paged_decode_attention_triton(*args, num_splits=1, config=dict(VARIANT="mma"))
         by_rows = paged_decode_attention_triton(*args, num_splits=1, config=rows)
         assert not torch.equal(mma, by_rows), "the two kernels gave the same bits: the test cannot tell them apart"
-        assert torch.equal(default, mma if picked == "mma" else by_rows), f"{num_seqs} sequences: not {picked}"
-    assert fp8_mma.pays(132, 132) and not fp8_mma.pays(16, 132)
+        assert torch.equal(default, mma if picked == "mma" else by_rows), f"{num_seqs} x {tokens}: not {picked}"
+    assert fp8_mma.pays(132, 132, 512) and not fp8_mma.pays(16, 132, 512) and not fp8_mma.pays(256, 132, 256)
     assert fp8_mma.choose_warps(2048, 132) == 1 and fp8_mma.choose_warps(512, 132) == 2
     assert fp8_mma.choose_warps(132, 132) == 4
 

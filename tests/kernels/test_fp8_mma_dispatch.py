@@ -1,7 +1,8 @@
 """Which kernel paged_decode_attention picks for an e4m3 cache on a GPU where the mma kernel runs
 (kernels/paged_decode_attention_fp8_mma.py), checked on any machine: the launches are recorded, not run. The mma
-kernel once the (sequence, KV head, split) programs are at least the SMs (`fp8_mma.pays`), the Triton rows variant
-below (at the 8B step's batch 1 it was 0.04 ms a step faster, docs/perf.md) and whenever a config is given."""
+kernel once the (sequence, KV head, split) programs are at least the SMs and each covers at least 512 tokens of the
+block table (`fp8_mma.pays`), the Triton rows variant otherwise (at the 8B step's batch 1 it was 0.03-0.04 ms a
+step faster, docs/perf.md) and whenever a config is given."""
 
 import ctypes
 import importlib
@@ -31,19 +32,39 @@ def launches(monkeypatch):
     return got
 
 
-def _attend(num_seqs: int, num_splits: int, config=None):
+class _NoMerge:
+    """Stands in for the merge kernel of a split launch (recorded launches write no partials)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _attend(num_seqs: int, num_splits: int, config=None, width: int = 32, monkeypatch=None):
+    """One decode attention over an e4m3 cache of 8 KV heads, pages of 16 tokens, tables `width` blocks wide."""
     q = torch.zeros(num_seqs, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(4, 16, 8, 128, dtype=FP8)
-    table = torch.zeros(num_seqs, 1, dtype=torch.int32)
+    table = torch.zeros(num_seqs, width, dtype=torch.int32)
     seq_lens = torch.ones(num_seqs, dtype=torch.int32)
-    out = torch.zeros_like(q)  # a split launch's merge would run: one split only
+    out = torch.zeros_like(q)
+    if num_splits > 1:
+        monkeypatch.setattr(pda, "_merge_splits_kernel", _NoMerge())
     return pda.paged_decode_attention_triton(q, cache, cache, table, seq_lens, 0.1, out, num_splits, config)
 
 
-@pytest.mark.parametrize(("num_seqs", "num_splits", "kernel"), [(17, 1, "mma"), (16, 1, "rows"), (1, 1, "rows")])
-def test_the_mma_kernel_from_one_program_an_sm(launches, num_seqs, num_splits, kernel):
-    _attend(num_seqs, num_splits)  # 8 KV heads: 17 sequences are 136 programs, 16 are 128
-    assert [name for name, _ in launches] == [kernel], f"{num_seqs} x 8 x {num_splits} programs: {launches}"
+@pytest.mark.parametrize(
+    ("num_seqs", "num_splits", "width", "kernel"),
+    [
+        (17, 1, 32, "mma"),  # 136 programs of 512 tokens
+        (16, 1, 32, "rows"),  # 128 programs: fewer than the SMs
+        (1, 1, 32, "rows"),
+        (17, 1, 31, "rows"),  # 496 tokens a program
+        (1, 32, 512, "rows"),  # the 8B step at batch 1 in a graph: 256 programs of 256 tokens
+        (4, 16, 2048, "mma"),  # (4, 32768) in 16 splits: 512 programs of 2,048 tokens
+    ],
+)
+def test_mma_from_one_program_an_sm_of_512_tokens(launches, monkeypatch, num_seqs, num_splits, width, kernel):
+    _attend(num_seqs, num_splits, width=width, monkeypatch=monkeypatch)
+    assert [name for name, _ in launches] == [kernel], f"{num_seqs} x 8 x {num_splits} programs, {width} blocks"
     if kernel == "mma":
         assert launches[0][1] == dict(VARIANT="mma")  # its options from the work: choose_warps, AHEAD on
     else:
@@ -58,17 +79,16 @@ def test_a_given_config_is_run_as_given(launches):
 
 
 def test_pays_and_choose_warps():
-    assert fp8_mma.pays(132, 132) and not fp8_mma.pays(131, 132)
+    assert fp8_mma.pays(132, 132, 512) and not fp8_mma.pays(131, 132, 512) and not fp8_mma.pays(132, 132, 511)
     assert [fp8_mma.choose_warps(n, 132) for n in (2048, 1056, 1055, 264, 263, 16)] == [1, 1, 2, 2, 4, 4]
-    assert [fp8_mma.choose_seqs(n, 132) for n in (2048, 1585, 1584, 1024)] == [2, 2, 1, 1]
 
 
 @pytest.mark.parametrize(
     ("num_seqs", "num_splits", "config", "grid", "warps", "seqs"),
     [
-        (256, 1, {}, (8, 128, 1), 1, 2),  # 2,048 (sequence, KV head) units: two sequences a one-warp program
-        (255, 1, {}, (8, 128, 1), 1, 2),  # the last program's second sequence is past the batch
-        (128, 1, {}, (8, 128, 1), 2, 1),  # 1,024: one sequence, two warps
+        (256, 1, {}, (8, 256, 1), 1, 1),  # 2,048 (sequence, KV head) units: one a one-warp program
+        (255, 1, dict(SEQS=2), (8, 128, 1), 1, 2),  # the last program's second sequence is past the batch
+        (128, 1, {}, (8, 128, 1), 2, 1),  # 1,024: two warps a program
         (16, 4, {}, (8, 16, 4), 2, 1),  # 512 with the splits: two warps a program
         (4, 1, {}, (8, 4, 1), 4, 1),
         (256, 1, dict(HEADS=4, SEQS=1, WARPS=2), (2, 256, 1), 2, 1),  # asked for
@@ -100,6 +120,8 @@ def test_heads_that_do_not_divide_the_kv_heads_are_refused(monkeypatch):
     for heads in (3, 0):
         with pytest.raises(ValueError, match=f"VARIANT 'mma' HEADS {heads} does not divide 8"):
             fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, 1, dict(VARIANT="mma", HEADS=heads))
+    with pytest.raises(ValueError, match="VARIANT 'mma' SEQS must be at least 1, got 0"):
+        fp8_mma.launch_fp8_mma(q, cache, cache, table, lens, q, q, q, 0.1, 1, dict(VARIANT="mma", SEQS=0))
 
 
 def test_what_the_kernel_cannot_write_or_read_is_named():
