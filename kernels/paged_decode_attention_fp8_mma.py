@@ -605,7 +605,7 @@ class _Launcher:
         self.double = ctypes.c_double()
         slots = [*self.pointers, *self.ints, self.double]
         self.args = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
-        self.launch_ex = getattr(driver, "cuLaunchKernelEx", None)  # CUDA 12+ drivers
+        self.launch_ex = getattr(driver, "cuLaunchKernelEx", None)  # drivers of CUDA 11.8+
         self.pdl = pdl and self.launch_ex is not None  # without: griddepcontrol.wait returns at once
         if self.pdl:
             self.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
