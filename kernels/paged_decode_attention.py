@@ -336,8 +336,9 @@ def paged_decode_attention_triton(
         return out
     on_cpu = interpreting(q)
     sms = 4 if on_cpu else num_sms(q.device.index or 0)
+    max_context = block_tables.shape[1] * block_size  # the table's width: an upper bound on every length
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, sms)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
     mma_operands = (q, k_cache, v_cache, out, block_tables, seq_lens)
     if config is not None:
         cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
@@ -348,7 +349,7 @@ def paged_decode_attention_triton(
     elif (
         not on_cpu
         and fp8_mma.runs(*mma_operands)
-        and fp8_mma.pays(batch * num_kv_heads * num_splits, sms, block_tables.shape[1] * block_size // num_splits)
+        and fp8_mma.pays(batch * num_kv_heads * num_splits, sms, max_context // num_splits)
     ):
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
     else:
