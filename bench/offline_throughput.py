@@ -19,7 +19,8 @@ sweep picked them), `splitserve:gemv` (one-row bf16 projections on the GEMV tile
 beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measured defaults off),
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
 `splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
-`splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:sched` /
+`splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:fp8kv+e0` (its one-warp programs'
+output through the shared-memory merge), `splitserve:sched` /
 `splitserve:fp8kv+sched` (decode steps' rows in the scheduler's order, not longest first),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
@@ -86,6 +87,8 @@ VARIANTS = {
     "fp8w8a16+rows": {"quantization": "fp8", "kv_cache_dtype": "fp8", "fp8_w8a16_max_rows": 16, "fp8_mma": False},
     # fp8 KV with the mma kernel taking two sequences a program (its SEQS option; one by default)
     "fp8kv+s2": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 2}},
+    # fp8 KV with one-warp mma programs merging through shared memory (its EPI option off: on by default)
+    "fp8kv+e0": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"EPI": 0}},
     # decode-only steps' rows in the scheduler's order (engine.model_runner.ModelRunner.LONGEST_FIRST off; on by
     # default), bf16 / fp8 KV
     "sched": {"longest_first": False},

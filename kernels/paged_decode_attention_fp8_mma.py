@@ -418,6 +418,43 @@ splitserve_fp8_decode(
     }
 #endif
 
+#if EPI && WARPS == 1
+    // one warp: nothing to merge, each thread writes what it holds: dims (D / 8) g + 0 .. D / 8 - 1 of query rows
+    // 2 t + c (acc[mt][c] and acc[mt][2 + c]: dims (D / 8) g + 2 mt, + 1), their weights' sum lsum[c] and max m
+    // (row 2 t + c's, in lane 8 t + 4 c)
+    {
+      const float m_row[2] = {__shfl_sync(0xffffffffu, m, 8 * t), __shfl_sync(0xffffffffu, m, 8 * t + 4)};
+      const int d0 = (HEAD_DIM / 8) * g;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int head = kvh * GROUP + 2 * t + c;
+        if (GROUP < 8 && 2 * t + c >= GROUP) continue;
+        if (num_splits == 1) {
+          const float inv = lsum[c] > 0.f ? 1.f / lsum[c] : 0.f;
+          u32 w[MT];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            w[mt] = (u32)to_out(acc[mt][c] * inv) | ((u32)to_out(acc[mt][2 + c] * inv) << 16);
+          unsigned short* o = out + (u64)b * stride_ob + (u64)head * stride_oh + d0;
+          if (((u64)o & 15) == 0) {
+#pragma unroll
+            for (int i = 0; i < MT / 4; ++i)
+              reinterpret_cast<uint4*>(o)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+          } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) { o[2 * mt] = (unsigned short)w[mt]; o[2 * mt + 1] = w[mt] >> 16; }
+          }
+        } else {
+          const u64 row = ((u64)b * num_q_heads + head) * num_splits + split;
+          float4* pa = reinterpret_cast<float4*>(part_acc + row * HEAD_DIM + d0);
+#pragma unroll
+          for (int i = 0; i < MT / 2; ++i)
+            pa[i] = make_float4(acc[2 * i][c], acc[2 * i][2 + c], acc[2 * i + 1][c], acc[2 * i + 1][2 + c]);
+          if (g == 0) { part_ml[row * 2] = m_row[c]; part_ml[row * 2 + 1] = lsum[c]; }
+        }
+      }
+    }
+#else
     // merge the warps through shared memory: m per query row, the weights' sum and acc per (row, dim)
     if (t == 0) sm_ml[warp][0][g] = m;
     if (g == 0) { sm_ml[warp][1][2 * t] = lsum[0]; sm_ml[warp][1][2 * t + 1] = lsum[1]; }
@@ -452,6 +489,7 @@ splitserve_fp8_decode(
       }
     }
     if (more) __syncthreads();  // the next unit's merge writes the same shared memory
+#endif
   }
 }
 """
@@ -463,7 +501,9 @@ splitserve_fp8_decode(
 # after the values' dots), TILE (tokens a warp takes at a time: 16 or 32). An L2 prefetch of each warp's next tile
 # (PF) was measured slower (docs/perf.md, twelfth session) and removed.
 # HEADS / SEQS 2 were no faster at any shape measured, in the bench or the engine (docs/perf.md, thirteenth session)
-DEFAULT_OPTIONS = dict(WARPS=0, HEADS=1, SEQS=1, MIN_BLOCKS=1, AHEAD=1, TILE=32)  # WARPS 0: choose_warps
+# EPI: one-warp programs write their output (or split partial) straight from the registers, not through the
+# shared-memory merge that more warps need (0: the merge for them too)
+DEFAULT_OPTIONS = dict(WARPS=0, HEADS=1, SEQS=1, MIN_BLOCKS=1, AHEAD=1, TILE=32, EPI=1)  # WARPS 0: choose_warps
 HEAD_DIMS = (64, 128)  # 256: its tile's registers spill (ptxas: 255 and local memory)
 MAX_GROUP = 8
 

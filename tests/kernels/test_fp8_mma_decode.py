@@ -56,6 +56,7 @@ def test_matches_fp64_attention(head_dim, group, num_splits):
     "opts",
     [
         dict(WARPS=1),
+        dict(WARPS=1, EPI=0),
         dict(WARPS=2, MIN_BLOCKS=5),
         dict(WARPS=8),
         dict(AHEAD=0),
@@ -70,6 +71,7 @@ def test_matches_fp64_attention(head_dim, group, num_splits):
         dict(SEQS=4, WARPS=1, HEADS=2),
         dict(SEQS=5, WARPS=4, TILE=16),
         dict(SEQS=2, AHEAD=0),
+        dict(SEQS=3, WARPS=1, EPI=0),
     ],
     ids=lambda o: ",".join(f"{k}{v}" for k, v in o.items()),
 )
@@ -94,14 +96,20 @@ def test_a_value_equal_for_every_token_comes_back_in_its_dims():
             blk = int(paged.block_tables[b, pos // 16])
             paged.v_cache[blk, pos % 16] = row.to(DEVICE)
     q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
-    for splits in (1, 2):
-        out = paged_decode_attention_triton(
-            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.1, num_splits=splits,
-            config=dict(VARIANT="mma"),
-        )  # fmt: skip
-        want = row.float().repeat_interleave(4, dim=0).to(torch.bfloat16)  # (8 query heads, 128)
-        for b in range(2):
-            assert torch.equal(out[b].cpu(), want), f"splits {splits}, sequence {b}: {out[b].cpu()} != {want}"
+    want = row.float().repeat_interleave(4, dim=0).to(torch.bfloat16)  # (8 query heads, 128)
+    # one warp writes from its registers (EPI), more merge through shared memory; an output whose rows are not
+    # 16-byte aligned takes the one-warp store's element path
+    for warps, epi, aligned in ((0, 1, True), (1, 1, True), (1, 1, False), (1, 0, True)):
+        for splits in (1, 2):
+            out = torch.empty(2, 8, 129, device=DEVICE, dtype=torch.bfloat16)[..., 1:] if not aligned else None
+            out = paged_decode_attention_triton(
+                q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.1, out=out,
+                num_splits=splits, config=dict(VARIANT="mma", WARPS=warps, EPI=epi),
+            )  # fmt: skip
+            for b in range(2):
+                assert torch.equal(out[b].cpu(), want), (
+                    f"{warps} warps, EPI {epi}, aligned {aligned}, splits {splits}, sequence {b}: {out[b].cpu()}"
+                )
 
 
 def test_zero_keys_give_the_mean_of_the_values():
@@ -113,13 +121,17 @@ def test_zero_keys_give_the_mean_of_the_values():
         for pos in range(n):
             paged.k_cache[int(paged.block_tables[b, pos // 16]), pos % 16] = 0
     q = torch.randn(len(seq_lens), 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
-    out = paged_decode_attention_triton(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 1.0, config=dict(VARIANT="mma")
-    )
-    for b, n in enumerate(seq_lens):
-        want = paged.values[b].double().mean(0)[0]  # (64,)
-        err = (out[b].double().cpu() - want).abs().max().item()
-        assert err <= 8e-3 * want.abs().max().item() + 1e-3, f"sequence {b} ({n} tokens): error {err:.2e}"
+    for warps, epi in ((1, 1), (1, 0), (2, 1)):
+        out = paged_decode_attention_triton(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 1.0,
+            config=dict(VARIANT="mma", WARPS=warps, EPI=epi),
+        )  # fmt: skip
+        for b, n in enumerate(seq_lens):
+            want = paged.values[b].double().mean(0)[0]  # (64,)
+            err = (out[b].double().cpu() - want).abs().max().item()
+            assert err <= 8e-3 * want.abs().max().item() + 1e-3, (
+                f"{warps} warps, EPI {epi}, sequence {b} ({n} tokens): error {err:.2e}"
+            )
 
 
 def test_an_empty_sequence_gives_zeros():
@@ -177,7 +189,13 @@ def test_units_a_program_cover_every_head_and_sequence_once():
     want = consts.repeat_interleave(2, dim=1).unsqueeze(-1).expand(-1, -1, 128).clone()
     want[4] = 0  # no tokens: zeros
     want = want.to(torch.bfloat16)
-    for opts in (dict(HEADS=1, SEQS=1), dict(HEADS=2, SEQS=1), dict(HEADS=4, SEQS=3), dict(HEADS=1, SEQS=2)):
+    for opts in (
+        dict(HEADS=1, SEQS=1),
+        dict(HEADS=2, SEQS=1),
+        dict(HEADS=4, SEQS=3),
+        dict(HEADS=1, SEQS=2),
+        dict(HEADS=2, SEQS=2, EPI=0),
+    ):
         for warps in (1, 4):
             for splits in (1, 3):
                 out = paged_decode_attention_triton(
