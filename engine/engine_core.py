@@ -437,6 +437,7 @@ class EngineCore:
             if status == RequestStatus.PREFILLED:
                 self.held[request.request_id] = request
             lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
+            first = len(request.token_ids) - request.num_prompt_tokens == 1  # what only a first output carries
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -446,8 +447,8 @@ class EngineCore:
                     finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    queue_ns=_queue_ns(request),
-                    prompt_logprobs=_first_prompt_logprobs(request),
+                    queue_ns=_queue_ns(request) if first else 0,
+                    prompt_logprobs=_first_prompt_logprobs(request) if first else None,
                 )
             )
         return outputs

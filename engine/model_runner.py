@@ -40,6 +40,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
     sampling_request_ids: list[str]
+    sampling_requests: list[Request] = field(default_factory=list)  # the same rows' requests
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
 
 
@@ -112,6 +113,18 @@ class BlockTableRows:
         self.table[: old.shape[0], : old.shape[1]] = old
 
 
+def _output_position(request: Request) -> int:
+    """The output position of the token a request samples next (pending tokens counted in)."""
+    return request.num_output_tokens + request.num_pending_tokens - 1
+
+
+def samples_plain_greedy(request: Request) -> bool:
+    """Whether the sampler's row for this request would be plain greedy (Sampler.greedy takes it), decided
+    without building the row: most steps of most workloads are, and a row costs microseconds of host time."""
+    params = request.sampling_params
+    return params.plain_greedy and (params.min_tokens == 0 or _output_position(request) >= params.min_tokens)
+
+
 def sampling_row(request: Request) -> SamplingRow:
     """The sampler's view of a request at the token it samples next (pending tokens counted in)."""
     params = request.sampling_params
@@ -119,7 +132,7 @@ def sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(
         params=params,
         seed=request.seed,
-        output_position=request.num_output_tokens + request.num_pending_tokens - 1,
+        output_position=_output_position(request),
         prompt_token_ids=request.prompt_token_ids if penalized else (),
         output_token_ids=request.output_token_ids if penalized else (),
         eos_token_ids=request.eos_token_ids,
@@ -169,9 +182,18 @@ class ModelRunner:
         np.take(self.tables.table[:, :width], rows, axis=0, out=host.numpy())
         return host.to(self.device, non_blocking=True)
 
+    def _lists_to_device(self, lists: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Host lists -> device tensors (views of one), in one pinned buffer and one copy: a step's handful of
+        small copies cost more host time one by one than the values take to join."""
+        joined: list[int] = []
+        for values in lists:
+            joined += values
+        return list(self._to_device(joined, dtype).split([len(values) for values in lists]))
+
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size
         self.tables.start_step()
+        row_of = self.tables.row_of
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -179,25 +201,31 @@ class ModelRunner:
         seq_lens: list[int] = []
         table_rows: list[int] = []
         width = 0
+        max_query_len = 0
         logits_indices: list[int] = []
         sampling_ids: list[str] = []
+        sampling_requests: list[Request] = []
         pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
         pending_src: list[int] = []  # ... and its row in the latest launch's sampled tokens
         wanted: list[PromptRows] = []
         scheduled = out.scheduled
         if self.LONGEST_FIRST and all(s.num_new_tokens == 1 for s in scheduled):
             scheduled = sorted(scheduled, key=lambda s: -s.num_computed_tokens)
-        for s in scheduled:
+        total = 0  # tokens so far: qsl[-1]
+        for s in scheduled:  # per row per step: kept to plain local operations (host time at batch 256)
             request = s.request
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            blocks = block_tables[request.request_id]
-            if end - start == 1:  # a decode step: one token
+            request_id = request.request_id
+            start = s.num_computed_tokens
+            num_new = s.num_new_tokens
+            end = start + num_new
+            blocks = block_tables[request_id]
+            if num_new == 1:  # a decode step: one token
                 token_ids = request.token_ids
                 if start < len(token_ids):
                     input_ids.append(token_ids[start])
                 else:  # pending: sampled by the latest launch, not read yet
-                    pending_dst.append(len(input_ids))
-                    pending_src.append(self._last_rows[request.request_id])
+                    pending_dst.append(total)
+                    pending_src.append(self._last_rows[request_id])
                     input_ids.append(0)
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -205,37 +233,45 @@ class ModelRunner:
                 input_ids.extend(request.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            rows = prompt_rows(request, start, end, qsl[-1])
-            if rows is not None:
-                wanted.append(rows)
-            qsl.append(qsl[-1] + end - start)
+            if request.sampling_params.prompt_logprobs is not None:  # the cheap test first: rarely asked for
+                rows = prompt_rows(request, start, end, total)
+                if rows is not None:
+                    wanted.append(rows)
+            total += num_new
+            qsl.append(total)
             seq_lens.append(end)
-            table_rows.append(self.tables.row_of(request.request_id, blocks))
-            width = max(width, len(blocks))
+            table_rows.append(row_of(request_id, blocks))
+            if len(blocks) > width:
+                width = len(blocks)
+            if num_new > max_query_len:
+                max_query_len = num_new
             if s.samples:
-                logits_indices.append(qsl[-1] - 1)
-                sampling_ids.append(request.request_id)
+                logits_indices.append(total - 1)
+                sampling_ids.append(request_id)
+                sampling_requests.append(request)
+        query_start_loc, seq_lens_device = self._lists_to_device([qsl, seq_lens], torch.int32)
+        input_ids_device, positions_device, slot_mapping, logits_device, dst, src = self._lists_to_device(
+            [input_ids, positions, slots, logits_indices, pending_dst, pending_src], torch.int64
+        )
         meta = AttentionMetadata(
-            query_start_loc=self._to_device(qsl, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_device,
             block_tables=self._table_to_device(table_rows, width),
-            slot_mapping=self._to_device(slots, torch.int64),
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            slot_mapping=slot_mapping,
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        input_ids_device = self._to_device(input_ids, torch.int64)
         if pending_dst:
-            dst = self._to_device(pending_dst, torch.int64)
-            src = self._to_device(pending_src, torch.int64)
             input_ids_device.index_copy_(0, dst, self._last_tokens.index_select(0, src))
         return StepInputs(
             input_ids=input_ids_device,
-            positions=self._to_device(positions, torch.int64),
+            positions=positions_device,
             meta=meta,
-            logits_indices=self._to_device(logits_indices, torch.int64),
+            logits_indices=logits_device,
             sampling_request_ids=sampling_ids,
+            sampling_requests=sampling_requests,
             prompt_rows=wanted,
         )
 
@@ -259,8 +295,7 @@ class ModelRunner:
         if not inputs.sampling_request_ids:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep([], None)
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
-        requests = [by_id[request_id] for request_id in inputs.sampling_request_ids]
+        requests = inputs.sampling_requests
         # structured output: the host fills the grammar rows' bitmask now, while the device runs the model
         # (a request with a grammar is read before its next step is launched: its matcher is up to date)
         grammars = [(i, request.grammar) for i, request in enumerate(requests) if request.grammar is not None]
@@ -268,8 +303,10 @@ class ModelRunner:
             build_token_mask(grammars, self.model.config.vocab_size, self.device, self.pin) if grammars else None
         )
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # (S, V)
-        rows = [sampling_row(request) for request in requests]
-        sample = self.sampler.sample(logits, rows, token_mask)
+        if all(samples_plain_greedy(request) for request in requests):
+            sample = self.sampler.greedy(logits, token_mask)
+        else:
+            sample = self.sampler.sample(logits, [sampling_row(request) for request in requests], token_mask)
         self._last_tokens = sample.token_ids
         self._last_rows = {request_id: i for i, request_id in enumerate(inputs.sampling_request_ids)}
         if not sample.token_ids.is_cuda:

@@ -71,14 +71,13 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     grammar: RequestGrammar | None = None  # structured output: advanced by every output token
+    # len(prompt_token_ids), which never changes: read for every running request several times a step
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -291,14 +291,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    params = row.params
-    return (
-        params.is_greedy
-        and params.logprobs is None
-        and not params.has_penalties
-        and not params.logit_bias
-        and row.output_position >= params.min_tokens
-    )
+    return row.params.plain_greedy and row.output_position >= row.params.min_tokens
 
 
 def _index(indices: list[int], device: torch.device) -> torch.Tensor:
@@ -328,9 +321,9 @@ class Sampler:
         batch, vocab_size = logits.shape
         if batch != len(rows):
             raise ValueError(f"logits have {batch} rows but {len(rows)} sampling rows were given")
-        logits = apply_token_mask(logits, token_mask)
         if all(_is_plain_greedy(row) for row in rows):  # fast path: no per-row tensor work
-            return DeviceSample(logits.argmax(dim=-1))
+            return self.greedy(logits, token_mask)
+        logits = apply_token_mask(logits, token_mask)
 
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         work = logits.to(dtype=work_dtype, copy=True)  # (B, V)
@@ -355,6 +348,12 @@ class Sampler:
             return DeviceSample(tokens)
         chosen = tokens[_index(logprob_rows, work.device)]  # (L,)
         return _with_logprobs(tokens, logprob_rows, raw_logprobs, chosen, [rows[i] for i in logprob_rows])
+
+    @staticmethod
+    def greedy(logits: torch.Tensor, token_mask: TokenMask | None = None) -> DeviceSample:
+        """`sample` for rows that are all plain greedy (the caller knows, without building their SamplingRows:
+        params.plain_greedy and past min_tokens): the argmax of each row, after the grammar's mask."""
+        return DeviceSample(apply_token_mask(logits, token_mask).argmax(dim=-1))
 
     @staticmethod
     def _penalize(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:

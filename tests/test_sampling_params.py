@@ -1,6 +1,7 @@
 """SamplingParams: defaults, normalization, validation messages, dict round trip."""
 
 import json
+import pickle
 
 import pytest
 
@@ -38,6 +39,24 @@ def test_greedy_and_penalty_flags():
     assert SamplingParams(repetition_penalty=1.2).has_penalties
     assert SamplingParams(presence_penalty=-0.5).has_penalties
     assert SamplingParams(frequency_penalty=0.1).has_penalties
+
+
+def test_plain_greedy_is_greedy_with_nothing_else_for_the_sampler_and_computed_once():
+    assert SamplingParams(temperature=0).plain_greedy
+    # min_tokens is checked per output position by the caller; prompt logprobs and stop ids are not the sampler's
+    assert SamplingParams(temperature=0, min_tokens=3, prompt_logprobs=2, stop_token_ids=[5]).plain_greedy
+    for kwargs in (
+        dict(temperature=0.5),
+        dict(temperature=0, logprobs=0),
+        dict(temperature=0, repetition_penalty=1.1),
+        dict(temperature=0, frequency_penalty=0.2),
+        dict(temperature=0, logit_bias={3: 1.0}),
+    ):
+        assert not SamplingParams(**kwargs).plain_greedy, kwargs
+    p = SamplingParams(temperature=0)
+    assert p.plain_greedy and vars(p)["plain_greedy"] is True  # cached on the instance
+    back = pickle.loads(pickle.dumps(p))
+    assert back == p and back.plain_greedy and back.to_dict() == p.to_dict()
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ and sends `to_dict()` over the wire, so both ends agree on the same field set.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -188,15 +189,23 @@ class SamplingParams:
                 "where the output ends; remove min_tokens"
             )
 
-    @property
+    # the derived flags below are read for every running request on every step: computed once (the params are
+    # frozen; functools.cached_property writes the instance's __dict__, which a frozen dataclass allows)
+    @functools.cached_property
     def is_greedy(self) -> bool:
         """True when the sampler takes the argmax (temperature ~ 0)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
+    @functools.cached_property
     def has_penalties(self) -> bool:
         """True when any of the repetition/presence/frequency penalties is active."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or reads them besides the argmax (no logprobs, penalties or
+        logit bias); min_tokens, which masks the stop tokens until an output position, is the caller's to check."""
+        return self.is_greedy and self.logprobs is None and not self.has_penalties and not self.logit_bias
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists); `from_dict` inverts it."""
