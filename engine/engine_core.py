@@ -438,13 +438,14 @@ class EngineCore:
                 self.held[request.request_id] = request
             lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
             first = len(request.token_ids) - request.num_prompt_tokens == 1  # what only a first output carries
+            ended = status.is_finished or status == RequestStatus.PREFILLED
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
                     new_token_ids=[request.token_ids[-1]],
                     new_logprobs=lp,
-                    finished=status.is_finished or status == RequestStatus.PREFILLED,
-                    finish_reason=status.value if (status.is_finished or status == RequestStatus.PREFILLED) else None,
+                    finished=ended,
+                    finish_reason=status.value if ended else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     queue_ns=_queue_ns(request) if first else 0,

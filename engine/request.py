@@ -22,7 +22,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # by value: a member's hash is a Python-level call (Enum.__hash__), and this is asked for every running
+        # request on every step
+        return self._value_ in _FINISHED_VALUES
 
 
 _FINISHED = {
@@ -31,6 +33,7 @@ _FINISHED = {
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
 }
+_FINISHED_VALUES = frozenset(status.value for status in _FINISHED)
 
 
 @dataclass(eq=False)
