@@ -27,6 +27,8 @@ online softmax over its own 32-token tiles (ptxas, sm_90: 469-551 instructions a
 - Each warp takes every WARPS-th 32-token tile of the (sequence, KV head, split): the whole tiles without masks,
   then the split's last, partial one with them; the warps merge their (m, l, acc) through shared memory at the
   end and write the output, or the split's partial in the format paged_decode_attention.py's merge kernel reads.
+  A one-warp program has nothing to merge: each thread writes what it holds from its registers (EPI; on the
+  H200 (256, 512) went from 82.5% to 91.7% of the copy rate with it, docs/perf.md, fourteenth session).
 - Not e4m3 dots: on sm_90 ptxas lowers `mma.sync` with e4m3 operands to the same converts plus two f16 HMMAs
   (Hopper's e4m3 tensor-core path is wgmma, whose operands come from shared memory), so f16 dots cost no more and
   keep q and P at 11 bits.
@@ -590,7 +592,7 @@ def pays(units: int, sm_count: int, tokens_per_split: int) -> bool:
 def choose_warps(units: int, sm_count: int) -> int:
     """Warps a program for `units` (sequence, KV head, split) triples: each warp takes its own tiles, so
     fewer warps a program means longer runs per warp; more are needed only to fill the GPU. One H200
-    (docs/perf.md): 2,048 units (256 x 512 tokens) 1 warp 0.078 ms, 2 warps 0.086; 512 units (64 x 2k, 4 x 32k in
+    (docs/perf.md): 2,048 units (256 x 512 tokens) 1 warp 0.069 ms, 2 warps 0.083; 512 units (64 x 2k, 4 x 32k in
     16 splits) 2 warps 0.070 / 0.073, 1 warp 0.088 / 0.090, 4 warps 0.075 / 0.078."""
     if units >= 8 * sm_count:
         return 1
