@@ -1,6 +1,7 @@
 """The model runner: the one place that builds device inputs, runs the model and samples.
 
-From a SchedulerOutput it builds, as flat lists on the host and then one tensor each:
+From a SchedulerOutput it builds, as flat lists on the host and then a device tensor each (views of two
+pinned copies, one per dtype, each view 16-byte aligned):
 
     input_ids      (T,)     tokens computed this step, request after request
     positions      (T,)     their positions in their sequences
@@ -40,7 +41,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
     sampling_request_ids: list[str]
-    sampling_requests: list[Request] = field(default_factory=list)  # the same rows' requests
+    sampling_requests: list[Request]  # the same rows' requests
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
 
 
@@ -184,11 +185,17 @@ class ModelRunner:
 
     def _lists_to_device(self, lists: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
         """Host lists -> device tensors (views of one), in one pinned buffer and one copy: a step's handful of
-        small copies cost more host time one by one than the values take to join."""
+        small copies cost more host time one by one than the values take to join. Each view starts at a
+        16-byte boundary, as a tensor of its own would (Triton compiles a kernel per pointer alignment)."""
+        unit = 16 // torch.empty((), dtype=dtype).element_size()
         joined: list[int] = []
+        starts = []
         for values in lists:
+            starts.append(len(joined))
             joined += values
-        return list(self._to_device(joined, dtype).split([len(values) for values in lists]))
+            joined += [0] * (-len(values) % unit)
+        device = self._to_device(joined, dtype)
+        return [device[start : start + len(values)] for start, values in zip(starts, lists)]
 
     def prepare_inputs(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size

@@ -40,6 +40,11 @@ def test_a_mixed_step_builds_exact_flat_inputs_and_zero_padded_block_tables(devi
     assert inputs.meta.block_tables.dtype == torch.int32 and inputs.meta.block_tables.device.type == device
     assert inputs.meta.block_tables.tolist() == [[7, 3], [4, 9]]
     assert inputs.logits_indices.tolist() == [0] and inputs.sampling_request_ids == ["d"]
+    # views of two joined copies, each at a 16-byte boundary as a tensor of its own would be (seq_lens follows
+    # three int32 starts: 12 bytes without the padding)
+    views = [inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, inputs.logits_indices]
+    views += [inputs.meta.query_start_loc, inputs.meta.seq_lens]
+    assert [t.data_ptr() % 16 for t in views] == [0] * 6
     ragged = runner.prepare_inputs(
         SchedulerOutput([ScheduledRequest(decoding, 1, 5), ScheduledRequest(chunk, 3, 2)]),
         {"d": [7, 3], "p": [4, 9, 11, 12, 13]},
