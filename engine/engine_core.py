@@ -118,14 +118,15 @@ def _default_budget(device: torch.device, offline: bool) -> int:
 
 
 def _queue_ns(request: Request) -> int:
-    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+    """Arrival to first scheduled compute (the caller asks on a request's first output only)."""
+    if request.first_scheduled_time is None:
         return 0
     return int((request.first_scheduled_time - request.arrival_time) * 1e9)
 
 
 def _first_prompt_logprobs(request: Request) -> list | None:
-    """The prompt logprobs, on the output that carries the first token, when the request asked for them."""
-    if request.sampling_params.prompt_logprobs is None or request.num_output_tokens != 1:
+    """The prompt logprobs, when the request asked for them (the caller asks on its first output only)."""
+    if request.sampling_params.prompt_logprobs is None:
         return None
     return list(request.prompt_logprobs)
 

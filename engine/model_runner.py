@@ -29,7 +29,7 @@ import torch
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import DeviceSample, Sampler, SamplingRow
+from splitserve.engine.sampler import DeviceSample, Sampler, SamplingRow, plain_greedy_at
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.structured_output import build_token_mask
 
@@ -40,9 +40,12 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the hidden states to sample from
-    sampling_request_ids: list[str]
-    sampling_requests: list[Request]  # the same rows' requests
+    sampling_requests: list[Request]  # one per row of logits_indices
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
+
+    @property
+    def sampling_request_ids(self) -> list[str]:
+        return [request.request_id for request in self.sampling_requests]
 
 
 @dataclass
@@ -122,8 +125,7 @@ def _output_position(request: Request) -> int:
 def samples_plain_greedy(request: Request) -> bool:
     """Whether the sampler's row for this request would be plain greedy (Sampler.greedy takes it), decided
     without building the row: most steps of most workloads are, and a row costs microseconds of host time."""
-    params = request.sampling_params
-    return params.plain_greedy and (params.min_tokens == 0 or _output_position(request) >= params.min_tokens)
+    return plain_greedy_at(request.sampling_params, _output_position(request))
 
 
 def sampling_row(request: Request) -> SamplingRow:
@@ -210,7 +212,6 @@ class ModelRunner:
         width = 0
         max_query_len = 0
         logits_indices: list[int] = []
-        sampling_ids: list[str] = []
         sampling_requests: list[Request] = []
         pending_dst: list[int] = []  # rows of input_ids whose token is still on the device ...
         pending_src: list[int] = []  # ... and its row in the latest launch's sampled tokens
@@ -254,7 +255,6 @@ class ModelRunner:
                 max_query_len = num_new
             if s.samples:
                 logits_indices.append(total - 1)
-                sampling_ids.append(request_id)
                 sampling_requests.append(request)
         query_start_loc, seq_lens_device = self._lists_to_device([qsl, seq_lens], torch.int32)
         input_ids_device, positions_device, slot_mapping, logits_device, dst, src = self._lists_to_device(
@@ -277,7 +277,6 @@ class ModelRunner:
             positions=positions_device,
             meta=meta,
             logits_indices=logits_device,
-            sampling_request_ids=sampling_ids,
             sampling_requests=sampling_requests,
             prompt_rows=wanted,
         )
@@ -299,10 +298,11 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)  # (T, H)
         if inputs.prompt_rows:
             out.prompt_logprobs.update(compute_prompt_logprobs(self.model.compute_logits, hidden, inputs.prompt_rows))
-        if not inputs.sampling_request_ids:
+        requests = inputs.sampling_requests
+        if not requests:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep([], None)
-        requests = inputs.sampling_requests
+        request_ids = [request.request_id for request in requests]
         # structured output: the host fills the grammar rows' bitmask now, while the device runs the model
         # (a request with a grammar is read before its next step is launched: its matcher is up to date)
         grammars = [(i, request.grammar) for i, request in enumerate(requests) if request.grammar is not None]
@@ -315,10 +315,10 @@ class ModelRunner:
         else:
             sample = self.sampler.sample(logits, [sampling_row(request) for request in requests], token_mask)
         self._last_tokens = sample.token_ids
-        self._last_rows = {request_id: i for i, request_id in enumerate(inputs.sampling_request_ids)}
+        self._last_rows = {request_id: i for i, request_id in enumerate(request_ids)}
         if not sample.token_ids.is_cuda:
-            return LaunchedStep(inputs.sampling_request_ids, sample)
+            return LaunchedStep(request_ids, sample)
         host = sample.copy_to_host()
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(inputs.sampling_request_ids, host, done)
+        return LaunchedStep(request_ids, host, done)

@@ -290,8 +290,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 # ---------------------------------------------------------------- the sampler
 
 
+def plain_greedy_at(params: SamplingParams, output_position: int) -> bool:
+    """Whether a row of these params at this output position takes the argmax and nothing else (min_tokens no
+    longer masks its stop tokens there)."""
+    return params.plain_greedy and output_position >= params.min_tokens
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return row.params.plain_greedy and row.output_position >= row.params.min_tokens
+    return plain_greedy_at(row.params, row.output_position)
 
 
 def _index(indices: list[int], device: torch.device) -> torch.Tensor:
