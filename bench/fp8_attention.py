@@ -41,7 +41,7 @@ from splitserve.kernels.paged_decode_attention import (
 FP8 = torch.float8_e4m3fn
 FULL = dict(
     num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, num_layers=4, tokens=131072,
-    shapes=[(64, 2048), (256, 512), (4, 32768)], mixed_shapes=[(128, 1024)],
+    shapes=[(64, 2048), (256, 512), (4, 32768)],
 )  # fmt: skip
 # the dry run: a split shape too ((1, 512) takes 2 splits with the interpreter's 4 "SMs")
 DRY = dict(
@@ -119,7 +119,6 @@ def label(row) -> str:
         ("MIN_BLOCKS", "b{}"),
         ("HEADS", "h{}"),
         ("SEQS", "s{}"),
-        ("SPLIT_TOKENS", "t{}"),
     ):
         if row.get(key):
             parts.append(fmt.format(row[key]))
@@ -330,9 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--mixed",
         action="store_true",
-        help="also the first two shapes and (128, 1024) with lengths U[ctx / 8, ctx] (an engine's batch), in random "
-        "order and sorted longest first: what uneven programs cost, and whether starting the longest first wins it "
-        "back",
+        help="also the first two shapes with lengths U[ctx / 8, ctx] (an engine's batch), in random order and sorted "
+        "longest first: what uneven programs cost, and whether starting the longest first wins it back",
     )
     parser.add_argument(
         "--probe",
@@ -367,8 +365,7 @@ def main(argv=None) -> int:
     scale = p["head_dim"] ** -0.5
     shapes = [Shape(p, cache, b, ctx, gen, sms) for b, ctx in p["shapes"]]
     if args.mixed:  # lengths U[ctx / 8, ctx], random order and longest first, at two of the shapes
-        mixed = p["shapes"][:2] + p.get("mixed_shapes", [])
-        shapes += [Shape(p, cache, b, ctx, gen, sms, m) for b, ctx in mixed for m in ("random", "sorted")]
+        shapes += [Shape(p, cache, b, ctx, gen, sms, m) for b, ctx in p["shapes"][:2] for m in ("random", "sorted")]
     for shape in shapes:
         shape.ref = paged_decode_attention_triton(
             shape.q, kv_up[:, 1, 0], kv_up[:, 1, 1], shape.table, shape.seq_lens, scale

@@ -20,8 +20,7 @@ beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measu
 `splitserve:nopdl` / `splitserve:fp8swept+nopdl` (kernels.pdl off: no programmatic dependent launch),
 `splitserve:fp8kv+rows` / `splitserve:fp8w8a16+rows` (the Triton "rows" fp8 decode attention, not the mma kernel),
 `splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:fp8kv+e0` (its one-warp programs'
-output through the shared-memory merge), `splitserve:fp8kv+t512` / `+t1024` / `+t0` (its splits of 512 / 1,024
-tokens each, or each sequence cut into equal runs), `splitserve:sched` /
+output through the shared-memory merge), `splitserve:sched` /
 `splitserve:fp8kv+sched` (decode steps' rows in the scheduler's order, not longest first),
 `splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
@@ -90,11 +89,6 @@ VARIANTS = {
     "fp8kv+s2": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 2}},
     # fp8 KV with one-warp mma programs merging through shared memory (its EPI option off: on by default)
     "fp8kv+e0": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"EPI": 0}},
-    # fp8 KV with the mma kernel's splits cut by length: every split 512 / 1,024 tokens (fp8_mma.SPLIT_TOKENS)
-    "fp8kv+t512": {"kv_cache_dtype": "fp8", "fp8_mma_split_tokens": 512},
-    "fp8kv+t1024": {"kv_cache_dtype": "fp8", "fp8_mma_split_tokens": 1024},
-    # fp8 KV with the mma kernel's splits as the Triton kernels cut them (each sequence in equal runs)
-    "fp8kv+t0": {"kv_cache_dtype": "fp8", "fp8_mma_split_tokens": 0},
     # decode-only steps' rows in the scheduler's order (engine.model_runner.ModelRunner.LONGEST_FIRST off; on by
     # default), bf16 / fp8 KV
     "sched": {"longest_first": False},
@@ -127,15 +121,16 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options",
-    "fp8_mma_split_tokens", "longest_first", "pdl" and "silu_fused_max_rows" from `options`; while the block runs,
+    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "longest_first",
+    "pdl" and "silu_fused_max_rows" from
+    `options`; while the block runs,
     engine.quant.W8A16_TILES (read by the fp8 layers when finalized) or engine.fused_ops.GEMV_TILES (read at each
     call) hold --fp8-tiles' measured tiles, "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection),
     "own_tiles" W8A16_TILES to {} (the kernel's own tiles),
     "pdl" sets kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
     kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel), "fp8_mma_options"
-    overrides keys of its DEFAULT_OPTIONS, "fp8_mma_split_tokens" its SPLIT_TOKENS, "longest_first" sets
-    engine.model_runner.ModelRunner.LONGEST_FIRST, and "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
+    overrides keys of its DEFAULT_OPTIONS, "longest_first" sets engine.model_runner.ModelRunner.LONGEST_FIRST, and
+    "silu_fused_max_rows" engine.quant.SILU_FUSED_MAX_ROWS."""
     from bench.fp8_linear import gemv_tiles, swept_tiles
     from splitserve.engine import fused_ops, quant
 
@@ -158,10 +153,6 @@ def measured_tiles(options: dict, tiles_json: str):
         from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 
         tables.append((fp8_mma, "DEFAULT_OPTIONS", dict(fp8_mma.DEFAULT_OPTIONS, **options.pop("fp8_mma_options"))))
-    if "fp8_mma_split_tokens" in options:
-        from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
-
-        tables.append((fp8_mma, "SPLIT_TOKENS", options.pop("fp8_mma_split_tokens")))
     if "longest_first" in options:
         from splitserve.engine.model_runner import ModelRunner
 

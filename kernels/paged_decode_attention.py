@@ -167,9 +167,7 @@ def _merge_splits_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
-    seq_lens_ptr,
     num_splits,
-    split_tokens,
     stride_ob,
     stride_oh,
     stride_od,
@@ -184,11 +182,7 @@ def _merge_splits_kernel(
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    if split_tokens > 0:  # splits of split_tokens each: the sequence's first ceil(len / split_tokens), at least one
-        seq_len = tl.load(seq_lens_ptr + b)
-        s_mask = s < tl.maximum(tl.cdiv(seq_len, split_tokens), 1)
-    else:
-        s_mask = s < num_splits
+    s_mask = s < num_splits
     row = (b * NUM_HEADS + h).to(tl.int64) * num_splits + s  # (BLOCK_S,)
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=-1.0e30)
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
@@ -343,7 +337,6 @@ def paged_decode_attention_triton(
     on_cpu = interpreting(q)
     sms = 4 if on_cpu else num_sms(q.device.index or 0)
     max_context = block_tables.shape[1] * block_size  # the table's width: an upper bound on every length
-    given_splits = num_splits
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
     mma_operands = (q, k_cache, v_cache, out, block_tables, seq_lens)
@@ -361,10 +354,6 @@ def paged_decode_attention_triton(
         cfg = dict(VARIANT="mma")  # an e4m3 cache on a GPU that can: 1.4-1.5x "rows" (docs/perf.md)
     else:
         cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache)
-    split_tokens = 0
-    if cfg.get("VARIANT") == "mma":  # cut by length (fp8_mma.SPLIT_TOKENS) unless the splits were given
-        tokens = cfg.get("SPLIT_TOKENS", fp8_mma.SPLIT_TOKENS if given_splits is None else 0)
-        num_splits, split_tokens = fp8_mma.plan_splits(num_splits, max_context, int(tokens))
     block_d = max(16, next_pow2(head_dim))
     is_split = num_splits > 1
     if is_split:
@@ -375,11 +364,10 @@ def paged_decode_attention_triton(
     launch = (q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml)
     if cfg.get("VARIANT") == "mma":
         try:
-            fp8_mma.launch_fp8_mma(*launch, scale * LOG2E, num_splits, cfg, split_tokens)
+            fp8_mma.launch_fp8_mma(*launch, scale * LOG2E, num_splits, cfg)
         except fp8_mma.CompileError:
             if config is not None:  # asked for by name: say so
                 raise
-            split_tokens = 0  # the Triton kernel cuts each sequence into num_splits equal runs
             _launch_triton(
                 *launch, scale, num_splits, resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache), on_cpu
             )
@@ -390,9 +378,7 @@ def paged_decode_attention_triton(
             part_acc,
             part_ml,
             out,
-            seq_lens,
             num_splits,
-            split_tokens,
             *out.stride(),
             NUM_HEADS=num_q_heads,
             HEAD_DIM=head_dim,

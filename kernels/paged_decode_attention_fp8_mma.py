@@ -268,16 +268,13 @@ struct Unit {
 __device__ __forceinline__ int unit_seq(int u) { return blockIdx.y * SEQS + u / HEADS; }
 
 // unit u given its sequence's length (read a unit earlier, so that the table read here does not wait for it)
-// split_tokens > 0: every split covers that many tokens (a multiple of TILE), a sequence's last ones none; else
-// each sequence is cut into num_splits equal runs of whole tiles
 __device__ __forceinline__ Unit unit_of(int u, int seq_len, const int* bt, int stride_btb, int num_seqs,
-                                        int num_splits, int split_tokens, int page_shift) {
+                                        int num_splits, int page_shift) {
   Unit U;
   U.b = unit_seq(u);
   U.kvh = blockIdx.x * HEADS + u % HEADS;
   U.live = U.b < num_seqs;
-  const int per_split =
-      split_tokens > 0 ? split_tokens : ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
+  const int per_split = ((seq_len + num_splits - 1) / num_splits + TILE - 1) / TILE * TILE;
   U.start = blockIdx.z * per_split;
   U.end = min(U.start + per_split, seq_len);
   U.num_tiles = U.end > U.start ? (U.end - U.start + TILE - 1) / TILE : 0;
@@ -313,7 +310,7 @@ splitserve_fp8_decode(
     const unsigned short* __restrict__ q, const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
     const int* __restrict__ bt, const int* __restrict__ seq_lens, unsigned short* __restrict__ out,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
-    int num_splits, int split_tokens, int page_shift, int num_q_heads, int num_seqs,
+    int num_splits, int page_shift, int num_q_heads, int num_seqs,
     int stride_qb, int stride_qh, int stride_kb, int stride_kt, int stride_kh,
     int stride_vb, int stride_vt, int stride_vh, int stride_btb, int stride_ob, int stride_oh, double qk_scale_d) {
   __shared__ float sm_ml[WARPS][2][8];
@@ -325,11 +322,6 @@ splitserve_fp8_decode(
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   const int split = blockIdx.z;
-  // a split past its sequence's tokens (split_tokens > 0) has nothing to read and nothing to write: the merge reads
-  // a sequence's first ceil(len / split_tokens) partials (split 0's always, so an empty sequence still gets one)
-  if (HEADS * SEQS == 1 && split_tokens > 0 && split > 0 &&
-      (blockIdx.y >= num_seqs || split * split_tokens >= __ldg(seq_lens + blockIdx.y)))
-    return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int page_mask = (1 << page_shift) - 1;
@@ -339,8 +331,7 @@ splitserve_fp8_decode(
   // the program's HEADS x SEQS (sequence, KV head) units, heads inner. Each warp's first tile of the next unit is
   // loaded during its last tile of this one (AHEAD), the next unit's q and block table entry at this one's start,
   // and the length of the one after that too: no unit waits on a chain of dependent loads but the first.
-  Unit nu = unit_of(0, seq_len_of(0, seq_lens, num_seqs), bt, stride_btb, num_seqs, num_splits, split_tokens,
-                    page_shift);
+  Unit nu = unit_of(0, seq_len_of(0, seq_lens, num_seqs), bt, stride_btb, num_seqs, num_splits, page_shift);
   int next_len = seq_len_of(1, seq_lens, num_seqs);
   QRaw qn;
   load_q(qn, q, nu, stride_qb, stride_qh, g, t);
@@ -375,7 +366,7 @@ splitserve_fp8_decode(
       }
     }
     if (more) {
-      nu = unit_of(u + 1, next_len, bt, stride_btb, num_seqs, num_splits, split_tokens, page_shift);
+      nu = unit_of(u + 1, next_len, bt, stride_btb, num_seqs, num_splits, page_shift);
       next_len = seq_len_of(u + 2, seq_lens, num_seqs);
       load_q(qn, q, nu, stride_qb, stride_qh, g, t);
     }
@@ -598,24 +589,6 @@ def pays(units: int, sm_count: int, tokens_per_split: int) -> bool:
     return units >= sm_count and tokens_per_split >= MIN_TOKENS_PER_SPLIT
 
 
-# plan_splits: tokens a split when the work is cut by length (0: each sequence in equal runs, as the Triton kernels)
-SPLIT_TOKENS = 0
-MAX_SPLITS = 64
-
-
-def plan_splits(num_splits: int, max_context: int, split_tokens: int) -> tuple[int, int]:
-    """(splits, tokens a split) for a block table `max_context` tokens wide. `split_tokens` > 0: every split that
-    many tokens (rounded up to whole 32-token tiles; more where MAX_SPLITS would not cover the table), so a long
-    sequence takes more programs than a short one and no program reads more than that; else `num_splits`, each
-    sequence cut into that many equal runs (0 tokens: its own length decides)."""
-    if split_tokens <= 0:
-        return num_splits, 0
-    tokens = max(split_tokens, -(-max_context // MAX_SPLITS))
-    tokens = -(-tokens // 32) * 32
-    splits = -(-max_context // tokens)
-    return (splits, tokens) if splits > 1 else (1, 0)
-
-
 def choose_warps(units: int, sm_count: int) -> int:
     """Warps a program for `units` (sequence, KV head, split) triples: each warp takes its own tiles, so
     fewer warps a program means longer runs per warp; more are needed only to fill the GPU. One H200
@@ -637,7 +610,7 @@ def _kernel(head_dim: int, group: int, q_bf16: bool, small_page: bool, pdl: bool
         FAILED = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         log.warning("the fp8 mma decode attention could not be compiled (%s); using the Triton kernel", FAILED)
         raise CompileError(f"paged_decode_attention_fp8_mma: NVRTC failed: {FAILED}") from exc
-    return _Launcher(kernel, num_pointers=8, num_ints=16, pdl=pdl)
+    return _Launcher(kernel, num_pointers=8, num_ints=15, pdl=pdl)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union at offset 8
@@ -704,14 +677,10 @@ class _Launcher:
             raise RuntimeError(f"paged_decode_attention_fp8_mma: cuLaunchKernel failed with CUDA error {result}")
 
 
-def launch_fp8_mma(
-    q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, num_splits, cfg, split_tokens=0
-):
+def launch_fp8_mma(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, qk_scale, num_splits, cfg):
     """Launch the kernel over grid (KV heads / HEADS, sequences / SEQS, split); cfg may set DEFAULT_OPTIONS' keys.
-    With num_splits > 1 the partials go to part_acc / part_ml for the merge kernel (paged_decode_attention.py);
-    `split_tokens` (plan_splits): each split that many tokens, else each sequence cut into num_splits equal runs."""
-    if split_tokens % 32:
-        raise ValueError(f"paged_decode_attention: split_tokens must be a multiple of 32, got {split_tokens}")
+    With num_splits > 1
+    the partials go to part_acc / part_ml for the merge kernel (paged_decode_attention.py)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     opts = {k: int(cfg.get(k, v)) for k, v in DEFAULT_OPTIONS.items()}
@@ -745,7 +714,6 @@ def launch_fp8_mma(
         ],  # fmt: skip
         [
             num_splits,
-            split_tokens,
             block_size.bit_length() - 1,
             num_q_heads,
             batch,

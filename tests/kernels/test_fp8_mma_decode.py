@@ -81,17 +81,6 @@ def test_options(opts):
         assert err <= TOL, f"{opts}, pages of {block_size}: relative error {err:.2e} > {TOL}"
 
 
-@pytest.mark.parametrize("split_tokens", [32, 64, 96])
-@pytest.mark.parametrize("opts", [dict(), dict(WARPS=2), dict(SEQS=2, WARPS=1), dict(HEADS=2, WARPS=1, EPI=0)])
-def test_splits_cut_by_length(split_tokens, opts):
-    """SPLIT_TOKENS: every split that many tokens, a sequence's splits past its end empty (a one-unit program's
-    return at once, writing nothing; the merge reads only the sequence's own): lengths around the split's edges,
-    none, one, and the table's longest."""
-    seq_lens = (0, 1, 31, 32, 33, 64, 65, 96, 200, 257)
-    err = _run(num_kv_heads=2, seq_lens=seq_lens, SPLIT_TOKENS=split_tokens, **opts)[0]
-    assert err <= TOL, f"{split_tokens} tokens a split, {opts}: relative error {err:.2e}"
-
-
 def test_float16_queries_and_4_token_pages():
     err = _run(block_size=4, dtype=torch.float16, num_splits=2)[0]
     assert err <= TOL, f"relative error {err:.2e}"
@@ -202,8 +191,6 @@ def test_units_a_program_cover_every_head_and_sequence_once():
     want = want.to(torch.bfloat16)
     for opts in (
         dict(HEADS=1, SEQS=1),
-        dict(HEADS=1, SEQS=1, SPLIT_TOKENS=64),
-        dict(HEADS=2, SEQS=2, SPLIT_TOKENS=32),
         dict(HEADS=2, SEQS=1),
         dict(HEADS=4, SEQS=3),
         dict(HEADS=1, SEQS=2),

@@ -25,9 +25,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(pda, "interpreting", lambda q: False)
     monkeypatch.setattr(pda, "num_sms", lambda index: 132)
     monkeypatch.setattr(fp8_mma, "runs", lambda *operands: True)
-    monkeypatch.setattr(
-        fp8_mma, "launch_fp8_mma", lambda *args: got.append(("mma", args[10], dict(splits=args[9], tokens=args[11])))
-    )
+    monkeypatch.setattr(fp8_mma, "launch_fp8_mma", lambda *args: got.append(("mma", args[-1])))
     monkeypatch.setattr(fp8_mma, "supports", lambda *operands: None)
     monkeypatch.setattr(fp8_mma, "available", lambda device: True)
     monkeypatch.setattr(pda, "launch_fp8_decode", lambda *args: got.append((args[-1]["VARIANT"], args[-1])))
@@ -66,7 +64,7 @@ def _attend(num_seqs: int, num_splits: int, config=None, width: int = 32, monkey
 )
 def test_mma_from_one_program_an_sm_of_512_tokens(launches, monkeypatch, num_seqs, num_splits, width, kernel):
     _attend(num_seqs, num_splits, width=width, monkeypatch=monkeypatch)
-    assert [name for name, *_ in launches] == [kernel], f"{num_seqs} x 8 x {num_splits} programs, {width} blocks"
+    assert [name for name, _ in launches] == [kernel], f"{num_seqs} x 8 x {num_splits} programs, {width} blocks"
     if kernel == "mma":
         assert launches[0][1] == dict(VARIANT="mma")  # its options from the work: choose_warps, AHEAD on
     else:
@@ -76,74 +74,8 @@ def test_mma_from_one_program_an_sm_of_512_tokens(launches, monkeypatch, num_seq
 def test_a_given_config_is_run_as_given(launches):
     _attend(64, 1, config=dict(VARIANT="rows", HEADS_FIRST=True, BLOCK_N=64, num_warps=4, num_stages=2))
     _attend(1, 1, config=dict(VARIANT="mma", WARPS=2))
-    assert [name for name, *_ in launches] == ["rows", "mma"]
+    assert [name for name, _ in launches] == ["rows", "mma"]
     assert (launches[1][1]["VARIANT"], launches[1][1]["WARPS"]) == ("mma", 2)  # over decode_config's keys, unread
-
-
-@pytest.mark.parametrize(
-    ("num_splits", "max_context", "split_tokens", "plan"),
-    [
-        (1, 2048, 0, (1, 0)),  # off: the splits as given, each sequence cut into equal runs
-        (4, 2048, 0, (4, 0)),
-        (1, 2048, 512, (4, 512)),  # by length: a 2,048-token table in four splits of 512
-        (1, 2000, 512, (4, 512)),
-        (1, 512, 512, (1, 0)),  # one split covers the table: no split at all
-        (16, 32768, 512, (64, 512)),
-        (16, 65536, 512, (64, 1024)),  # at most 64 splits: each covers more
-        (1, 4096, 500, (8, 512)),  # whole 32-token tiles
-        (1, 1000, 100, (8, 128)),
-    ],
-)
-def test_plan_splits(num_splits, max_context, split_tokens, plan):
-    assert fp8_mma.plan_splits(num_splits, max_context, split_tokens) == plan
-
-
-@pytest.mark.parametrize(
-    ("default", "config", "num_splits", "launched"),
-    [
-        (512, None, None, dict(splits=4, tokens=512)),  # the module's default: 2,048-token tables in 4 splits
-        (0, None, None, dict(splits=1, tokens=0)),  # off: choose_num_splits' 1
-        (0, dict(VARIANT="mma", SPLIT_TOKENS=1024), None, dict(splits=2, tokens=1024)),  # asked for
-        (512, dict(VARIANT="mma"), 2, dict(splits=2, tokens=0)),  # splits given (benches, tests): as given
-        (512, dict(VARIANT="mma", SPLIT_TOKENS=256), 2, dict(splits=8, tokens=256)),  # both: the tokens decide
-    ],
-)
-def test_the_mma_kernels_splits_by_length(launches, monkeypatch, default, config, num_splits, launched):
-    """fp8_mma.SPLIT_TOKENS (or a config's SPLIT_TOKENS) cuts the table into splits of that many tokens for the mma
-    kernel; 64 sequences of 8 KV heads over 128-block (2,048-token) tables."""
-    monkeypatch.setattr(fp8_mma, "SPLIT_TOKENS", default)
-    monkeypatch.setattr(pda, "_merge_splits_kernel", _NoMerge())
-    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 16, 8, 128, dtype=FP8)
-    table, seq_lens = torch.zeros(64, 128, dtype=torch.int32), torch.ones(64, dtype=torch.int32)
-    pda.paged_decode_attention_triton(q, cache, cache, table, seq_lens, 0.1, torch.zeros_like(q), num_splits, config)
-    ((name, _, got),) = launches
-    assert (name, got) == ("mma", launched)
-
-
-def test_a_merge_of_splits_by_length_reads_only_the_sequences_splits(device):
-    """The merge of splits of `split_tokens` each reads a sequence's first ceil(len / split_tokens) partials (at least
-    one): the rows past them, never written by the kernel, are NaN here and must not reach the output."""
-    seq_lens, num_splits, split_tokens, heads, dim = [0, 64, 65, 200, 1], 4, 64, 2, 16
-    gen = torch.Generator().manual_seed(3)
-    acc = torch.randn(len(seq_lens), heads, num_splits, dim, generator=gen)
-    m = torch.randn(len(seq_lens), heads, num_splits, generator=gen)
-    l_sum = torch.rand(len(seq_lens), heads, num_splits, generator=gen) + 0.5
-    valid = [max(1, -(-n // split_tokens)) for n in seq_lens]
-    want = torch.empty(len(seq_lens), heads, dim)
-    for b, n in enumerate(valid):
-        w = torch.exp2(m[b, :, :n].double() - m[b, :, :n].double().amax(-1, keepdim=True))  # (heads, n)
-        want[b] = ((acc[b, :, :n].double() * w[..., None]).sum(1) / (w * l_sum[b, :, :n]).sum(1)[:, None]).float()
-        acc[b, :, n:], m[b, :, n:], l_sum[b, :, n:] = float("nan"), float("nan"), float("nan")
-    ml = torch.stack([m, l_sum], dim=-1)
-    out = torch.zeros(len(seq_lens), heads, dim, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    pda._merge_splits_kernel[(len(seq_lens), heads)](
-        acc.to(device).flatten(), ml.to(device).flatten(), out, lens, num_splits, split_tokens, *out.stride(),
-        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_S=num_splits, PDL=False,
-    )  # fmt: skip
-    assert not out.isnan().any(), "a row past a sequence's splits was read"
-    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_pays_and_choose_warps():
@@ -177,8 +109,7 @@ def test_the_launch_grid(monkeypatch, num_seqs, num_splits, config, grid, warps,
     assert key[4] is False  # PDL: not for CPU tensors (pdl_launch)
     options = dict(key[-1])
     assert (got_grid, block, options["WARPS"], options["SEQS"]) == (grid, (32 * warps, 1, 1), warps, seqs)
-    # splits, tokens a split (0: equal runs), log2 of the page, query heads, sequences
-    assert ints[:5] == [num_splits, 0, 4, 32, num_seqs]
+    assert ints[:4] == [num_splits, 4, 32, num_seqs]  # splits, log2 of the page, query heads, sequences
 
 
 def test_heads_that_do_not_divide_the_kv_heads_are_refused(monkeypatch):
@@ -225,7 +156,7 @@ def test_a_kernel_nvrtc_cannot_build_falls_back_to_triton_once(launches, monkeyp
     monkeypatch.setattr(fp8_mma, "runs", RUNS)  # itself, over the fixture's available() and supports()
     _attend(64, 1)
     _attend(64, 1)
-    assert [name for name, *_ in launches] == ["rows", "rows"] and calls == ["splitserve_fp8_decode"]
+    assert [name for name, _ in launches] == ["rows", "rows"] and calls == ["splitserve_fp8_decode"]
     assert fp8_mma.FAILED == "RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE"
     with pytest.raises(fp8_mma.CompileError, match="NVRTC failed: RuntimeError: CUDA error: NVRTC_ERROR_BUILTIN"):
         _attend(64, 1, config=dict(VARIANT="mma"))
