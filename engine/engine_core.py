@@ -102,7 +102,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str) -> KvLayout:
     """The KV layout of --kv-cache-dtype: the model's dtype, or fp8 with per-layer scales (the
     checkpoint's, else 1.0), which the model's attention then applies."""
-    if config.kv_cache_dtype != "fp8":
+    if not config.fp8_kv_cache:
         return model_config.kv_layout(config.block_size, dtype_name)
     scales = getattr(model, "checkpoint_kv_scales", None) or [(1.0, 1.0)] * model_config.num_layers
     model.set_kv_scales(scales)

@@ -372,6 +372,22 @@ def test_fp8_kv_cache_engine_generates_and_halves_the_block_bytes(f64_dir):
     assert len(out[0].token_ids) == 6
 
 
+def test_fp8_e4m3_is_fp8_and_other_kv_dtypes_are_refused_by_name(f64_dir):
+    """vLLM's --kv-cache-dtype fp8_e4m3 is the same cache as fp8 (same layout, same tokens); fp8_e5m2 and other
+    names are refused naming the flag and the choices."""
+    outs = {}
+    for name in ("fp8", "fp8_e4m3"):
+        llm = LLM(str(f64_dir), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_cache_dtype=name)
+        assert llm.engine.layout.dtype == "float8_e4m3fn" and llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        outs[name] = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9]], sampling_params=params)[0].token_ids
+        llm.close()
+    assert outs["fp8"] == outs["fp8_e4m3"] and len(outs["fp8"]) == 8
+    with pytest.raises(ConfigError, match=r"--kv-cache-dtype='fp8_e5m2' is not allowed; choose one of auto, fp8, "
+                       r"fp8_e4m3$"):  # fmt: skip
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
 def test_fp8_layout_round_trips_the_wire_and_mismatches_name_both():
     fp8 = KvLayout(2, 2, 16, 4, "float8_e4m3fn", "m", k_scales=(0.5, 1.0), v_scales=(1.0, 1.0))
     assert layout_from_proto(layout_to_proto(fp8)) == fp8

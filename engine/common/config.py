@@ -9,7 +9,7 @@ from splitserve.common.config_fields import ConfigError, option, validate_fields
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float16", "bfloat16", "float32", "float64")
 QUANTIZATIONS = ("fp8",)
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's other name for fp8
 DEVICES = ("auto", "cpu", "cuda") + tuple(f"cuda:{i}" for i in range(16))
 
 
@@ -56,8 +56,8 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "KV cache element type; auto = --dtype's; fp8 = float8 e4m3 with per-layer k/v scales (the checkpoint's, "
-        "else 1.0), half the bytes of bfloat16 to store, read and transfer",
+        "KV cache element type; auto = --dtype's; fp8 (or fp8_e4m3, as vLLM also names it) = float8 e4m3 with "
+        "per-layer k/v scales (the checkpoint's, else 1.0), half the bytes of bfloat16 to store, read and transfer",
         choices=KV_CACHE_DTYPES,
     )
     load_format: str = option("auto", "auto reads safetensors; dummy makes random weights", choices=("auto", "dummy"))
@@ -104,6 +104,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.num_kv_blocks is not None:
             if self.num_kv_blocks * self.block_size < 1:
                 raise ConfigError("--num-kv-blocks must hold at least one token")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """--kv-cache-dtype fp8 or fp8_e4m3: the e4m3 cache."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def resolved_model(self) -> str:
         return self.model or default_model_dir()
