@@ -4,13 +4,18 @@ config.json's `quantization_config` says how a checkpoint is quantized; two FP8 
 
     {"quant_method": "fp8", "activation_scheme": "dynamic" | "static", "ignored_layers": [...]}
         (vLLM / AutoFP8: per-tensor `weight_scale`, per-tensor `input_scale` when static)
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [bn, bk], ...}
+        (block-wise, as DeepSeek-V3 and Qwen3's FP8 releases: `weight_scale_inv` (ceil(N / bn), K / bk), the
+        activations scaled per token per bk features as each step runs)
     {"quant_method": "compressed-tensors", "format": "float-quantized" | "naive-quantized",
      "config_groups": {"group_0": {"targets": ["Linear"],
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel" | "tensor"},
         "input_activations": {"num_bits": 8, "type": "float", "dynamic": true, "strategy": "token"}
                              | {..., "dynamic": false, "strategy": "tensor"} | null}},
      "ignore": ["lm_head", "re:...", ...], "kv_cache_scheme": {...} | null}
-        (llm-compressor: `weight_scale` (N, 1) per channel or (1,) per tensor, `input_scale` when static)
+        (llm-compressor: `weight_scale` (N, 1) per channel or (1,) per tensor, `input_scale` when static;
+        its FP8_BLOCK scheme: weights "strategy": "block", "block_structure": [bn, bk], `weight_scale`
+        (ceil(N / bn), K / bk), activations dynamic with "strategy": "group", "group_size": bk)
 
 Each quantized projection `P` has `P.weight` (N, K) e4m3 and `P.weight_scale`; static activations
 add `P.input_scale`. KV cache scales are `self_attn.k_scale` / `self_attn.v_scale` (or the older
@@ -42,12 +47,14 @@ class Fp8Scheme:
     method: str  # quant_method of the checkpoint
     static_activations: bool  # per-tensor input_scale tensors in the checkpoint
     ignore: tuple[str, ...]  # module names (or "re:" patterns) left unquantized
+    block: tuple[int, int] | None = None  # block-wise: (bn, bk) weight tiles, activations per bk features
+    scale_name: str = "weight_scale"  # what the checkpoint calls a projection's weight scales
 
 
 def read_fp8_scheme(model_dir: Path) -> Fp8Scheme | None:
     """The FP8 scheme of a model directory's config.json; None when it has no quantization_config.
 
-    Any other quantization (int8, fp4, block-wise fp8) is a ValueError naming the field and value.
+    Any other quantization (int8, fp4, ...) is a ValueError naming the field and value.
     """
     config_path = model_dir / "config.json"
     if not model_dir.is_dir() or not config_path.is_file():
@@ -66,16 +73,27 @@ def read_fp8_scheme(model_dir: Path) -> Fp8Scheme | None:
     )
 
 
+def _block_size(field: str, value) -> tuple[int, int]:
+    """A [bn, bk] weight tile of two positive ints, else a ValueError naming the field."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
+        raise ValueError(f"{field} {value!r} must be two positive integers [rows, columns]")
+    return value[0], value[1]
+
+
 def _vllm_fp8_scheme(qc: dict) -> Fp8Scheme:
-    if qc.get("weight_block_size"):
-        raise ValueError(
-            f"quantization_config.weight_block_size {qc['weight_block_size']} (block-wise fp8) is not supported; "
-            "only per-tensor or per-channel weight scales"
-        )
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported; choose dynamic or static")
-    return Fp8Scheme("fp8", scheme == "static", tuple(qc.get("ignored_layers") or ()))
+    ignore = tuple(qc.get("ignored_layers") or ())
+    if qc.get("weight_block_size") is not None:
+        block = _block_size("quantization_config.weight_block_size", qc["weight_block_size"])
+        if scheme != "dynamic":
+            raise ValueError(
+                "quantization_config.activation_scheme 'static' with weight_block_size: block-wise fp8 scales "
+                "activations per token group as each step runs (dynamic only)"
+            )
+        return Fp8Scheme("fp8", False, ignore, block, "weight_scale_inv")
+    return Fp8Scheme("fp8", scheme == "static", ignore)
 
 
 def _compressed_tensors_scheme(qc: dict) -> Fp8Scheme:
@@ -93,17 +111,28 @@ def _compressed_tensors_scheme(qc: dict) -> Fp8Scheme:
     if "Linear" not in (group.get("targets") or ()):
         raise ValueError(f"{field}.targets {group.get('targets')} must include 'Linear'")
     weights = group.get("weights") or {}
-    _check_fp8_args(f"{field}.weights", weights, ("tensor", "channel"))
+    _check_fp8_args(f"{field}.weights", weights, ("tensor", "channel", "block"))
     if weights.get("dynamic"):
         raise ValueError(f"{field}.weights.dynamic must be false (weights carry their scales)")
+    ignore = tuple(qc.get("ignore") or ())
     acts = group.get("input_activations")
+    if weights["strategy"] == "block":  # FP8_BLOCK: activations dynamic per token per bk features
+        block = _block_size(f"{field}.weights.block_structure", weights.get("block_structure"))
+        if acts is not None:
+            _check_fp8_args(f"{field}.input_activations", acts, ("group",))
+            if not acts.get("dynamic", False) or acts.get("group_size") != block[1]:
+                raise ValueError(
+                    f"{field}.input_activations: block-wise weights need dynamic activations in groups of the "
+                    f"block's {block[1]} columns, got dynamic {acts.get('dynamic')} group_size {acts.get('group_size')}"
+                )
+        return Fp8Scheme("compressed-tensors", False, ignore, block)
     static = False
     if acts is not None:
         _check_fp8_args(f"{field}.input_activations", acts, ("token", "tensor"))
         static = not acts.get("dynamic", False)
         if static and acts.get("strategy") != "tensor":
             raise ValueError(f"{field}.input_activations: static scales must have strategy 'tensor'")
-    return Fp8Scheme("compressed-tensors", static, tuple(qc.get("ignore") or ()))
+    return Fp8Scheme("compressed-tensors", static, ignore)
 
 
 def _check_fp8_args(field: str, args: dict, strategies: tuple[str, ...]) -> None:
@@ -161,7 +190,14 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
         weight = linear.weight
         num_scales = len(linear.output_sizes) if scheme.static_activations else 0
         fp8 = Fp8Linear(
-            weight.shape[1], list(linear.output_sizes), linear.bias is not None, weight.dtype, weight.device, num_scales
+            weight.shape[1],
+            list(linear.output_sizes),
+            linear.bias is not None,
+            weight.dtype,
+            weight.device,
+            num_scales,
+            scheme.block,
+            scheme.scale_name,
         )
         _replace(net, path, fp8)
 

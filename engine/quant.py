@@ -28,6 +28,16 @@ result depends on how many rows its step had (W8A8 alone is batch-invariant, as 
 against colocated tokens need). Off the GPU each path runs its reference: W8A16
 the same sums in fp32 (fp64 for fp64 x), W8A8 both operands dequantized to x's dtype and multiplied.
 Kernel and reference see the same quantized operands, so they differ only by accumulation order.
+
+Block-wise checkpoints (`block` = (bn, bk), as DeepSeek-V3 and Qwen3's FP8 releases are written) scale the weight per
+bn x bk tile and the activations per token per bk-wide group, both dynamic:
+
+    weight (N, K) -> w_q, block scale (ceil(N / bn) per part, K / bk)     w ~= w_q * scale[n // bn, k // bk]
+    x (T, K)      -> x_q, x_scale (T, K / bk)                             x ~= x_q * x_scale[t, k // bk]
+    y[t, n] = sum over groups g of (x_q[t, g] . w_q[n, g]) * x_scale[t, g] * scale[n // bn, g]
+
+W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear, elsewhere both operands
+dequantized to the model's dtype and multiplied.
 """
 
 from __future__ import annotations
@@ -110,6 +120,15 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(xf / scale), scale
 
 
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K), K a multiple of `group` -> (x_q (T, K) e4m3, scale (T, K / group) fp32): one scale per token
+    per `group` consecutive features (amax / 448, at least MIN_SCALE)."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // group, group)
+    scale = (xf.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # (T, K / group)
+    return to_fp8(xf / scale[..., None]).view(rows, k), scale
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (T, K) with one given scale () fp32 -> x_q (T, K) e4m3."""
     return to_fp8(x.float() / scale)
@@ -145,14 +164,41 @@ class Fp8Linear(nn.Module):
     applies only above `w8a16_max_rows` rows (given to finalize; module docstring); fewer are not quantized.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype, device, num_input_scales=0):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype,
+        device,
+        num_input_scales=0,
+        block: tuple[int, int] | None = None,
+        scale_name: str = "weight_scale",
+    ):
         super().__init__()
         self.output_sizes = tuple(output_sizes)
         out_features = sum(output_sizes)
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = dtype  # the model's dtype: what x and y are
         self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=FP8_DTYPE, device=device), False)
-        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device), False)
+        # block-wise (module docstring): the scales of each part's bn x bk tiles, parts one after another, under the
+        # checkpoint's name for them (vLLM's fp8 method: weight_scale_inv; compressed-tensors: weight_scale)
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+        self.scale_name = scale_name
+        self.row_scale = None  # block-wise: (N, K / bk) fp32, each row's scale per group (finalize)
+        self.use_block_kernel = False  # block-wise: kernels.fp8_block_linear (finalize)
+        if self.block is not None:
+            bn, bk = self.block
+            if bn < 1 or bk < 1 or in_features % bk:
+                raise ValueError(
+                    f"block-wise fp8: weight_block_size {list(self.block)} needs positive sizes and in_features "
+                    f"{in_features} a multiple of its {bk} columns"
+                )
+            rows = sum(-(-n // bn) for n in self.output_sizes)
+            scale = torch.ones((rows, in_features // bk), dtype=torch.float32, device=device)
+            self.register_parameter(scale_name, nn.Parameter(scale, False))
+        else:
+            self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.input_scale = None
         if num_input_scales:
@@ -178,11 +224,28 @@ class Fp8Linear(nn.Module):
         layer.finalize(w8a16_max_rows)
         return layer
 
+    @property
+    def block_scale(self) -> torch.Tensor:
+        """Block-wise: the tiles' scales (sum over parts of ceil(rows / bn), K / bk)."""
+        return getattr(self, self.scale_name)
+
+    def part_rows(self, leaf: str) -> list[int]:
+        """Rows of parameter `leaf` that each fused part's checkpoint tensor fills (models.llama's targets): one
+        input_scale a part, a block-wise part's ceil(rows / bn) rows of tiles, else the part's rows."""
+        if leaf == "input_scale":
+            return [1] * len(self.output_sizes)
+        if self.block is not None and leaf == self.scale_name:
+            return [-(-n // self.block[0]) for n in self.output_sizes]
+        return list(self.output_sizes)
+
     def finalize(self, w8a16_max_rows: int = 0) -> None:
         """After loading: pick the paths (steps of up to `w8a16_max_rows` rows W8A16, 0 = none) and fold
         the static activation scales into one."""
         if not 0 <= w8a16_max_rows <= MAX_W8A16_ROWS:
             raise ValueError(f"w8a16_max_rows is {w8a16_max_rows}; choose 0 (off) to {MAX_W8A16_ROWS}")
+        if self.block is not None:
+            self._finalize_block(w8a16_max_rows)
+            return
         fp8_device = scaled_mm_supported(self.weight.device)
         self.use_scaled_mm = fp8_device and self.in_features % 16 == 0 and self.out_features % 16 == 0
         self.w8a16_max_rows = w8a16_max_rows
@@ -197,6 +260,26 @@ class Fp8Linear(nn.Module):
             self.skinny_tiles = {kind: table[(kind, *shape)] for kind in ("gemv", "dot") if (kind, *shape) in table}
         if self.input_scale is not None:
             self._static_scale = self.input_scale.data.max().reshape(1, 1)  # (1, 1)
+
+    def _finalize_block(self, w8a16_max_rows: int) -> None:
+        """Block-wise: each output row's scales (its part's tile row), and the kernel where it runs."""
+        if w8a16_max_rows:
+            raise ValueError(
+                f"--fp8-w8a16-max-rows {w8a16_max_rows}: a block-wise fp8 checkpoint runs W8A8 at every size "
+                "(activations scaled per group, as its weights are); set it to 0"
+            )
+        bn, bk = self.block
+        index, tile_row = [], 0
+        for n in self.output_sizes:
+            index.append(tile_row + torch.arange(n) // bn)
+            tile_row += -(-n // bn)
+        rows = torch.cat(index).to(self.weight.device)
+        self.row_scale = self.block_scale.data.index_select(0, rows).contiguous()  # (N, K / bk)
+        self.w8a16_max_rows = 0
+        if scaled_mm_supported(self.weight.device):
+            from splitserve.kernels.fp8_block_linear import supported
+
+            self.use_block_kernel = supported(self.in_features, bk)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, K) -> (x_q, scale (T, 1)): dynamic per token, or the static per-layer scale."""
@@ -215,6 +298,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (T, K)
+        if self.block is not None:
+            return self._block_forward(x2).reshape(*lead, self.out_features)
         if x2.shape[0] <= self.w8a16_max_rows:
             return self._w8a16(x2).reshape(*lead, self.out_features)
         return self.forward_quantized(*self.quantize_input(x2)).reshape(*lead, self.out_features)
@@ -257,6 +342,18 @@ class Fp8Linear(nn.Module):
             )
         return w8a16_ref(x, self.weight, self.weight_scale, self.bias)
 
+    def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-wise W8A8: x (T, K) quantized per token per bk group -> (T, N) in the model's dtype."""
+        bk = self.block[1]
+        x_q, x_scale = quantize_per_token_group(x, bk)
+        if self.use_block_kernel:
+            from splitserve.kernels.fp8_block_linear import fp8_block_linear
+
+            return fp8_block_linear(x_q, x_scale, self.weight, self.row_scale, self.bias, self.out_dtype)
+        w = dequantize(self.weight, self.row_scale.repeat_interleave(bk, dim=1), self.out_dtype)  # (N, K)
+        x_deq = dequantize(x_q, x_scale.repeat_interleave(bk, dim=1), self.out_dtype)
+        return F.linear(x_deq, w, self.bias)
+
     def _scaled_mm(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """Row-wise scaled e4m3 GEMM (bf16 out: what the row-wise kernels produce), bias added after."""
         y = torch._scaled_mm(
@@ -271,6 +368,12 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
+        if self.block is not None:
+            path = "fp8_block_linear" if self.use_block_kernel else "reference"
+            return (
+                f"in={self.in_features}, out={self.out_features}, fp8 e4m3 in {self.block[0]} x {self.block[1]} "
+                f"blocks, activations dynamic per token per {self.block[1]} features, {path}"
+            )
         path = "scaled_mm" if self.use_scaled_mm else "reference"
         few = "fp8_skinny_linear" if self.use_skinny_kernel else "reference"
         acts = "dynamic per token" if self.input_scale is None else "static"

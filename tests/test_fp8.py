@@ -27,6 +27,7 @@ from splitserve.engine.quant import (
     dequantize,
     quantize_per_channel,
     quantize_per_token,
+    quantize_per_token_group,
     quantize_static,
 )
 from splitserve.gateway.registry import layout_mismatch
@@ -325,8 +326,16 @@ def test_vllm_fp8_static_per_tensor_checkpoint_with_kv_scales(f64_dir, tmp_path)
     [
         ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' in"),
         (
-            {"quant_method": "fp8", "weight_block_size": [128, 128]},
-            "quantization_config.weight_block_size [128, 128] (block-wise fp8) is not supported",
+            {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "static"},
+            "quantization_config.activation_scheme 'static' with weight_block_size: block-wise fp8 scales",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128]},
+            "quantization_config.weight_block_size [128] must be two positive integers [rows, columns]",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [32, 48]},
+            "block-wise fp8: weight_block_size [32, 48] needs positive sizes and in_features 64 a multiple of its 48",
         ),
         (
             {**COMPRESSED_TENSORS, "format": "pack-quantized"},
@@ -343,6 +352,143 @@ def test_unsupported_quantization_configs_are_refused_by_name(f64_dir, tmp_path,
     with pytest.raises(ValueError) as err:
         load_model(path, dtype=torch.float64, device="cpu")
     assert message in str(err.value)
+
+
+# -- block-wise fp8 checkpoints ----------------------------------------------------------------
+
+
+def _quantize_blocks(weight: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) -> (e4m3 (N, K), fp32 scales (ceil(N / bn), K / bk)): amax / 448 per tile, as DeepSeek-V3's
+    and Qwen3's FP8 releases are written (a last, partial row of tiles scaled over its own rows)."""
+    n, k = weight.shape
+    rows = -(-n // bn)
+    padded = torch.zeros(rows * bn, k, dtype=torch.float64)
+    padded[:n] = weight.double()
+    tiles = padded.view(rows, bn, k // bk, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448).float()  # (rows, K / bk)
+    w_q = nearest_e4m3(tiles / scale.double()[:, None, :, None]).to(FP8_DTYPE).reshape(rows * bn, k)[:n]
+    return w_q, scale
+
+
+def _write_block_checkpoint(src: Path, dst: Path, quantization_config: dict, block, scale_name: str) -> Path:
+    """Copy `src` with every projection quantized in `block` tiles: e4m3 weights and their tiles' scales."""
+    dst.mkdir()
+    out = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if module in PROJECTIONS:
+            out[name], out[name.removesuffix("weight") + scale_name] = _quantize_blocks(tensor, *block)
+        else:
+            out[name] = tensor
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+VLLM_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+CT_BLOCK = {
+    **COMPRESSED_TENSORS,
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 32]},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
+                                  "dynamic": True},
+        }
+    },
+}  # fmt: skip
+
+
+def test_per_token_group_quantization_matches_float64():
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3
+    x[2, 32:64] = 0  # a group of zeros: the smallest scale, zeros out
+    x_q, scale = quantize_per_token_group(x, 32)
+    want_scale = (x.view(5, 3, 32).abs().amax(2).float() / 448).clamp(min=quant.MIN_SCALE)
+    assert x_q.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (5, 3)
+    assert torch.equal(scale, want_scale)
+    want_q = nearest_e4m3(x.float().double().view(5, 3, 32) / want_scale.double()[..., None]).view(5, 96)
+    assert torch.equal(x_q.double(), want_q)
+    assert torch.equal(x_q[2, 32:64].double(), torch.zeros(32, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("config", "block", "scale_name"),
+    [(VLLM_BLOCK, (32, 32), "weight_scale_inv"), (CT_BLOCK, (64, 32), "weight_scale")],
+    ids=["vllm-fp8", "compressed-tensors"],
+)
+def test_block_wise_checkpoint_loads_its_tiles_and_multiplies_exactly(f64_dir, tmp_path, config, block, scale_name):
+    """A block-wise checkpoint (vLLM's fp8 method with weight_block_size, llm-compressor's FP8_BLOCK) loads its e4m3
+    weights and tile scales as written, the fused parts' tiles one after another (64-row tiles over the 32-row k and
+    v parts and the 96-row gate and up: partial last tiles); a projection gives exactly the float64 product of the
+    dequantized weight and the input quantized per token per 32 features."""
+    path = _write_block_checkpoint(f64_dir, tmp_path / "block", config, block, scale_name)
+    scheme = read_fp8_scheme(path)
+    assert (scheme.block, scheme.scale_name, scheme.static_activations) == (block, scale_name, False)
+    net, _ = load_model(path, dtype=torch.float64, device="cpu")
+    written = load_file(path / "model.safetensors")
+    for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj",
+                          "up_proj")), ("mlp.down_proj", ("down_proj",))):  # fmt: skip
+        layer = net.model.layers[1].get_submodule(module)
+        prefix = f"model.layers.1.{module.split('.')[0]}"
+        weights = [written[f"{prefix}.{p}.weight"] for p in parts]
+        scales = [written[f"{prefix}.{p}.{scale_name}"] for p in parts]
+        assert isinstance(layer, Fp8Linear) and layer.block == block and not layer.use_block_kernel
+        assert torch.equal(layer.weight.view(torch.uint8), torch.cat(weights).view(torch.uint8))
+        assert torch.equal(getattr(layer, scale_name), torch.cat(scales)), module
+        assert [s.shape[0] for s in scales] == [-(-w.shape[0] // block[0]) for w in weights]
+        w_deq = torch.cat([w.double() * s.double().repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(
+            block[1], 1) for w, s in zip(weights, scales)])  # fmt: skip
+        x = torch.randn(7, layer.in_features, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        groups = x.view(7, -1, block[1])
+        x_scale = (groups.abs().amax(2).float() / 448).double()
+        x_deq = (nearest_e4m3(groups / x_scale[..., None]) * x_scale[..., None]).view(7, -1)
+        torch.testing.assert_close(layer(x), x_deq @ w_deq.t(), rtol=1e-12, atol=1e-12)
+    assert "in 32 x 32 blocks" in repr(net) if block == (32, 32) else "in 64 x 32 blocks" in repr(net)
+
+
+def test_block_wise_formats_generate_the_same_tokens(f64_dir, tmp_path):
+    """The same 32 x 32 tiles written as vLLM's fp8 method and as llm-compressor's FP8_BLOCK: the same tokens."""
+    ct = json.loads(json.dumps(CT_BLOCK))
+    ct["config_groups"]["group_0"]["weights"]["block_structure"] = [32, 32]
+    vllm = _write_block_checkpoint(f64_dir, tmp_path / "vllm", VLLM_BLOCK, (32, 32), "weight_scale_inv")
+    compressed = _write_block_checkpoint(f64_dir, tmp_path / "ct", ct, (32, 32), "weight_scale")
+    tokens = _greedy(vllm)
+    assert tokens == _greedy(compressed) and [len(t) for t in tokens] == [8, 8, 8]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs e4m3 tensor cores"
+)
+def test_block_wise_layers_run_the_kernel_on_gpu(f64_dir, tmp_path):
+    """On sm_89+ every block-wise projection multiplies through kernels.fp8_block_linear: the same operands as the
+    CPU reference (the same quantized input), so the two agree up to bf16 rounding; the engine generates with it."""
+    path = _write_block_checkpoint(f64_dir, tmp_path / "block", VLLM_BLOCK, (32, 32), "weight_scale_inv")
+    on_gpu, _ = load_model(path, dtype=torch.bfloat16, device="cuda")
+    on_cpu, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+        gpu_layer, cpu_layer = (net.model.layers[0].get_submodule(name) for net in (on_gpu, on_cpu))
+        assert gpu_layer.use_block_kernel and not cpu_layer.use_block_kernel
+        torch.testing.assert_close(gpu_layer(x.cuda()).float().cpu(), cpu_layer(x).float(), rtol=2e-2, atol=2e-2)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", num_kv_blocks=64, block_size=16)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [8, 8, 8] and out[0].token_ids == out[1].token_ids == out[2].token_ids
+    llm.close()
+
+
+def test_block_wise_refuses_w8a16_and_mismatched_activation_groups(f64_dir, tmp_path):
+    path = _write_block_checkpoint(f64_dir, tmp_path / "block", VLLM_BLOCK, (32, 32), "weight_scale_inv")
+    with pytest.raises(ValueError, match="--fp8-w8a16-max-rows 16: a block-wise fp8 checkpoint runs W8A8 at every"):
+        load_model(path, dtype=torch.float64, device="cpu", fp8_w8a16_max_rows=16)
+    bad = json.loads(json.dumps(CT_BLOCK))
+    bad["config_groups"]["group_0"]["input_activations"]["group_size"] = 64
+    (path / "config.json").write_text(
+        json.dumps({**json.loads((path / "config.json").read_text()), "quantization_config": bad})
+    )
+    with pytest.raises(ValueError, match="block-wise weights need dynamic activations in groups of the block's 32 col"):
+        read_fp8_scheme(path)
 
 
 def test_unquantized_tensor_in_an_fp8_checkpoint_is_refused(f64_dir, tmp_path):

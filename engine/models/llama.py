@@ -267,11 +267,10 @@ class DecoderForCausalLM(nn.Module):
                 targets[name] = param.data
                 continue
             module = self.get_submodule(module_path)
+            # an fp8 projection's scales: one input_scale a part, block-wise tiles (engine/quant.py part_rows)
+            sizes = module.part_rows(leaf) if hasattr(module, "part_rows") else module.output_sizes
             start = 0
-            for i, (part, rows) in enumerate(zip(parts, module.output_sizes)):
-                if leaf == "input_scale":  # fp8 static activations: one scale per part (engine/quant.py)
-                    targets[f"{prefix}.{part}.{leaf}"] = param.data.narrow(0, i, 1)
-                    continue
+            for part, rows in zip(parts, sizes):
                 targets[f"{prefix}.{part}.{leaf}"] = param.data.narrow(0, start, rows)
                 start += rows
         return targets

@@ -1,0 +1,57 @@
+"""kernels/fp8_block_linear.py on a GPU of capability >= 8.9 against its torch reference (the same per-group fp32
+dots and scales): rows across its three tile shapes, output columns not a multiple of the tile, groups of 32-256,
+with and without a bias, bf16 and fp16 out; and the shapes it refuses, named."""
+
+import pytest
+import torch
+
+from splitserve.kernels.fp8_block_linear import block_config, fp8_block_linear, fp8_block_linear_ref, supported
+from tests.kernels.conftest import DEVICE
+
+FP8 = torch.float8_e4m3fn
+CAPABLE = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not CAPABLE, reason="needs a CUDA GPU with e4m3 tensor cores (capability >= 8.9)")
+
+
+def _operands(m, n, k, group, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x_q = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
+    w_q = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(FP8)
+    x_scale = torch.rand(m, k // group, generator=gen) * 1e-2 + 1e-3
+    w_scale = torch.rand(n, k // group, generator=gen) * 1e-2 + 1e-3
+    bias = torch.randn(n, generator=gen)
+    return x_q, x_scale, w_q, w_scale, bias
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 65, 300])
+@pytest.mark.parametrize(("n", "k", "group"), [(200, 256, 128), (64, 512, 256), (96, 64, 32)])
+def test_matches_the_reference(m, n, k, group):
+    x_q, x_scale, w_q, w_scale, bias = _operands(m, n, k, group, seed=m + n)
+    for with_bias, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        b = bias.to(dtype).cuda() if with_bias else None
+        args = (x_q.cuda(), x_scale.cuda(), w_q.cuda(), w_scale.cuda(), b, dtype)
+        got = fp8_block_linear(*args)
+        want = fp8_block_linear_ref(*args)
+        assert got.dtype == dtype and got.shape == (m, n)
+        # fp32 sums in another order, one rounding to 16 bits: within two of its steps
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+
+
+@gpu
+def test_every_config_tile_gives_the_same_result():
+    x_q, x_scale, w_q, w_scale, bias = (t.cuda() for t in _operands(40, 136, 256, 128, seed=3))
+    want = fp8_block_linear(x_q, x_scale, w_q, w_scale, bias.bfloat16(), torch.bfloat16)
+    for m in (1, 40, 500):
+        got = fp8_block_linear(x_q, x_scale, w_q, w_scale, bias.bfloat16(), torch.bfloat16, block_config(m))
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+
+
+def test_supported_groups_and_named_refusals():
+    assert supported(4096, 128) and supported(64, 32) and supported(512, 256)
+    assert not supported(4096, 8) and not supported(4096, 512) and not supported(96, 48) and not supported(100, 32)
+    x_q, x_scale, w_q, w_scale, _ = _operands(3, 8, 64, 32)
+    with pytest.raises(ValueError, match=r"do not agree on \(M, K, N, K / G\)"):
+        fp8_block_linear(x_q, x_scale, w_q[:, :32], w_scale)
+    with pytest.raises(ValueError, match=r"groups of 8 features over K 64"):
+        fp8_block_linear(x_q, x_scale.repeat(1, 4), w_q, w_scale.repeat(1, 4))
