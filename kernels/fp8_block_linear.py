@@ -80,13 +80,15 @@ def supported(k: int, group: int) -> bool:
     return MIN_GROUP <= group <= MAX_GROUP and group & (group - 1) == 0 and k % group == 0
 
 
-def block_config(m: int) -> dict:
-    """Tile and launch parameters for M rows (one H200, docs/perf.md)."""
+def block_config(m: int, n: int) -> dict:
+    """Tile and launch parameters for M rows and N columns: the best of bench/fp8_block_linear.py's sweep at
+    Llama-3-8B's projections on one H200 (docs/perf.md, fifteenth session); wide N takes wider tiles."""
+    wide = n >= 16384
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
 def fp8_block_linear(
@@ -116,7 +118,7 @@ def fp8_block_linear(
     out = torch.empty((rows, n), dtype=out_dtype, device=x_q.device)
     if rows == 0:
         return out
-    cfg = dict(block_config(rows), **(config or {}))
+    cfg = dict(block_config(rows, n), **(config or {}))
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_mm[grid](
         x_q, x_scale, w_q, w_scale, bias if bias is not None else out, out,

@@ -89,3 +89,60 @@ def quantize_per_token(x: torch.Tensor, min_scale: float, impl: str = "auto") ->
     if use_triton(impl, x, "quantize_per_token"):
         return quantize_per_token_triton(x, min_scale)
     return quantize_per_token_ref(x, min_scale)
+
+
+# Per token per group of G features (block-wise fp8 checkpoints' activations, kernels.fp8_block_linear):
+#     x (T, K) -> x_q (T, K) e4m3, scale (T, K / G) fp32 = max(amax(|x[t, group]|) / 448, min_scale)
+# Both divisions round to nearest (div_rn), as torch's do, so the kernel writes the reference's bytes.
+GROUPS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _group_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, num_groups, stride_xt, stride_qt, stride_st, min_scale,
+    G: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * NG + tl.arange(0, NG)  # (NG,) this program's groups
+    in_row = g < num_groups
+    k = g[:, None] * G + tl.arange(0, G)[None, :]  # (NG, G)
+    x = tl.load(x_ptr + t * stride_xt + k, mask=in_row[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), min_scale)  # (NG,)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptr + t * stride_qt + k, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
+    tl.store(scale_ptr + t * stride_st + g, scale, mask=in_row)
+
+
+def quantize_per_token_group_ref(x: torch.Tensor, group: int, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference: (x_q (T, K) e4m3, scale (T, K / group) fp32)."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // group, group)
+    scale = (xf.abs().amax(dim=2) / FP8_MAX).clamp(min=min_scale)  # (T, K / group)
+    return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, k), scale
+
+
+def quantize_per_token_group(
+    x: torch.Tensor, group: int, min_scale: float, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x (T, K) (unit stride along K, K a multiple of `group`, a power of two) per token per `group`
+    features: one launch on a GPU, bytes equal to the reference's."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % group or group & (group - 1):
+        raise ValueError(
+            f"quantize_per_token_group: x must be (T, K) with unit stride along K and K a multiple of the group, "
+            f"a power of two; got {tuple(x.shape)} in groups of {group}"
+        )
+    if not use_triton(impl, x, "quantize_per_token_group"):
+        return quantize_per_token_group_ref(x, group, min_scale)
+    rows, k = x.shape
+    x_q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, k // group), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return x_q, scale
+    groups = k // group
+    ng = min(GROUPS_PER_PROGRAM, next_pow2(groups))
+    _group_quant_kernel[(rows, triton.cdiv(groups, ng))](
+        x, x_q, scale, groups, x.stride(0), x_q.stride(0), scale.stride(0), min_scale,
+        G=group, NG=ng, **pdl_launch(x), num_warps=4,
+    )  # fmt: skip
+    return x_q, scale

@@ -42,8 +42,8 @@ def test_matches_the_reference(m, n, k, group):
 def test_every_config_tile_gives_the_same_result():
     x_q, x_scale, w_q, w_scale, bias = (t.cuda() for t in _operands(40, 136, 256, 128, seed=3))
     want = fp8_block_linear(x_q, x_scale, w_q, w_scale, bias.bfloat16(), torch.bfloat16)
-    for m in (1, 40, 500):
-        got = fp8_block_linear(x_q, x_scale, w_q, w_scale, bias.bfloat16(), torch.bfloat16, block_config(m))
+    for m, n in ((1, 136), (1, 20000), (40, 136), (40, 20000), (500, 136)):
+        got = fp8_block_linear(x_q, x_scale, w_q, w_scale, bias.bfloat16(), torch.bfloat16, block_config(m, n))
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
 
 
@@ -55,3 +55,30 @@ def test_supported_groups_and_named_refusals():
         fp8_block_linear(x_q, x_scale, w_q[:, :32], w_scale)
     with pytest.raises(ValueError, match=r"groups of 8 features over K 64"):
         fp8_block_linear(x_q, x_scale.repeat(1, 4), w_q, w_scale.repeat(1, 4))
+
+
+@pytest.mark.parametrize(("rows", "k", "group"), [(1, 4096, 128), (7, 14336, 128), (33, 96, 32), (2, 512, 256)])
+def test_group_quantizer_writes_the_references_bytes(device, rows, k, group):
+    """kernels.fp8_quant.quantize_per_token_group (Triton: the GPU, or the interpreter) against its torch reference:
+    the same scales, and on the GPU the same e4m3 bytes, a row of zeros and a group of zeros included."""
+    from splitserve.kernels.fp8_quant import quantize_per_token_group, quantize_per_token_group_ref
+
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 5).to(torch.bfloat16)
+    x[0, :group] = 0
+    if rows > 1:
+        x[-1] = 0
+    x = x.to(device)
+    q, scale = quantize_per_token_group(x, group, 1.0 / (448 * 512), impl="triton")
+    want_q, want_scale = quantize_per_token_group_ref(x, group, 1.0 / (448 * 512))
+    assert scale.shape == (rows, k // group) and q.dtype == FP8 and torch.equal(scale, want_scale)
+    if device == "cuda":  # the interpreter casts to e4m3 its own way (tests/kernels/test_fp8_fused_quant.py)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_group_quantizer_names_what_it_cannot_take():
+    from splitserve.kernels.fp8_quant import quantize_per_token_group
+
+    with pytest.raises(ValueError, match=r"got \(2, 96\) in groups of 64"):
+        quantize_per_token_group(torch.zeros(2, 96), 64, 1e-6)
+    with pytest.raises(ValueError, match=r"got \(2, 96\) in groups of 48"):
+        quantize_per_token_group(torch.zeros(2, 96), 48, 1e-6)
