@@ -36,11 +36,14 @@ bn x bk tile and the activations per token per bk-wide group, both dynamic:
     x (T, K)      -> x_q, x_scale (T, K / bk)                             x ~= x_q * x_scale[t, k // bk]
     y[t, n] = sum over groups g of (x_q[t, g] . w_q[n, g]) * x_scale[t, g] * scale[n // bn, g]
 
-W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear, elsewhere both operands
-dequantized to the model's dtype and multiplied.
+W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear up to 16 rows and from 17
+`torch._scaled_mm`'s block scaling (128 x 128 tiles whose rows line up with every fused part, where this torch takes
+it: `block_scaled_mm_works`), elsewhere both operands dequantized to the model's dtype and multiplied.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -120,13 +123,14 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(xf / scale), scale
 
 
-def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_group(x: torch.Tensor, group: int, column_major: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, K), K a multiple of `group` -> (x_q (T, K) e4m3, scale (T, K / group) fp32): one scale per token
-    per `group` consecutive features (amax / 448, at least MIN_SCALE)."""
+    per `group` consecutive features (amax / 448, at least MIN_SCALE). On CUDA one launch (kernels.fp8_quant), the
+    scales token-fastest in columns padded to `column_major` tokens when that is > 0 (cuBLASLt's block scaling)."""
     if x.is_cuda and group & (group - 1) == 0:
         from splitserve.kernels.fp8_quant import quantize_per_token_group as quantize
 
-        return quantize(x if x.stride(1) == 1 else x.contiguous(), group, MIN_SCALE)  # one launch, these bytes
+        return quantize(x if x.stride(1) == 1 else x.contiguous(), group, MIN_SCALE, column_major=column_major)
     rows, k = x.shape
     xf = x.float().view(rows, k // group, group)
     scale = (xf.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # (T, K / group)
@@ -151,6 +155,31 @@ def w8a16_ref(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor, bi
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
+
+
+# Block-wise steps of at least this many rows multiply through torch._scaled_mm's block scaling (cuBLASLt: 128 x 128
+# weight tiles, activations per token per 128 features), fewer through kernels.fp8_block_linear. One H200 (docs/perf.md,
+# fifteenth session), Llama-3-8B's projections: the kernel 0.73-0.98x the per-channel path's time at 1-16 rows,
+# cuBLASLt 2.0-2.4x faster than the kernel at 256-2,048 rows.
+BLOCK_SCALED_MM_MIN_ROWS = 17
+# cuBLASLt reads the activations' scales token-fastest, each group's column padded to a multiple of this many tokens
+BLOCK_SCALED_MM_PAD = 4
+
+
+@functools.cache
+def block_scaled_mm_works(device_index: int) -> bool:
+    """Whether this torch's _scaled_mm takes 128 x 128 block scaling on CUDA device `device_index` (torch 2.11 on an
+    H200 does; older ones raise): one small product, tried once."""
+    device = torch.device("cuda", device_index)
+    try:
+        x_q = torch.zeros(BLOCK_SCALED_MM_MIN_ROWS, 256, dtype=FP8_DTYPE, device=device)
+        x_scale = torch.ones(2, 32, device=device).t()[:BLOCK_SCALED_MM_MIN_ROWS]  # token-fastest, padded
+        w_q = torch.zeros(256, 256, dtype=FP8_DTYPE, device=device)
+        tiles = torch.ones(2, 2, device=device)
+        torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=tiles.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, TypeError, ValueError):  # the scales' shapes are not a recipe this torch knows
+        return False
+    return True
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -191,6 +220,7 @@ class Fp8Linear(nn.Module):
         self.scale_name = scale_name
         self.row_scale = None  # block-wise: (N, K / bk) fp32, each row's scale per group (finalize)
         self.use_block_kernel = False  # block-wise: kernels.fp8_block_linear (finalize)
+        self.use_block_scaled_mm = False  # block-wise: _scaled_mm's block scaling from BLOCK_SCALED_MM_MIN_ROWS rows
         if self.block is not None:
             bn, bk = self.block
             if bn < 1 or bk < 1 or in_features % bk:
@@ -284,6 +314,10 @@ class Fp8Linear(nn.Module):
             from splitserve.kernels.fp8_block_linear import supported
 
             self.use_block_kernel = supported(self.in_features, bk)
+            # cuBLASLt's tiles are 128 x 128 and must line up with the fused weight's rows: every part whole tiles
+            tiles_align = self.block == (128, 128) and all(n % 128 == 0 for n in self.output_sizes)
+            index = self.weight.device.index if self.weight.device.index is not None else torch.cuda.current_device()
+            self.use_block_scaled_mm = tiles_align and block_scaled_mm_works(index)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, K) -> (x_q, scale (T, 1)): dynamic per token, or the static per-layer scale."""
@@ -349,6 +383,17 @@ class Fp8Linear(nn.Module):
     def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Block-wise W8A8: x (T, K) quantized per token per bk group -> (T, N) in the model's dtype."""
         bk = self.block[1]
+        if self.use_block_scaled_mm and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS:
+            x_q, x_scale = quantize_per_token_group(x, bk, column_major=BLOCK_SCALED_MM_PAD)
+            y = torch._scaled_mm(
+                x_q,
+                self.weight.t(),  # (K, N) column-major view of the row-major weight
+                scale_a=x_scale,  # (T, K / 128), token-fastest
+                scale_b=self.block_scale.t(),  # (K / 128, N / 128) view of the tiles' (N / 128, K / 128)
+                out_dtype=torch.bfloat16,
+            )
+            y = y if y.dtype == self.out_dtype else y.to(self.out_dtype)
+            return y if self.bias is None else y + self.bias
         x_q, x_scale = quantize_per_token_group(x, bk)
         if self.use_block_kernel:
             from splitserve.kernels.fp8_block_linear import fp8_block_linear
@@ -374,6 +419,8 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         if self.block is not None:
             path = "fp8_block_linear" if self.use_block_kernel else "reference"
+            if self.use_block_scaled_mm:
+                path += f" (from {BLOCK_SCALED_MM_MIN_ROWS} rows scaled_mm)"
             return (
                 f"in={self.in_features}, out={self.out_features}, fp8 e4m3 in {self.block[0]} x {self.block[1]} "
                 f"blocks, activations dynamic per token per {self.block[1]} features, {path}"

@@ -36,6 +36,7 @@ def _fp8_block_mm(
     K,
     stride_am,
     stride_asm,
+    stride_asg,
     stride_bn,
     stride_bsn,
     stride_cm,
@@ -66,7 +67,7 @@ def _fp8_block_mm(
     for g in range(0, tl.cdiv(K, BLOCK_K)):
         a = tl.load(a_rows + g * BLOCK_K, mask=m_in[:, None], other=0.0)
         b = tl.load(b_cols + g * BLOCK_K, mask=n_in[None, :], other=0.0)
-        sa = tl.load(a_scales + g, mask=m_in, other=0.0)
+        sa = tl.load(a_scales + g * stride_asg, mask=m_in, other=0.0)
         sb = tl.load(b_scales + g, mask=n_in, other=0.0)
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     if HAS_BIAS:
@@ -113,8 +114,8 @@ def fp8_block_linear(
     group = k // groups
     if not supported(k, group):
         raise ValueError(f"fp8_block_linear: groups of {group} features over K {k} (a power of two in [16, 256])")
-    if x_q.stride(1) != 1 or w_q.stride(1) != 1 or x_scale.stride(1) != 1 or w_scale.stride(1) != 1:
-        raise ValueError("fp8_block_linear: operands and scales need unit stride along K")
+    if x_q.stride(1) != 1 or w_q.stride(1) != 1 or w_scale.stride(1) != 1:
+        raise ValueError("fp8_block_linear: the operands and the weight's scales need unit stride along K")
     out = torch.empty((rows, n), dtype=out_dtype, device=x_q.device)
     if rows == 0:
         return out
@@ -122,7 +123,7 @@ def fp8_block_linear(
     grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_mm[grid](
         x_q, x_scale, w_q, w_scale, bias if bias is not None else out, out,
-        rows, n, k, x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
+        rows, n, k, x_q.stride(0), *x_scale.stride(), w_q.stride(0), w_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_K=group, **cfg,
     )  # fmt: skip
     return out

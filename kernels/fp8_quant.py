@@ -99,7 +99,7 @@ GROUPS_PER_PROGRAM = 8
 
 @triton.jit
 def _group_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, num_groups, stride_xt, stride_qt, stride_st, min_scale,
+    x_ptr, q_ptr, scale_ptr, num_groups, stride_xt, stride_qt, stride_st, stride_sg, min_scale,
     G: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
@@ -111,7 +111,7 @@ def _group_quant_kernel(
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), min_scale)  # (NG,)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
     tl.store(q_ptr + t * stride_qt + k, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
-    tl.store(scale_ptr + t * stride_st + g, scale, mask=in_row)
+    tl.store(scale_ptr + t * stride_st + g * stride_sg, scale, mask=in_row)
 
 
 def quantize_per_token_group_ref(x: torch.Tensor, group: int, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,10 +123,12 @@ def quantize_per_token_group_ref(x: torch.Tensor, group: int, min_scale: float) 
 
 
 def quantize_per_token_group(
-    x: torch.Tensor, group: int, min_scale: float, impl: str = "auto"
+    x: torch.Tensor, group: int, min_scale: float, impl: str = "auto", column_major: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (T, K) (unit stride along K, K a multiple of `group`, a power of two) per token per `group`
-    features: one launch on a GPU, bytes equal to the reference's."""
+    features: one launch on a GPU, bytes equal to the reference's. `column_major` = P > 0: the scales (T, K / group)
+    stored token-fastest, each group's column padded to a multiple of P tokens (what cuBLASLt's block scaling reads:
+    engine.quant)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % group or group & (group - 1):
         raise ValueError(
             f"quantize_per_token_group: x must be (T, K) with unit stride along K and K a multiple of the group, "
@@ -135,14 +137,18 @@ def quantize_per_token_group(
     if not use_triton(impl, x, "quantize_per_token_group"):
         return quantize_per_token_group_ref(x, group, min_scale)
     rows, k = x.shape
+    groups = k // group
     x_q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, k // group), dtype=torch.float32, device=x.device)
+    if column_major:
+        padded = -(-max(rows, 1) // column_major) * column_major
+        scale = torch.empty((groups, padded), dtype=torch.float32, device=x.device).t()[:rows]
+    else:
+        scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if rows == 0:
         return x_q, scale
-    groups = k // group
     ng = min(GROUPS_PER_PROGRAM, next_pow2(groups))
     _group_quant_kernel[(rows, triton.cdiv(groups, ng))](
-        x, x_q, scale, groups, x.stride(0), x_q.stride(0), scale.stride(0), min_scale,
+        x, x_q, scale, groups, x.stride(0), x_q.stride(0), scale.stride(0), scale.stride(1), min_scale,
         G=group, NG=ng, **pdl_launch(x), num_warps=4,
     )  # fmt: skip
     return x_q, scale

@@ -478,6 +478,38 @@ def test_block_wise_layers_run_the_kernel_on_gpu(f64_dir, tmp_path):
     llm.close()
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs e4m3 tensor cores"
+)
+def test_block_wise_128_tiles_take_scaled_mm_from_17_rows_on_gpu(monkeypatch):
+    """128 x 128 tiles whose rows line up with every fused part: up to 16 rows kernels.fp8_block_linear, from 17
+    torch._scaled_mm's block scaling where this torch takes it (quant.block_scaled_mm_works); both agree with the
+    CPU reference on the same operands (Hopper's e4m3 tensor-core sums keep fewer bits than fp32: 1e-3 relative)."""
+    gen = torch.Generator().manual_seed(5)
+    layers = {}
+    for device in ("cpu", "cuda"):
+        layer = Fp8Linear(256, [128, 128, 256], True, torch.bfloat16, device, block=(128, 128))
+        layer.weight.data.copy_((torch.randn(512, 256, generator=gen) * 40).clamp(-448, 448).to(FP8_DTYPE))
+        layer.block_scale.data.copy_(torch.rand(4, 2, generator=gen) * 1e-3 + 1e-4)
+        layer.bias.data.copy_(torch.randn(512, generator=gen).bfloat16())
+        layer.finalize(0)
+        layers[device] = layer
+        gen = torch.Generator().manual_seed(5)  # the same weights on both
+    gpu = layers["cuda"]
+    assert gpu.use_block_kernel and gpu.use_block_scaled_mm == quant.block_scaled_mm_works(0)
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for rows in (1, 16, 17, 100, 300):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got, want = gpu(x.cuda()).float().cpu(), layers["cpu"](x).float()
+        assert float((got - want).norm() / want.norm()) < 2e-3, f"{rows} rows"
+    assert calls == ([17, 100, 300] if gpu.use_block_scaled_mm else [])
+    odd = Fp8Linear(256, [64, 64], False, torch.bfloat16, "cuda", block=(128, 128))
+    odd.finalize(0)
+    assert odd.use_block_kernel and not odd.use_block_scaled_mm  # 64-row parts: tiles do not line up with 128
+
+
 def test_block_wise_refuses_w8a16_and_mismatched_activation_groups(f64_dir, tmp_path):
     path = _write_block_checkpoint(f64_dir, tmp_path / "block", VLLM_BLOCK, (32, 32), "weight_scale_inv")
     with pytest.raises(ValueError, match="--fp8-w8a16-max-rows 16: a block-wise fp8 checkpoint runs W8A8 at every"):
