@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,44 @@ def block_layer(weight: torch.Tensor):
     layer.weight_scale_inv.data.copy_(scale)
     layer.finalize(0)
     return layer
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_block_checkpoint(config_path: str, out_dir: str, device: str, seed: int = 0) -> str:
+    """A block-wise fp8 checkpoint of `config_path`'s model in `out_dir` (as DeepSeek-V3's and Qwen3's FP8 releases
+    are written: every projection in e4m3 with `weight_scale_inv` per 128 x 128 tile, `weight_block_size`
+    [128, 128], dynamic activations), from the random weights of a dummy load (engine.loader); returns the path."""
+    from safetensors.torch import save_file
+
+    from splitserve.engine.loader import load_model
+    from splitserve.engine.quant import FP8_MAX, to_fp8
+
+    net, _ = load_model(config_path, dtype=torch.bfloat16, device=device, load_format="dummy", seed=seed)
+    tensors = {}
+    for name, view in net.checkpoint_targets().items():
+        module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if module not in PROJECTIONS:
+            tensors[name] = view.contiguous().cpu()
+            continue
+        n, k = view.shape
+        rows = -(-n // BLOCK[0])
+        padded = torch.zeros(rows * BLOCK[0], k, device=view.device, dtype=torch.float32)
+        padded[:n] = view.float()
+        tiles = padded.view(rows, BLOCK[0], k // BLOCK[1], BLOCK[1])
+        scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # (rows, K / 128)
+        tensors[name] = to_fp8(tiles / scale[:, None, :, None]).view(rows * BLOCK[0], k)[:n].contiguous().cpu()
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale.cpu()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(Path(config_path).read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
 
 
 def channel_layer(weight: torch.Tensor):

@@ -22,7 +22,10 @@ beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measu
 `splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:fp8kv+e0` (its one-warp programs'
 output through the shared-memory merge), `splitserve:sched` /
 `splitserve:fp8kv+sched` (decode steps' rows in the scheduler's order, not longest first),
-`splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default), e.g. --engines
+`splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default),
+`splitserve:fp8block` / `:fp8block+kv` (a block-wise fp8 checkpoint of the --config model, 128 x 128 tiles as
+DeepSeek-V3's and Qwen3's FP8 releases, written to a temporary directory and loaded; with an fp8 KV cache),
+e.g. --engines
 splitserve,splitserve:fp8kv --workload nanovllm. Each splitserve engine is timed in every --scheduling
 mode (default sync,async: the synchronous loop, and asynchronous scheduling), rows named VARIANT-MODE;
 --gpu-busy adds the device's busy share of each (CUDA), --host-profile a cProfile.
@@ -89,6 +92,10 @@ VARIANTS = {
     "fp8kv+s2": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"SEQS": 2}},
     # fp8 KV with one-warp mma programs merging through shared memory (its EPI option off: on by default)
     "fp8kv+e0": {"kv_cache_dtype": "fp8", "fp8_mma_options": {"EPI": 0}},
+    # a block-wise fp8 checkpoint (128 x 128 tiles, weight_scale_inv: DeepSeek-V3's and Qwen3's FP8 form) of the
+    # --config model's random weights, written to a temporary directory and loaded from it
+    "fp8block": {"block_checkpoint": True},
+    "fp8block+kv": {"block_checkpoint": True, "kv_cache_dtype": "fp8"},
     # decode-only steps' rows in the scheduler's order (engine.model_runner.ModelRunner.LONGEST_FIRST off; on by
     # default), bf16 / fp8 KV
     "sched": {"longest_first": False},
@@ -188,9 +195,14 @@ def run_splitserve(
 def _run_engine(config_path: str, requests, dtype: str, device: str, args, variant: str, options: dict) -> list[dict]:
     from splitserve.engine import LLM, SamplingParams
 
+    model, load_format = config_path, "dummy"
+    if options.pop("block_checkpoint", False):  # splitserve:fp8block: the checkpoint written, then loaded
+        from bench.fp8_block_linear import write_block_checkpoint
+
+        model, load_format = write_block_checkpoint(config_path, tempfile.mkdtemp(), device), "auto"
     llm = LLM(
-        model=config_path,
-        load_format="dummy",
+        model=model,
+        load_format=load_format,
         dtype=dtype,
         device=device,
         max_num_seqs=args.max_num_seqs,
