@@ -132,7 +132,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int, column_major: int = 0)
 
         return quantize(x if x.stride(1) == 1 else x.contiguous(), group, MIN_SCALE, column_major=column_major)
     rows, k = x.shape
-    xf = x.float().view(rows, k // group, group)
+    xf = x.float().reshape(rows, k // group, group)
     scale = (xf.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # (T, K / group)
     return to_fp8(xf / scale[..., None]).view(rows, k), scale
 
@@ -162,24 +162,44 @@ def w8a16_ref(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor, bi
 # fifteenth session), Llama-3-8B's projections: the kernel 0.73-0.98x the per-channel path's time at 1-16 rows,
 # cuBLASLt 2.0-2.4x faster than the kernel at 256-2,048 rows.
 BLOCK_SCALED_MM_MIN_ROWS = 17
-# cuBLASLt reads the activations' scales token-fastest, each group's column padded to a multiple of this many tokens
+# What cuBLASLt's block scaling (through torch 2.11's _scaled_mm) takes: the activations' scales token-fastest with a
+# column stride of exactly the row count, a multiple of 4 (so a step's rows are padded to one); the tiles' scales read
+# as if each row of them were padded to 4 groups (torch does not check it: other K give wrong sums), so K / 128 must be
+# a multiple of 4. Measured on an H100 and an H200 (docs/perf.md, fifteenth session).
 BLOCK_SCALED_MM_PAD = 4
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x (T, K) in 16 bits times an e4m3 weight (N, K) in 128 x 128 tiles of scales `tiles` (N / 128, K / 128)
+    through _scaled_mm's block scaling: x quantized per token per 128 features, its rows padded to a multiple of
+    BLOCK_SCALED_MM_PAD -> (T, N) bf16."""
+    rows = x.shape[0]
+    padded = -(-rows // BLOCK_SCALED_MM_PAD) * BLOCK_SCALED_MM_PAD
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    x_q, x_scale = quantize_per_token_group(x, 128, column_major=BLOCK_SCALED_MM_PAD)  # scales' stride: padded
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=tiles.t(), out_dtype=torch.bfloat16)
+    return y[:rows]
 
 
 @functools.cache
 def block_scaled_mm_works(device_index: int) -> bool:
-    """Whether this torch's _scaled_mm takes 128 x 128 block scaling on CUDA device `device_index` (torch 2.11 on an
-    H200 does; older ones raise): one small product, tried once."""
+    """Whether this torch's _scaled_mm gives block_scaled_mm's product on CUDA device `device_index` (torch 2.11
+    does; older ones raise): one product of random operands at an odd row count, against the reference sums."""
+    from splitserve.kernels.fp8_block_linear import fp8_block_linear_ref
+
     device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(BLOCK_SCALED_MM_MIN_ROWS, 512, device=device, generator=gen).to(torch.bfloat16)
+    weight = to_fp8(torch.randn(256, 512, device=device, generator=gen) * 100)
+    tiles = torch.rand(2, 4, device=device, generator=gen) + 0.5
     try:
-        x_q = torch.zeros(BLOCK_SCALED_MM_MIN_ROWS, 256, dtype=FP8_DTYPE, device=device)
-        x_scale = torch.ones(2, 32, device=device).t()[:BLOCK_SCALED_MM_MIN_ROWS]  # token-fastest, padded
-        w_q = torch.zeros(256, 256, dtype=FP8_DTYPE, device=device)
-        tiles = torch.ones(2, 2, device=device)
-        torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=tiles.t(), out_dtype=torch.bfloat16)
+        got = block_scaled_mm(x, weight, tiles).float()
     except (RuntimeError, TypeError, ValueError):  # the scales' shapes are not a recipe this torch knows
         return False
-    return True
+    x_q, x_scale = quantize_per_token_group(x, 128)
+    want = fp8_block_linear_ref(x_q, x_scale, weight, tiles.repeat_interleave(128, 0), out_dtype=torch.float32)
+    return bool((got - want).norm() <= 2e-3 * want.norm())
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -314,8 +334,13 @@ class Fp8Linear(nn.Module):
             from splitserve.kernels.fp8_block_linear import supported
 
             self.use_block_kernel = supported(self.in_features, bk)
-            # cuBLASLt's tiles are 128 x 128 and must line up with the fused weight's rows: every part whole tiles
-            tiles_align = self.block == (128, 128) and all(n % 128 == 0 for n in self.output_sizes)
+            # cuBLASLt's tiles are 128 x 128 and must line up with the fused weight's rows (every part whole tiles),
+            # and K / 128 a multiple of 4 (BLOCK_SCALED_MM_PAD's note)
+            tiles_align = (
+                self.block == (128, 128)
+                and all(n % 128 == 0 for n in self.output_sizes)
+                and (self.in_features // 128) % BLOCK_SCALED_MM_PAD == 0
+            )
             index = self.weight.device.index if self.weight.device.index is not None else torch.cuda.current_device()
             self.use_block_scaled_mm = tiles_align and block_scaled_mm_works(index)
 
@@ -384,14 +409,7 @@ class Fp8Linear(nn.Module):
         """Block-wise W8A8: x (T, K) quantized per token per bk group -> (T, N) in the model's dtype."""
         bk = self.block[1]
         if self.use_block_scaled_mm and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS:
-            x_q, x_scale = quantize_per_token_group(x, bk, column_major=BLOCK_SCALED_MM_PAD)
-            y = torch._scaled_mm(
-                x_q,
-                self.weight.t(),  # (K, N) column-major view of the row-major weight
-                scale_a=x_scale,  # (T, K / 128), token-fastest
-                scale_b=self.block_scale.t(),  # (K / 128, N / 128) view of the tiles' (N / 128, K / 128)
-                out_dtype=torch.bfloat16,
-            )
+            y = block_scaled_mm(x, self.weight, self.block_scale)  # bf16 (what the block-scaled kernels produce)
             y = y if y.dtype == self.out_dtype else y.to(self.out_dtype)
             return y if self.bias is None else y + self.bias
         x_q, x_scale = quantize_per_token_group(x, bk)

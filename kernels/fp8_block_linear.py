@@ -11,7 +11,7 @@ added to the fp32 accumulator; the bias after the last group; one rounding to th
 ordered GROUP_M row tiles at a time, so neighbouring programs reuse the same weight tiles from L2.
 
 A fixed grid per shape and no host sync (CUDA-graph safe). `supported` says which (K, G) it takes: G a power of two
-in [16, 256] dividing K (tl.dot's and tl.arange's limits); engine.quant runs its reference for others.
+in [32, 256] dividing K (tl.dot's and tl.arange's limits); engine.quant runs its reference for others.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_GROUP, MAX_GROUP = 16, 256
+MIN_GROUP, MAX_GROUP = 32, 256  # tl.dot of e4m3 operands needs K >= 32
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _fp8_block_mm(
 
 
 def supported(k: int, group: int) -> bool:
-    """Whether the kernel takes K features in groups of `group` (a power of two in [16, 256] dividing K)."""
+    """Whether the kernel takes K features in groups of `group` (a power of two in [32, 256] dividing K)."""
     return MIN_GROUP <= group <= MAX_GROUP and group & (group - 1) == 0 and k % group == 0
 
 
@@ -113,7 +113,7 @@ def fp8_block_linear(
         )
     group = k // groups
     if not supported(k, group):
-        raise ValueError(f"fp8_block_linear: groups of {group} features over K {k} (a power of two in [16, 256])")
+        raise ValueError(f"fp8_block_linear: groups of {group} features over K {k} (a power of two in [32, 256])")
     if x_q.stride(1) != 1 or w_q.stride(1) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_block_linear: the operands and the weight's scales need unit stride along K")
     out = torch.empty((rows, n), dtype=out_dtype, device=x_q.device)

@@ -117,7 +117,7 @@ def _group_quant_kernel(
 def quantize_per_token_group_ref(x: torch.Tensor, group: int, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference: (x_q (T, K) e4m3, scale (T, K / group) fp32)."""
     rows, k = x.shape
-    xf = x.float().view(rows, k // group, group)
+    xf = x.float().reshape(rows, k // group, group)
     scale = (xf.abs().amax(dim=2) / FP8_MAX).clamp(min=min_scale)  # (T, K / group)
     return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, k), scale
 

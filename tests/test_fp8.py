@@ -482,32 +482,36 @@ def test_block_wise_layers_run_the_kernel_on_gpu(f64_dir, tmp_path):
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs e4m3 tensor cores"
 )
 def test_block_wise_128_tiles_take_scaled_mm_from_17_rows_on_gpu(monkeypatch):
-    """128 x 128 tiles whose rows line up with every fused part: up to 16 rows kernels.fp8_block_linear, from 17
-    torch._scaled_mm's block scaling where this torch takes it (quant.block_scaled_mm_works); both agree with the
-    CPU reference on the same operands (Hopper's e4m3 tensor-core sums keep fewer bits than fp32: 1e-3 relative)."""
-    gen = torch.Generator().manual_seed(5)
+    """128 x 128 tiles whose rows line up with every fused part and K / 128 a multiple of 4: up to 16 rows
+    kernels.fp8_block_linear, from 17 torch._scaled_mm's block scaling (rows padded to a multiple of 4); both agree
+    with the CPU reference on the same operands (Hopper's e4m3 tensor-core sums keep fewer bits than fp32: 1e-3
+    relative). K / 128 = 2 or 64-row parts keep the kernel at every size."""
+    if not quant.block_scaled_mm_works(0):
+        pytest.skip("this torch's _scaled_mm gives no 128 x 128 block-scaled product (quant.block_scaled_mm_works)")
     layers = {}
     for device in ("cpu", "cuda"):
-        layer = Fp8Linear(256, [128, 128, 256], True, torch.bfloat16, device, block=(128, 128))
-        layer.weight.data.copy_((torch.randn(512, 256, generator=gen) * 40).clamp(-448, 448).to(FP8_DTYPE))
-        layer.block_scale.data.copy_(torch.rand(4, 2, generator=gen) * 1e-3 + 1e-4)
+        gen = torch.Generator().manual_seed(5)  # the same weights on both
+        layer = Fp8Linear(512, [128, 128, 256], True, torch.bfloat16, device, block=(128, 128))
+        layer.weight.data.copy_((torch.randn(512, 512, generator=gen) * 40).clamp(-448, 448).to(FP8_DTYPE))
+        layer.block_scale.data.copy_(torch.rand(4, 4, generator=gen) * 1e-3 + 1e-4)
         layer.bias.data.copy_(torch.randn(512, generator=gen).bfloat16())
         layer.finalize(0)
         layers[device] = layer
-        gen = torch.Generator().manual_seed(5)  # the same weights on both
     gpu = layers["cuda"]
-    assert gpu.use_block_kernel and gpu.use_block_scaled_mm == quant.block_scaled_mm_works(0)
+    assert gpu.use_block_kernel and gpu.use_block_scaled_mm
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     for rows in (1, 16, 17, 100, 300):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        got, want = gpu(x.cuda()).float().cpu(), layers["cpu"](x).float()
-        assert float((got - want).norm() / want.norm()) < 2e-3, f"{rows} rows"
-    assert calls == ([17, 100, 300] if gpu.use_block_scaled_mm else [])
-    odd = Fp8Linear(256, [64, 64], False, torch.bfloat16, "cuda", block=(128, 128))
-    odd.finalize(0)
-    assert odd.use_block_kernel and not odd.use_block_scaled_mm  # 64-row parts: tiles do not line up with 128
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got, want = gpu(x.cuda()), layers["cpu"](x).float()
+        assert got.shape == (rows, 512) and got.dtype == torch.bfloat16
+        assert float((got.float().cpu() - want).norm() / want.norm()) < 2e-3, f"{rows} rows"
+    assert calls == [20, 100, 300]  # 17 rows padded to 20
+    for k, parts in ((256, [128, 128]), (512, [64, 64])):
+        other = Fp8Linear(k, parts, False, torch.bfloat16, "cuda", block=(128, 128))
+        other.finalize(0)
+        assert other.use_block_kernel and not other.use_block_scaled_mm, (k, parts)
 
 
 def test_block_wise_refuses_w8a16_and_mismatched_activation_groups(f64_dir, tmp_path):

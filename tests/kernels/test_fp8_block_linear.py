@@ -25,7 +25,7 @@ def _operands(m, n, k, group, seed=0):
 
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 65, 300])
-@pytest.mark.parametrize(("n", "k", "group"), [(200, 256, 128), (64, 512, 256), (96, 64, 32)])
+@pytest.mark.parametrize(("n", "k", "group"), [(200, 256, 128), (64, 512, 256), (96, 64, 32), (72, 4096, 128)])
 def test_matches_the_reference(m, n, k, group):
     x_q, x_scale, w_q, w_scale, bias = _operands(m, n, k, group, seed=m + n)
     for with_bias, dtype in ((True, torch.bfloat16), (False, torch.float16)):
@@ -49,12 +49,12 @@ def test_every_config_tile_gives_the_same_result():
 
 def test_supported_groups_and_named_refusals():
     assert supported(4096, 128) and supported(64, 32) and supported(512, 256)
-    assert not supported(4096, 8) and not supported(4096, 512) and not supported(96, 48) and not supported(100, 32)
+    assert not supported(4096, 16) and not supported(4096, 512) and not supported(96, 48) and not supported(100, 32)
     x_q, x_scale, w_q, w_scale, _ = _operands(3, 8, 64, 32)
     with pytest.raises(ValueError, match=r"do not agree on \(M, K, N, K / G\)"):
         fp8_block_linear(x_q, x_scale, w_q[:, :32], w_scale)
-    with pytest.raises(ValueError, match=r"groups of 8 features over K 64"):
-        fp8_block_linear(x_q, x_scale.repeat(1, 4), w_q, w_scale.repeat(1, 4))
+    with pytest.raises(ValueError, match=r"groups of 16 features over K 64 \(a power of two in \[32, 256\]\)"):
+        fp8_block_linear(x_q, x_scale.repeat(1, 2), w_q, w_scale.repeat(1, 2))
 
 
 @pytest.mark.parametrize(("rows", "k", "group"), [(1, 4096, 128), (7, 14336, 128), (33, 96, 32), (2, 512, 256)])
@@ -73,6 +73,10 @@ def test_group_quantizer_writes_the_references_bytes(device, rows, k, group):
     assert scale.shape == (rows, k // group) and q.dtype == FP8 and torch.equal(scale, want_scale)
     if device == "cuda":  # the interpreter casts to e4m3 its own way (tests/kernels/test_fp8_fused_quant.py)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # token-fastest scales (cuBLASLt's block scaling): the same values, each group's column padded to 4 tokens
+    q4, scale4 = quantize_per_token_group(x, group, 1.0 / (448 * 512), impl="triton", column_major=4)
+    assert scale4.shape == (rows, k // group) and scale4.stride() == (1, -(-rows // 4) * 4)
+    assert torch.equal(scale4, want_scale) and torch.equal(q4.view(torch.uint8), q.view(torch.uint8))
 
 
 def test_group_quantizer_names_what_it_cannot_take():
