@@ -199,7 +199,7 @@ def _run_engine(config_path: str, requests, dtype: str, device: str, args, varia
     if options.pop("block_checkpoint", False):  # splitserve:fp8block: the checkpoint written, then loaded
         from bench.fp8_block_linear import write_block_checkpoint
 
-        model, load_format = write_block_checkpoint(config_path, tempfile.mkdtemp(), device), "auto"
+        model, load_format = write_block_checkpoint(config_path, tempfile.mkdtemp(), "cpu"), "auto"
     llm = LLM(
         model=model,
         load_format=load_format,
@@ -231,6 +231,7 @@ def _run_engine(config_path: str, requests, dtype: str, device: str, args, varia
         _gpu_busy(llm, prompts, params, rows)
     if args.host_profile:
         _host_profile(llm, prompts, params, args.scheduling.split(",")[-1])
+    llm.close()  # its device memory back before the next engine sizes its KV pool (the collector is frozen)
     return rows
 
 

@@ -36,7 +36,7 @@ bn x bk tile and the activations per token per bk-wide group, both dynamic:
     x (T, K)      -> x_q, x_scale (T, K / bk)                             x ~= x_q * x_scale[t, k // bk]
     y[t, n] = sum over groups g of (x_q[t, g] . w_q[n, g]) * x_scale[t, g] * scale[n // bn, g]
 
-W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear up to 16 rows and from 17
+W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear up to 32 rows and from 33
 `torch._scaled_mm`'s block scaling (128 x 128 tiles whose rows line up with every fused part, where this torch takes
 it: `block_scaled_mm_works`), elsewhere both operands dequantized to the model's dtype and multiplied.
 """
@@ -159,9 +159,10 @@ def w8a16_ref(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor, bi
 
 # Block-wise steps of at least this many rows multiply through torch._scaled_mm's block scaling (cuBLASLt: 128 x 128
 # weight tiles, activations per token per 128 features), fewer through kernels.fp8_block_linear. One H200 (docs/perf.md,
-# fifteenth session), Llama-3-8B's projections: the kernel 0.73-0.98x the per-channel path's time at 1-16 rows,
-# cuBLASLt 2.0-2.4x faster than the kernel at 256-2,048 rows.
-BLOCK_SCALED_MM_MIN_ROWS = 17
+# fifteenth session), Llama-3-8B's qkv projection: the kernel 0.012-0.014 ms against cuBLASLt's 0.015-0.019 at 1-17
+# rows, even at 33 (0.0144 / 0.0190) and 64 (0.0152 / 0.0160; the wide gate_up and down 0.045 / 0.039, 0.062 / 0.044),
+# cuBLASLt ahead from 100 (0.0216 / 0.0164) to 2,048 rows (0.195 / 0.102).
+BLOCK_SCALED_MM_MIN_ROWS = 33
 # What cuBLASLt's block scaling (through torch 2.11's _scaled_mm) takes: the activations' scales token-fastest with a
 # column stride of exactly the row count, a multiple of 4 (so a step's rows are padded to one); the tiles' scales read
 # as if each row of them were padded to 4 groups (torch does not check it: other K give wrong sums), so K / 128 must be
