@@ -93,7 +93,9 @@ def quantize_per_token(x: torch.Tensor, min_scale: float, impl: str = "auto") ->
 
 # Per token per group of G features (block-wise fp8 checkpoints' activations, kernels.fp8_block_linear):
 #     x (T, K) -> x_q (T, K) e4m3, scale (T, K / G) fp32 = max(amax(|x[t, group]|) / 448, min_scale)
-# Both divisions round to nearest (div_rn), as torch's do, so the kernel writes the reference's bytes.
+# The scale as fp8_row_scale makes it (what torch on the GPU computes for amax / 448: the product with 1 / 448, one
+# ulp off the quotient at times, which moves a value sitting on an e4m3 tie), the values divided rounding to nearest
+# (div_rn, as torch's tensor division), so on a GPU the kernel writes the torch reference's bytes.
 GROUPS_PER_PROGRAM = 8
 
 
@@ -108,7 +110,7 @@ def _group_quant_kernel(
     in_row = g < num_groups
     k = g[:, None] * G + tl.arange(0, G)[None, :]  # (NG, G)
     x = tl.load(x_ptr + t * stride_xt + k, mask=in_row[:, None], other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), min_scale)  # (NG,)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, min_scale)  # (NG,) fp8_row_scale's arithmetic
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
     tl.store(q_ptr + t * stride_qt + k, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
     tl.store(scale_ptr + t * stride_st + g * stride_sg, scale, mask=in_row)
