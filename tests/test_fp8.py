@@ -486,8 +486,9 @@ def test_block_wise_layers_run_the_kernel_on_gpu(f64_dir, tmp_path):
 def test_block_wise_128_tiles_take_scaled_mm_from_33_rows_on_gpu(monkeypatch):
     """128 x 128 tiles whose rows line up with every fused part and K / 128 a multiple of 4: up to 32 rows
     kernels.fp8_block_linear, from 33 torch._scaled_mm's block scaling (rows padded to a multiple of 4); both agree
-    with the CPU reference on the same operands (Hopper's e4m3 tensor-core sums keep fewer bits than fp32: 1e-3
-    relative). K / 128 = 2 or 64-row parts keep the kernel at every size."""
+    with the CPU reference (Hopper's e4m3 tensor-core sums keep fewer bits than fp32: 7e-4 relative; the CPU's
+    amax / 448 may be one ulp off the GPU's, moving an activation on an e4m3 tie a step: 1e-2 in all). K / 128 = 2
+    or 64-row parts keep the kernel at every size."""
     if not quant.block_scaled_mm_works(0):
         pytest.skip("this torch's _scaled_mm gives no 128 x 128 block-scaled product (quant.block_scaled_mm_works)")
     layers = {}
