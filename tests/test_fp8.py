@@ -475,7 +475,8 @@ def test_block_wise_layers_run_the_kernel_on_gpu(f64_dir, tmp_path):
         got, want = gpu_layer(x.cuda()).float().cpu(), cpu_layer(x).float()
         assert float((got - want).norm() / want.norm()) < 1e-2, name
     llm = LLM(str(path), dtype="bfloat16", device="cuda", num_kv_blocks=64, block_size=16)
-    out = llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=greedy)
     assert [len(o.token_ids) for o in out] == [8, 8, 8] and out[0].token_ids == out[1].token_ids == out[2].token_ids
     llm.close()
 
