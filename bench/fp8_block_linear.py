@@ -5,7 +5,7 @@ Qwen3's FP8 releases) beside the per-channel W8A8 path and bf16, at Llama-3-8B's
 
 Per (projection, rows): bf16 (cuBLAS), per-channel W8A8 (Fp8Linear: per-token quantizer + row-wise
 `torch._scaled_mm`), block-wise W8A8 (Fp8Linear in block mode: the per-group quantizer + kernels.fp8_block_linear up
-to 16 rows, `torch._scaled_mm`'s block scaling from 17),
+to 16 rows, `torch._scaled_mm`'s block scaling from 17: engine.quant.BLOCK_SCALED_MM_MIN_ROWS),
 and the kernel alone on each tile of a small sweep (its default first). Times as bench/fp8_linear.py takes them:
 calls captured back to back in one CUDA graph over weight copies whose bytes are 3x the L2, replayed, per call.
 `rel err` = |y - y_bf16| / |y_bf16| of the layer; `kernel ok` = every tile within 2e-3 (relative norm) of the

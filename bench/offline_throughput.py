@@ -195,21 +195,16 @@ def run_splitserve(
 def _run_engine(config_path: str, requests, dtype: str, device: str, args, variant: str, options: dict) -> list[dict]:
     from splitserve.engine import LLM, SamplingParams
 
-    model, load_format = config_path, "dummy"
-    if options.pop("block_checkpoint", False):  # splitserve:fp8block: the checkpoint written, then loaded
-        from bench.fp8_block_linear import write_block_checkpoint
-
-        model, load_format = write_block_checkpoint(config_path, tempfile.mkdtemp(), "cpu"), "auto"
-    llm = LLM(
-        model=model,
-        load_format=load_format,
+    llm = _load_engine(
+        LLM,
+        config_path,
+        options,
         dtype=dtype,
         device=device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_fraction=args.kv_fraction,
-        **options,
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     prompts = [p for p, _ in requests]
@@ -233,6 +228,22 @@ def _run_engine(config_path: str, requests, dtype: str, device: str, args, varia
         _host_profile(llm, prompts, params, args.scheduling.split(",")[-1])
     llm.close()  # its device memory back before the next engine sizes its KV pool (the collector is frozen)
     return rows
+
+
+def _load_engine(llm_class, config_path: str, options: dict, **engine_args):
+    """An engine of `config_path`'s model with random weights: a dummy load, or for splitserve:fp8block (option
+    "block_checkpoint", popped) a block-wise fp8 checkpoint of them written to a temporary directory, loaded, then
+    deleted (an 8B checkpoint is ~10 GB)."""
+    if not options.pop("block_checkpoint", False):
+        return llm_class(model=config_path, load_format="dummy", **engine_args, **options)
+    from bench.fp8_block_linear import write_block_checkpoint
+
+    directory = tempfile.mkdtemp()
+    try:
+        model = write_block_checkpoint(config_path, directory, "cpu")
+        return llm_class(model=model, load_format="auto", **engine_args, **options)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _timed_pass(llm, prompts, params, mode: str, device: str, name: str) -> dict:
@@ -577,7 +588,7 @@ def run_fixed(args) -> list[dict]:
             config,
             r["batch"],
             context,
-            weight_bytes=1 if "quantization" in options else 2,
+            weight_bytes=1 if "quantization" in options or options.get("block_checkpoint") else 2,
             kv_bytes_per_elem=1 if "kv_cache_dtype" in options else 2,
         )
         r["floor_ms"] = floor
@@ -593,10 +604,10 @@ def _fixed_engine(args, engine: str, options: dict, batches: list[int], vocab: i
     from splitserve.engine import LLM
 
     rows = []
-    llm = LLM(
-        **options,
-        model=args.config,
-        load_format="dummy",
+    llm = _load_engine(
+        LLM,
+        args.config,
+        options,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=max(batches),

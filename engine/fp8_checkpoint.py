@@ -17,7 +17,8 @@ config.json's `quantization_config` says how a checkpoint is quantized; two FP8 
         its FP8_BLOCK scheme: weights "strategy": "block", "block_structure": [bn, bk], `weight_scale`
         (ceil(N / bn), K / bk), activations dynamic with "strategy": "group", "group_size": bk)
 
-Each quantized projection `P` has `P.weight` (N, K) e4m3 and `P.weight_scale`; static activations
+Each quantized projection `P` has `P.weight` (N, K) e4m3 and `P.weight_scale` (block-wise vLLM checkpoints:
+`P.weight_scale_inv`, the tiles' scales despite the name); static activations
 add `P.input_scale`. KV cache scales are `self_attn.k_scale` / `self_attn.v_scale` (or the older
 `self_attn.kv_scale`, or llm-compressor's `k_proj.output_scale` / `v_proj.output_scale`).
 A checkpoint without activation quantization (weight-only FP8) runs with dynamic per-token scales.

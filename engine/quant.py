@@ -36,9 +36,12 @@ bn x bk tile and the activations per token per bk-wide group, both dynamic:
     x (T, K)      -> x_q, x_scale (T, K / bk)                             x ~= x_q * x_scale[t, k // bk]
     y[t, n] = sum over groups g of (x_q[t, g] . w_q[n, g]) * x_scale[t, g] * scale[n // bn, g]
 
-W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear up to 32 rows and from 33
+W8A8 at every size (no W8A16 rows); on CUDA capability >= 8.9 kernels.fp8_block_linear up to 16 rows and from 17
 `torch._scaled_mm`'s block scaling (128 x 128 tiles whose rows line up with every fused part, where this torch takes
-it: `block_scaled_mm_works`), elsewhere both operands dequantized to the model's dtype and multiplied.
+it, K / 128 a multiple of 4: `block_scaled_mm_works`), elsewhere both operands dequantized to the model's dtype and
+multiplied. Unlike per-channel W8A8 this is not batch-invariant on a GPU: the kernel (up to 16 rows, one 16-row tile)
+and cuBLASLt (from 17, its kernels picked by the row count) sum in their own orders, so a token's result may depend on
+its step's row count in the last bits.
 """
 
 from __future__ import annotations
@@ -159,10 +162,11 @@ def w8a16_ref(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor, bi
 
 # Block-wise steps of at least this many rows multiply through torch._scaled_mm's block scaling (cuBLASLt: 128 x 128
 # weight tiles, activations per token per 128 features), fewer through kernels.fp8_block_linear. One H200 (docs/perf.md,
-# fifteenth session), Llama-3-8B's qkv projection: the kernel 0.012-0.014 ms against cuBLASLt's 0.015-0.019 at 1-17
-# rows, even at 33 (0.0144 / 0.0190) and 64 (0.0152 / 0.0160; the wide gate_up and down 0.045 / 0.039, 0.062 / 0.044),
-# cuBLASLt ahead from 100 (0.0216 / 0.0164) to 2,048 rows (0.195 / 0.102).
-BLOCK_SCALED_MM_MIN_ROWS = 33
+# fifteenth session), Llama-3-8B's projections, kernel / cuBLASLt ms: up to 16 rows the kernel's 16-row tiles win
+# (qkv 0.0120 / 0.0176 at one row, 0.0132 / 0.0153 at 16); from 17 it takes 64-row tiles, which win on the narrow qkv
+# (0.0142 / 0.0189 at 17, 0.0144 / 0.0190 at 33) and lose more on the wide gate_up and down (0.045 / 0.039 and
+# 0.062 / 0.044 at 64 rows; the layer's four: 0.141 / 0.117); cuBLASLt ahead at 100-2,048 rows on all four.
+BLOCK_SCALED_MM_MIN_ROWS = 17
 # What cuBLASLt's block scaling (through torch 2.11's _scaled_mm) takes: the activations' scales token-fastest with a
 # column stride of exactly the row count, a multiple of 4 (so a step's rows are padded to one); the tiles' scales read
 # as if each row of them were padded to 4 groups (torch does not check it: other K give wrong sums), so K / 128 must be
@@ -190,17 +194,21 @@ def block_scaled_mm_works(device_index: int) -> bool:
     from splitserve.kernels.fp8_block_linear import fp8_block_linear_ref
 
     device = torch.device("cuda", device_index)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(BLOCK_SCALED_MM_MIN_ROWS, 512, device=device, generator=gen).to(torch.bfloat16)
-    weight = to_fp8(torch.randn(256, 512, device=device, generator=gen) * 100)
-    tiles = torch.rand(2, 4, device=device, generator=gen) + 0.5
-    try:
-        got = block_scaled_mm(x, weight, tiles).float()
-    except (RuntimeError, TypeError, ValueError):  # the scales' shapes are not a recipe this torch knows
-        return False
-    x_q, x_scale = quantize_per_token_group(x, 128)
-    want = fp8_block_linear_ref(x_q, x_scale, weight, tiles.repeat_interleave(128, 0), out_dtype=torch.float32)
-    return bool((got - want).norm() <= 2e-3 * want.norm())
+    lasting = (torch.cuda.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.cuda.OutOfMemoryError))
+    with torch.cuda.device(device):  # the Triton quantizer launches on the current device
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(BLOCK_SCALED_MM_MIN_ROWS, 512, device=device, generator=gen).to(torch.bfloat16)
+        weight = to_fp8(torch.randn(256, 512, device=device, generator=gen) * 100)
+        tiles = torch.rand(2, 4, device=device, generator=gen) + 0.5
+        try:
+            got = block_scaled_mm(x, weight, tiles).float()
+        except lasting:  # the device's trouble, not this torch's recipe: not cached as an answer
+            raise
+        except (RuntimeError, TypeError, ValueError):  # the scales' shapes are not a recipe this torch knows
+            return False
+        x_q, x_scale = quantize_per_token_group(x, 128)
+        want = fp8_block_linear_ref(x_q, x_scale, weight, tiles.repeat_interleave(128, 0), out_dtype=torch.float32)
+        return bool((got - want).norm() <= 2e-3 * want.norm())
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -209,7 +217,8 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W stored in e4m3 and one fp32 scale per output row.
+    """y = x W^T (+ b) with W stored in e4m3 and one fp32 scale per output row (block-wise, `block` = (bn, bk):
+    one per bn x bk tile, module docstring).
 
     `output_sizes` are the row blocks of a fused weight (q|k|v, gate|up), as in models.llama.Linear;
     a checkpoint's per-tensor scales fill their rows of `weight_scale`. `num_input_scales` > 0 makes
