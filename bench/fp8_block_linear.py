@@ -46,9 +46,10 @@ SWEEP = {  # the kernel's tiles tried at each size of M (block_config's choice i
 }
 
 
-def block_layer(weight: torch.Tensor):
-    """An Fp8Linear in block mode holding `weight` (N, K) quantized in BLOCK tiles (amax / 448 per tile)."""
-    from splitserve.engine.quant import FP8_MAX, Fp8Linear, to_fp8
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) -> (e4m3 (N, K), fp32 scales (ceil(N / 128), K / 128)): amax / 448 per BLOCK tile, as the
+    block-wise releases are written (a last, partial row of tiles scaled over its own rows)."""
+    from splitserve.engine.quant import FP8_MAX, to_fp8
 
     n, k = weight.shape
     bn, bk = BLOCK
@@ -57,8 +58,17 @@ def block_layer(weight: torch.Tensor):
     padded[:n] = weight.float()
     tiles = padded.view(rows, bn, k // bk, bk)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # (rows, K / bk)
+    return to_fp8(tiles / scale[:, None, :, None]).view(rows * bn, k)[:n], scale
+
+
+def block_layer(weight: torch.Tensor):
+    """An Fp8Linear in block mode holding `weight` (N, K) quantized in BLOCK tiles."""
+    from splitserve.engine.quant import Fp8Linear
+
+    n, k = weight.shape
     layer = Fp8Linear(k, [n], False, weight.dtype, weight.device, block=BLOCK, scale_name="weight_scale_inv")
-    layer.weight.data.copy_(to_fp8(tiles / scale[:, None, :, None]).view(rows * bn, k)[:n])
+    w_q, scale = quantize_blocks(weight)
+    layer.weight.data.copy_(w_q)
     layer.weight_scale_inv.data.copy_(scale)
     layer.finalize(0)
     return layer
@@ -74,7 +84,6 @@ def write_block_checkpoint(config_path: str, out_dir: str, device: str, seed: in
     from safetensors.torch import save_file
 
     from splitserve.engine.loader import load_model
-    from splitserve.engine.quant import FP8_MAX, to_fp8
 
     net, _ = load_model(config_path, dtype=torch.bfloat16, device=device, load_format="dummy", seed=seed)
     tensors = {}
@@ -83,13 +92,8 @@ def write_block_checkpoint(config_path: str, out_dir: str, device: str, seed: in
         if module not in PROJECTIONS:
             tensors[name] = view.contiguous().cpu()
             continue
-        n, k = view.shape
-        rows = -(-n // BLOCK[0])
-        padded = torch.zeros(rows * BLOCK[0], k, device=view.device, dtype=torch.float32)
-        padded[:n] = view.float()
-        tiles = padded.view(rows, BLOCK[0], k // BLOCK[1], BLOCK[1])
-        scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # (rows, K / 128)
-        tensors[name] = to_fp8(tiles / scale[:, None, :, None]).view(rows * BLOCK[0], k)[:n].contiguous().cpu()
+        w_q, scale = quantize_blocks(view)
+        tensors[name] = w_q.contiguous().cpu()
         tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale.cpu()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

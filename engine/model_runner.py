@@ -302,7 +302,7 @@ class ModelRunner:
         if not requests:
             self._last_tokens, self._last_rows = None, {}
             return LaunchedStep([], None)
-        request_ids = [request.request_id for request in requests]
+        request_ids = inputs.sampling_request_ids
         # structured output: the host fills the grammar rows' bitmask now, while the device runs the model
         # (a request with a grammar is read before its next step is launched: its matcher is up to date)
         grammars = [(i, request.grammar) for i, request in enumerate(requests) if request.grammar is not None]

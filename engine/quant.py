@@ -339,7 +339,6 @@ class Fp8Linear(nn.Module):
             tile_row += -(-n // bn)
         rows = torch.cat(index).to(self.weight.device)
         self.row_scale = self.block_scale.data.index_select(0, rows).contiguous()  # (N, K / bk)
-        self.w8a16_max_rows = 0
         if scaled_mm_supported(self.weight.device):
             from splitserve.kernels.fp8_block_linear import supported
 
@@ -351,8 +350,7 @@ class Fp8Linear(nn.Module):
                 and all(n % 128 == 0 for n in self.output_sizes)
                 and (self.in_features // 128) % BLOCK_SCALED_MM_PAD == 0
             )
-            index = self.weight.device.index if self.weight.device.index is not None else torch.cuda.current_device()
-            self.use_block_scaled_mm = tiles_align and block_scaled_mm_works(index)
+            self.use_block_scaled_mm = tiles_align and block_scaled_mm_works(self.weight.device.index)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, K) -> (x_q, scale (T, 1)): dynamic per token, or the static per-layer scale."""
@@ -419,9 +417,7 @@ class Fp8Linear(nn.Module):
         """Block-wise W8A8: x (T, K) quantized per token per bk group -> (T, N) in the model's dtype."""
         bk = self.block[1]
         if self.use_block_scaled_mm and x.shape[0] >= BLOCK_SCALED_MM_MIN_ROWS:
-            y = block_scaled_mm(x, self.weight, self.block_scale)  # bf16 (what the block-scaled kernels produce)
-            y = y if y.dtype == self.out_dtype else y.to(self.out_dtype)
-            return y if self.bias is None else y + self.bias
+            return self._output(block_scaled_mm(x, self.weight, self.block_scale))
         x_q, x_scale = quantize_per_token_group(x, bk)
         if self.use_block_kernel:
             from splitserve.kernels.fp8_block_linear import fp8_block_linear
@@ -440,6 +436,10 @@ class Fp8Linear(nn.Module):
             scale_b=self.weight_scale[None, :],  # (1, N)
             out_dtype=torch.bfloat16,
         )
+        return self._output(y)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """A `_scaled_mm` product (bf16: what the scaled kernels produce) in the model's dtype, plus the bias."""
         if y.dtype != self.out_dtype:
             y = y.to(self.out_dtype)
         return y if self.bias is None else y + self.bias
