@@ -44,6 +44,9 @@ VARIANTS = {
     "fp8 w8a8+kv": {**FP8, "fp8_w8a16_max_rows": 0},
     "fp8 w": {**BF16, "quantization": "fp8"},
     "float32": {"dtype": "float32"},  # not run by default: how far 16-bit alone moves a float32 model
+    # not run by default: bf16 with each prompt in a batch of its own (prefill and decode of one row), how far the
+    # batch's shape alone moves bf16's greedy tokens (the matmuls' reduction order changes with the row count)
+    "bf16 alone": {**BF16, "max_num_seqs": 1},
 }
 DEFAULT_VARIANTS = "bf16,fp8 kv,fp8 w8a16+kv,fp8 w8a8+kv"
 
@@ -78,13 +81,8 @@ def evaluate(variant: dict, args, windows: list[list[int]], prompts: list[list[i
     from splitserve.engine import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(
-        device=args.device,
-        num_kv_blocks=-(-args.window // 16) + 64,
-        max_num_seqs=args.num_prompts,
-        enforce_eager=True,
-        **variant,
-    )
+    engine_args = {"max_num_seqs": args.num_prompts, "enforce_eager": True, **variant}
+    llm = LLM(device=args.device, num_kv_blocks=-(-args.window // 16) + 64, **engine_args)
     total, count = 0.0, 0
     for ids in windows:
         nll, n = window_nll(llm.engine, ids)

@@ -204,6 +204,8 @@ def _run_engine(config_path: str, requests, dtype: str, device: str, args, varia
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
         kv_cache_memory_fraction=args.kv_fraction,
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
