@@ -12,8 +12,9 @@ and the 8B projections bf16 (cuBLAS) beside fp8 W8A8 (per-token quantization + r
 `torch._scaled_mm`) and fp8 W8A16 (kernels.fp8_skinny_linear), graphed (`fp8linear` alone: bench/fp8_linear.py).
 
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between calls, warm-up
-first). Decode bytes count each cached K/V element of the context once (block tables, q and out
-are under 0.1% and left out); prefill FLOPs are 4 * Hq * D * L^2 / 2 per causal sequence.
+first); the fp8 tables' of `do_bench_cudagraph` (replays of a captured graph; each decode call reads
+hundreds of MB, far past the L2). Decode bytes count each cached K/V element of the context once (block
+tables, q and out are under 0.1% and left out); prefill FLOPs are 4 * Hq * D * L^2 / 2 per causal sequence.
 """
 
 from __future__ import annotations
@@ -325,8 +326,8 @@ FP8_CONFIGS = [dict(DOT_F16=False, BLOCK_N=64, num_warps=4, num_stages=2)] + [
 def bench_fp8_decode(p, copy_bw, device, gen):
     """Decode attention over a bf16 cache and the same values in e4m3, side by side, + a tile sweep of the fp8
     cache's Triton variants beside the engine's own choice (on an H200 the mma kernel). On a GPU every time is
-    replayed from a CUDA graph, as the engine runs its decode steps (at ~0.07 ms a call the launch alone would
-    be ~15% of the time)."""
+    replayed from a CUDA graph, as the engine runs its decode steps (on one H200 the fp8 calls took 0.080 ms
+    with their launch against 0.071 ms graphed: docs/perf.md, seventeenth session)."""
     fp8 = torch.float8_e4m3fn
     timer = time_graph_ms if device == "cuda" else time_ms
     cache = PagedCache(p, device, torch.bfloat16)
@@ -352,8 +353,9 @@ def bench_fp8_decode(p, copy_bw, device, gen):
         best = (row["fp8_ms"], "engine's choice")
         for cfg in FP8_CONFIGS if device == "cuda" else FP8_CONFIGS[:1]:
             t = timer(lambda cfg=cfg: paged_decode_attention_triton(q, k8, v8, table, seq_lens, scale, config=cfg))
-            sweep.append(dict(batch=batch, ctx=ctx, tile=fp8_tile_name(cfg), ms=t))
-            best = min(best, (t, fp8_tile_name(cfg)), key=lambda x: x[0])
+            tile = fp8_tile_name(cfg)
+            sweep.append(dict(batch=batch, ctx=ctx, tile=tile, ms=t))
+            best = min(best, (t, tile), key=lambda x: x[0])
         row["fp8_best_ms"], row["fp8_best_tile"] = best
         row["fp8_best_pct_copy"] = 100 * elems / (best[0] * 1e-3) / copy_bw
         rows.append(row)
