@@ -6,17 +6,20 @@ KV over cuda_ipc; several GPUs -> the prefill on cuda:0, the decodes on the othe
 --prefill-device / --decode-device and --kv-transport override it; a transport the placement
 cannot run is refused before anything starts.
 
-Children are `python -m splitserve.cli <subcommand>` processes in sessions of their own (so a
-terminal's Ctrl-C reaches only this process, which then stops them in order) that also
-die with this process (PR_SET_PDEATHSIG on Linux). A child that exits by itself once the stack
-is up is restarted, up to --max-restarts times (each logged), before the stack stops. On Ctrl-C /
-SIGTERM the drain goes in order: the gateway first (it stops admitting and lets its in-flight
-requests finish, which needs the engines), then the prefill and decodes; each stage gets
-stop_grace_s before SIGKILL; nothing is left running.
+Children are `python -m splitserve.cli <subcommand>` processes of the installed package (nothing of
+ours on their path: `LocalStack`) in sessions of their own (so a terminal's Ctrl-C reaches only this
+process, which then stops them in order) that also die with this process (PR_SET_PDEATHSIG on Linux).
+Their output goes to a log file each; until the stack is ready only a child that dies is shown, as
+one block of its last lines, and after that their lines pass through prefixed with their names.
+A child that exits by itself once the stack is up is restarted, up to --max-restarts times (each
+logged), before the stack stops. On Ctrl-C / SIGTERM the drain goes in order: the gateway first (it
+stops admitting and lets its in-flight requests finish, which needs the engines), then the prefill
+and decodes; each stage gets stop_grace_s before SIGKILL; nothing is left running.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import json
@@ -27,6 +30,8 @@ import signal
 import ssl
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -254,20 +259,83 @@ def _die_with_parent() -> None:
 
 
 class LocalStack:
-    """Child processes started together and always stopped together."""
+    """Child processes started together and always stopped together.
 
-    def __init__(self, env: dict[str, str] | None = None, die_with_parent: bool = True) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    Each child runs the installed splitserve with the same interpreter, with `PYTHONSAFEPATH=1` and no folder
+    of ours added to its path: `python -m` and `python -c` would otherwise put the working directory first on
+    `sys.path`, where a checkout's top-level folders shadow libraries of the same name (`kernels`). A child's
+    stdout and stderr go to `log_dir/<name>.log`; its last `tail_lines` lines are kept for `failure_report`,
+    and once `echo()` is called each new line is also written to `out`, prefixed with the child's name.
+    """
+
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        die_with_parent: bool = True,
+        log_dir: str | None = None,
+        out: Any = None,
+        tail_lines: int = 40,
+    ) -> None:
         self._preexec = _die_with_parent if die_with_parent else None  # unsafe in threaded parents
         self.env = dict(os.environ if env is None else env)
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
+        self.env["PYTHONSAFEPATH"] = "1"
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
         self.procs: dict[str, subprocess.Popen] = {}
         self.argvs: dict[str, list[str]] = {}
         self.restarts: Counter = Counter()
+        self._out = out if out is not None else sys.stderr
+        self._tail_lines = tail_lines
+        self._tails: dict[str, collections.deque[str]] = {}
+        self._readers: list[threading.Thread] = []
+        self._echo = threading.Event()
+        self._write_lock = threading.Lock()
 
     def add(self, name: str, argv: Sequence[str]) -> None:
         self.argvs[name] = list(argv)
-        self.procs[name] = subprocess.Popen(list(argv), env=self.env, start_new_session=True, preexec_fn=self._preexec)
+        proc = subprocess.Popen(
+            list(argv),
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=self._preexec,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs[name] = proc
+        self._tails[name] = collections.deque(maxlen=self._tail_lines)
+        reader = threading.Thread(target=self._read, args=(name, proc), name=f"up-log-{name}", daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        """Copy one child's output to its log (appended across restarts) and, once echoing, to `out`."""
+        with open(self.log_path(name), "ab") as log:
+            for raw in iter(proc.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                self._tails[name].append(line)
+                if self._echo.is_set():
+                    with self._write_lock:
+                        print(f"{name:<9} | {line}", file=self._out, flush=True)
+        proc.stdout.close()
+
+    def echo(self) -> None:
+        """From now on every child's new lines are also written to `out`, prefixed with its name."""
+        self._echo.set()
+
+    def failure_report(self, name: str, code: int) -> str:
+        """One block for a child that exited: its name and code, then its last lines, each prefixed."""
+        proc = self.procs[name]
+        for reader in self._readers:
+            if reader.name == f"up-log-{name}" and proc.poll() is not None:
+                reader.join(timeout=2.0)  # the pipe closes with the process: its last lines are in
+        tail = list(self._tails[name])
+        head = f"{name} exited with code {code}; its last {len(tail)} lines (all of them: {self.log_path(name)}):"
+        return "\n".join([head, *(f"{name:<9} | {line}" for line in tail)])
 
     def restart(self, name: str) -> None:
         """Start child `name` again with the command it had."""
@@ -297,6 +365,8 @@ class LocalStack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=2.0)
         return {name: proc.returncode for name, proc in self.procs.items()}
 
 
@@ -322,7 +392,7 @@ def wait_ready(
     while time.monotonic() < deadline and not should_stop():
         exited = stack.first_exit()
         if exited is not None:
-            return f"{exited[0]} exited with code {exited[1]} before the stack was ready (see its log above)"
+            return f"{exited[0]} exited with code {exited[1]} before the stack was ready"
         try:
             with _get(base_url + "/ready", timeout=2):
                 return None
@@ -422,14 +492,23 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
         print(f"splitserve up: error: {exc}", file=sys.stderr)
         return 2
     try:
-        for name, argv in stack_commands(engine, up, gateway_options, placement):
+        started = time.monotonic()
+        commands = stack_commands(engine, up, gateway_options, placement)
+        for name, argv in commands:
             stack.add(name, argv)
+        names = ", ".join(name for name, _ in commands)
+        print(f"splitserve up: started {names} (logs in {stack.log_dir}); waiting for ready", file=sys.stderr)
         error = wait_ready(base, stack, up.ready_timeout_s, should_stop=lambda: bool(stopping))
         if error:
+            exited = stack.first_exit()
             print(f"splitserve up: {error}", file=sys.stderr)
+            if exited is not None:
+                print(stack.failure_report(*exited), file=sys.stderr)
             return 1
         if stopping:
             return 0
+        print(f"splitserve up: ready in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        stack.echo()
         print(banner(up, _model_id(base, key), gateway_options, bool(key), placement), flush=True)
         while not stopping:
             exited = stack.first_exit()

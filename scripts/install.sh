@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Install splitserve into a virtual environment: scripts/install.sh VENV_DIR [--fresh]
-# On a machine without an NVIDIA driver, torch is pinned to the CPU build first so pip
-# never pulls a multi-GB CUDA build.
+# Install splitserve from the lock (uv.lock) into a virtual environment, one line per phase:
+#   scripts/install.sh VENV_DIR [--dev] [--fresh]
+# --dev adds the test and lint tools (the `dev` extra); --fresh starts from an empty environment.
+# The lock pins CPython 3.11 on x86-64 Linux with torch's CPU build; elsewhere install from the
+# ranges in pyproject.toml (`pip install -e .`, after the torch build for your machine).
 set -euo pipefail
-venv=${1:-.venv}
-fresh=${2:-}
 cd "$(dirname "$0")/.."
-py=${PYTHON:-python3}
-if [ "$fresh" = "--fresh" ]; then rm -rf "$venv"; fi
-if [ ! -x "$venv/bin/python" ]; then "$py" -m venv "$venv"; fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  "${pip[@]}" "torch==2.13.0"
-fi
-"${pip[@]}" -e ".[dev]"
-# Build the CPU paged-attention op once now (cached per machine) rather than at the first request.
-"$venv/bin/python" -c "from splitserve.kernels import cpu_ops as c; m = c.load(); print('CPU ops:', f'built ({m.isa()})' if m else 'unavailable (torch path)')"
+venv=${1:-.venv}
+shift || true
+extras=() fresh=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras=(--extra dev) ;;
+    --fresh) fresh=1 ;;
+    *) echo "scripts/install.sh: unknown option $arg (VENV_DIR [--dev] [--fresh])" >&2; exit 2 ;;
+  esac
+done
+start=$(date +%s)
+if [ "$fresh" = 1 ]; then rm -rf "$venv"; fi
+echo "[install] syncing $venv with uv.lock (${extras[*]:-runtime only})"
+# --locked: fail, rather than resolve anew, when pyproject.toml and uv.lock disagree
+UV_PROJECT_ENVIRONMENT="$venv" bash scripts/uv.sh sync --locked --python "${PYTHON:-python3}" "${extras[@]}"
+echo "[install] building the CPU ops (cached per machine)"
+"$venv/bin/python" -P -c "from splitserve.kernels import cpu_ops as c; m = c.load(); print('[install] CPU ops:', f'built ({m.isa()})' if m else 'unavailable (torch path)')"
+echo "[install] done in $(( $(date +%s) - start )) s"

@@ -3,7 +3,7 @@
 # scripts/lint.sh [VENV_DIR]  (default .venv-test; scripts/test.sh runs it before the tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${1:-.venv-test}
+venv=$(cd "${1:-.venv-test}" && pwd)
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 # lint-imports walks the files of the installed `splitserve`; an editable install maps the folders
@@ -11,6 +11,6 @@ venv=${1:-.venv-test}
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
-  --no-build-isolation --target "$root/site" . >/dev/null
+  --no-build-isolation --target "$root/site" . >"$root/pip.log" 2>&1 || { cat "$root/pip.log"; exit 1; }
 rm -rf build  # setuptools' staging folder
-(cd "$root" && PYTHONPATH="$root/site" "$OLDPWD/$venv/bin/lint-imports" --no-cache "$OLDPWD/pyproject.toml")
+(cd "$root" && PYTHONPATH="$root/site" "$venv/bin/lint-imports" --no-cache "$OLDPWD/pyproject.toml")

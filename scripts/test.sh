@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Build a fresh virtual environment and run the whole test suite.
-# pytest's "no tests collected" (exit 5) counts as a failure.
+# Build a fresh virtual environment from the lock (uv.lock) and run the whole suite: lint, the layer
+# contracts, the tests. pytest's "no tests collected" (exit 5) counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 # tests/test_deploy.py runs a real Prometheus (Debian's package) against the stack
 if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "[test] installing Debian's prometheus for tests/test_deploy.py"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
-    || echo "could not install prometheus; tests/test_deploy.py will say how"
+    || echo "[test] could not install prometheus; tests/test_deploy.py will say how"
 fi
-bash scripts/install.sh .venv-test --fresh || { echo "install failed"; exit 1; }
-echo "install took $(( $(date +%s) - start )) s"
+bash scripts/install.sh .venv-test --dev --fresh || { echo "install failed"; exit 1; }
+echo "[test] installed in $(( $(date +%s) - start )) s"
+.venv-test/bin/python -P -c "import transformers, torch, importlib.metadata as m; print('[test] transformers', transformers.__version__, '| kernels', m.version('kernels'), '| torch', torch.__version__)"
 bash scripts/lint.sh .venv-test || { echo "lint failed (scripts/lint.sh)"; exit 1; }
-echo "lint passed"
-.venv-test/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+echo "[test] lint passed"
+# the pytest script, not `python -m pytest`, which would put the working directory first on sys.path
+.venv-test/bin/pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 echo "suite finished in $(( $(date +%s) - start )) s (pytest exit code $rc)"
 if [ "$rc" -eq 5 ]; then echo "no tests were collected: failing"; exit 1; fi

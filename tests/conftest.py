@@ -1,8 +1,12 @@
-"""Shared test set-up: Triton's CPU interpreter and small torch thread counts."""
+"""Shared test set-up: no checkout folder on children's paths, Triton's CPU interpreter, small thread counts."""
 
 import os
 
 import torch
+
+# Every process a test starts (`python -c`, `python -m`, the services and their engine cores) runs without the
+# working directory or its script's folder first on sys.path, so no folder of this checkout shadows a library.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 # Triton kernels launch on CPU only through the interpreter, which must be chosen before
 # any @triton.jit decorator runs (../shared/PITFALLS.md).

@@ -428,7 +428,7 @@ async def _serve_forever(kind: str, port: int, name: str) -> None:
     await server.stop()
 
 
-if __name__ == "__main__":  # python -m tests.gateway_fakes prefill|decode PORT NAME (for `up` tests)
+if __name__ == "__main__":  # python tests/gateway_fakes.py prefill|decode PORT NAME (for `up` tests)
     import sys
 
     asyncio.run(_serve_forever(sys.argv[1], int(sys.argv[2]), sys.argv[3]))

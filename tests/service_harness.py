@@ -45,8 +45,8 @@ async def wait_until_async(condition, timeout_s: float, message: str | object, p
 
 def fault_env(faults: str) -> dict[str, str]:
     """Environment that makes a service process (and its engine core, which inherits it) load
-    tests/fault_injection.py through tests/faults/sitecustomize.py."""
-    return {"SPLITSERVE_TEST_FAULTS": faults, "PYTHONPATH": f"{REPO / 'tests' / 'faults'}{os.pathsep}{REPO}"}
+    tests/fault_injection.py through tests/faults/sitecustomize.py (that folder holds only it)."""
+    return {"SPLITSERVE_TEST_FAULTS": faults, "PYTHONPATH": str(REPO / "tests" / "faults")}
 
 
 _handed_out: set[int] = set()
@@ -82,7 +82,7 @@ class Proc:
         (e.g. "pull_drop=2"); empty = none."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPLITSERVE_LOG_LEVEL": "INFO"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SPLITSERVE_LOG_LEVEL": "INFO"}
         if faults:
             env.update(fault_env(faults))
         self.log = open(self.log_path, "w")

@@ -27,7 +27,8 @@ from tests.gateway_fakes import make_tokenizer_dir, word
 from tests.service_harness import gateway_args, self_signed_cert, wait_until
 
 CLI = [sys.executable, "-m", "splitserve.cli"]
-FAKE = [sys.executable, "-m", "tests.gateway_fakes"]
+# the fake services run from their file: nothing of the checkout goes on the children's path
+FAKE = [sys.executable, str(Path(__file__).with_name("gateway_fakes.py"))]
 
 
 def free_ports(n):
@@ -187,16 +188,56 @@ def test_port_collisions_are_named():
     )
 
 
+DYING_CHILD = "\n".join(
+    [
+        "import sys",
+        "print('loading', flush=True)",
+        "for i in range(50):",
+        "    print('line', i, file=sys.stderr)",
+        "sys.exit(3)",
+    ]
+)
+
+
 @pytest.mark.slow
-def test_a_child_that_exits_early_is_reported():
-    stack = LocalStack(die_with_parent=False)
-    stack.add("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"])
+def test_a_child_that_exits_early_is_reported_with_its_last_lines(tmp_path):
+    stack = LocalStack(die_with_parent=False, log_dir=str(tmp_path), tail_lines=4)
+    stack.add("decode-0", [sys.executable, "-c", DYING_CHILD])
     try:
         assert wait_ready("http://127.0.0.1:9", stack, timeout_s=10) == (
-            "decode-0 exited with code 3 before the stack was ready (see its log above)"
+            "decode-0 exited with code 3 before the stack was ready"
         )
     finally:
         stack.stop(1.0)
+    assert stack.failure_report("decode-0", 3).splitlines() == [
+        f"decode-0 exited with code 3; its last 4 lines (all of them: {tmp_path / 'decode-0.log'}):",
+        "decode-0  | line 46",
+        "decode-0  | line 47",
+        "decode-0  | line 48",
+        "decode-0  | line 49",
+    ]
+    assert (tmp_path / "decode-0.log").read_text().splitlines()[:2] == ["loading", "line 0"]
+
+
+@pytest.mark.slow
+def test_up_reports_a_child_that_dies_before_ready_in_one_block(tokenizer_dir, tmp_path):
+    """Only the dead child's lines reach the terminal, as one block after the reason; the others stay in their logs."""
+    script = UP_SCRIPT.replace("FAKES_PY", repr(FAKE[1])).replace(
+        '("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"])',
+        f'("decode-0", [sys.executable, "-c", {DYING_CHILD!r}])',
+    )
+    ports = free_ports(4)
+    argv = [sys.executable, "-c", script, "up", "--model", tokenizer_dir, "--stop-grace-s", "5"]
+    for name, port in zip(("prefill", "decode", "grpc", "http"), ports):
+        argv += [f"--{name}-port", str(port)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    start = lines.index("splitserve up: decode-0 exited with code 3 before the stack was ready")
+    assert lines[start + 1].startswith("decode-0 exited with code 3; its last 40 lines (all of them: ")
+    assert lines[start + 2 : start + 42] == [f"decode-0  | line {i}" for i in range(10, 50)]
+    assert lines[start + 42] == "splitserve up: stopping (the gateway drains first, then the engines)"
+    assert not [line for line in lines if line.startswith(("prefill-0 |", "gateway   |"))]
 
 
 @pytest.mark.slow
@@ -236,7 +277,7 @@ UP_SCRIPT = """
 import sys
 import splitserve.gateway.up as up
 real = up.stack_commands
-fake = [sys.executable, "-m", "tests.gateway_fakes"]
+fake = [sys.executable, FAKES_PY]
 up.stack_commands = lambda engine, cfg, gateway_options=None, placement=None: [
     ("prefill-0", fake + ["prefill", str(cfg.prefill_port), "prefill-0"]),
     ("decode-0", fake + ["decode", str(cfg.decode_port), "decode-0"]),
@@ -251,7 +292,7 @@ def _start_up(tokenizer_dir, log_path, *flags):
     """`splitserve up` on fakes (UP_SCRIPT) with its stderr in `log_path` (None: dropped); (process, banner
     lines, ports by name: prefill, decode, grpc, http) once its banner is out."""
     ports = dict(zip(("prefill", "decode", "grpc", "http"), free_ports(4)))
-    argv = [sys.executable, "-c", UP_SCRIPT, "up", "--model", tokenizer_dir]
+    argv = [sys.executable, "-c", UP_SCRIPT.replace("FAKES_PY", repr(FAKE[1])), "up", "--model", tokenizer_dir]
     for name, port in ports.items():
         argv += [f"--{name}-port", str(port)]
     log = subprocess.DEVNULL if log_path is None else open(log_path, "w")

@@ -6,8 +6,6 @@ import sys
 
 import httpx
 import pytest
-from hub_cache import COMMIT, add_snapshot
-from service_harness import free_port, wait_until
 
 from splitserve.cli import SUBCOMMANDS, build_configs, build_parser, main, resolve_models
 from splitserve.common.config_fields import ConfigError
@@ -15,6 +13,8 @@ from splitserve.common.default_model_path import default_model_path
 from splitserve.common.model_source import hub_cache_dir, resolve_model
 from splitserve.gateway.config import UpConfig
 from splitserve.gateway.up import stack_commands
+from tests.hub_cache import COMMIT, add_snapshot
+from tests.service_harness import free_port, wait_until
 
 REPO = "acme/tiny-llama"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
