@@ -156,13 +156,14 @@ class LaunchedStack:
 
     def start(self) -> None:
         """Start every child and wait until the gateway reports every instance up."""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        # the children run the installed package: nothing of a checkout goes first on their path (a folder of
+        # ours named like a library, `kernels`, would shadow it)
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
         started = time.monotonic()
         for name, argv in launch_commands(self.plan, self.grpc_port, self.http_port, self.engine_ports):
             with open(self.log_dir / f"{name}.log", "w") as log:
                 self.procs[name] = subprocess.Popen(
                     argv,
-                    cwd=REPO,
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -226,7 +226,7 @@ def test_a_built_library_loads_even_with_a_leftover_build_lock(op):
     try:
         start = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-c", "from kernels import cpu_ops; print(cpu_ops.load() is not None)"],
+            [sys.executable, "-c", "from splitserve.kernels import cpu_ops; print(cpu_ops.load() is not None)"],
             capture_output=True,
             text=True,
             timeout=60,
