@@ -39,14 +39,20 @@ def parse(spec: str) -> dict[str, int]:
 def install(spec: str) -> None:
     faults = parse(spec)
     if {"pull_delay_ms", "pull_drop", "send_kill_after_blocks"} & faults.keys():
-        from splitserve.engine.kv_transfer import registry
+        from splitserve.engine.kv_connectors import factory
 
-        for transport, connector in list(registry.CONNECTORS.items()):
+        real_class = factory.connector_class
+
+        @functools.cache
+        def faulty_class(transport: str):
+            connector = real_class(transport)
             faulty = type(f"Faulty{connector.__name__}", (connector,), {})  # what make_connector now builds
             _wrap_pull(faulty, faults.get("pull_delay_ms", 0), faults.get("pull_drop", 0))
             if faults.get("send_kill_after_blocks"):
                 _wrap_send(faulty, faults["send_kill_after_blocks"])
-            registry.CONNECTORS[transport] = faulty
+            return faulty
+
+        factory.connector_class = faulty_class
     if faults.get("corrupt_epoch"):
         from splitserve.decode_service.pulls import PullCoordinator
 

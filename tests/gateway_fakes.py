@@ -395,12 +395,11 @@ class Stack:
 
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
         """Poll `predicate` on the loop thread until true."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.loop.call(predicate):
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        # imported here: this file is also run as a script and loaded by path (benchmarks/gateway_cost.py),
+        # where `tests` is no package on sys.path
+        from tests.service_harness import wait_until
+
+        wait_until(lambda: self.loop.call(predicate), timeout_s, f"waiting for {what}")
 
 
 def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.worker.attention import AttentionMetadata
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

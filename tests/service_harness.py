@@ -275,19 +275,25 @@ class Stack:
         self.wait_ready()
 
     def wait_ready(self, timeout_s=60.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Until the gateway's /ready answers 200 with every instance up; a gateway that exits first fails with
+        its log (`PortTaken` where it could not bind)."""
+
+        def ready() -> bool:
             try:
                 r = httpx.get(f"http://127.0.0.1:{self.http_port}/ready", timeout=2)
                 if r.status_code == 200 and all(i["up"] for i in r.json()["instances"]):
-                    return
+                    return True
             except httpx.HTTPError:
                 pass
             gateway = self.procs["gateway"]  # the one running now (a test may have started another)
             if gateway.popen.poll() is not None:
                 raise gateway.start_failure(f"exited {gateway.popen.returncode}")
-            time.sleep(0.2)
-        raise self.procs["gateway"].start_failure(f"not ready with every instance up in {timeout_s:g} s")
+            return False
+
+        def log() -> str:
+            return self.procs["gateway"].log_path.read_text()[-3000:]
+
+        wait_until(ready, timeout_s, lambda: f"the gateway ready with every instance up; its log:\n{log()}", poll_s=0.2)
 
     def stop(self):
         for proc in self.procs.values():

@@ -6,7 +6,7 @@ then kernels.fp8_quant's. The bytes of x_q, the scales and the new residual must
 import pytest
 import torch
 
-from splitserve.engine.quant import MIN_SCALE
+from splitserve.engine.worker.fp8 import MIN_SCALE
 from splitserve.kernels.activation import silu_and_mul_quant, silu_and_mul_triton
 from splitserve.kernels.fp8_quant import quantize_per_token_triton
 from splitserve.kernels.rmsnorm import rms_norm_quant, rms_norm_triton

@@ -5,7 +5,7 @@ in (CPU torch path, and the CUDA path on a GPU), and the fused per-token activat
 import pytest
 import torch
 
-from splitserve.engine.attention import attention_forward
+from splitserve.engine.worker.attention import attention_forward
 from splitserve.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from splitserve.kernels.fp8_quant import quantize_per_token
 from splitserve.kernels.paged_decode_attention import decode_config, paged_decode_attention_triton, resolve_config
@@ -71,7 +71,7 @@ def test_decode_attention_reads_fp8(impl, q_dtype, num_splits):
 @needs_gpu
 @pytest.mark.parametrize("config", [dict(DOT_F16=False), dict(BLOCK_N=64, num_warps=4, num_stages=3)])
 def test_decode_attention_fp8_tile_variants(config):
-    """The bf16 upcast (not the f16 default) and another tile, as bench/kernels.py's fp8 sweep runs them."""
+    """The bf16 upcast (not the f16 default) and another tile, as benchmarks/kernel_timings.py's fp8 sweep runs them."""
     seq_lens = [1, 13, 200, 7]
     paged = _fp8_paged(seq_lens, "cuda")
     q = torch.randn(len(seq_lens), 4, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()

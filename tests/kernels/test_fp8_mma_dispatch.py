@@ -2,7 +2,7 @@
 (kernels/paged_decode_attention_fp8_mma.py), checked on any machine: the launches are recorded, not run. The mma
 kernel once the (sequence, KV head, split) programs are at least the SMs and each covers at least 512 tokens of the
 block table (`fp8_mma.pays`), the Triton rows variant otherwise (at the 8B step's batch 1 it was 0.03-0.04 ms a
-step faster, docs/perf.md) and whenever a config is given."""
+step faster, docs/performance.md) and whenever a config is given."""
 
 import ctypes
 import importlib

@@ -9,7 +9,7 @@ partial, a wrong row or scale is off by the size of the result itself."""
 import pytest
 import torch
 
-from splitserve.engine.quant import quantize_per_channel
+from splitserve.engine.worker.fp8 import quantize_per_channel
 from splitserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from splitserve.kernels.fp8_skinny_linear import (
     MAX_ROWS,

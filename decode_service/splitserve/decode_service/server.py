@@ -1,0 +1,312 @@
+"""The decode gRPC service (role decode) and the colocated worker (role both).
+
+One bidirectional `Generate` stream per gateway:
+
+    in:  DecodeRequest ─▶ with kv: ImportKv ─▶ core pulls blocks ─▶ ImportDone
+                                   ─▶ Prefill.ReleaseKv(lease) ─▶ released? CommitImport(ok)
+                                                                 : recompute | fail (policy)
+                          without kv: AddRequest (local prefill)
+         AbortRequest  ─▶ core: Abort
+    out: one DecodeOut per engine step per stream, carrying every request's new tokens
+
+A broken stream aborts every request it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from splitserve.common.structured_output import refusal_detail
+from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from splitserve.decode_service.pulls import PullCoordinator, PullHooks
+from splitserve.engine.core_process import messages as m
+from splitserve.engine.grammar import check_spec
+from splitserve.engine_service.base import ServiceBase, setup_logging
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
+from splitserve.runtime import tracing
+
+log = logging.getLogger("splitserve.decode")
+
+
+class GatewayStream:
+    """Requests owned by one gateway stream and the per-step messages waiting to go out."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.first_info: dict[str, tuple[int, int]] = {}  # request_id -> (cached tokens, blocks pulled)
+
+
+class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
+    role = "decode"
+    service_names = ["splitserve.v1.Decode"]
+
+    def __init__(self, engine_config, service_config) -> None:
+        super().__init__(engine_config, service_config)
+        self.role = engine_config.role
+        self.owner: dict[str, GatewayStream] = {}
+        self.prefill_peers = tuple(a.strip() for a in service_config.prefill_peers.split(",") if a.strip())
+        self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
+        self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
+        hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
+        self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
+
+    async def before_serving(self) -> None:
+        """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
+        or map their KV pools (shm, cuda_ipc), so no first request waits for it. Waits at most one
+        transfer timeout; a peer that is not up yet is prepared in the background."""
+        peers = list(self.prefill_peers)
+        if peers:
+            self._preparing = asyncio.create_task(self.pulls.prepare_peers(peers))
+            try:
+                await asyncio.wait_for(asyncio.shield(self._preparing), self.config.kv_transfer_timeout_s)
+            except TimeoutError:
+                log.info("%s: still preparing prefill peers %s; serving meanwhile", self.name, ", ".join(peers))
+
+    # -- core → streams --------------------------------------------------------------------
+    def on_core_message(self, msg) -> None:
+        if isinstance(msg, m.StepBatch):
+            self._route_outputs(msg)
+        else:
+            self.pulls.on_core_message(msg)
+
+    def _route_outputs(self, batch: m.StepBatch) -> None:
+        per_stream: dict[int, tuple[GatewayStream, list]] = {}
+        for out in batch.outputs:
+            stream = self.owner.get(out.request_id)
+            if stream is None:
+                continue
+            delta = common_pb2_delta(out, stream)
+            per_stream.setdefault(id(stream), (stream, []))[1].append(delta)
+            self.counters.count("generation_tokens", len(out.new_token_ids))
+            self._observe(out)
+            if out.finished:
+                self.finish_request(out.request_id, out.error)
+        for stream, deltas in per_stream.values():
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
+
+    def _observe(self, out) -> None:
+        """Per-request latency metrics of the tokens this decode produced."""
+        mt, now = self.metrics, time.monotonic()
+        t = self.timing.get(out.request_id)
+        if t is None:
+            return
+        if out.new_token_ids:
+            if t[1] == 0.0:
+                t[1] = now
+            else:
+                mt.lab(mt.itl).observe(now - t[2])
+            t[2] = now
+            t[3] += len(out.new_token_ids)
+        if out.finished:
+            mt.lab(mt.request_success, finished_reason=out.finish_reason).inc()
+            mt.lab(mt.e2e).observe(now - t[0])
+            if t[1]:
+                mt.lab(mt.decode_time).observe(now - t[1])
+            if t[3] > 1:
+                mt.lab(mt.tpot).observe((t[2] - t[1]) / (t[3] - 1))
+
+    def finish_request(self, request_id: str, error: str | None = None) -> None:
+        self.timing.pop(request_id, None)
+        tracing.end_span(self.spans.pop(request_id, None), error)
+        self.pulls.cancel(request_id)  # releases the prefill's lease if a pull was still pending
+        stream = self.owner.pop(request_id, None)
+        if stream is not None:
+            stream.request_ids.discard(request_id)
+            stream.first_info.pop(request_id, None)
+            self.inflight -= 1
+
+    def _on_imported(self, request_id: str, num_cached_tokens: int, num_blocks_pulled: int) -> None:
+        """A pull committed: its first delta reports what was cached and what moved."""
+        stream = self.owner.get(request_id)
+        if stream is not None:
+            stream.first_info[request_id] = (num_cached_tokens, num_blocks_pulled)
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End a request with an error delta (the core holds nothing for it any more)."""
+        stream = self.owner.get(request_id)
+        if stream is None:
+            return
+        self.counters.count("requests_failed")
+        tracing.end_span(self.spans.pop(request_id, None), error)
+        stream.out.put_nowait(
+            decode_pb2.DecodeOut(
+                deltas=[
+                    decode_pb2.TokenDelta(
+                        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error
+                    )
+                ]
+            )
+        )
+        self.finish_request(request_id)
+
+    def _check_prefill_address(self, req) -> None:
+        """With --prefill-peers set, a KV handle may name only one of them: a decode never dials an
+        address a caller chose (a forged handle could point it anywhere)."""
+        peers = self.prefill_peers
+        if peers and req.HasField("kv") and req.kv.prefill_address not in peers:
+            raise ValueError(
+                f"kv.prefill_address {req.kv.prefill_address[:128]!r} is not one of this decode's "
+                f"--prefill-peers ({', '.join(peers)})"
+            )
+
+    def on_core_death(self, why: str) -> None:
+        for request_id in list(self.owner):
+            self.fail_request(request_id, f"{self.name}: {why}")
+
+    async def ConfirmPair(self, request, context):
+        """A prefill with --decode-peers checks a PairKv with us: confirmed only when we are the instance it
+        names and our own pairing with that prefill, through that store, is in flight now."""
+        store = self.pulls.link.pairing_store(request.prefill_instance)
+        confirmed = request.decode_instance == self.name and store == (request.store_host, request.store_port)
+        if not confirmed:
+            log.warning(
+                "%s: a PairKv as %r with store %s:%d reached %s; not ours (we pair through %s)",
+                self.name,
+                request.decode_instance[:128],
+                request.store_host[:128],
+                request.store_port,
+                request.prefill_instance[:128],
+                f"{store[0]}:{store[1]}" if store else "no store now",
+            )
+        return decode_pb2.ConfirmPairResponse(confirmed=confirmed)
+
+    # -- gateway → core --------------------------------------------------------------------
+    async def Generate(self, request_iterator, context):
+        stream = GatewayStream()
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        inbound_closed = False
+        try:
+            while True:
+                msg = await stream.out.get()
+                if msg is None:  # the gateway closed its side: finish what it owns, then end
+                    inbound_closed = True
+                elif msg is not None:
+                    yield msg
+                if inbound_closed and not stream.request_ids:
+                    break
+        finally:
+            reader.cancel()
+            self._abort_stream(stream)
+
+    def _abort_stream(self, stream: GatewayStream) -> None:
+        ids = list(stream.request_ids)
+        if ids:
+            log.warning("gateway stream closed with %d requests in flight: aborting them", len(ids))
+            self.client.send(m.Abort(ids))
+            for request_id in ids:
+                self.finish_request(request_id)
+
+    async def _read(self, request_iterator, stream: GatewayStream) -> None:
+        try:
+            await self._read_items(request_iterator, stream)
+        finally:
+            stream.out.put_nowait(None)
+
+    async def _read_items(self, request_iterator, stream: GatewayStream) -> None:
+        async for item in request_iterator:
+            kind = item.WhichOneof("kind")
+            if kind == "request":
+                self._admit(item.request, stream)
+            elif kind == "abort":
+                request_id = item.abort.request_id
+                if self.owner.get(request_id) is stream:
+                    self.pulls.cancel(request_id)
+                    self.client.send(m.Abort([request_id]))
+
+    def _admit(self, req, stream: GatewayStream) -> None:
+        rid = req.request_id
+        forks = list(req.fork_ids)
+        try:
+            if self.draining or self.starting:
+                raise ValueError(f"{self.name} is {'draining' if self.draining else 'starting'}")
+            if len({rid, *forks}) != 1 + len(forks):
+                raise ValueError(f"fork_ids must be distinct and differ from request_id {rid!r}")
+            if any(i in self.owner for i in (rid, *forks)):
+                raise ValueError(f"request_id {rid!r} or one of its fork_ids is already in use")
+            check_token_ids(req, self.client.info.vocab_size)
+            self._check_prefill_address(req)
+            params = sampling_from_proto(req.sampling)
+            if params.structured_output is not None:
+                check_spec(params.structured_output)  # refused here, before any work is queued
+        except Exception as exc:  # noqa: BLE001 - one bad request ends alone, never the gateway's whole stream
+            if not isinstance(exc, ValueError):
+                log.exception("admitting request %r failed", rid)
+                exc = f"the decode could not admit the request: {type(exc).__name__}: {exc}"
+            deltas = []
+            for sequence_id in dict.fromkeys((rid, *forks)):  # the request's other sequences end with it
+                delta = decode_pb2.TokenDelta(
+                    request_id=sequence_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc)
+                )
+                delta.refused = refusal_detail(str(exc)) is not None  # the gateway answers 400
+                deltas.append(delta)
+            stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas))
+            return
+        for sequence_id in (rid, *forks):  # fork ids: the request's other sequences (n > 1), outputs of their own
+            self.owner[sequence_id] = stream
+            self.timing[sequence_id] = [time.monotonic(), 0.0, 0.0, 0]
+            stream.request_ids.add(sequence_id)
+            self.inflight += 1
+        if tracing.enabled():
+            self.spans[rid] = tracing.start_span(
+                "decode",
+                tracing.extract(req.trace_context),
+                {"request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")},
+            )
+        self.counters.count("requests_received")
+        if req.HasField("kv") and req.HasField("first_token_id"):
+            self.pulls.start(req, params)
+        else:
+            self.counters.count("prompt_tokens", len(req.prompt_token_ids))
+            self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed, forks))
+
+
+def check_token_ids(req, vocab_size: int) -> None:
+    """Internal callers are checked as strictly as public ones: ids the embedding would index out of
+    range (a crash of the engine core) are refused here, naming the field and the limit."""
+    if not req.prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    bad = next((t for t in req.prompt_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids holds {bad}, not below vocab_size {vocab_size}")
+    if req.HasField("first_token_id") and req.first_token_id >= vocab_size:
+        raise ValueError(f"first_token_id is {req.first_token_id}, not below vocab_size {vocab_size}")
+
+
+def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
+    delta = decode_pb2.TokenDelta(request_id=out.request_id, token_ids=out.new_token_ids)
+    for lp in out.new_logprobs:
+        if lp is not None:
+            delta.logprobs.append(logprobs_to_proto(lp))
+    if out.prompt_logprobs:  # prefilled here (colocated, or no prefill could serve)
+        delta.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
+    info = stream.first_info.pop(out.request_id, None)
+    if info is not None:
+        delta.cached_prompt_tokens, delta.num_blocks_pulled = info
+    elif out.num_cached_tokens:
+        delta.cached_prompt_tokens = out.num_cached_tokens
+    if out.finished:
+        delta.finish_reason = FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_ERROR)
+        if out.error:
+            delta.error = out.error
+            # the engine refused the request's grammar (REFUSAL_PREFIX) before it produced anything
+            delta.refused = not out.new_token_ids and refusal_detail(out.error) is not None
+    return delta
+
+
+def _serve(engine_config, service_config) -> int:
+    service = DecodeService(engine_config, service_config)
+    tracing.init_tracing(f"splitserve-{engine_config.role}", service.name)
+    return asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
+
+
+def run(ns, configs) -> int:
+    setup_logging()
+    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role decode, set by the CLI
+
+
+def run_worker(ns, configs) -> int:
+    setup_logging()
+    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role both, set by the CLI

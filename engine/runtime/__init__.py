@@ -1,1 +1,0 @@
-"""The service runtime: gRPC server, service base, metrics, tracing, logs, service config."""

@@ -1,0 +1,171 @@
+"""The service side of the engine core process: `EngineClient` starts it, batches commands into the pipe and
+routes what comes back (each request's outputs to its queue, replies to their futures). The core's side is
+`loop.CoreLoop`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.engine.core_process import messages as m
+from splitserve.engine.core_process.loop import core_main
+
+log = logging.getLogger("splitserve.core")
+
+
+class EngineClient:
+    """The service side: starts the core process, batches commands, routes outputs.
+
+    Outputs arrive on a reader thread and are handed to the asyncio loop; each request's
+    outputs go to its queue (`open_stream`), replies to their futures.
+    """
+
+    def __init__(
+        self,
+        config,
+        kv_options: dict,
+        on_batch: Callable[[Any], None] | None = None,
+        process_init: Callable[[], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_options = kv_options
+        self.on_batch = on_batch
+        self.process_init = process_init  # run first in the core process (module-level: it is pickled)
+        self.on_death = on_death  # called on the event loop, once, with why, when the core process is gone
+        self.shutting_down = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.futures: dict[Any, asyncio.Future] = {}
+        self.stats: dict[str, int] = {}
+        self.info = self.layout = None
+        self.endpoint: dict[str, str] = {}
+        self._ids = itertools.count(1)
+        self._outbox: list = []
+        self._send_lock = threading.Lock()
+        self._flush_scheduled = False
+        self.dead = False
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self.loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=core_main,
+            args=(self.config, child, self.kv_options, self.process_init),
+            name="splitserve-core",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        ready = await asyncio.wait_for(self.loop.run_in_executor(None, self._conn.recv), timeout_s)
+        first = ready[0]
+        if isinstance(first, m.Fatal):
+            raise RuntimeError(f"engine core failed to start:\n{first.message}")
+        self.info, self.layout, self.endpoint = first.info, first.layout, first.endpoint
+        threading.Thread(target=self._reader, name="core-reader", daemon=True).start()
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                batch = self._conn.recv()
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self._core_died)
+                return
+            self.loop.call_soon_threadsafe(self._dispatch, batch)
+
+    def _core_died(self) -> None:
+        from splitserve.engine.outputs import RequestOutput
+
+        if self.dead:
+            return
+        self.dead = True
+        self.process.join(1.0)  # the pipe closed: the process is exiting; its code says how
+        code = self.process.exitcode
+        why = f"engine core process exited (exit code {code})" if code is not None else "engine core process exited"
+        for request_id, stream in list(self.streams.items()):
+            stream.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=why))
+        for future in self.futures.values():
+            if not future.done():
+                future.set_exception(RuntimeError(why))
+        if self.on_death is not None and not self.shutting_down:
+            self.on_death(why)
+
+    def _dispatch(self, batch: list) -> None:
+        for msg in batch:
+            if isinstance(msg, m.StepBatch):
+                self.stats = msg.stats or self.stats
+                for out in msg.outputs:
+                    queue = self.streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if self.on_batch is not None:
+                    self.on_batch(msg)
+            elif isinstance(msg, m.Reply):
+                future = self.futures.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    if msg.error:
+                        future.set_exception(RuntimeError(msg.error))
+                    else:
+                        future.set_result(msg.value)
+            elif isinstance(msg, (m.ImportDone, m.NeedSend)):
+                if self.on_batch is not None:
+                    self.on_batch(msg)
+            elif isinstance(msg, m.Fatal):
+                log.error("engine core failed:\n%s", msg.message)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        """Queue a command; everything queued in one loop turn goes in one pipe message."""
+        self._outbox.append(msg)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._outbox = self._outbox, []
+        if batch and not self.dead:
+            with self._send_lock:
+                self._conn.send(batch)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    async def call(self, make_msg: Callable[[int], Any], timeout_s: float = 30.0) -> Any:
+        """Send a message that carries a call id and wait for its Reply."""
+        call_id = next(self._ids)
+        future = self.loop.create_future()
+        self.futures[call_id] = future
+        self.send(make_msg(call_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.futures.pop(call_id, None)
+
+    async def query(self, what: str) -> Any:
+        return await self.call(lambda call_id: m.Query(call_id, what))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self.shutting_down = True  # the core's exit from here on is asked for, not a death
+        if getattr(self, "process", None) is None:
+            return
+        try:
+            with self._send_lock:
+                self._conn.send([m.Shutdown()])
+        except Exception:
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2)

@@ -1,0 +1,267 @@
+"""The scheduler side of KV transfer inside a core (docs/kv-connector.md): which blocks a load fills, imports
+waiting for room, the blocks a transfer pins, and when a request whose KV was pulled may run. It drives the
+transport's connector (kv_connectors/base.py) through `start_load` / `start_send` / `poll` only, and
+turns what the connector reports into the messages its service waits for. The loop steps on meanwhile.
+
+    decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: again after a free
+                        ─▶ start_load: pin the blocks to fill        request: WAITING_FOR_KV
+             poll(): ended ─▶ unpin ─▶ ImportDone(ok | error)
+                     past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until the copy ends
+             CommitImport(ok)  ─▶ finish_import: the request joins the running batch (the lease held: the service
+                                  validated it with the prefill after the copy)
+             CommitImport(not ok) ─▶ fail_import: recompute locally, or end with an error (kv_load_failure_policy)
+             Abort ─▶ forget: no ImportDone; the engine frees the request, the pin keeps the blocks until the end
+    prefill  SendBlocks ─▶ start_send: pin the blocks ─▶ poll(): ended ─▶ unpin ─▶ Reply
+
+Forks (n > 1, scheduling/parallel_sampling.py): an import's `fork_ids` fork from its pulled KV when it commits;
+under policy fail they end with it. A request not in the engine yet (waiting for room here, or for its grammar in
+the core loop) is a message: aborting it ends it here, and its forks not aborted with it go on as requests of their
+own (local prefill, seeded as they would have been); a fork aborted on its own is noted (`aborted_forks`) and
+dropped when its request reaches the engine, so it never runs.
+
+Core loop thread only. One thing crosses from a worker other than its result: a receive's SendWanted, sent as
+NeedSend (`send_now`, the pipe under the loop's send lock), so the prefill is asked when the receive is about to
+start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.engine.core_process import messages as m
+from splitserve.engine.kv_connectors.base import Completion, KvConnector, Load, Send, SendWanted
+
+log = logging.getLogger("splitserve.core")
+
+
+class KvScheduler:
+    """The KV transfers of one core: the engine (layout, pool, pins, import states), its connector, `emit`
+    (queue a message for the service's next batch) and `send_now` (send one at once, from any thread)."""
+
+    def __init__(self, engine, connector: KvConnector, emit: Callable[[Any], None], send_now: Callable[[Any], None]):
+        self.engine = engine
+        self.connector = connector
+        self.emit = emit
+        self.send_now = send_now
+        self.waiting_for_room: list[m.ImportKv] = []  # imports the pool cannot hold yet (retry_imports)
+        self._tried_at: dict[str, int] = {}  # waiting import -> the pool's num_blocks_freed when last tried
+        self.aborted_forks: dict[str, set[str]] = {}  # request not in the engine yet -> its forks aborted already
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.connector.num_in_flight
+
+    def poll(self) -> None:
+        """Once per loop turn: unpin the blocks of every transfer that ended; report each transfer once. When an
+        end frees blocks (an aborted pull's, a send's after its lease ended), the service gets fresh stats at once:
+        no step may come to carry them, and its Describe (what routers read) would show the blocks held."""
+        num_free = self.engine.num_free_blocks
+        for done in self.connector.poll():
+            if done.ended:  # the copy is over: the blocks are their request's alone (if it lives)
+                self.engine.unpin_blocks(done.transfer.block_ids)
+            if done.report:
+                (self._report_load if isinstance(done.transfer, Load) else self._report_send)(done)
+        if self.engine.num_free_blocks != num_free:
+            self.emit(m.StepBatch([], stats=self.engine.stats()))
+
+    # -- decode: imports ----------------------------------------------------------------------
+    def add_import(self, msg: m.ImportKv) -> None:
+        """Allocate the prompt's blocks and start pulling; without room now, wait (retry_imports)."""
+        try:
+            started = self.engine.begin_import(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.seed,
+                msg.first_token_id,
+                msg.first_logprobs,
+                msg.priority,
+                msg.fork_ids,
+            )
+        except ValueError as exc:  # a bad request, not a failed pull: it ends here, and its forks
+            self._end(msg.request_id, str(exc), self.live_forks(msg))
+            return
+        if started is None:
+            self.waiting_for_room.append(msg)
+            self._tried_at[msg.request_id] = self.engine.pool.num_blocks_freed
+            return
+        self.admitted(msg.request_id)
+        self._start_load(msg, *started)  # the request waits in WAITING_FOR_KV; the loop steps on
+
+    def retry_imports(self) -> None:
+        """Once per loop turn: try the imports waiting for room again, if a block was freed since the last try
+        (each try hashes the prompt and looks it up: ~0.2 ms per 2,048 tokens, per waiting import, per turn).
+        A prefix cached meanwhile could also make room; it waits for the next free, which every request's end
+        brings."""
+        if not self.waiting_for_room:
+            return
+        freed = self.engine.pool.num_blocks_freed
+        if all(self._tried_at.get(msg.request_id) == freed for msg in self.waiting_for_room):
+            return
+        waiting, self.waiting_for_room = self.waiting_for_room, []
+        for msg in waiting:
+            if self._tried_at.get(msg.request_id) == freed:
+                self.waiting_for_room.append(msg)  # tried since the last free: it would fail again
+            else:
+                self.add_import(msg)
+        self._tried_at = {msg.request_id: self._tried_at[msg.request_id] for msg in self.waiting_for_room}
+
+    def _start_load(self, msg: m.ImportKv, dst_blocks: list[int], num_local: int) -> None:
+        """Pull the handle's blocks past the `num_local` cached here into `dst_blocks[num_local:]`."""
+        spec, request_id = msg.spec, msg.request_id
+        cached_tokens = num_local * self.engine.config.block_size
+        indices = list(range(num_local, len(spec.block_ids)))
+        load = Load(request_id, spec, indices, dst_blocks[num_local:], self.engine.runner.kv_cache, self._ask_send)
+        try:
+            if spec.layout != self.engine.layout:
+                raise ValueError(self.engine.layout.mismatch(spec.layout))
+            if indices:
+                self.connector.start_load(load)
+        except Exception as exc:  # a pull that cannot start fails this request only
+            self._load_failed(request_id, spec.prefill_instance, cached_tokens, exc)
+            return
+        if not indices:  # every block cached here already
+            self.emit(m.ImportDone(request_id, ok=True, num_cached_tokens=cached_tokens))
+            return
+        self.engine.pin_blocks(load.block_ids)  # before this thread can free them; the copy holds them
+
+    def _ask_send(self, wanted: SendWanted) -> None:
+        """A receive's request for the prefill's send (on its transfer worker), passed to the service at once."""
+        self.send_now(m.NeedSend(wanted.request_id, wanted.pair, wanted.block_indices))
+
+    def _report_load(self, done: Completion) -> None:
+        load: Load = done.transfer
+        cached_tokens = load.indices[0] * self.engine.config.block_size
+        if done.error is not None:
+            self._load_failed(load.request_id, load.spec.prefill_instance, cached_tokens, done.error)
+            return
+        self.emit(
+            m.ImportDone(
+                load.request_id,
+                ok=True,
+                num_blocks_pulled=len(load.block_ids),
+                num_cached_tokens=cached_tokens,
+                num_bytes=done.result.num_bytes,
+                transfer_ns=time.perf_counter_ns() - load.start_ns,
+                device_ns=done.result.device_ns,
+            )
+        )
+
+    def _load_failed(self, request_id: str, prefill: str, cached_tokens: int, exc: BaseException) -> None:
+        log.warning("request_id=%s KV pull failed: %s", request_id, exc)
+        self.emit(
+            m.ImportDone(
+                request_id, ok=False, num_cached_tokens=cached_tokens, error=f"KV pull from {prefill} failed: {exc}"
+            )
+        )
+
+    def commit(self, msg: m.CommitImport) -> None:
+        """The service's verdict after the copy: run the request (ok: the lease held), or the failure policy."""
+        if msg.request_id not in self.engine.waiting_for_kv:
+            return  # aborted meanwhile
+        if msg.ok:
+            done = self.engine.finish_import(msg.request_id)
+            if done is not None:  # the first token already ended it
+                self.emit(m.StepBatch([done], stats=self.engine.stats()))
+            return
+        forks = self.engine.fail_import(msg.request_id, recompute=msg.recompute)
+        if not msg.recompute:
+            self._end(msg.request_id, msg.error or "KV lease was no longer valid after the copy", forks)
+
+    def abort(self, request_ids: list[str]) -> set[str]:
+        """Aborted requests: no longer waiting for room (the forks of one that was outlive it: each computes the
+        prompt itself, scheduling/parallel_sampling.py); a fork aborted while its request waits for room is noted,
+        never created; a pull in flight runs to its end (blocks pinned till then) and reports nothing. The engine
+        frees the requests it has. Returns the ids that ended here: the engine never had them."""
+        ids = set(request_ids)
+        ended: set[str] = set()
+        waiting = []
+        for pull in self.waiting_for_room:
+            if pull.request_id in ids:
+                ended |= self.drop_pending(pull, ids)
+                for fork in forks_outliving(pull, self.live_forks(pull)):
+                    self.engine.add_request(
+                        fork.request_id, fork.prompt_token_ids, fork.params, priority=fork.priority, seed=fork.seed
+                    )
+            else:
+                ended |= self.note_aborted_forks(pull, ids)
+                waiting.append(pull)
+        self.waiting_for_room = waiting
+        for request_id in request_ids:
+            self.connector.forget(request_id)
+        return ended
+
+    # -- forks of requests not in the engine yet (waiting for room here; compiling in the core loop) ------------
+    def note_aborted_forks(self, msg: m.AddRequest | m.ImportKv, ids: set[str]) -> set[str]:
+        """Note the forks of `msg` (not in the engine yet) that `ids` aborts; they end now. Returns them."""
+        aborted = ids.intersection(msg.fork_ids)
+        if aborted:
+            self.aborted_forks.setdefault(msg.request_id, set()).update(aborted)
+        return aborted
+
+    def drop_pending(self, msg: m.AddRequest | m.ImportKv, ids: set[str]) -> set[str]:
+        """`msg` (not in the engine yet) is aborted: it and the forks `ids` aborts with it end now. Returns them;
+        `live_forks(msg)` then gives the forks that go on."""
+        return {msg.request_id} | self.note_aborted_forks(msg, ids)
+
+    def live_forks(self, msg: m.AddRequest | m.ImportKv) -> list[str]:
+        """The forks of `msg` not aborted (and forgets the aborted ones): those that end with it, or go on."""
+        aborted = self.aborted_forks.pop(msg.request_id, set())
+        return [f for f in msg.fork_ids if f not in aborted]
+
+    def admitted(self, request_id: str) -> None:
+        """`request_id` reached the engine: its forks aborted before it did go (they never run)."""
+        for fork_id in sorted(self.aborted_forks.pop(request_id, ())):
+            self.engine.abort(fork_id)
+
+    def _end(self, request_id: str, error: str, fork_ids=()) -> None:
+        """End a request the engine does not hold (and its forks) with `error`."""
+        from splitserve.engine.outputs import RequestOutput
+
+        outs = [
+            RequestOutput(rid, [], finished=True, finish_reason="error", error=error) for rid in (request_id, *fork_ids)
+        ]
+        self.emit(m.StepBatch(outs, stats=self.engine.stats()))
+
+    # -- prefill: sends -----------------------------------------------------------------------
+    def start_send(self, msg: m.SendBlocks) -> None:
+        """Send a lease's blocks to the pair's decode; they stay pinned until the send has ended, even if the
+        lease is released or expires meanwhile."""
+        try:
+            self.engine.pin_blocks(msg.block_ids)
+        except ValueError as exc:
+            self.emit(m.Reply(msg.call_id, error=f"send to {msg.pair} failed: {exc}"))
+            return
+        send = Send(msg.call_id, msg.pair, msg.block_ids, self.engine.runner.kv_cache, msg.tag)
+        try:
+            self.connector.start_send(send)
+        except Exception as exc:
+            self.engine.unpin_blocks(msg.block_ids)
+            self.emit(m.Reply(msg.call_id, error=f"send to {msg.pair} failed: {exc}"))
+
+    def _report_send(self, done: Completion) -> None:
+        send: Send = done.transfer
+        if done.error is not None:
+            self.emit(m.Reply(send.call_id, error=f"send to {send.pair} failed: {done.error}"))
+        else:
+            self.emit(m.Reply(send.call_id, done.result))
+
+
+def forks_outliving(msg: m.AddRequest | m.ImportKv, fork_ids: list[str]) -> list[m.AddRequest]:
+    """The forks `fork_ids` of `msg`, aborted before it reached the engine, as requests of their own: each computes
+    the prompt itself, seeded as its fork would have been (the request's seed + its index in `msg.fork_ids`)."""
+    base = msg.seed if msg.seed is not None else msg.params.seed
+    index = {fork_id: i for i, fork_id in enumerate(msg.fork_ids, start=1)}
+    return [
+        m.AddRequest(
+            fork_id,
+            msg.prompt_token_ids,
+            msg.params,
+            msg.priority,
+            base + index[fork_id] if base is not None else None,
+        )
+        for fork_id in fork_ids
+    ]

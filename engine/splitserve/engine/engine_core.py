@@ -1,0 +1,556 @@
+"""The engine core: add requests, step (schedule → run → update), abort, KV hand-off.
+
+    step():  out = scheduler.schedule()          which requests compute which tokens
+             launched = runner.launch(out)       one forward pass + sampling, not waited for
+             changed = scheduler.update(...)     read a launched step: append tokens, finish, free blocks
+             → one RequestOutput per request that progressed or ended
+
+Asynchronous scheduling (EngineConfig.async_scheduling, on with CUDA): step() launches step N+1
+and then reads step N, so the host schedules and prepares N+1 while the device runs N:
+
+    host:    schedule N+1 | prepare, launch N+1 | read N (wait), outputs | schedule N+2 | ...
+    device:  ......... step N ..........| step N+1 ...................................|
+
+N's tokens are pending when N+1 is built (fed to it on the device); a request that N's tokens
+end may be in N+1, whose token for it is discarded. Synchronously, step() reads what it launched.
+
+Roles (EngineConfig.role): "prefill" parks each request after its first token with its
+blocks held (`held_kv`, `release_kv`); "decode" imports prompt KV into blocks it
+allocated (`begin_import` → the transport copies → `finish_import`); "both" does all.
+A transfer runs off the core thread while the engine steps on: its blocks stay pinned
+(`pin_blocks` / `unpin_blocks`) until it has ended, whatever happens to its request.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens
+from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
+from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.grammar import GrammarBackend
+from splitserve.engine.outputs import RequestError, RequestOutput
+from splitserve.engine.scheduling.block_pool import BlockPool
+from splitserve.engine.scheduling.kv_cache_manager import KvCacheManager, cdiv
+from splitserve.engine.scheduling.output import SchedulerOutput
+from splitserve.engine.scheduling.parallel_sampling import ParallelSampling
+from splitserve.engine.scheduling.request import Request, RequestStatus
+from splitserve.engine.scheduling.scheduler import Scheduler
+from splitserve.engine.worker.kv_cache import allocate_kv_cache, dtype_from_name
+from splitserve.engine.worker.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
+
+if TYPE_CHECKING:
+    from splitserve.engine.worker.model_runner import LaunchedStep
+
+log = logging.getLogger("splitserve.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"  # then as if named: cuda gets its index
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RequestError(f"--device {name} was asked for but no CUDA device is visible")
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)  # other GPUs stay visible (CUDA IPC peers)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return name
+
+
+def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str) -> KvLayout:
+    """The KV layout of --kv-cache-dtype: the model's dtype, or fp8 with per-layer scales (the
+    checkpoint's, else 1.0), which the model's attention then applies."""
+    if not config.fp8_kv_cache:
+        return model_config.kv_layout(config.block_size, dtype_name)
+    scales = getattr(model, "checkpoint_kv_scales", None) or [(1.0, 1.0)] * model_config.num_layers
+    model.set_kv_scales(scales)
+    return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales)
+
+
+def _default_budget(device: torch.device, offline: bool) -> int:
+    """The step's token budget for an unset --max-num-batched-tokens on `device` (common/config.py's rule)."""
+    if device.type != "cuda":
+        return default_max_num_batched_tokens("cpu", 0, "", offline)
+    props = torch.cuda.get_device_properties(device)
+    return default_max_num_batched_tokens("cuda", props.total_memory, props.name, offline)
+
+
+def _queue_ns(request: Request) -> int:
+    """Arrival to first scheduled compute (the caller asks on a request's first output only)."""
+    if request.first_scheduled_time is None:
+        return 0
+    return int((request.first_scheduled_time - request.arrival_time) * 1e9)
+
+
+def _first_prompt_logprobs(request: Request) -> list | None:
+    """The prompt logprobs, when the request asked for them (the caller asks on its first output only)."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    return list(request.prompt_logprobs)
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep and reuse freed tensor memory (process-wide; CPU engines).
+
+    By default a tensor over the mmap threshold gets fresh pages from the kernel and gives them
+    back when freed, so every step's activations page-fault again (RMSNorm 6x slower at 2k-token steps:
+    docs/performance.md, "Findings that set defaults"). With the threshold at its maximum
+    (32 MiB) and trimming at 1 GiB, freed blocks stay in the heap for the next step, as tcmalloc
+    would keep them. Returns False where the C library has no mallopt (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
+class EngineCore:
+    """One engine instance: model, KV pool, scheduler. Not thread-safe: one caller drives it."""
+
+    _frozen_open = 0  # engines not closed whose start froze the collector (CUDA); see close()
+
+    def __init__(
+        self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None, offline: bool = False
+    ) -> None:
+        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory);
+        `offline`: the offline LLM API owns this engine (a larger default token budget on large GPUs)."""
+        from splitserve.engine.worker.loader import load_model
+        from splitserve.engine.worker.model_runner import ModelRunner
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        if device.type == "cpu":
+            keep_freed_memory()
+        dtype_name = resolve_dtype(config.dtype, device)
+        if model is None:
+            model, model_config = load_model(
+                config.resolved_model(),
+                dtype=dtype_from_name(dtype_name),
+                device=device,
+                load_format=config.load_format,
+                seed=config.seed,
+                model_id=config.model_id or None,
+                quantization=config.quantization,
+                fp8_w8a16_max_rows=config.fp8_w8a16_max_rows,
+            )
+        self.model_config = model_config
+        self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name)
+        max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        num_blocks = config.num_kv_blocks or self._size_pool(device, max_model_len)
+        self.info = RuntimeInfo(
+            model_id=model_config.model_id,
+            device=str(device),
+            dtype=dtype_name,
+            num_kv_blocks=num_blocks,
+            max_model_len=max_model_len,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+            vocab_size=model_config.vocab_size,
+            max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
+        )
+        # structured output: the model's tokenizer is loaded at the first request with a grammar
+        self.grammars = GrammarBackend(config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.info.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            role=config.role,
+            policy=config.scheduling_policy,
+        )
+        factory = kv_cache_factory or allocate_kv_cache
+        kv_cache = factory(self.layout, num_blocks, device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, device)
+        self.forks = ParallelSampling(self.kv, self.scheduler, kv_cache)  # n > 1: sequences sharing a prompt's KV
+        if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":
+            self.runner.capture_graphs(config.max_num_seqs, max_model_len)
+        self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
+        self.waiting_for_kv: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
+        self._rng = random.Random(config.seed)
+        lagged = config.async_scheduling
+        self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
+        self._unread: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not read yet
+        self._froze_gc = False
+        if device.type == "cuda":
+            self._freeze_collector()
+        self.num_steps = 0
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
+            self.info.model_id,
+            device,
+            dtype_name,
+            num_blocks,
+            num_blocks * config.block_size,
+            num_blocks * self.layout.block_nbytes / 2**20,
+            max_model_len,
+            config.role,
+        )
+
+    def _freeze_collector(self) -> None:
+        """What exists now (weights, modules, graphs) lives as long as the engine: keep it out of the
+        collector's full passes, whose pauses fall on the step loop (docs/performance.md, "Findings that set
+        defaults": collector frozen)."""
+        gc.collect()
+        gc.freeze()
+        self._froze_gc = True
+        EngineCore._frozen_open += 1
+
+    def close(self) -> None:
+        """The engine will not run again: let the collector reach it once it is dropped. The freeze at start
+        covers the engine's own reference cycles, so without this a deleted engine's weights, KV pool and graphs
+        stay allocated for the life of the process (a second LLM in one process found its GPU taken). Unfreezes
+        every frozen object; once the caller dropped the engine and collected, `refreeze()` freezes again for
+        the engines still open. Idempotent."""
+        if self._froze_gc:
+            self._froze_gc = False
+            EngineCore._frozen_open -= 1
+            gc.unfreeze()
+
+    @property
+    def froze_collector(self) -> bool:
+        """Whether this engine froze the collector at start and is not closed yet."""
+        return self._froze_gc
+
+    @staticmethod
+    def refreeze() -> None:
+        """After a closed engine was collected: freeze again what the engines still open hold (see close)."""
+        if EngineCore._frozen_open:
+            gc.freeze()
+
+    def _size_pool(self, device: torch.device, max_model_len: int) -> int:
+        """Blocks of a pool sized from memory (worker/kv_sizing.py): per-instance on CUDA, capped."""
+        cap = cap_blocks(self.config.max_num_seqs, max_model_len, self.config.block_size)
+        if device.type != "cuda":
+            return cpu_kv_blocks(self.config.kv_cache_cpu_bytes, self.layout.block_nbytes, cap)
+        gc.collect()
+        torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
+        free, total = torch.cuda.mem_get_info(device)
+        memory = DeviceMemory(total_bytes=total, free_bytes=free, own_bytes=torch.cuda.memory_reserved(device))
+        return gpu_kv_blocks(memory, self.config.kv_cache_memory_fraction, self.layout.block_nbytes, cap, str(device))
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        seed: int | None = None,
+    ) -> Request:
+        """Validate and build a Request (does not queue it)."""
+        if (
+            request_id in self.scheduler.requests
+            or request_id in self.held
+            or request_id in self.waiting_for_kv
+            or self.forks.waiting(request_id)
+        ):
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        num_prompt = len(prompt_token_ids)
+        max_len = self.info.max_model_len
+        if num_prompt == 0:
+            raise RequestError("prompt must contain at least one token")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise RequestError(f"logit_bias token id {params.logit_bias[-1][0]} is out of range [0, {vocab})")
+        if num_prompt >= max_len:
+            raise RequestError(
+                f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
+        if num_prompt + max_tokens > max_len:
+            raise RequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len {max_len}"
+            )
+        need = cdiv(num_prompt + max_tokens, self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens needs {need} KV blocks; the pool has {self.pool.num_blocks} in all"
+            )
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        eos = () if params.ignore_eos else self.info.eos_token_ids
+        grammar = None
+        if params.structured_output is not None:
+            try:
+                grammar = self.grammars.matcher(params.structured_output)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            seed=seed,
+            max_tokens=max_tokens,
+            eos_token_ids=eos,
+            priority=priority,
+            grammar=grammar,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        fork_ids: Sequence[str] = (),
+        **options,
+    ) -> Request:
+        """Validate, build and queue a request; `options`: make_request's `priority` and `seed`.
+        `fork_ids`: more sequences of the same prompt (scheduling/parallel_sampling.py), sequence i + 1 seeded
+        seed + i + 1."""
+        request = self.make_request(request_id, prompt_token_ids, params, **options)
+        children = self._children(request, fork_ids)
+        self.scheduler.add(request)
+        self.forks.expect(request, children)
+        return request
+
+    def _children(self, parent: Request, fork_ids: Sequence[str]) -> list[Request]:
+        """The child sequences of `parent` (validated like it; ids distinct and unused)."""
+        if len(set(fork_ids)) != len(fork_ids) or parent.request_id in fork_ids:
+            raise RequestError(f"fork ids must be distinct and differ from the request's id, got {list(fork_ids)}")
+        return [
+            self.make_request(
+                fork_id, parent.prompt_token_ids, parent.sampling_params, parent.priority, parent.seed + i
+            )
+            for i, fork_id in enumerate(fork_ids, start=1)
+        ]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request anywhere (queued, running, held or waiting for its KV); frees its blocks."""
+        self.forks.release(request_id)  # children not forked yet compute their prompts themselves
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        held = self.held.pop(request_id, None) or self.waiting_for_kv.pop(request_id, None)
+        if held is not None:
+            self.kv.free(request_id)
+            held.status = RequestStatus.FINISHED_ABORTED
+            return True
+        return self.forks.drop(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Requests to run, or a launched step still to read."""
+        return self.scheduler.num_unfinished > 0 or self._unread is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, read the step before it (asynchronous) or this one, and report every
+        request that progressed."""
+        out = self.scheduler.schedule()
+        changed: list[Request] = []
+        if self._unread is not None and self._reads_pending_ids(out):
+            # penalties read the ids of earlier outputs: learn the pending ones first, and drop what they ended
+            changed = self._read()
+            out.scheduled = [s for s in out.scheduled if s.request.status == RequestStatus.RUNNING]
+        if not out.is_empty:
+            launched = self.runner.launch(out, self.kv.req_blocks)  # read only, while it builds the inputs
+            self.scheduler.step_launched(out)
+            self.forks.on_step(out)  # before this step's outputs apply: a parent ending then still holds its blocks
+            self.num_steps += 1
+            previous, self._unread = self._unread, (out, launched)
+            if previous is not None:
+                changed += self._read(previous)
+            if not self.async_scheduling:
+                changed += self._read()
+        elif self._unread is not None:
+            changed += self._read()
+        return self._outputs(changed)
+
+    @staticmethod
+    def _reads_pending_ids(out: SchedulerOutput) -> bool:
+        """A row with penalties, or with a grammar (its matcher must have accepted every earlier token before
+        the host fills the row's mask), samples on top of a token the host has not read: such a request
+        gives up the one-step lag for itself."""
+        return any(
+            s.request.num_pending_tokens > 1
+            and (s.request.sampling_params.has_penalties or s.request.grammar is not None)
+            for s in out.scheduled
+        )
+
+    def _read(self, step: tuple[SchedulerOutput, LaunchedStep] | None = None) -> list[Request]:
+        """Wait for a launched step (the unread one by default) and apply its tokens."""
+        if step is None:
+            step, self._unread = self._unread, None
+        out, launched = step
+        return self.scheduler.update_from_output(out, launched.read())
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in changed:
+            status = request.status
+            if status == RequestStatus.PREFILLED:
+                self.held[request.request_id] = request
+            lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
+            first = len(request.token_ids) - request.num_prompt_tokens == 1  # what only a first output carries
+            ended = status.is_finished or status == RequestStatus.PREFILLED
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[request.token_ids[-1]],
+                    new_logprobs=lp,
+                    finished=ended,
+                    finish_reason=status.value if ended else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queue_ns=_queue_ns(request) if first else 0,
+                    prompt_logprobs=_first_prompt_logprobs(request) if first else None,
+                )
+            )
+        return outputs
+
+    # -- prefill role: held KV -------------------------------------------------------------
+    def held_kv(self, request_id: str) -> tuple[list[int], list[bytes], int]:
+        """(block ids, full-block hashes, prompt tokens) of a parked prefill request."""
+        request = self.held[request_id]
+        hashes = hash_full_blocks(request.prompt_token_ids, self.config.block_size, self.kv.extra_keys)
+        blocks = self.kv.blocks_of(request_id)[: cdiv(request.num_prompt_tokens, self.config.block_size)]
+        return blocks, hashes, request.num_prompt_tokens
+
+    def release_kv(self, request_id: str) -> bool:
+        """Unpin a parked request's blocks (they stay in the prefix cache)."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    # -- decode role: import ---------------------------------------------------------------
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        first_token_id: int,
+        first_logprobs=None,
+        priority: int = 0,
+        fork_ids: Sequence[str] = (),
+    ) -> tuple[list[int], int] | None:
+        """Allocate blocks for an incoming prompt's KV, reusing locally cached prefix blocks.
+
+        Returns (block ids for the whole prompt, number of leading blocks already cached
+        here and so not to be pulled), or None when the pool cannot hold it now. `fork_ids`:
+        as add_request's; they fork when the import commits.
+        """
+        if not 0 <= first_token_id < self.info.vocab_size:
+            raise RequestError(
+                f"first_token_id {first_token_id} is not a token id of this model (vocab_size {self.info.vocab_size})"
+            )
+        request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+        children = self._children(request, fork_ids)
+        hashes = hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys)
+        cached = self.kv.lookup_hashes(hashes)
+        if not self.kv.allocate_slots(request, len(prompt_token_ids) - len(cached) * self.config.block_size, cached):
+            return None
+        self.kv.keep_hashes(request_id, hashes)  # finish_import caches the blocks under these
+        request.num_cached_tokens = len(cached) * self.config.block_size
+        try:
+            request.append_output(first_token_id, first_logprobs)  # a grammar starts over from the spec here
+        except ValueError as exc:
+            self.kv.free(request_id)
+            raise RequestError(f"first_token_id {first_token_id}: {exc}") from None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request_id] = request
+        self.forks.expect(request, children)
+        return self.kv.blocks_of(request_id), len(cached)
+
+    def finish_import(self, request_id: str) -> RequestOutput | None:
+        """The prompt KV is in place: join the running batch (or finish at once if the
+        first token already ended the request)."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_prompt_tokens)
+        self.forks.fork(request)  # before the parent may end below and free its blocks
+        status = request.check_stop(self.info.max_model_len)
+        if status is not None:
+            request.status = status
+            self.kv.free(request_id)
+            return RequestOutput(
+                request_id,
+                [],
+                finished=True,
+                finish_reason=status.value,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        self.scheduler.add_running(request)
+        return None
+
+    def fail_import(self, request_id: str, recompute: bool) -> list[str]:
+        """The pull failed: recompute the prompt locally (its forks fork once it is), or drop the request and
+        the forks waiting for its KV. Returns the forks dropped with it."""
+        request = self.waiting_for_kv.pop(request_id)
+        self.kv.free(request_id)
+        if recompute:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.scheduler.add(request)
+            return []
+        request.status = RequestStatus.FINISHED_ERROR
+        return self.forks.drop_children(request_id)
+
+    # -- transfers in flight: blocks pinned -------------------------------------------------
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks a transfer reads or writes off the core thread, so that whatever frees
+        their request meanwhile (an abort, a failed import, a released lease) cannot hand them to another
+        request before the transfer has ended; `unpin_blocks` drops it then. Only blocks in use are pinned."""
+        bad = next((b for b in block_ids if not 0 <= b < self.pool.num_blocks or self.pool.ref_counts[b] == 0), None)
+        if bad is not None:
+            raise RequestError(
+                f"block {bad} is not held by any request (pool of {self.pool.num_blocks}); a transfer pins only "
+                "blocks in use"
+            )
+        self.pool.touch(block_ids)
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        """The transfer has ended: drop its references (tail first, as a request frees its blocks)."""
+        self.pool.free(reversed(block_ids))
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_held": len(self.held),
+            "num_waiting_for_kv": len(self.waiting_for_kv),
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_total_blocks": self.pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_query_tokens": self.kv.num_prefix_queries_tokens,
+            "prefix_hit_tokens": self.kv.num_prefix_hit_tokens,
+            "num_steps": self.num_steps,
+            "num_queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+            + sum(r.num_tokens_with_pending - r.num_computed_tokens - 1 for r in self.scheduler.running),
+        }

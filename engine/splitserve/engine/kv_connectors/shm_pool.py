@@ -1,0 +1,123 @@
+"""Shared-memory transport (same host, CPU): the prefill's whole KV pool lives in a named
+POSIX shared-memory segment; a decode maps it read-only by name and copies blocks out.
+
+Segment name: `splitserve-kv-<instance>-<start_epoch>-p<owner pid>`; a restarted instance gets a new
+name, and `unlink_stale` removes segments that earlier runs of the same instance left (owner gone).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from multiprocessing import shared_memory
+
+import torch
+
+from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.worker.kv_cache import as_bytes, torch_dtype
+
+PREFIX = "splitserve-kv-"
+
+
+def segment_name(instance: str, start_epoch: int, pid: int | None = None) -> str:
+    """The segment of one run of `instance`: its start epoch and the owning process (this one by default)."""
+    return f"{PREFIX}{instance}-{start_epoch}-p{os.getpid() if pid is None else pid}"
+
+
+def unlink_stale(instance: str) -> list[str]:
+    """Remove /dev/shm segments that earlier runs of this instance left (their owner process is gone); returns
+    their names. A segment whose owner still runs is kept: another service of the same name on this host (test
+    stacks run side by side) must not lose its pool."""
+    pattern = re.compile(rf"{re.escape(PREFIX + instance)}-\d+(?:-p(\d+))?")
+    removed = []
+    for path in glob.glob(f"/dev/shm/{glob.escape(PREFIX + instance)}-*"):
+        name = os.path.basename(path)
+        match = pattern.fullmatch(name)
+        if match is None or (match.group(1) and _alive(int(match.group(1)))):
+            continue  # another instance's (a longer name), or its owner runs
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    # Python's resource tracker would unlink segments it did not create when this
+    # process exits; ownership stays with the creating process.
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    except Exception:
+        pass
+
+
+class SharedKvPool:
+    """Creates (owner) or maps (reader) a KV pool in shared memory."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: KvLayout, num_blocks: int, owner: bool) -> None:
+        self.shm = shm
+        self.owner = owner
+        # torch lets go of a buffer's export once it has the pointer, so a tensor on `shm.buf` itself would not stop
+        # close() from unmapping the segment under it; a memoryview of our own, which the tensor keeps alive, does
+        # (a copy in flight on a transfer worker holds a view of the pool)
+        exported = memoryview(shm.buf)
+        flat = torch.frombuffer(exported, dtype=torch_dtype(layout), count=num_blocks * layout.block_numel)
+        self.tensor = flat.view(layout.cache_shape(num_blocks))  # (N, L, 2, bs, Hkv, D)
+
+    @classmethod
+    def create(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
+        nbytes = num_blocks * layout.block_nbytes
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        return cls(shm, layout, num_blocks, owner=True)
+
+    @classmethod
+    def open(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        _untrack(shm)
+        need = num_blocks * layout.block_nbytes
+        if shm.size < need:
+            shm.close()
+            raise ValueError(f"shared KV segment {name} has {shm.size} bytes, layout needs {need}")
+        return cls(shm, layout, num_blocks, owner=False)
+
+    def close(self) -> None:
+        """Unmap (unless a tensor still views the pool: then the mapping ends with the last view) and, as the
+        owner, unlink the name."""
+        del self.tensor
+        try:
+            self.shm.close()
+        except BufferError:  # a view is alive (the engine's pool, a copy in flight): the mmap goes with the last one
+            self.shm._mmap = None  # noqa: SLF001  (SharedMemory's __del__ must not try again and warn)
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> int:
+    """Gather src blocks and scatter them into dst blocks (one pass each); returns bytes moved."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_blocks: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
+    if not src_ids:
+        return 0
+    src, dst = as_bytes(src), as_bytes(dst)  # fp8: CPU index_copy_ has no fp8 kernel
+    src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
+    dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
+    staged = src.index_select(0, src_index).to(dst.device, non_blocking=True)  # (n, L, 2, bs, Hkv, D)
+    dst.index_copy_(0, dst_index, staged)
+    return staged.numel() * staged.element_size()

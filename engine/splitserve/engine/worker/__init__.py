@@ -1,0 +1,1 @@
+"""The worker: model runner, CUDA graphs, sampler, attention, fused ops, layers, loader, models, quantization."""

@@ -1,0 +1,237 @@
+"""What the prefill and decode services share: engine core process, identity, Describe,
+draining. The services themselves never import each other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from splitserve.common.wire import layout_to_proto
+from splitserve.engine.core_process.client import EngineClient
+from splitserve.protos import common_pb2
+from splitserve.runtime.grpc_server import InternalAuth, PortInUse, build_server, install_drain, set_serving
+from splitserve.runtime.logs import setup_logging
+from splitserve.runtime.metrics import ServiceCounters
+
+log = logging.getLogger("splitserve.service")
+
+
+class ServiceBase:
+    """Owns the EngineClient and the bookkeeping both roles share."""
+
+    role = "both"
+    service_names: list[str] = []
+
+    def __init__(self, engine_config, service_config) -> None:
+        self.engine_config = engine_config
+        self.config = service_config
+        self.name = service_config.instance_name or f"{self.role}-{service_config.port}"
+        self.start_unix_ns = time.time_ns()
+        self.instance_id = f"{self.name}@{self.start_unix_ns}"
+        self.counters = ServiceCounters()  # Describe's counters and Prometheus, one call per fact
+        self.inflight = 0
+        self.starting = True  # listening, preparing peers (before_serving): only ConfirmPair is answered
+        self.draining = False
+        self.health_address = ""  # the Describe-only server's, once it listens
+        self.internal_auth = InternalAuth.from_config(service_config)  # mTLS and/or the shared secret
+        kv_options = {
+            "transport": service_config.kv_transport,
+            "instance": self.name,
+            "start_epoch": self.start_unix_ns,
+            "role": engine_config.role,
+            "timeout_s": service_config.kv_transfer_timeout_s,
+            "link_keepalive_ms": service_config.kv_link_keepalive_ms,
+        }
+        self.client = EngineClient(
+            engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging, on_death=self._core_died
+        )
+        self.exit_code = 0
+        self._stop: asyncio.Event | None = None  # set by SIGTERM/SIGINT, or when the core dies
+        self.metrics = None  # built once the core reports the model id
+
+    def _core_message(self, msg) -> None:
+        from splitserve.engine.core_process.messages import StepBatch
+
+        if isinstance(msg, StepBatch) and self.metrics is not None:
+            self.metrics.observe_engine_stats(msg.stats)
+        self.on_core_message(msg)
+
+    def on_core_message(self, msg) -> None:  # overridden by roles that need core messages
+        pass
+
+    def _core_died(self, why: str) -> None:
+        """The engine core is gone: nothing this process holds can finish. Fail the in-flight requests,
+        report NOT_SERVING (Describe answers UNAVAILABLE), and exit 1 so that compose, Kubernetes or
+        `splitserve up` restarts the service."""
+        log.error("%s: %s; failing in-flight requests and exiting", self.name, why)
+        self.on_core_death(why)
+        self.exit_code = 1
+        if self._stop is not None:
+            self._stop.set()
+
+    def on_core_death(self, why: str) -> None:  # overridden by roles that track requests themselves
+        pass
+
+    def check_accepting(self, context) -> None:
+        """Refuse new work while draining or over the queue bound (raises via context.abort)."""
+        if self.client.dead:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
+        if self.starting:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
+        if self.draining:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
+        if self.inflight >= self.config.max_queued_requests:
+            raise _Refuse(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.name} has {self.inflight} requests in flight "
+                f"(max_queued_requests={self.config.max_queued_requests})",
+            )
+
+    def load(self) -> common_pb2.Load:
+        s = self.client.stats
+        return common_pb2.Load(
+            num_free_blocks=s.get("num_free_blocks", 0),
+            num_total_blocks=s.get("num_total_blocks", 0),
+            num_running=s.get("num_running", 0),
+            num_waiting=s.get("num_waiting", 0),
+            num_queued_tokens=s.get("num_queued_tokens", 0),
+            num_leases=s.get("num_held", 0),
+        )
+
+    async def Describe(self, request, context) -> common_pb2.DescribeResponse:
+        if self.client.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
+        if self.starting:  # not ready to be registered: a gateway routes nothing here yet
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
+        # The core reports its stats with every step (and after aborts/releases), so the last
+        # snapshot is current; a round trip to a busy core would make health checks time out.
+        stats = self.client.stats
+        if not stats and not self.client.dead:
+            stats = self.client.stats = await self.client.query("stats")
+        counters = {k: int(v) for k, v in {**stats, **self.counters.values}.items()}
+        return common_pb2.DescribeResponse(
+            instance_id=self.instance_id,
+            role=self.engine_config.role if self.role != "prefill" else "prefill",
+            model_id=self.client.info.model_id,
+            layout=layout_to_proto(self.client.layout),
+            load=self.load(),
+            transports=[self.config.kv_transport],
+            kv_endpoint=self.client.endpoint,
+            start_unix_ns=self.start_unix_ns,
+            max_model_len=self.client.info.max_model_len,
+            counters=counters,
+            draining=self.draining,
+            health_address=self.health_address,
+        )
+
+    def _add_describe(self, server) -> None:
+        """The health server's one method: this service's Describe."""
+        method = grpc.unary_unary_rpc_method_handler(
+            self.Describe,
+            request_deserializer=common_pb2.DescribeRequest.FromString,
+            response_serializer=common_pb2.DescribeResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(self.service_names[0], {"Describe": method}),)
+        )
+
+    async def serve(self, add_servicers) -> int:
+        """Start the core and the gRPC server; run until SIGTERM, then drain. A start that fails after the core
+        runs (a port in use, a peer refused) stops the core before raising: the process then exits instead of
+        waiting on the core it started."""
+        await self.client.start()
+        try:
+            return await self._serve(add_servicers)
+        except BaseException:
+            self.client.shutdown()
+            raise
+
+    async def _serve(self, add_servicers) -> int:
+        from splitserve.runtime.metrics import Metrics, serve_http
+
+        self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
+        self.counters.attach(self.metrics)
+        if self.config.metrics_port:
+            bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]
+            log.info("%s metrics on http://%s:%d/metrics", self.name, self.config.host, bound)
+        try:
+            server, health, port = build_server(
+                self.config.host, self.config.port, add_servicers, self.service_names, self.internal_auth
+            )
+        except PortInUse as exc:
+            raise PortInUse(f"{self.name} --port {self.config.port}: {exc}") from None
+        # gRPC hands a server's calls to it in arrival order: behind a burst of queued requests a Describe
+        # waited long enough for the gateway to mark a busy instance down (docs/performance.md, "Findings that
+        # set defaults"). A second server answers only Describe and health; Describe advertises it.
+        try:
+            health_server, health_health, health_port = build_server(
+                self.config.host, self.config.health_port, self._add_describe, self.service_names, self.internal_auth
+            )
+        except PortInUse as exc:
+            raise PortInUse(f"{self.name} --health-port {self.config.health_port}: {exc}") from None
+        self.health_address = f"{self.config.peer_host}:{health_port}"
+        healths = (health, health_health)
+        # Listen before preparing peers: a prefill with --decode-peers asks this decode to confirm the
+        # pairing it starts there. Until ready, health says NOT_SERVING and Describe and requests are refused.
+        for h in healths:
+            set_serving(h, self.service_names, False)
+        await server.start()
+        await health_server.start()
+        await self.before_serving()
+        self.starting = False
+        for h in healths:
+            set_serving(h, self.service_names, True)
+        await self.on_started()
+        log.info(
+            "%s serving on %s:%d (model=%s, blocks=%d, transport=%s)",
+            self.instance_id,
+            self.config.host,
+            port,
+            self.client.info.model_id,
+            self.client.info.num_kv_blocks,
+            self.config.kv_transport,
+        )
+        print(f"READY {self.role} {self.config.host}:{port}", flush=True)
+
+        def begin_drain():
+            self.draining = True
+            for h in healths:
+                set_serving(h, self.service_names, False)
+
+        self._stop = install_drain(asyncio.get_running_loop(), begin_drain)
+        if self.client.dead:  # died before the signal handlers were in place
+            self._stop.set()
+        await self._stop.wait()
+        self.draining = True
+        for h in healths:
+            set_serving(h, self.service_names, False)
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self.inflight > 0 and not self.client.dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.on_stopping()
+        await server.stop(1.0)
+        await health_server.stop(0)
+        self.client.shutdown()
+        log.info("%s stopped (%d requests still in flight at exit)", self.instance_id, self.inflight)
+        return self.exit_code
+
+    async def before_serving(self) -> None:  # the core runs; the server listens but serves no request yet
+        pass
+
+    async def on_started(self) -> None:
+        pass
+
+    async def on_stopping(self) -> None:
+        pass
+
+
+class _Refuse(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+Refuse = _Refuse

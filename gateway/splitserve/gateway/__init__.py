@@ -1,0 +1,16 @@
+"""The gateway: the front door of splitserve.
+
+It validates and tokenizes requests (gRPC `Generation` and an OpenAI-compatible REST shim),
+routes each to a prefill instance and then to a decode instance with an equal KV layout (or
+to a colocated worker), and streams detokenized text back with stop strings applied. It
+relies only on the wire contract in `protos/`.
+
+    config.py    GatewayConfig, UpConfig
+    registry.py  instances, Describe health loop, layout compatibility, readiness
+    decode_link.py  the one bidirectional Decode.Generate stream per decode instance
+    router.py    prefill / decode choice (load, prefix affinity)
+    service.py   the request path shared by gRPC and REST
+    grpc_api.py  Generation servicer, grpc.health.v1, reflection
+    rest.py      FastAPI shim (/v1/completions, /v1/chat/completions, /v1/models, ...)
+    server.py    `splitserve gateway`
+"""

@@ -1,0 +1,221 @@
+"""Frozen configs of the gateway (`splitserve gateway`) and of `splitserve up`."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from splitserve.common.config_fields import internal_token_option, option
+from splitserve.common.sampling_params import MAX_STOP_STRINGS
+
+# engine.kv_connectors.factory.TRANSPORTS, repeated here so the gateway never imports torch
+# (tests/cli/test_supervisor.py checks that the two agree).
+KV_TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+
+
+def split_addresses(value: str) -> tuple[str, ...]:
+    """'a:1, b:2' -> ('a:1', 'b:2'); empty entries and repeats dropped, order kept."""
+    out: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part and part not in out:
+            out.append(part)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the gateway listens, which instances it routes to, its admission limits, auth and rate limits.
+
+    Rate limits are per API key; without configured keys every caller shares one bucket.
+    API keys themselves are never config fields (the config is printed at start).
+    """
+
+    host: str = option("127.0.0.1", "address to bind the gRPC and REST servers")
+    grpc_port: int = option(50051, "gRPC port of the Generation API; 0 = any free port", min=0, max=65535)
+    http_port: int = option(8000, "REST (OpenAI-compatible) port; 0 = no REST", min=0, max=65535)
+    model: str = option(
+        "",
+        "model directory or Hugging Face id (through the hub cache) whose tokenizer the gateway uses; "
+        "empty = the embedded default model",
+    )
+    revision: str = option("", "branch, tag or commit of a Hugging Face id; empty = main; ignored for a directory")
+    model_id: str = option("", "model id served; empty = the instances' Describe model_id")
+    served_model_name: str = option(
+        "", "names clients may give the model, comma-separated, as vLLM's --served-model-name; empty = the model id"
+    )
+    prefill: str = option("", "comma-separated host:port of prefill instances")
+    decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
+    health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
+    health_timeout_s: float = option(
+        0.0,
+        "how long one Describe may take; a later answer is logged and ignored, never marks the instance down "
+        "(a busy instance answers late); 0 = max(2, 4 x health_interval_s)",
+        min=0.0,
+        max=3600.0,
+    )
+    health_ping_timeout_s: float = option(
+        10.0,
+        "an instance whose health connection leaves an HTTP/2 ping unanswered this long is marked down (a "
+        "stopped or wedged process; a busy one still answers pings, from gRPC's own threads)",
+        min=0.5,
+        max=3600.0,
+    )
+    request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
+    max_connections: int = option(
+        4096,
+        "most open REST connections; more are answered 503 and closed (uvicorn's limit_concurrency)",
+        min=1,
+        max=1 << 20,
+    )
+    http_header_timeout_s: float = option(
+        10.0, "a REST connection that has not sent a whole request head by then is closed", min=0.1, max=3600.0
+    )
+    http_keep_alive_s: float = option(
+        5.0, "an idle keep-alive REST connection is closed after this long", min=0.1, max=3600.0
+    )
+    max_body_bytes: int = option(
+        1 << 20,
+        "largest REST request body (HTTP 413) and gRPC request message (RESOURCE_EXHAUSTED)",
+        min=1024,
+        max=1 << 30,
+    )
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
+    max_concurrent_requests: int = option(
+        1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20
+    )
+    drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
+    max_waiting_per_decode: int = option(
+        256,
+        "requests waiting at one decode (its Describe num_waiting plus those sent "
+        "since and not running yet) before it counts as full; all full = RESOURCE_EXHAUSTED / HTTP 503 (a request "
+        "prefilled meanwhile still goes to one)",
+        min=1,
+        max=1 << 20,
+    )
+    metrics_port: int = option(
+        0,
+        "separate HTTP port for /metrics (for a gateway without REST; REST serves /metrics itself); 0 = off",
+        min=0,
+        max=65535,
+    )
+    api_keys_file: str = option(
+        "",
+        "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
+        "(comma-separated) every public call needs 'Authorization: Bearer <key>'",
+    )
+    internal_tls_cert: str = option("", "PEM client certificate for mTLS to prefill/decode (with key and CA)")
+    internal_tls_key: str = option("", "PEM private key for internal mTLS")
+    internal_tls_ca: str = option("", "PEM CA that signs the internal services' certificates")
+    internal_tls_server_name: str = option(
+        "",
+        "name the services' certificates are checked against, whatever address is dialed (health servers are "
+        "advertised by IP); empty = the dialed host",
+    )
+    internal_token: str = internal_token_option()
+    tls_cert: str = option("", "PEM certificate for TLS on the public gRPC and REST ports (with --tls-key)")
+    tls_key: str = option("", "PEM private key for TLS on the public ports (with --tls-cert)")
+    rate_limit_rps: float = option(
+        0.0, "requests per second per API key (token bucket); 0 = no limit", min=0.0, max=1e6
+    )
+    rate_limit_burst: int = option(
+        0, "request bucket size per API key; 0 = max(1, ceil(rate_limit_rps))", min=0, max=1 << 20
+    )
+    rate_limit_tokens_per_min: int = option(
+        0, "prompt tokens + max_tokens per minute per API key; 0 = no limit", min=0, max=1 << 40
+    )
+
+    @property
+    def prefill_addresses(self) -> tuple[str, ...]:
+        return split_addresses(self.prefill)
+
+    @property
+    def decode_addresses(self) -> tuple[str, ...]:
+        return split_addresses(self.decode)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Ports and shape of the loopback stack that `splitserve up` starts."""
+
+    prefill_port: int = option(50061, "gRPC port of the prefill instance", min=1, max=65535)
+    decode_port: int = option(
+        50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535
+    )
+    grpc_port: int = option(50051, "gateway gRPC port", min=1, max=65535)
+    http_port: int = option(8000, "gateway REST port", min=1, max=65535)
+    kv_transport: str = option(
+        "auto",
+        "KV transport between prefill and decode; auto = what the placement supports (shm when the prefill runs "
+        "on CPU, cuda_ipc when it runs on a GPU)",
+        choices=("auto", *KV_TRANSPORTS),
+    )
+    num_decode: int = option(1, "decode instances", min=1, max=64)
+    metrics_ports: int = option(
+        0,
+        "Prometheus /metrics of the prefill on this port and of decode i on port + 1 + i (0 = off; the "
+        "gateway's are on its REST port, or --metrics-port)",
+        min=0,
+        max=65535,
+    )
+    prefill_device: str = option(
+        "", "device of the prefill (cpu, cuda:N); empty = placed from --device and the GPUs this machine has"
+    )
+    decode_device: str = option(
+        "",
+        "device of the decodes: one (for all) or one per decode, comma-separated; empty = placed from --device "
+        "and the GPUs (one GPU: shared with the prefill; several: the prefill on cuda:0, decodes on the others)",
+    )
+    ready_timeout_s: float = option(300.0, "how long to wait for the stack to become ready", min=1.0, max=3600.0)
+    stop_grace_s: float = option(
+        45.0,
+        "on Ctrl-C / SIGTERM: how long each stage of the drain (the gateway, then prefill and decodes) may take "
+        "before its processes are killed; above the services' drain grace (30 s), so in-flight requests finish",
+        min=0.0,
+        max=3600.0,
+    )
+    max_restarts: int = option(
+        3, "times up restarts a child that exits by itself before it stops the whole stack", min=0, max=1000
+    )
+
+
+# GatewayConfig fields `splitserve up` sets itself (addresses, ports, model) or has no use for on
+# loopback (internal mTLS); every other gateway option `up` takes and passes to its gateway.
+UP_SETS_ITSELF = frozenset(
+    {
+        "host",
+        "grpc_port",
+        "http_port",
+        "model",
+        "revision",
+        "model_id",
+        "prefill",
+        "decode",
+        "internal_tls_cert",
+        "internal_tls_key",
+        "internal_tls_ca",
+        "internal_tls_server_name",
+        "internal_token",
+    }
+)
+
+
+def _up_gateway_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    hints = typing.get_type_hints(GatewayConfig)
+    return [
+        (f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(GatewayConfig)
+        if f.name not in UP_SETS_ITSELF
+    ]
+
+
+UpGatewayConfig = dataclasses.make_dataclass(
+    "UpGatewayConfig",
+    _up_gateway_fields(),
+    frozen=True,
+    namespace={
+        "__doc__": "The gateway options of `splitserve up` (API keys, TLS, limits), passed to its gateway.",
+        "__module__": __name__,
+    },
+)

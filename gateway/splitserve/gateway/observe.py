@@ -1,0 +1,106 @@
+"""What clients see, as Prometheus metrics: per-request latencies, tokens and call counts.
+
+Over the shared `runtime.metrics.Metrics` (vLLM-style names, `splitserve:` prefix):
+
+    requests_total{route,status}   every REST call (route = path, or "other"; status = HTTP
+                                   code) and every Generation gRPC call (route = full method;
+                                   status = gRPC code name), refusals included; /metrics is
+                                   not counted
+    time_to_first_token_seconds    arrival at the gateway -> first message with tokens
+    inter_token_latency_seconds    one observation per output token after the first: the gap
+                                   since the previous message spread evenly over its tokens
+    request_time_per_output_token_seconds   (last token - first token) / (tokens - 1), per
+                                   request with at least 2 output tokens
+    e2e_request_latency_seconds    arrival -> end, per request that produced a message
+    prompt_tokens_total / generation_tokens_total / request_success_total{finished_reason}
+                                   per request that produced a message (tokens the client got)
+    num_requests_running           requests in flight at the gateway
+
+A request refused before its first message (4xx, 429, 503) only counts in requests_total.
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.protos import common_pb2, generation_pb2
+from splitserve.runtime.metrics import Metrics
+
+FINISH_REASON_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class GatewayMetrics:
+    """The gateway's view of `Metrics`; `model_name` may be learnt after start (set_model)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    @property
+    def registry(self):
+        return self.metrics.registry
+
+    def set_model(self, model_name: str) -> None:
+        """Label later observations with `model_name` (the served model, once Describe told it)."""
+        self.metrics.labels["model_name"] = model_name
+
+    def count(self, route: str, status: str | int) -> None:
+        """One call of `route` answered with `status` (HTTP code or gRPC code name)."""
+        self.metrics.lab(self.metrics.requests, route=route, status=str(status)).inc()
+
+    def set_running(self, num_running: int) -> None:
+        self.metrics.lab(self.metrics.running).set(num_running)
+
+    def run(self, arrival_s: float) -> RunObserver:
+        """An observer for one admitted request that arrived at `arrival_s` (time.monotonic())."""
+        return RunObserver(self.metrics, arrival_s)
+
+
+class RunObserver:
+    """Timestamps of one request's messages; `end` records the request's metrics once."""
+
+    def __init__(self, metrics: Metrics, arrival_s: float) -> None:
+        self._m = metrics
+        self._arrival_s = arrival_s
+        self._first_token_s: float | None = None
+        self._last_token_s = 0.0
+        self.num_messages = 0
+        self.num_output_tokens = 0
+        self.finish_reason = ""
+
+    def message(self, message: generation_pb2.GenerateResponse) -> None:
+        """A message is about to be sent to the client."""
+        now = time.monotonic()
+        self.num_messages += 1
+        n = len(message.token_ids)
+        if n:
+            if self._first_token_s is None:
+                self._first_token_s = now
+                self._m.lab(self._m.ttft).observe(now - self._arrival_s)
+                n_gaps, gap_s = n - 1, 0.0  # tokens sent together with the first one arrive with it
+            else:
+                n_gaps, gap_s = n, (now - self._last_token_s) / n
+            itl = self._m.lab(self._m.itl)
+            for _ in range(n_gaps):
+                itl.observe(gap_s)
+            self._last_token_s = now
+            self.num_output_tokens += n
+        if message.finish_reason:
+            self.finish_reason = FINISH_REASON_NAMES.get(message.finish_reason, "error")
+
+    def end(self, num_prompt_tokens: int, closed_early: bool) -> None:
+        """The request is over; `closed_early`: the stream was closed before a final message."""
+        if not self.num_messages:
+            return
+        m = self._m
+        m.lab(m.e2e).observe(time.monotonic() - self._arrival_s)
+        if self.num_output_tokens >= 2 and self._first_token_s is not None:
+            m.lab(m.tpot).observe((self._last_token_s - self._first_token_s) / (self.num_output_tokens - 1))
+        m.lab(m.prompt_tokens).inc(num_prompt_tokens)
+        m.lab(m.generation_tokens).inc(self.num_output_tokens)
+        reason = self.finish_reason or ("abort" if closed_early else "error")
+        m.lab(m.request_success, finished_reason=reason).inc()

@@ -1,0 +1,327 @@
+"""`splitserve gateway`: the gRPC Generation API and the REST shim in one asyncio loop.
+
+SIGTERM / SIGINT drains: readiness and health turn NOT_SERVING, new requests are refused
+(UNAVAILABLE / 503), in-flight requests may finish for up to drain_grace_s, then the
+servers stop and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+
+from splitserve.gateway.auth import ApiKeys, load_api_keys
+from splitserve.gateway.config import GatewayConfig
+from splitserve.gateway.grpc_api import HealthReporter, add_services
+from splitserve.gateway.limits import RateLimiter
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.registry import Registry
+from splitserve.gateway.router import Router
+from splitserve.gateway.service import GatewayService
+
+log = logging.getLogger("splitserve.gateway")
+MAX_SEND_BYTES = 64 << 20  # answers (token ids, logprobs) may exceed what a request may carry
+
+
+def load_gateway_tokenizer(model: str) -> Any:
+    """The tokenizer of `model` (a directory), or of the embedded default model when empty."""
+    from splitserve.common.tokenizer import load_tokenizer
+
+    if not model:
+        try:
+            from splitserve.common.default_model_path import default_model_path
+        except ImportError as exc:
+            raise ValueError(
+                f"no --model given and the embedded default model is not available ({exc}); "
+                "pass --model with a model directory"
+            ) from None
+        model = str(default_model_path())
+    if os.path.isfile(model):  # a config.json (load_format dummy): its directory holds the tokenizer
+        model = os.path.dirname(model) or "."
+    return load_tokenizer(model)
+
+
+def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
+    """(certificate PEM, key PEM) for the public ports, or None; ValueError naming the flag."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError(
+            "--tls-cert and --tls-key must be given together (got only "
+            f"{'--tls-cert' if config.tls_cert else '--tls-key'})"
+        )
+    if not config.tls_cert:
+        return None
+    pems = []
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        try:
+            with open(path, "rb") as f:
+                pems.append(f.read())
+        except OSError as exc:
+            raise ValueError(f"{flag} {path!r} cannot be read: {exc}") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"--tls-cert {config.tls_cert!r} and --tls-key {config.tls_key!r} are not a matching "
+            f"PEM certificate and key: {exc}"
+        ) from None
+    return pems[0], pems[1]
+
+
+def _protocol_with_header_timeout(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
+    `timeout_s` (uvicorn times out idle connections only after a response: 3,000 connections that
+    never sent a byte stayed open)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+
+        def connection_lost(self, exc) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _head_timed_out(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+class _EmbeddedUvicorn:
+    """uvicorn.Server that leaves signal handling to the gateway."""
+
+    @staticmethod
+    def make(app: Any, config: GatewayConfig, grace_s: float) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def capture_signals(self):  # the gateway owns SIGINT/SIGTERM
+                return contextlib.nullcontext()
+
+        tls = dict(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key) if config.tls_cert else {}
+        uv_config = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(grace_s, 0.1),
+            http=_protocol_with_header_timeout(config.http_header_timeout_s),
+            limit_concurrency=config.max_connections,
+            timeout_keep_alive=config.http_keep_alive_s,
+            **tls,
+        )
+        return Server(uv_config)
+
+
+class GatewayServer:
+    """Owns the registry, router, service, metrics and the servers of one gateway process.
+
+    `env` (default os.environ) is where SPLITSERVE_API_KEYS is read.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        tokenizer: Any = None,
+        http_socket: socket.socket | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._http_socket = http_socket
+        self._env = env
+        self.grpc_port = 0
+        self.http_port = 0
+        self.metrics_port = 0
+        self._grpc_server: grpc.aio.Server | None = None
+        self._uvicorn: Any = None
+        self._rest_task: asyncio.Task | None = None
+        self._metrics_server: Any = None
+
+    async def start(self) -> None:
+        """Build everything, listen on the ports, then register instances (first Describe round)."""
+        from splitserve.runtime.metrics import Metrics
+
+        config = self.config
+        tls = load_tls(config)
+        self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
+        tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
+        from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS, InternalAuth, internal_channel
+
+        internal_auth = InternalAuth.from_config(config)
+        self.registry = Registry(
+            config.prefill_addresses,
+            config.decode_addresses,
+            health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
+            ping_timeout_s=config.health_ping_timeout_s,
+            model_id=config.model_id,
+            channel_factory=lambda address, extra: internal_channel(address, internal_auth, extra),
+        )
+        self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
+        # the public API takes no message larger than a REST body: sizes are capped before tokenizing
+        self._grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", config.max_body_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
+                *SERVER_QUEUE_OPTIONS,  # a burst of streams reaches the handlers (and their named limits)
+            ]
+        )
+        address = f"{config.host}:{config.grpc_port}"
+        self.grpc_port = (
+            self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+            if tls
+            else self._grpc_server.add_insecure_port(address)
+        )
+        self.metrics = GatewayMetrics(Metrics(config.model_id, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
+        limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min)
+        self.service = GatewayService(
+            self.registry,
+            self.router,
+            tokenizer,
+            max_concurrent_requests=config.max_concurrent_requests,
+            max_stop_strings=config.max_stop_strings,
+            request_timeout_s=config.request_timeout_s,
+            limiter=limiter,
+            metrics=self.metrics,
+            served_model_names=[n.strip() for n in config.served_model_name.split(",") if n.strip()],
+        )
+        self.health = HealthReporter()
+        await self.health.set_ready(False)
+        self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
+        self.registry.listeners.append(self._learn_model)
+        add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics)
+        await self._grpc_server.start()
+        if config.http_port or self._http_socket is not None:
+            await self._start_rest()
+        if config.metrics_port:
+            self._start_metrics_port()
+        await self.registry.start()
+        log.info(
+            "gateway up: gRPC %s:%d, REST %s, metrics port %s; TLS %s, API keys %d, rate limits %s; ready=%s",
+            config.host,
+            self.grpc_port,
+            f"{'https' if tls else 'http'}://{config.host}:{self.http_port}" if self.http_port else "off",
+            self.metrics_port or "off",
+            "on" if tls else "off",
+            self.api_keys.num_keys,
+            f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
+            self.registry.ready(),
+        )
+
+    def _learn_model(self, ready: bool) -> None:
+        if not self.config.model_id and self.registry.model_id:
+            self.metrics.set_model(self.registry.model_id)
+
+    def _start_metrics_port(self) -> None:
+        from splitserve.runtime.metrics import serve_http
+
+        try:
+            self._metrics_server = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port)
+        except OSError as exc:
+            raise OSError(
+                f"--metrics-port {self.config.metrics_port} cannot be bound on {self.config.host}: {exc}"
+            ) from None
+        self.metrics_port = self._metrics_server.server_address[1]
+
+    async def _start_rest(self) -> None:
+        from splitserve.gateway.rest import create_app
+
+        app = create_app(
+            self.service, self.config.max_body_bytes, int(time.time()), api_keys=self.api_keys, metrics=self.metrics
+        )
+        self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
+        sockets = None
+        if self._http_socket is not None:
+            # asyncio sets TCP_NODELAY on accepted sockets only when the listener's proto is TCP;
+            # a socket.socket() has proto 0, and Nagle + delayed ACKs then add ~40 ms to every
+            # response. Accepted sockets inherit the listener's TCP_NODELAY.
+            self._http_socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets = [self._http_socket]
+        self._rest_task = asyncio.create_task(self._uvicorn.serve(sockets=sockets), name="gateway-rest")
+        while not self._uvicorn.started and not self._rest_task.done():
+            await asyncio.sleep(0.01)
+        if self._rest_task.done():
+            raise OSError(
+                f"the REST server could not start on {self.config.host}:{self.config.http_port} (port in use?)"
+            )
+        if self._http_socket is not None:
+            self.http_port = self._http_socket.getsockname()[1]
+        else:
+            self.http_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float) -> None:
+        """Drain: refuse new requests (UNAVAILABLE / 503 naming the drain, while the servers still
+        answer), let in-flight ones finish up to grace_s, then stop the servers."""
+        self.service.draining = True
+        await self.health.shutdown()
+        await self.service.wait_idle(grace_s)
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        waits = []
+        if self._grpc_server is not None:
+            waits.append(self._grpc_server.stop(1.0))
+        if self._rest_task is not None:
+            waits.append(self._rest_task)
+        await asyncio.gather(*waits, return_exceptions=True)
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
+        await self.registry.close()
+
+
+async def serve(config: GatewayConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; 0 on a clean exit, 1 when start-up failed."""
+    server = GatewayServer(config)
+    try:
+        await server.start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"splitserve gateway: error: {exc}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting without draining", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: draining (up to %g s)", signal.Signals(signum).name, config.drain_grace_s)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
+    await server.stop(config.drain_grace_s)
+    log.info("gateway stopped")
+    return 0
+
+
+def run(ns: Any, configs: dict[str, Any]) -> int:
+    """Entry point of `splitserve gateway` (see splitserve.cli)."""
+    from splitserve.runtime import tracing
+    from splitserve.runtime.logs import setup_logging
+
+    setup_logging()
+
+    config = configs["GatewayConfig"]
+    tracing.init_tracing("splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}")
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        tracing.shutdown()

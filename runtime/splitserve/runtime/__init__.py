@@ -1,0 +1,1 @@
+"""The service runtime, torch-free: gRPC server, metrics, tracing, logs (the gateway uses it too)."""

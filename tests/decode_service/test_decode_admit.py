@@ -1,0 +1,52 @@
+"""The decode service's admission on its own (no core process): a request whose admission fails with an
+unexpected error ends alone, with an error naming the cause; the gateway's stream and its other requests
+go on (a fault in one request must never close a stream shared by every request of that gateway)."""
+
+from types import SimpleNamespace
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.default_model_path import default_model_path
+from splitserve.decode_service import server
+from splitserve.engine.core_process import messages as m
+from splitserve.engine_service.config import ServiceConfig
+from splitserve.protos import common_pb2, decode_pb2
+
+
+def service(monkeypatch) -> tuple[server.DecodeService, list]:
+    svc = server.DecodeService(EngineConfig(model=str(default_model_path()), role="both"), ServiceConfig())
+    svc.starting = False
+    svc.client.info = SimpleNamespace(vocab_size=512)
+    sent: list = []
+    monkeypatch.setattr(svc.client, "send", sent.append)
+    return svc, sent
+
+
+def structured(rid: str) -> decode_pb2.DecodeRequest:
+    params = common_pb2.SamplingParams(max_tokens=4)
+    params.structured_output.regex = "[ab]+"
+    return decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=params)
+
+
+def test_an_unexpected_admission_error_ends_that_request_alone(monkeypatch):
+    svc, sent = service(monkeypatch)
+
+    def broken(spec):  # what a missing or broken grammar library raises
+        raise ImportError("No module named 'xgrammar'")
+
+    monkeypatch.setattr(server, "check_spec", broken)
+    stream = server.GatewayStream()
+    svc._admit(structured("bad"), stream)
+    svc._admit(decode_pb2.DecodeRequest(request_id="good", prompt_token_ids=[1, 2, 3]), stream)
+
+    out = stream.out.get_nowait()
+    assert [(d.request_id, d.finish_reason, d.error, d.refused) for d in out.deltas] == [
+        (
+            "bad",
+            common_pb2.FINISH_REASON_ERROR,
+            "the decode could not admit the request: ImportError: No module named 'xgrammar'",
+            False,
+        )
+    ]
+    assert stream.out.empty()
+    assert stream.request_ids == {"good"} and set(svc.owner) == {"good"} and svc.inflight == 1
+    assert [(type(c), c.request_id, c.prompt_token_ids) for c in sent] == [(m.AddRequest, "good", [1, 2, 3])]

@@ -1,0 +1,421 @@
+"""Gateway request paths over gRPC against fake prefill/decode services (tests/gateway_fakes.py).
+
+Prompt "hello world w20" is ids [6, 7, 20]; the fakes then generate 21, 22, 23, ... whose
+text (after the prompt) is " w21 w22 w23 ...".
+"""
+
+import grpc
+import pytest
+
+from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, fake_logprobs, make_tokenizer_dir
+
+FR = common_pb2.FinishReason
+PROMPT = "hello world w20"
+PROMPT_IDS = [6, 7, 20]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture
+def make_stack(tokenizer_dir):
+    stacks = []
+
+    def make(prefills=(), decodes=(), **overrides):
+        stack = Stack(tokenizer_dir, list(prefills), list(decodes), overrides).start()
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def stub(stack):
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target))
+
+
+def request(text=PROMPT, **sampling):
+    stop = sampling.pop("stop", ())
+    include = sampling.pop("include_stop_str_in_output", False)
+    return generation_pb2.GenerateRequest(
+        text=text, sampling=common_pb2.SamplingParams(**sampling), stop=stop, include_stop_str_in_output=include
+    )
+
+
+def generate(stack, req):
+    return list(stub(stack).Generate(req, timeout=10))
+
+
+def summary(messages):
+    """(token ids, text, finish reason, stop_reason, error) of a whole stream."""
+    last = messages[-1]
+    assert all(not m.finish_reason for m in messages[:-1])
+    return (
+        [t for m in messages for t in m.token_ids],
+        "".join(m.text for m in messages),
+        last.finish_reason,
+        last.stop_reason,
+        last.error,
+    )
+
+
+def test_disaggregated_path_streams_prefill_token_then_decode_tokens(make_stack):
+    prefill, decode = FakePrefill(cached_prompt_tokens=2), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=5, temperature=0.0))
+    assert [list(m.token_ids) for m in messages] == [[21], [22], [23], [24], [25]]
+    assert [m.text for m in messages] == [" w21", " w22", " w23", " w24", " w25"]
+    assert messages[-1].finish_reason == FR.FINISH_REASON_LENGTH
+    assert messages[-1].usage == common_pb2.Usage(prompt_tokens=3, completion_tokens=5, cached_prompt_tokens=2)
+    first_t, last_t = messages[0].timings, messages[-1].timings
+    assert (first_t.queue_ns, first_t.prefill_ns, first_t.total_ns > 0) == (1000, 2000, True)
+    assert (last_t.queue_ns, last_t.prefill_ns, last_t.transfer_ns, last_t.decode_ns) == (1010, 2000, 300, 5000)
+    # one PrefillRequest, then one DecodeRequest carrying the first token and the handle
+    (pre,), (dec,) = prefill.requests, decode.requests
+    assert list(pre.prompt_token_ids) == list(dec.prompt_token_ids) == PROMPT_IDS
+    assert dec.first_token_id == 21 and dec.kv.lease.lease_id == f"lease-{pre.request_id}"
+    assert list(dec.kv.block_ids) == [0] and dec.request_id == pre.request_id == stack.internal_id(
+        messages[0].request_id
+    )
+    # no seed given: the gateway drew one 63-bit seed for both hops
+    assert pre.seed == dec.seed == pre.sampling.seed == dec.sampling.seed and 0 <= pre.seed < 2**63
+    assert prefill.released == []  # the decode owns the lease
+
+
+def test_given_seed_and_request_id_are_passed_to_both_hops(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    req = request(max_tokens=2, seed=1234)
+    req.request_id = "my-request"
+    messages = generate(stack, req)
+    assert {m.request_id for m in messages} == {"my-request"}  # the caller's id in its answers
+    # on the internal hops the gateway's own suffix keeps ids from two gateways apart
+    assert prefill.requests[0].request_id == decode.requests[0].request_id == stack.internal_id("my-request")
+    assert stack.internal_id("my-request") == f"my-request@{stack.gateway.service.instance_tag}"
+    assert (prefill.requests[0].seed, decode.requests[0].seed) == (1234, 1234)
+
+
+def test_colocated_worker_takes_requests_without_prefill(make_stack):
+    worker = FakeDecode("worker-0", role="both", cached_prompt_tokens=3)
+    stack = make_stack([], [worker])
+    messages = generate(stack, request(max_tokens=4))
+    assert summary(messages) == ([21, 22, 23, 24], " w21 w22 w23 w24", FR.FINISH_REASON_LENGTH, "", "")
+    (dec,) = worker.requests
+    assert not dec.HasField("first_token_id") and not dec.HasField("kv")
+    assert messages[-1].usage.cached_prompt_tokens == 3
+
+
+def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
+    decode = FakeDecode()
+    stack = make_stack([FakePrefill()], [decode])
+    # " w21 w22 w23": "2 w2" starts in token 22 and is completed by token 23
+    messages = generate(stack, request(max_tokens=10, stop=["2 w2", "nope"]))
+    assert summary(messages) == ([21, 22, 23], " w21 w2", FR.FINISH_REASON_STOP, "2 w2", "")
+    assert messages[-1].usage.completion_tokens == 3
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(messages[0].request_id)], what="AbortRequest")
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=10, stop=["2 w2"], include_stop_str_in_output=True))
+    assert summary(messages) == ([21, 22, 23], " w21 w22 w2", FR.FINISH_REASON_STOP, "2 w2", "")
+
+
+def test_stop_string_in_the_first_token_releases_the_lease(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=10, stop=["w21"]))
+    assert summary(messages) == ([21], " ", FR.FINISH_REASON_STOP, "w21", "")
+    rid = stack.internal_id(messages[0].request_id)
+    stack.wait_for(lambda: prefill.released == [(f"lease-{rid}", 7)], what="ReleaseKv")
+    assert decode.requests == []
+
+
+def test_first_token_that_finishes_never_reaches_a_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=1))
+    assert summary(messages) == ([21], " w21", FR.FINISH_REASON_LENGTH, "", "")
+    assert decode.requests == [] and prefill.released == []  # no KV is held when the prefill finishes
+
+
+def test_stop_token_id_names_the_token_in_stop_reason(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=10, stop_token_ids=[23]))
+    assert summary(messages) == ([21, 22, 23], " w21 w22 w23", FR.FINISH_REASON_STOP, "23", "")
+
+
+def test_logprobs_flow_from_prefill_and_decode(make_stack):
+    stack = make_stack([FakePrefill()], [FakeDecode()])
+    messages = generate(stack, request(max_tokens=3, logprobs=2))
+    assert [lp for m in messages for lp in m.logprobs] == [fake_logprobs(t, 2) for t in (21, 22, 23)]
+
+
+def test_client_cancel_sends_abort_to_the_decode(make_stack):
+    decode = FakeDecode()
+    stack = make_stack([FakePrefill()], [decode])
+    call = stub(stack).Generate(request(max_tokens=50), timeout=10)
+    first = next(call)
+    assert list(first.token_ids) == [21]
+    next(call)  # the decode is streaming
+    call.cancel()
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(first.request_id)], what="AbortRequest after cancel")
+    service, (inst,) = stack.gateway.service, stack.gateway.registry.decodes()
+    stack.wait_for(lambda: service.num_active == 0 and inst.in_flight == 0, what="request bookkeeping at zero")
+
+
+def test_client_cancel_during_prefill_never_reaches_the_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.delay_s = 1.0
+    stack = make_stack([prefill], [decode])
+    call = stub(stack).Generate(request(max_tokens=5), timeout=10)
+    stack.wait_for(lambda: len(prefill.requests) == 1, what="the Prefill call")
+    call.cancel()
+    stack.wait_for(lambda: stack.gateway.service.num_active == 0, what="the request to end")
+    assert decode.requests == [] and decode.aborts == []
+
+
+def test_prefill_failure_falls_back_to_a_local_prefill_on_the_decode(make_stack):
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.fail_code = grpc.StatusCode.UNAVAILABLE
+    stack = make_stack([prefill], [decode])
+    messages = generate(stack, request(max_tokens=4))
+    assert summary(messages) == ([21, 22, 23, 24], " w21 w22 w23 w24", FR.FINISH_REASON_LENGTH, "", "")
+    (dec,) = decode.requests
+    assert not dec.HasField("kv") and not dec.HasField("first_token_id")
+    (inst,) = stack.gateway.registry.prefills()
+    assert inst.error == "prefill instance prefill-0 failed: UNAVAILABLE: injected prefill failure"
+    prefill.fail_code = None  # Describe still answers: the next health round brings it back
+    stack.wait_for(lambda: inst.up, what="the prefill to be up again")
+    generate(stack, request(max_tokens=2))
+    assert len(prefill.requests) == 2 and decode.requests[-1].HasField("kv")
+
+
+def test_prefill_refusing_the_request_is_the_clients_error(make_stack):
+    prefill = FakePrefill()
+    prefill.fail_code = grpc.StatusCode.INVALID_ARGUMENT
+    stack = make_stack([prefill], [FakeDecode()])
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, request(max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "prefill instance prefill-0 refused the request: injected prefill failure"
+
+
+def test_two_decodes_both_take_traffic(make_stack):
+    a, b = FakeDecode("decode-a"), FakeDecode("decode-b")
+    a.hold = b.hold = True
+    stack = make_stack([FakePrefill()], [a, b])
+    calls = [stub(stack).Generate(request(f"w{30 + i}", max_tokens=3), timeout=10) for i in range(8)]
+    stack.wait_for(lambda: len(a.requests) + len(b.requests) == 8, what="8 decode requests")
+    assert (len(a.requests), len(b.requests)) == (4, 4)
+    assert a.max_deltas_per_message == 0
+    a.hold = b.hold = False
+    results = [summary(list(call)) for call in calls]
+    assert [r[0] for r in results] == [[31 + i, 32 + i, 33 + i] for i in range(8)]
+    assert a.max_deltas_per_message == 4  # one DecodeOut per step for all requests on the stream
+
+
+def test_a_broken_decode_stream_fails_only_its_requests(make_stack):
+    a, b = FakeDecode("decode-a"), FakeDecode("decode-b")
+    a.hold = b.hold = True
+    stack = make_stack([FakePrefill()], [a, b])
+    calls = [stub(stack).Generate(request(f"w{30 + i}", max_tokens=3), timeout=10) for i in range(4)]
+    stack.wait_for(lambda: (len(a.requests), len(b.requests)) == (2, 2), what="2 requests on each decode")
+    on_a = {r.request_id for r in a.requests}
+    stack.loop.run(stack.servers["decode-a"].stop())
+    b.hold = False
+    for call in calls:
+        messages = list(call)
+        if stack.internal_id(messages[0].request_id) in on_a:
+            last = messages[-1]
+            assert last.finish_reason == FR.FINISH_REASON_ERROR
+            assert last.error.startswith("decode instance decode-a failed: ")
+        else:
+            assert summary(messages)[2] == FR.FINISH_REASON_LENGTH
+    messages = generate(stack, request(max_tokens=2))  # routed to decode-b
+    assert summary(messages)[:3] == ([21, 22], " w21 w22", FR.FINISH_REASON_LENGTH)
+    assert b.requests[-1].request_id == stack.internal_id(messages[0].request_id)
+    # decode-a comes back on the same port: its stream reopens and it takes traffic again
+    a.hold = False
+    stack.loop.run(stack.servers["decode-a"].start())
+    inst_a = stack.gateway.registry.decodes()[0]
+    stack.wait_for(lambda: inst_a.up, what="decode-a to be up again")
+    # the link opens without a round trip: the server sees the new stream a moment later
+    stack.wait_for(lambda: a.num_streams == 2, what="decode-a's second stream")
+    generate(stack, request(max_tokens=2))
+    assert a.requests[-1].request_id != b.requests[-1].request_id and len(a.requests) == 3
+
+
+def test_deadline_ends_the_request_and_aborts_it(make_stack):
+    decode = FakeDecode()
+    decode.hold = True
+    stack = make_stack([FakePrefill()], [decode], request_timeout_s=0.3)
+    messages = generate(stack, request(max_tokens=5))
+    rid = messages[0].request_id
+    assert summary(messages) == (
+        [21],
+        " w21",
+        FR.FINISH_REASON_ERROR,
+        "",
+        f"request {rid} timed out after 0.3 s (request_timeout_s or the client's deadline)",
+    )
+    stack.wait_for(lambda: decode.aborts == [stack.internal_id(rid)], what="AbortRequest after the deadline")
+
+
+def test_a_request_id_already_running_is_refused(make_stack):
+    decode = FakeDecode()
+    decode.hold = True
+    stack = make_stack([FakePrefill()], [decode])
+    req = request(max_tokens=3)
+    req.request_id = "dup"
+    held = stub(stack).Generate(req, timeout=10)
+    next(held)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, req)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "request_id 'dup' is already running on this gateway; use a unique id",
+    )
+    held.cancel()
+
+
+class _RecordingLink:
+    def __init__(self):
+        self.aborted, self.finished = [], []
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def finish(self, request_id):
+        self.finished.append(request_id)
+
+
+def _run_with_queue(tokenizer_dir, items, **params):
+    """A RequestRun on the local-prefill path whose decode queue already holds `items`."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.common.tokenizer import load_tokenizer
+    from splitserve.gateway.request_run import RequestRun, RunDeps
+
+    # this run is past routing: it never asks the router or the registry
+    deps = RunDeps(router=None, registry=None, tokenizer=load_tokenizer(tokenizer_dir), spawn=lambda coro: coro.close())
+    run = RequestRun(
+        deps,
+        request_id="r",
+        params=SamplingParams(**params),
+        prompt_token_ids=[20, 21],
+        seed=1,
+        priority=0,
+        arrival_ns=time.monotonic_ns(),
+        deadline=time.monotonic() + 5,
+        budget_s=5,
+    )
+    run._decode, run._link, run._local_prefill = SimpleNamespace(name="decode-x"), _RecordingLink(), True
+    run._queue = asyncio.Queue()
+    for item in items:
+        run._queue.put_nowait(item)
+    return run
+
+
+def test_queued_deltas_merge_into_one_message_and_a_stop_string_cuts_the_tokens(tokenizer_dir):
+    import asyncio
+
+    from splitserve.gateway.decode_link import LinkFailure
+    from splitserve.protos import decode_pb2
+
+    deltas = [
+        decode_pb2.TokenDelta(request_id="r", token_ids=[t], cached_prompt_tokens=4 if t == 22 else 0)
+        for t in (22, 23, 24, 25)
+    ]
+    failure = LinkFailure("decode instance decode-x failed: gone")
+
+    async def scenario():
+        run = _run_with_queue(tokenizer_dir, deltas[:2] + [failure], stop=("3 w2",))
+        merged = await run._next_item()
+        assert (list(merged.token_ids), merged.cached_prompt_tokens) == ([22, 23], 4)
+        assert await run._next_item() is failure  # kept for after the tokens queued before it
+        run = _run_with_queue(tokenizer_dir, deltas, stop=("3 w2",))
+        message = run._delta_message(await run._next_item())
+        # " w22 w23 w24": "3 w2" is completed by token 24; token 25 is dropped
+        assert (list(message.token_ids), message.text, message.stop_reason) == ([22, 23, 24], " w22 w2", "3 w2")
+        assert (message.usage.completion_tokens, message.usage.cached_prompt_tokens) == (3, 4)
+        assert run._link.aborted == ["r"]
+
+    asyncio.run(scenario())
+
+
+def test_a_follow_up_turn_goes_to_the_prefill_that_holds_its_prefix(make_stack):
+    p0, p1 = FakePrefill("prefill-0"), FakePrefill("prefill-1")
+    stack = make_stack([p0, p1], [FakeDecode()])
+    turn = "hello world " + " ".join(f"w{i}" for i in range(20, 30))  # 12 tokens: 3 full blocks of 4
+    generate(stack, request(turn, max_tokens=2, temperature=0.0))
+    first, other = (p0, p1) if p0.requests else (p1, p0)
+    assert len(first.requests) == 1 and not other.requests
+    first.queued_tokens = 11  # 11 tokens busier than the other, but it holds the 12 leading ones
+    inst = next(i for i in stack.gateway.registry.prefills() if i.describe.instance_id.startswith(first.name))
+    stack.wait_for(
+        lambda: inst.describe.load.num_queued_tokens == 11 and inst.pending_tokens == 0,
+        what="a Describe after the first turn",
+    )
+    generate(stack, request(turn + " w40 w41", max_tokens=2, temperature=0.0))
+    assert len(first.requests) == 2 and not other.requests
+    assert list(first.requests[1].prompt_token_ids)[:12] == list(first.requests[0].prompt_token_ids)
+    stack.wait_for(lambda: inst.pending_tokens == 0, what="the next Describe")
+    generate(stack, request("hello world w50 w51 w52 w53 w54", max_tokens=2, temperature=0.0))  # a new conversation
+    assert len(other.requests) == 1  # goes by load: the other has nothing queued
+
+
+def test_two_gateways_running_the_same_caller_id_on_shared_services_do_not_collide(make_stack, tokenizer_dir):
+    """The same request_id sent to two gateways in front of the same prefill and decode at
+    once: both clients get all their tokens, and each lease is released by its own request."""
+    import threading
+
+    from splitserve.gateway.config import GatewayConfig
+    from splitserve.gateway.server import GatewayServer
+
+    prefill, decode = FakePrefill(), FakeDecode(step_s=0.02)
+    first = make_stack([prefill], [decode])
+    config = GatewayConfig(
+        grpc_port=0,
+        model=tokenizer_dir,
+        health_interval_s=0.1,
+        prefill=first.servers[prefill.name].address,
+        decode=first.servers[decode.name].address,
+    )
+    second = GatewayServer(config, http_socket=None)
+    first.loop.run(second.start())
+    try:
+        first.wait_for(lambda: second.registry.status()["ready"], what="the second gateway ready")
+        targets = [first.grpc_target, f"127.0.0.1:{second.grpc_port}"]
+        results: dict[str, list] = {}
+
+        def run(target):
+            req = request(max_tokens=6)
+            req.request_id = "same-id"
+            channel = grpc.insecure_channel(target)
+            results[target] = list(generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=10))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for target in targets:
+            assert summary(results[target])[:3] == (
+                [21, 22, 23, 24, 25, 26],
+                " w21 w22 w23 w24 w25 w26",
+                FR.FINISH_REASON_LENGTH,
+            )
+            assert {m.request_id for m in results[target]} == {"same-id"}
+        hop_ids = sorted(r.request_id for r in decode.requests)
+        assert len(set(hop_ids)) == 2 and all(h.startswith("same-id@") for h in hop_ids)
+        assert sorted(r.request_id for r in prefill.requests) == hop_ids
+    finally:
+        first.loop.run(second.stop(0.5))
