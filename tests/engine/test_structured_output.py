@@ -291,6 +291,42 @@ def test_engine_output_follows_the_grammar_and_ends_with_stop(llm):
     assert sampled[0].token_ids == sampled[1].token_ids and re.fullmatch(r"\d{3}-[a-z]{2,5}", sampled[0].text)
 
 
+@pytest.mark.parametrize(
+    "spec, label",
+    [
+        (StructuredOutput(json='{"$ref": "#"}'), "JSON schema"),
+        (StructuredOutput(json='{"allOf": [{"$ref": "#"}]}'), "JSON schema"),
+        (StructuredOutput(json='{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'), "JSON schema"),
+        (StructuredOutput(grammar="root ::= root"), "grammar"),
+    ],
+)
+def test_a_spec_that_admits_no_output_is_refused_when_it_compiles(llm, spec, label):
+    from splitserve.engine.outputs import RequestError
+
+    with pytest.raises(RequestError) as info:
+        llm.generate([CODE], SamplingParams(temperature=0, max_tokens=4, structured_output=spec))
+    assert str(info.value) == (
+        f"structured output: {label} admits no output: no token can start a string it matches "
+        "(a rule or schema that only refers to itself?)"
+    )
+    (out,) = llm.generate([CODE], SamplingParams(temperature=0, max_tokens=4))  # the engine serves on
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=3, top_k=5, logprobs=2)])
+def test_a_grammar_dead_end_ends_that_request_alone(llm, sampling):
+    """`a[^\\s\\S]` admits `a`, then no token: the sampler picks a masked one, the grammar refuses it, and that
+    request ends with finish_reason error and the reason; the request beside it gets its own tokens."""
+    (alone,) = llm.generate(["import os"], SamplingParams(temperature=0, max_tokens=8))
+    dead_end = SamplingParams(max_tokens=8, structured_output=StructuredOutput(regex="a[^\\s\\S]"), **sampling)
+    outs = llm.generate([CODE, "import os"], [dead_end, SamplingParams(temperature=0, max_tokens=8)])
+    assert (outs[0].finish_reason, outs[0].text) == ("error", "a")
+    assert (
+        outs[0].error == "structured output: the grammar allows no token after 1 output tokens (a dead end in the spec)"
+    )
+    assert (outs[1].finish_reason, outs[1].token_ids) == ("length", alone.token_ids)
+
+
 def test_a_complete_grammar_ends_the_request_under_ignore_eos_and_max_tokens_cuts_it(llm):
     spec = StructuredOutput(choice=("yes", "no"))
     (out,) = llm.generate([CODE], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_output=spec))

@@ -255,3 +255,67 @@ def test_bad_specs_are_400_naming_the_field(stack, fields, message, param):
     assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (400, message, param)
     ok = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "guided_regex": REGEX})
     assert ok.status_code == 200 and re.fullmatch(REGEX, ok.json()["choices"][0]["text"]), ok.text  # still serves
+
+
+# Specs that compile but admit no output (refused when the engine compiles them: 400 naming the field), and one
+# that reaches a dead end after its first token (the engine ends that request alone, with an error).
+NO_OUTPUT = [
+    ({"guided_json": {"$ref": "#"}}, "guided_json: JSON schema admits no output", "guided_json"),
+    ({"guided_json": {"allOf": [{"$ref": "#"}]}}, "guided_json: JSON schema admits no output", "guided_json"),
+    (
+        {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+        "guided_json: JSON schema admits no output",
+        "guided_json",
+    ),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar: grammar admits no output", "guided_grammar"),
+]
+NO_OUTPUT_TAIL = ": no token can start a string it matches (a rule or schema that only refers to itself?)"
+DEAD_END = {"guided_regex": "a[^\\s\\S]"}
+
+
+def stream_lengths(stack, num_streams: int, max_tokens: int):
+    """Start `num_streams` streamed completions of exactly `max_tokens` tokens; a callable that waits for them and
+    returns each one's (tokens streamed, finish_reason)."""
+    import concurrent.futures
+
+    def one(i: int):
+        body = {"prompt": f"import os{i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{stack.http_port}/v1/completions", json=body, timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        reasons = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        return events[-1]["usage"]["completion_tokens"], reasons[-1]
+
+    pool = concurrent.futures.ThreadPoolExecutor(num_streams)
+    futures = [pool.submit(one, i) for i in range(num_streams)]
+    return lambda: [f.result(timeout=180) for f in futures]
+
+
+@pytest.mark.parametrize("fields, message, param", NO_OUTPUT, ids=[str(f) for f, _, _ in NO_OUTPUT])
+def test_a_spec_that_admits_no_output_is_400_and_other_streams_finish(stack, fields, message, param):
+    streams = stream_lengths(stack, 4, 40)
+    r = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, **fields})
+    assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
+        400,
+        message + NO_OUTPUT_TAIL,
+        param,
+    )
+    assert streams() == [(40, "length")] * 4
+    ok = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "guided_regex": REGEX})
+    assert ok.status_code == 200 and re.fullmatch(REGEX, ok.json()["choices"][0]["text"]), ok.text
+
+
+def test_a_grammar_dead_end_ends_that_request_alone(stack):
+    """The regex admits `a` and then nothing: the engine running the request (the decode, or the worker) ends it
+    with an error naming the dead end; its other streams run to the end and the engine keeps serving."""
+    streams = stream_lengths(stack, 4, 40)
+    r = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, **DEAD_END})
+    assert r.status_code == 500, r.text  # after its first token: an error of the request, not a refusal
+    assert re.fullmatch(
+        r"decode instance (decode|worker)-0@\d+: structured output: the grammar allows no token after 1 output "
+        r"tokens \(a dead end in the spec\)",
+        r.json()["error"]["message"],
+    ), r.text
+    assert streams() == [(40, "length")] * 4
+    ok = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "guided_regex": REGEX})
+    assert ok.status_code == 200 and re.fullmatch(REGEX, ok.json()["choices"][0]["text"]), ok.text

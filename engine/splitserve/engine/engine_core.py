@@ -409,6 +409,11 @@ class EngineCore:
             status = request.status
             if status == RequestStatus.PREFILLED:
                 self.held[request.request_id] = request
+            if status == RequestStatus.FINISHED_ERROR:  # its step's token was refused: nothing new, the reason
+                outputs.append(
+                    RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=request.error)
+                )
+                continue
             lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
             first = len(request.token_ids) - request.num_prompt_tokens == 1  # what only a first output carries
             ended = status.is_finished or status == RequestStatus.PREFILLED

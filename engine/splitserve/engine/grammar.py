@@ -4,11 +4,13 @@
         │ check_spec: the service process parses it (no tokenizer, cheap) before queueing any work;
         │             a refusal starts with REFUSAL_PREFIX and carries xgrammar's own message
         │ GrammarBackend.matcher: the engine core compiles it against the model's tokenizer
-        │             (xgrammar caches compiled grammars per spec) and starts a matcher
+        │             (xgrammar caches compiled grammars per spec) and starts a matcher; a spec whose
+        │             fresh matcher allows no token (it only refers to itself) is refused there
         ▼
     RequestGrammar on the Request: accept(token) for every output token as it is appended (the prefill's
         first token included: a decode that imports a request starts a fresh matcher from the spec and
-        accepts the first token, which is exact and cheap); is_terminated ends the request with stop
+        accepts the first token, which is exact and cheap); is_terminated ends the request with stop; a token
+        it refuses (a dead end: every token was masked) ends that request alone with an error
         │ build_token_mask: host fill of one bitmask row per grammar row, while the forward pass runs
         ▼
     apply_token_mask (the sampler's first step): tokens the grammar forbids -> -inf
@@ -86,6 +88,12 @@ def check_spec(spec: StructuredOutput) -> None:
         raise refusal(spec, exc) from None
 
 
+class GrammarDeadEnd(ValueError):
+    """A request's grammar forbids the token it was given: at a dead end of the spec (no token allowed, so the
+    sampler picked a masked one), or a token from elsewhere (a prefill's first token). It ends that request
+    alone, with this message; the engine steps on."""
+
+
 class RequestGrammar:
     """One request's grammar state: which tokens may come next, advanced by every output token."""
 
@@ -93,9 +101,9 @@ class RequestGrammar:
         self._matcher = matcher
 
     def accept(self, token_id: int) -> None:
-        """Advance over `token_id`; ValueError when the grammar does not allow it here."""
+        """Advance over `token_id`; GrammarDeadEnd when the grammar does not allow it here."""
         if not self._matcher.accept_token(token_id):
-            raise ValueError(f"{REFUSAL_PREFIX}token {token_id} does not match the request's grammar at this point")
+            raise GrammarDeadEnd(f"{REFUSAL_PREFIX}token {token_id} does not match the request's grammar at this point")
 
     @property
     def is_terminated(self) -> bool:
@@ -151,7 +159,17 @@ class GrammarBackend:
         return xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (cached by xgrammar); ValueError (REFUSAL_PREFIX ...) when invalid."""
+        """The compiled grammar of `spec` (cached by xgrammar); ValueError (REFUSAL_PREFIX ...) when invalid,
+        or when it admits no first token at all (a self-referencing schema or rule: nothing can ever match)."""
+        compiled = self._compile(spec)
+        if not self._admits_a_first_token(compiled):
+            raise ValueError(
+                f"{REFUSAL_PREFIX}{_LABELS[spec.kind]} admits no output: no token can start a string it matches "
+                "(a rule or schema that only refers to itself?)"
+            )
+        return compiled
+
+    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
@@ -165,6 +183,13 @@ class GrammarBackend:
             return compiler.compile_grammar(spec.grammar)
         except RuntimeError as exc:
             raise refusal(spec, exc) from None
+
+    def _admits_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
+        """Whether a fresh matcher allows any token (a stop token counts: the empty string may match)."""
+        xgr = _xgr()
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # (1, ceil(V / 32)) int32
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         return RequestGrammar(_xgr().GrammarMatcher(self.compile(spec)))

@@ -35,6 +35,7 @@ class GenerationOutput:
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM)
     prompt_logprobs: list | None = None
+    error: str | None = None  # why the engine ended it, with finish_reason "error" (e.g. a grammar's dead end)
 
     @property
     def outputs(self) -> list[GenerationOutput]:
@@ -157,4 +158,5 @@ class LLM:
                         result.text += detok.flush()
                 if out.finished and result.finish_reason is None:
                     result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+                    result.error = out.error
         return [results[r] for r in order]

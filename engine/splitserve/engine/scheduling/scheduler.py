@@ -30,6 +30,8 @@ import heapq
 import itertools
 import time
 
+from splitserve.common.structured_output import REFUSAL_PREFIX
+from splitserve.engine.grammar import GrammarDeadEnd
 from splitserve.engine.scheduling.kv_cache_manager import KvCacheManager
 from splitserve.engine.scheduling.output import ScheduledRequest, SchedulerOutput
 from splitserve.engine.scheduling.request import Request, RequestStatus
@@ -267,7 +269,16 @@ class Scheduler:
             if not s.samples:
                 continue
             token_id, logprobs = sampled[request.request_id]
-            request.append_output(token_id, logprobs)
+            try:
+                request.append_output(token_id, logprobs)
+            except GrammarDeadEnd:  # the grammar allowed no token (the sampler had to pick a masked one): it ends alone
+                request.error = (
+                    f"{REFUSAL_PREFIX}the grammar allows no token after {request.num_output_tokens} output tokens "
+                    "(a dead end in the spec)"
+                )
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                changed.append(request)
+                continue
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             stop = request.check_stop(self.max_model_len)
