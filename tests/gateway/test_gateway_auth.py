@@ -22,6 +22,7 @@ from tests.service_harness import self_signed_cert
 
 MODEL = "tiny-fake"
 KEY_A, KEY_B, KEY_ENV = "sk-alpha-1", "sk-beta-2", "sk-env-3"
+KEY_HASH = "sk-gamma#4"  # a `#` inside a key is part of it
 MISSING = {
     "error": {
         "message": "missing API key: send the header 'Authorization: Bearer <key>'",
@@ -44,7 +45,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
-    path.write_text(f"# gateway keys\n{KEY_A}\n\n  {KEY_B}   # the second team\n{KEY_A}\n")
+    path.write_text(f"# gateway keys\n{KEY_A}\n\n  # the second team\n  {KEY_B}   \n{KEY_A}\n{KEY_HASH}\n")
     return str(path)
 
 
@@ -62,13 +63,13 @@ def stack(tokenizer_dir, keys_file):
 
 
 def test_keys_come_from_the_file_and_the_environment(keys_file, tmp_path):
-    assert load_api_keys(keys_file, {"SPLITSERVE_API_KEYS": f"{KEY_ENV},{KEY_B}"}) == (KEY_A, KEY_B, KEY_ENV)
+    assert load_api_keys(keys_file, {"SPLITSERVE_API_KEYS": f"{KEY_ENV},{KEY_B}"}) == (KEY_A, KEY_B, KEY_HASH, KEY_ENV)
     assert load_api_keys("", {}) == ()
     with pytest.raises(ValueError) as info:
         load_api_keys(str(tmp_path / "absent.txt"), {})
     assert str(info.value).startswith(f"--api-keys-file '{tmp_path / 'absent.txt'}' cannot be read: [Errno 2]")
     bad = tmp_path / "bad.txt"
-    bad.write_text("ok-key\nsk has space\n")
+    bad.write_text("ok-key\nsk-key # a comment after a key is not one: the line is the key\n")
     with pytest.raises(ValueError) as info:
         load_api_keys(str(bad), {})
     assert str(info.value) == f"--api-keys-file '{bad}' line 2: a key must not contain whitespace"
@@ -116,6 +117,7 @@ def test_rest_refuses_missing_and_wrong_keys_with_exact_bodies(stack):
         ({}, MISSING),
         ({"Authorization": "Bearer sk-nope"}, WRONG),
         ({"Authorization": KEY_A}, MISSING),
+        ({"Authorization": "Bearer sk-gamma"}, WRONG),  # KEY_HASH cut at its `#`
     ):
         r = httpx.post(url, json=BODY, headers=headers, timeout=5)
         assert (r.status_code, r.headers["www-authenticate"], r.json()) == (401, "Bearer", body)
@@ -126,7 +128,7 @@ def test_rest_refuses_missing_and_wrong_keys_with_exact_bodies(stack):
 
 
 def test_rest_serves_each_configured_key(stack):
-    for key in (KEY_A, KEY_B, KEY_ENV):
+    for key in (KEY_A, KEY_B, KEY_HASH, KEY_ENV):
         client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, max_retries=0)
         r = client.completions.create(**BODY)
         assert r.choices[0].text == " w21 w22"

@@ -27,7 +27,9 @@ WRONG_KEY = "invalid API key"
 def load_api_keys(path: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """Keys from the file at `path` (if given) and SPLITSERVE_API_KEYS; order kept, repeats dropped.
 
-    Raises ValueError naming the file when it cannot be read or a key has inner whitespace.
+    The file holds one key a line, the whole line less its surrounding blanks: a `#` inside a key is part of
+    it (cutting it there would let the key's prefix in), and only a line whose first non-blank is `#` is a
+    comment. Raises ValueError naming the file when it cannot be read or a key has inner whitespace.
     """
     env = os.environ if env is None else env
     keys: list[str] = []
@@ -38,7 +40,9 @@ def load_api_keys(path: str, env: Mapping[str, str] | None = None) -> tuple[str,
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--api-keys-file {path!r} cannot be read: {exc}") from None
         for number, line in enumerate(lines, 1):
-            key = line.split("#", 1)[0].strip()
+            key = line.strip()
+            if key.startswith("#"):
+                continue
             if key and any(c.isspace() for c in key):
                 raise ValueError(f"--api-keys-file {path!r} line {number}: a key must not contain whitespace")
             keys.append(key)
