@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from splitserve.cli import parse_args
-from splitserve.cli.supervisor import LocalStack, banner, check_ports, stack_commands, wait_ready
+from splitserve.cli.supervisor import LocalStack, RestartPolicy, banner, check_ports, stack_commands, wait_ready
 from splitserve.common.config import EngineConfig
 from splitserve.engine.kv_connectors.factory import TRANSPORTS
 from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig
@@ -429,7 +430,10 @@ def test_a_child_that_dies_is_restarted_and_the_stack_serves_again(tokenizer_dir
         os.kill(_children(proc.pid)["decode"], signal.SIGKILL)
         log = tmp_path / "up.log"
         wait_until(
-            lambda: "decode-0 exited with code -9; restarting it (1 of --max-restarts 3)" in log.read_text(),
+            lambda: (
+                "decode-0 exited with code -9; restarting it in 0.5 s (restart 1 of --max-restarts 3 within "
+                "--restart-window-s 60)" in log.read_text()
+            ),
             10,
             lambda: "no restart logged:\n" + log.read_text(),
         )
@@ -451,3 +455,49 @@ def test_a_child_that_dies_is_restarted_and_the_stack_serves_again(tokenizer_dir
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_restarts_back_off_and_are_budgeted_over_a_sliding_window():
+    policy = RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=0.5)
+    assert [policy.delay("decode-0", t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 2.0]  # doubling
+    assert policy.count("decode-0") == 3
+    assert policy.delay("decode-0", 3.0) is None  # a fourth exit inside the window: the budget is spent
+    assert policy.delay("prefill-0", 3.0) == 0.5  # each child has its own
+    assert policy.delay("decode-0", 60.5) == 2.0  # the exit at 0.0 left the window: this is the third in it
+    assert policy.delay("decode-0", 1000.0) == 0.5  # a child that fails once in a while: every time
+    busy = RestartPolicy(20, 600.0, 1.0)
+    assert [busy.delay("x", t) for t in range(7)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]  # capped
+    assert RestartPolicy(0, 60.0, 0.5).delay("x", 0.0) is None  # --max-restarts 0: never
+
+
+@pytest.mark.slow
+def test_a_crash_loop_stops_the_stack_reporting_the_childs_last_lines(tokenizer_dir, tmp_path):
+    """The decode killed again after each of its two restarts: the third exit within the window stops up, with
+    the decode's block (its last lines, kept across its restarts, and its log)."""
+    log = tmp_path / "up.log"
+    proc, _, _ = _start_up(tokenizer_dir, log, "--max-restarts", "2", "--restart-backoff-s", "0.1")
+    try:
+        for n, delay in ((1, "0.1"), (2, "0.2")):
+            pid = _children(proc.pid)["decode"]
+            os.kill(pid, signal.SIGKILL)
+            wanted = (
+                f"decode-0 exited with code -9; restarting it in {delay} s (restart {n} of --max-restarts 2 within "
+                "--restart-window-s 60)"
+            )
+            wait_until(lambda: wanted in log.read_text(), 10, lambda: f"not logged: {wanted}\n" + log.read_text())
+            wait_until(lambda: _children(proc.pid).get("decode", pid) != pid, 10, "the decode was not started again")
+        os.kill(_children(proc.pid)["decode"], signal.SIGKILL)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = log.read_text().splitlines()
+    stop = lines.index(
+        "splitserve up: decode-0 exited with code -9 after 2 restarts within --restart-window-s 60 "
+        "(--max-restarts 2); stopping the stack"
+    )
+    # the fake decode prints nothing: its block is the header alone, naming the log that holds all it wrote
+    assert re.fullmatch(
+        r"decode-0 exited with code -9; its last 0 lines \(all of them: /\S+/decode-0\.log\):", lines[stop + 1]
+    )
+    assert lines[stop + 2] == "splitserve up: stopping (the gateway drains first, then the engines)"

@@ -11,8 +11,9 @@ ours on their path: `LocalStack`) in sessions of their own (so a terminal's Ctrl
 process, which then stops them in order) that also die with this process (PR_SET_PDEATHSIG on Linux).
 Their output goes to a log file each; until the stack is ready only a child that dies is shown, as
 one block of its last lines, and after that their lines pass through prefixed with their names.
-A child that exits by itself once the stack is up is restarted, up to --max-restarts times (each
-logged), before the stack stops. On Ctrl-C / SIGTERM the drain goes in order: the gateway first (it
+A child that exits by itself once the stack is up is restarted after a back-off (`RestartPolicy`), up to
+--max-restarts times within a sliding --restart-window-s (each logged); one more exit there stops the
+stack with that child's last lines. On Ctrl-C / SIGTERM the drain goes in order: the gateway first (it
 stops admitting and lets its in-flight requests finish, which needs the engines), then the prefill
 and decodes; each stage gets stop_grace_s before SIGKILL; nothing is left running.
 """
@@ -36,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +258,35 @@ def _die_with_parent() -> None:
         pass  # not Linux: children are still stopped by LocalStack.stop
 
 
+MAX_RESTART_BACKOFF_S = 30.0
+
+
+class RestartPolicy:
+    """When up starts a child that exited by itself again: after `backoff_s`, doubled for each of its restarts
+    still inside the sliding window (at most MAX_RESTART_BACKOFF_S), and only while fewer than `max_restarts`
+    of them are: a crash loop stops the stack (and is reported) within a window, while a child that fails once
+    in a while is restarted every time, however long up runs."""
+
+    def __init__(self, max_restarts: int, window_s: float, backoff_s: float) -> None:
+        self.max_restarts, self.window_s, self.backoff_s = max_restarts, window_s, backoff_s
+        self._times: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+
+    def delay(self, name: str, now: float) -> float | None:
+        """Seconds to wait before restarting `name`, whose exit was seen at `now`; None: its budget is spent."""
+        recent = self._times[name]
+        while recent and recent[0] <= now - self.window_s:
+            recent.popleft()
+        if len(recent) >= self.max_restarts:
+            return None
+        delay = min(self.backoff_s * 2 ** len(recent), MAX_RESTART_BACKOFF_S)
+        recent.append(now)
+        return delay
+
+    def count(self, name: str) -> int:
+        """The restarts of `name` in the window, the one just granted included."""
+        return len(self._times[name])
+
+
 class LocalStack:
     """Child processes started together and always stopped together.
 
@@ -281,7 +311,6 @@ class LocalStack:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
         self.procs: dict[str, subprocess.Popen] = {}
         self.argvs: dict[str, list[str]] = {}
-        self.restarts: Counter = Counter()
         self._out = out if out is not None else sys.stderr
         self._tail_lines = tail_lines
         self._tails: dict[str, collections.deque[str]] = {}
@@ -338,8 +367,11 @@ class LocalStack:
 
     def restart(self, name: str) -> None:
         """Start child `name` again with the command it had."""
-        self.restarts[name] += 1
         self.add(name, self.argvs[name])
+
+    def exited(self, skip: Container[str] = ()) -> list[tuple[str, int]]:
+        """(name, exit code) of every child that has exited, less those in `skip`."""
+        return [(n, p.returncode) for n, p in self.procs.items() if n not in skip and p.poll() is not None]
 
     def first_exit(self) -> tuple[str, int] | None:
         """(name, exit code) of a child that has exited, if any."""
@@ -509,24 +541,32 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
         print(f"splitserve up: ready in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         stack.echo()
         print(banner(up, _model_id(base, key), gateway_options, bool(key), placement), flush=True)
+        restarts = RestartPolicy(up.max_restarts, up.restart_window_s, up.restart_backoff_s)
+        due: dict[str, float] = {}  # child -> when it starts again
         while not stopping:
-            exited = stack.first_exit()
-            if exited is not None:
-                name, code = exited
-                if stack.restarts[name] >= up.max_restarts:
+            now = time.monotonic()
+            for name in [n for n, at in due.items() if at <= now]:
+                del due[name]
+                stack.restart(name)
+            for name, code in stack.exited(skip=due):
+                delay = restarts.delay(name, now)
+                if delay is None:
                     print(
-                        f"splitserve up: {name} exited with code {code} after {stack.restarts[name]} restarts "
-                        f"(--max-restarts {up.max_restarts}); stopping the stack",
+                        f"splitserve up: {name} exited with code {code} after {up.max_restarts} restarts within "
+                        f"--restart-window-s {up.restart_window_s:g} (--max-restarts {up.max_restarts}); "
+                        "stopping the stack",
                         file=sys.stderr,
                     )
+                    print(stack.failure_report(name, code), file=sys.stderr)
                     return 1
+                due[name] = now + delay
                 print(
-                    f"splitserve up: {name} exited with code {code}; restarting it "
-                    f"({stack.restarts[name] + 1} of --max-restarts {up.max_restarts})",
+                    f"splitserve up: {name} exited with code {code}; restarting it in {delay:g} s (restart "
+                    f"{restarts.count(name)} of --max-restarts {up.max_restarts} within --restart-window-s "
+                    f"{up.restart_window_s:g})",
                     file=sys.stderr,
                     flush=True,
                 )
-                stack.restart(name)
             time.sleep(0.25)
         return 0
     finally:

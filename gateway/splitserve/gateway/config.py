@@ -176,7 +176,20 @@ class UpConfig:
         max=3600.0,
     )
     max_restarts: int = option(
-        3, "times up restarts a child that exits by itself before it stops the whole stack", min=0, max=1000
+        3,
+        "restarts of one child (one that exits by itself) within --restart-window-s; one more there stops the "
+        "stack, reporting the child's last lines",
+        min=0,
+        max=1000,
+    )
+    restart_window_s: float = option(
+        60.0, "the sliding window --max-restarts counts a child's restarts in", min=1.0, max=86400.0
+    )
+    restart_backoff_s: float = option(
+        0.5,
+        "wait before restarting a child; doubled for each of its restarts in the window (at most 30 s)",
+        min=0.0,
+        max=30.0,
     )
 
 
