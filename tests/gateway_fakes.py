@@ -208,6 +208,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.max_deltas_per_message = 0
         self.running: dict[str, _Running] = {}
         self.hold = False  # True = produce nothing (requests stay running)
+        self.unavailable = ""  # set: answer each new request as a draining or starting decode does, with this error
         self.waiting = 0  # num_waiting reported by Describe
         self.describe_delay_s = 0.0  # Describe answers this late
         self.describes = 0
@@ -250,6 +251,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             if message.WhichOneof("kind") == "request":
                 req = message.request
                 self.requests.append(req)
+                if self.unavailable:
+                    delta = decode_pb2.TokenDelta(request_id=req.request_id, finish_reason=FR.FINISH_REASON_ERROR)
+                    delta.error, delta.unavailable = self.unavailable, True
+                    outbox.append(delta)
+                    continue
                 local = not req.HasField("first_token_id")
                 limit = (
                     req.sampling.max_tokens

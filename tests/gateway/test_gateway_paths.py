@@ -109,6 +109,35 @@ def test_colocated_worker_takes_requests_without_prefill(make_stack):
     assert messages[-1].usage.cached_prompt_tokens == 3
 
 
+def test_a_decode_that_cannot_take_a_request_now_is_503_with_retry_after(make_stack):
+    """A decode draining or starting answers `unavailable`: the client gets UNAVAILABLE / 503 and Retry-After (a
+    retry helps), never a 500; the prefill's blocks are released at once, not left to their lease."""
+    import httpx
+
+    worker = FakeDecode("worker-0", role="both")
+    worker.unavailable = "worker-0 is draining"
+    stack = make_stack([], [worker])
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, request(max_tokens=4))
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "decode instance worker-0: worker-0 is draining",
+    )
+    r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "w20", "max_tokens": 4}, timeout=10)
+    assert (r.status_code, r.headers["retry-after"], r.json()["error"]["message"]) == (
+        503,
+        "1",
+        "decode instance worker-0: worker-0 is draining",
+    )
+    prefill, decode = FakePrefill(), FakeDecode()
+    decode.unavailable = "decode-0 is starting"
+    stack = make_stack([prefill], [decode])
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, request(max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    stack.wait_for(lambda: len(prefill.released) == 1, what="the handed blocks released")
+
+
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
     decode = FakeDecode()
     stack = make_stack([FakePrefill()], [decode])

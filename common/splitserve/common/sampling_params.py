@@ -16,6 +16,7 @@ from splitserve.common.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token
 MAX_STOP_STRINGS = 16
+MAX_SEQUENCES = 16  # n and best_of: sequences of one request (each a sequence of the decode's batch)
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias (OpenAI's bias range is [-100, 100])

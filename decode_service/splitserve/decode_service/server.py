@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator, PullHooks
@@ -28,6 +29,10 @@ from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
 
 log = logging.getLogger("splitserve.decode")
+
+
+class Unavailable(ValueError):
+    """This decode cannot take a request now (draining, starting): the gateway answers 503, not 500."""
 
 
 class GatewayStream:
@@ -221,7 +226,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         forks = list(req.fork_ids)
         try:
             if self.draining or self.starting:
-                raise ValueError(f"{self.name} is {'draining' if self.draining else 'starting'}")
+                raise Unavailable(f"{self.name} is {'draining' if self.draining else 'starting'}")
+            if len(forks) >= MAX_SEQUENCES:  # the gateway sends n - 1 of them; a forged list must not flood the batch
+                raise ValueError(f"fork_ids: at most {MAX_SEQUENCES - 1} (n <= {MAX_SEQUENCES}), got {len(forks)}")
             if len({rid, *forks}) != 1 + len(forks):
                 raise ValueError(f"fork_ids must be distinct and differ from request_id {rid!r}")
             if any(i in self.owner for i in (rid, *forks)):
@@ -232,6 +239,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             if params.structured_output is not None:
                 check_spec(params.structured_output)  # refused here, before any work is queued
         except Exception as exc:  # noqa: BLE001 - one bad request ends alone, never the gateway's whole stream
+            unavailable = isinstance(exc, Unavailable)
             if not isinstance(exc, ValueError):
                 log.exception("admitting request %r failed", rid)
                 exc = f"the decode could not admit the request: {type(exc).__name__}: {exc}"
@@ -241,6 +249,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                     request_id=sequence_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=str(exc)
                 )
                 delta.refused = refusal_detail(str(exc)) is not None  # the gateway answers 400
+                delta.unavailable = unavailable  # 503: another time, or another decode
                 deltas.append(delta)
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas))
             return

@@ -368,6 +368,10 @@ class RequestRun:
                 return
             if item.refused and self.num_output_tokens == 0:  # refused before any work: a 400, not a stream
                 self._raise_if_grammar_refused(item.error)
+            if item.unavailable:  # the decode took nothing (draining, starting): 503 and a retry, not a 500
+                if self._handed is not None:  # nobody claimed the prefill's blocks: free them now, not at expiry
+                    self._deps.spawn(_release_kv(*self._handed))
+                raise GatewayError("unavailable", f"decode instance {self._decode.name}: {item.error}", retry_after_s=1)
             if self._waiting_at_decode is not None and self._owns_decode:
                 self._deps.router.started(self._decode, self._waiting_at_decode)
             self._waiting_at_decode = None

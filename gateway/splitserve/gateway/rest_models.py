@@ -23,10 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from splitserve.common.sampling_params import MAX_LOGPROBS
+from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_SEQUENCES
 from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_structured import UNSUPPORTED_STRUCTURED
-from splitserve.gateway.service import MAX_SEQUENCES, check_sequences
+from splitserve.gateway.service import check_sequences
 
 MAX_PROMPTS = 64  # prompts in one completion request (each runs as a request of its own)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common import wire
-from splitserve.common.sampling_params import MAX_SEED, SamplingParams
+from splitserve.common.sampling_params import MAX_SEED, MAX_SEQUENCES, SamplingParams
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.limits import RateLimiter
@@ -39,7 +39,6 @@ from splitserve.protos import common_pb2, generation_pb2
 log = logging.getLogger("splitserve.gateway")
 
 MAX_REQUEST_ID_CHARS = 256
-MAX_SEQUENCES = 16  # n and best_of: sequences of one request (each a sequence of the decode's batch)
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 MAX_UINT32 = 2**32 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -71,7 +71,7 @@ class DecodeIn(_message.Message):
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "timings", "cached_prompt_tokens", "num_blocks_pulled", "prompt_logprobs", "refused")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "timings", "cached_prompt_tokens", "num_blocks_pulled", "prompt_logprobs", "refused", "unavailable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class TokenDelta(_message.Message):
     NUM_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -92,7 +93,8 @@ class TokenDelta(_message.Message):
     num_blocks_pulled: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     refused: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., refused: _Optional[bool] = ...) -> None: ...
+    unavailable: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., refused: _Optional[bool] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
     __slots__ = ("deltas", "step_ns")
