@@ -50,7 +50,18 @@ def test_each_parts_wheel_holds_its_own_package(tmp_path):
     for part in workspace_parts():
         out = tmp_path / part
         subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), part],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(out),
+                str(REPO / part),
+            ],
             check=True,
             cwd=REPO,
         )
