@@ -35,6 +35,7 @@ class ServiceBase:
         self.inflight = 0
         self.starting = True  # listening, preparing peers (before_serving): only ConfirmPair is answered
         self.draining = False
+        self.core_stalled = ""  # why the engine core is taken as hung ("" while it answers)
         self.health_address = ""  # the Describe-only server's, once it listens
         self.internal_auth = InternalAuth.from_config(service_config)  # mTLS and/or the shared secret
         kv_options = {
@@ -75,12 +76,39 @@ class ServiceBase:
     def on_core_death(self, why: str) -> None:  # overridden by roles that track requests themselves
         pass
 
+    async def _watch_core(self, healths) -> None:
+        """Take the core as hung once it has been silent for --core-stall-timeout-s (a running core steps or
+        sends a heartbeat every second): health NOT_SERVING, Describe and new requests UNAVAILABLE, so the
+        gateway routes around this instance; serving again once the core answers."""
+        while not self.client.dead:
+            await asyncio.sleep(0.25)
+            silent_s = self.client.silent_s()
+            if not self.core_stalled and silent_s > self.config.core_stall_timeout_s:
+                self.core_stalled = f"{self.name}: its engine core has not answered for {silent_s:.0f} s"
+                log.error("%s; not ready until it does", self.core_stalled)
+                for h in healths:
+                    set_serving(h, self.service_names, False)
+                self.on_core_stall(self.core_stalled)
+            elif self.core_stalled and silent_s < self.config.core_stall_timeout_s:
+                log.warning(
+                    "%s: its engine core answers again after %s", self.name, self.core_stalled.split(" for ")[1]
+                )
+                self.core_stalled = ""
+                if not self.draining:
+                    for h in healths:
+                        set_serving(h, self.service_names, True)
+
+    def on_core_stall(self, why: str) -> None:  # overridden by roles that fail their in-flight requests then
+        pass
+
     def check_accepting(self, context) -> None:
         """Refuse new work while draining or over the queue bound (raises via context.abort)."""
         if self.client.dead:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
         if self.starting:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
+        if self.core_stalled:
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, self.core_stalled)
         if self.draining:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
         if self.inflight >= self.config.max_queued_requests:
@@ -106,6 +134,8 @@ class ServiceBase:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the engine core process exited")
         if self.starting:  # not ready to be registered: a gateway routes nothing here yet
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
+        if self.core_stalled:  # hung: the gateway marks this instance down until it answers again
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.core_stalled)
         # The core reports its stats with every step (and after aborts/releases), so the last
         # snapshot is current; a round trip to a busy core would make health checks time out.
         stats = self.client.stats
@@ -202,6 +232,7 @@ class ServiceBase:
                 set_serving(h, self.service_names, False)
 
         self._stop = install_drain(asyncio.get_running_loop(), begin_drain)
+        watchdog = asyncio.create_task(self._watch_core(healths))
         if self.client.dead:  # died before the signal handlers were in place
             self._stop.set()
         await self._stop.wait()
@@ -211,6 +242,7 @@ class ServiceBase:
         deadline = time.monotonic() + self.config.drain_grace_s
         while self.inflight > 0 and not self.client.dead and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        watchdog.cancel()
         await self.on_stopping()
         await server.stop(1.0)
         await health_server.stop(0)

@@ -65,6 +65,14 @@ class ServiceConfig:
         1024, "requests a service accepts before answering RESOURCE_EXHAUSTED", min=1, max=1 << 20
     )
     drain_grace_s: float = option(30.0, "on SIGTERM: how long to let in-flight requests finish", min=0.0, max=3600.0)
+    core_stall_timeout_s: float = option(
+        10.0,
+        "how long the engine core may stay silent (no step, no heartbeat) before the service takes it as hung: "
+        "health NOT_SERVING, Describe and new requests UNAVAILABLE (the gateway routes around it), a prefill "
+        "fails its in-flight requests; it serves again when the core answers",
+        min=2.0,
+        max=3600.0,
+    )
     internal_tls_cert: str = option("", "PEM certificate for mTLS between internal services (with key and CA)")
     internal_tls_key: str = option("", "PEM private key for internal mTLS")
     internal_tls_ca: str = option("", "PEM CA that signs every internal service's certificate")

@@ -44,6 +44,16 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             for held in msg.held:
                 self.held[held.request_id] = held
 
+    def on_core_stall(self, why: str) -> None:
+        """Fail the Prefill calls waiting on the hung core (UNAVAILABLE: the gateway prefills them on a decode
+        instead) and queue their abort, so the core frees their blocks if it comes back."""
+        from splitserve.engine.outputs import RequestOutput
+
+        for request_id, stream in list(self.client.streams.items()):
+            self.client.send(m.Abort([request_id]))
+            self.client.send(m.ReleaseHeld(request_id))
+            stream.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=why))
+
     async def on_started(self) -> None:
         self._expiry_task = asyncio.create_task(self._expire_leases())
 
@@ -101,7 +111,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             self.inflight -= 1
             self.client.close_stream(rid)
         if out.finish_reason == "error":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error or "request refused")
+            code = grpc.StatusCode.UNAVAILABLE if out.error == self.core_stalled else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, out.error or "request refused")
         total_ns = time.monotonic_ns() - arrival
         response = prefill_pb2.PrefillResponse(
             request_id=rid,

@@ -9,6 +9,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._flush_scheduled = False
         self.dead = False
+        self.last_heard = time.monotonic()  # when the core last sent anything (set by the reader thread)
 
     async def start(self, timeout_s: float = 600.0) -> None:
         self.loop = asyncio.get_running_loop()
@@ -68,6 +70,7 @@ class EngineClient:
         if isinstance(first, m.Fatal):
             raise RuntimeError(f"engine core failed to start:\n{first.message}")
         self.info, self.layout, self.endpoint = first.info, first.layout, first.endpoint
+        self.last_heard = time.monotonic()
         threading.Thread(target=self._reader, name="core-reader", daemon=True).start()
 
     def _reader(self) -> None:
@@ -77,6 +80,7 @@ class EngineClient:
             except (EOFError, OSError):
                 self.loop.call_soon_threadsafe(self._core_died)
                 return
+            self.last_heard = time.monotonic()
             self.loop.call_soon_threadsafe(self._dispatch, batch)
 
     def _core_died(self) -> None:
@@ -118,6 +122,10 @@ class EngineClient:
                     self.on_batch(msg)
             elif isinstance(msg, m.Fatal):
                 log.error("engine core failed:\n%s", msg.message)
+
+    def silent_s(self) -> float:
+        """Seconds since the core last sent anything: a running core sends at least every loop.HEARTBEAT_S."""
+        return time.monotonic() - self.last_heard
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, msg) -> None:

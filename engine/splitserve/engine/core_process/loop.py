@@ -28,6 +28,7 @@ from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outli
 
 log = logging.getLogger("splitserve.core")
 
+HEARTBEAT_S = 1.0  # the most the core stays silent while it runs (Heartbeat), so a hung one can be told apart
 TRANSFER_POLL_S = 0.001  # idle with transfers in flight: how often the loop looks for one that ended
 MAX_BATCHES_PER_TURN = 256  # pipe messages taken in before one step (a bound, so a flood cannot hold off steps)
 
@@ -47,6 +48,7 @@ class CoreLoop:
         self.background_replies: queue.SimpleQueue = queue.SimpleQueue()  # from pairing threads
         self.num_background = 0
         self.running = True
+        self._last_sent = time.monotonic()  # when anything last went to the service (Heartbeat's clock)
 
     def run(self) -> None:
         try:
@@ -72,6 +74,8 @@ class CoreLoop:
         if self.engine.has_unfinished():
             self._step()
         self.flush()
+        if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+            self.send_now(m.Heartbeat())
         return True
 
     def _receive(self) -> bool:
@@ -107,11 +111,13 @@ class CoreLoop:
         """Send one message at once, from any thread (a transfer worker's NeedSend)."""
         with self._send_lock:
             self.conn.send([msg])
+            self._last_sent = time.monotonic()
 
     def flush(self) -> None:
         if self.outbox:
             with self._send_lock:
                 self.conn.send(self.outbox)
+                self._last_sent = time.monotonic()
             self.outbox = []
 
     def _step(self) -> None:

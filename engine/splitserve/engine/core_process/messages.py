@@ -179,3 +179,9 @@ class Ready:
 @dataclass
 class Fatal:
     message: str
+
+
+@dataclass
+class Heartbeat:
+    """The core is alive: sent when it has sent nothing else for loop.HEARTBEAT_S (a step's outputs say so too).
+    A service that hears nothing for its --core-stall-timeout-s takes its core as hung."""
