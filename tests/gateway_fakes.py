@@ -127,13 +127,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.address = ""
         self.health_address = ""  # advertised in Describe (the services' Describe-only server)
         self.describes = 0
+        self.cancelled = 0  # Prefill calls the gateway cancelled while they waited here
 
     async def Prefill(self, request, context):
         self.requests.append(request)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        if self.gate is not None:
-            await self.gate.wait()
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.gate is not None:
+                await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         if self.fail_code is not None:
             await context.abort(self.fail_code, "injected prefill failure")
         first = next_token(request.prompt_token_ids[-1])

@@ -138,6 +138,36 @@ def test_a_decode_that_cannot_take_a_request_now_is_503_with_retry_after(make_st
     stack.wait_for(lambda: len(prefill.released) == 1, what="the handed blocks released")
 
 
+def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(make_stack):
+    """20 REST clients (streamed and not) give up after 0.3 s, and 5 gRPC calls reach their deadline, while their
+    prefill is still running: each Prefill call is cancelled, none is handed to a decode, and the next request is
+    served at once."""
+    import asyncio
+    import time
+
+    import httpx
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.gate = asyncio.Event()  # the prefill answers nothing until the test says so
+    stack = make_stack([prefill], [decode])
+    url = f"{stack.base_url}/v1/completions"
+    for i in range(20):
+        body = {"prompt": "w20", "max_tokens": 4, "stream": i % 2 == 1}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    for _ in range(5):  # gRPC clients whose deadline passes before their first token
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(stack).Generate(request(max_tokens=4), timeout=0.3))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stack.wait_for(lambda: prefill.cancelled == 25, what="25 cancelled Prefill calls")
+    stack.loop.call(prefill.gate.set)
+    start = time.monotonic()
+    r = httpx.post(url, json={"prompt": "w20", "max_tokens": 2}, timeout=10)
+    assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w21 w22")
+    assert time.monotonic() - start < 2.0
+    assert len(prefill.requests) == 26 and len(decode.requests) == 1  # none of the 25 reached the decode
+
+
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
     decode = FakeDecode()
     stack = make_stack([FakePrefill()], [decode])

@@ -164,7 +164,22 @@ def create_app(
             carrier = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
             client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)
             streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
-            firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+            # watched for the client leaving from the start: one that leaves before its first token aborts the
+            # request wherever it is (queued, prefilling, handed to a decode), not only at its first token
+            first_work = asyncio.ensure_future(
+                asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+            )
+            try:
+                await _until_disconnect(request, first_work)
+            finally:
+                if first_work.cancelled() or not first_work.done():
+                    first_work.cancel()
+                    await asyncio.gather(first_work, return_exceptions=True)
+                    for stream in streams:
+                        await stream.aclose()
+            if first_work.cancelled():
+                return JSONResponse(server_error("client disconnected"), status_code=499)
+            firsts = first_work.result()
             refused = next((f for f in firsts if isinstance(f, BaseException)), None)
             if refused is not None:  # one prompt refused: the whole request is, and the others stop
                 for stream in streams:
