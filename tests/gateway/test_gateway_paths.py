@@ -168,6 +168,39 @@ def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(
     assert len(prefill.requests) == 26 and len(decode.requests) == 1  # none of the 25 reached the decode
 
 
+def test_an_answer_that_could_outgrow_the_limit_is_refused_before_any_work(make_stack):
+    """--max-answer-entries bounds prompts x sequences x (max_tokens + prompt tokens) x (1 + logprobs), summed over
+    a batch of prompts, on REST and gRPC: 400 / INVALID_ARGUMENT naming the field and the limit, nothing sent to
+    the prefill; a request under it is served."""
+    import httpx
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode], max_answer_entries=2048)
+    url = f"{stack.base_url}/v1/completions"
+    body = {"prompt": ["w20"] * 4, "max_tokens": 16, "n": 4, "logprobs": 7}  # 4 x 4 x 16 x 8 = 2,048
+    r = httpx.post(url, json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, json={**body, "prompt": ["w20"] * 5}, timeout=10)  # 2,560
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (
+        400,
+        "max_tokens",
+        "the answer could hold 2,560 token entries (prompts x sequences x (max_tokens + prompt tokens with "
+        "prompt_logprobs or echo) x (1 + logprobs)); at most 2,048 (--max-answer-entries): ask for fewer prompts, "
+        "sequences, tokens or logprobs",
+    )
+    text = {"prompt": "w" * 300, "max_tokens": 40, "logprobs": 20, "prompt_logprobs": 20}  # 40 x 21 + 64 x 21
+    r = httpx.post(url, json=text, timeout=10)  # the prompt counted as its 300 bytes, capped by the context (64)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt_logprobs")
+    assert r.json()["error"]["message"].startswith("the answer could hold 2,184 token entries")
+    many = request(max_tokens=40, logprobs=20)
+    many.n = 16  # 16 x 40 x 21
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, many)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("the answer could hold 13,440 token entries")
+    assert len(prefill.requests) == 4  # the one request under the limit: a Prefill per prompt (n forks later)
+
+
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
     decode = FakeDecode()
     stack = make_stack([FakePrefill()], [decode])

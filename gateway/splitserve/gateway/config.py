@@ -82,6 +82,13 @@ class GatewayConfig:
         max=1 << 30,
     )
     max_stop_strings: int = option(MAX_STOP_STRINGS, "most stop strings per request", min=0, max=MAX_STOP_STRINGS)
+    max_answer_entries: int = option(
+        1 << 20,
+        "most token entries a request's answer may hold at worst: prompts x sequences x (max_tokens + prompt "
+        "tokens with prompt_logprobs or echo) x (1 + logprobs); more is refused (400) before any work",
+        min=1024,
+        max=1 << 30,
+    )
     max_concurrent_requests: int = option(
         1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20
     )

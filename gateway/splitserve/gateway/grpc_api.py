@@ -84,6 +84,7 @@ class GenerationServicer:
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, client_id: str
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         inp = input_from_proto(request, self._service.max_stop_strings)
+        self._service.check_answer_size([inp])
         stream = self._service.generate(
             inp,
             timeout_s=context.time_remaining(),

@@ -161,6 +161,7 @@ def create_app(
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
             inputs = [req.inp, *req.more]  # a batch of prompts: one request each, run side by side
+            service.check_answer_size(inputs)
             carrier = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
             client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)
             streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]

@@ -197,6 +197,7 @@ class GatewayServer:
             tokenizer,
             max_concurrent_requests=config.max_concurrent_requests,
             max_stop_strings=config.max_stop_strings,
+            max_answer_entries=config.max_answer_entries,
             request_timeout_s=config.request_timeout_s,
             limiter=limiter,
             metrics=self.metrics,

@@ -153,6 +153,23 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
 INLINE_TOKENIZE_CHARS = 8192
 
 
+def answer_entries(inp: GenerationInput, max_model_len: int) -> int:
+    """At most how many token entries (a token, or one of its top alternatives) an input's answer holds: its
+    sequences' tokens and, with prompt_logprobs or echo, its prompt's; a text prompt counted as its UTF-8 bytes
+    (a token covers at least one), all capped by the context."""
+    params = inp.params
+    top = 1 + max(params.logprobs or 0, 0)
+    tokens = min(params.max_tokens if params.max_tokens is not None else max_model_len, max_model_len)
+    entries = (inp.best_of or inp.n) * tokens * top
+    if params.prompt_logprobs is not None or inp.echo:
+        if inp.token_ids is not None:
+            prompt = len(inp.token_ids)
+        else:
+            prompt = len((inp.text or "").encode()) + sum(len(content.encode()) for _, content in inp.chat or ())
+        entries += min(prompt, max_model_len) * (1 + max(params.prompt_logprobs or 0, params.logprobs or 0))
+    return entries
+
+
 class GatewayService:
     """Validation, admission, tokenization and the per-request runs.
 
@@ -167,6 +184,7 @@ class GatewayService:
         *,
         max_concurrent_requests: int = 1024,
         max_stop_strings: int = 16,
+        max_answer_entries: int = 1 << 20,
         request_timeout_s: float = 600.0,
         limiter: RateLimiter | None = None,
         metrics: GatewayMetrics | None = None,
@@ -178,6 +196,7 @@ class GatewayService:
         self.tokenizer = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
         self.max_stop_strings = max_stop_strings
+        self.max_answer_entries = max_answer_entries
         self.request_timeout_s = request_timeout_s
         self.limiter = limiter or RateLimiter()
         self.metrics = metrics
@@ -190,6 +209,20 @@ class GatewayService:
         # suffix of the ids this gateway gives its requests on internal hops: two gateways in front of the same
         # services may both run a caller's "req-1"; the services must see two requests
         self.instance_tag = secrets.token_hex(6)
+
+    def check_answer_size(self, inputs: Sequence[GenerationInput]) -> None:
+        """Refuse (400) a request whose answer could hold more than max_answer_entries token entries, before any
+        work: one small body (64 prompts x n 16 x prompt_logprobs 20) once built a 1.5 GB answer."""
+        worst = sum(answer_entries(inp, self.registry.max_model_len) for inp in inputs)
+        if worst > self.max_answer_entries:
+            params = inputs[0].params
+            field = "prompt_logprobs" if params.prompt_logprobs is not None else "max_tokens"
+            raise invalid(
+                f"the answer could hold {worst:,} token entries (prompts x sequences x (max_tokens + prompt tokens "
+                f"with prompt_logprobs or echo) x (1 + logprobs)); at most {self.max_answer_entries:,} "
+                "(--max-answer-entries): ask for fewer prompts, sequences, tokens or logprobs",
+                field,
+            )
 
     # -- model and tokenization ------------------------------------------------------------
 
