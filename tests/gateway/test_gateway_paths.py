@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, fake_logprobs, make_tokenizer_dir
+from tests.service_harness import wait_until
 
 FR = common_pb2.FinishReason
 PROMPT = "hello world w20"
@@ -32,6 +33,12 @@ def make_stack(tokenizer_dir):
     yield make
     for stack in stacks:
         stack.stop()
+
+
+def metrics_lines(stack) -> list[str]:
+    import httpx
+
+    return [line for line in httpx.get(stack.base_url + "/metrics").text.splitlines() if "status=" in line]
 
 
 def stub(stack):
@@ -138,7 +145,7 @@ def test_a_decode_that_cannot_take_a_request_now_is_503_with_retry_after(make_st
     stack.wait_for(lambda: len(prefill.released) == 1, what="the handed blocks released")
 
 
-def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(make_stack):
+def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(make_stack, caplog):
     """20 REST clients (streamed and not) give up after 0.3 s, and 5 gRPC calls reach their deadline, while their
     prefill is still running: each Prefill call is cancelled, none is handed to a decode, and the next request is
     served at once."""
@@ -151,10 +158,18 @@ def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(
     prefill.gate = asyncio.Event()  # the prefill answers nothing until the test says so
     stack = make_stack([prefill], [decode])
     url = f"{stack.base_url}/v1/completions"
-    for i in range(20):
-        body = {"prompt": "w20", "max_tokens": 4, "stream": i % 2 == 1}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    with caplog.at_level("INFO"):
+        for i in range(20):
+            body = {"prompt": "w20", "max_tokens": 4, "stream": i % 2 == 1}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
+
+        def counted_499() -> float:
+            lines = [line for line in metrics_lines(stack) if line.startswith("splitserve:requests_total{")]
+            return sum(float(line.split()[-1]) for line in lines if 'status="499"' in line)
+
+        wait_until(lambda: counted_499() == 20, 10, lambda: f"{counted_499()} responses of 499, not 20")
+    assert "Exception in ASGI application" not in caplog.text
     for _ in range(5):  # gRPC clients whose deadline passes before their first token
         with pytest.raises(grpc.RpcError) as info:
             list(stub(stack).Generate(request(max_tokens=4), timeout=0.3))

@@ -115,6 +115,11 @@ def _too_large(size: int, limit: int) -> GatewayError:
     )
 
 
+async def _first_messages(streams: list) -> list:
+    """Each stream's first message (or what it raised)."""
+    return await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+
+
 async def _until_disconnect(request: Request, work: asyncio.Future) -> None:
     while not work.done():
         await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
@@ -167,18 +172,16 @@ def create_app(
             streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
             # watched for the client leaving from the start: one that leaves before its first token aborts the
             # request wherever it is (queued, prefilling, handed to a decode), not only at its first token
-            first_work = asyncio.ensure_future(
-                asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
-            )
+            first_work = asyncio.ensure_future(_first_messages(streams))  # a task: cancelled() says it was
             try:
                 await _until_disconnect(request, first_work)
             finally:
-                if first_work.cancelled() or not first_work.done():
+                if not first_work.done():
                     first_work.cancel()
-                    await asyncio.gather(first_work, return_exceptions=True)
-                    for stream in streams:
-                        await stream.aclose()
+                await asyncio.gather(first_work, return_exceptions=True)
             if first_work.cancelled():
+                for stream in streams:
+                    await stream.aclose()  # the requests' cleanup: abort at the prefill, release what it held
                 return JSONResponse(server_error("client disconnected"), status_code=499)
             firsts = first_work.result()
             refused = next((f for f in firsts if isinstance(f, BaseException)), None)
