@@ -22,7 +22,6 @@ beat cuBLAS), `splitserve:cublas` (cuBLAS for every projection, the GEMV's measu
 `splitserve:fp8kv+s2` (the mma kernel on two sequences a program), `splitserve:fp8kv+e0` (its one-warp programs'
 output through the shared-memory merge), `splitserve:sched` /
 `splitserve:fp8kv+sched` (decode steps' rows in the scheduler's order, not longest first),
-`splitserve:fp8swept+silu` (the SiLU-mul fused into the one-row down projection; off by default),
 `splitserve:fp8block` / `:fp8block+kv` (a block-wise fp8 checkpoint of the --config model, 128 x 128 tiles as
 DeepSeek-V3's and Qwen3's FP8 releases, written to a temporary directory and loaded; with an fp8 KV cache),
 e.g. --engines
@@ -101,14 +100,6 @@ VARIANTS = {
     # .LONGEST_FIRST off; on by default), bf16 / fp8 KV
     "sched": {"longest_first": False},
     "fp8kv+sched": {"kv_cache_dtype": "fp8", "longest_first": False},
-    # fp8swept with the one-row SiLU-mul fused into the down projection (fp8.SILU_FUSED_MAX_ROWS 1; off by default)
-    "fp8swept+silu": {
-        "quantization": "fp8",
-        "kv_cache_dtype": "fp8",
-        "fp8_w8a16_max_rows": 16,
-        "swept_tiles": True,
-        "silu_fused_max_rows": 1,
-    },
     "fp8swept+nopdl": {
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
@@ -129,17 +120,15 @@ def variant_options(engine: str) -> dict:
 
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
-    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "longest_first",
-    "pdl" and "silu_fused_max_rows" from
-    `options`; while the block runs, splitserve.engine.worker.fp8.W8A16_TILES (read by the fp8 layers when
-    finalized) or splitserve.engine.worker.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles' measured
-    tiles in place of the device's tuned table (splitserve.kernels.tuned_configs), "no_gemv" sets GEMV_TILES to {}
+    """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "longest_first"
+    and "pdl" from `options`; while the block runs, splitserve.engine.worker.fp8.W8A16_TILES (read by the fp8
+    layers when finalized) or splitserve.engine.worker.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles'
+    measured tiles in place of the device's tuned table (splitserve.kernels.tuned_configs), "no_gemv" sets GEMV_TILES to {}
     (cuBLAS for every projection), "own_tiles" W8A16_TILES to {} (the kernel's own tiles), "pdl" sets
     splitserve.kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
     splitserve.kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel),
     "fp8_mma_options" overrides keys of its DEFAULT_OPTIONS, "longest_first" sets
-    splitserve.engine.worker.model_runner.ModelRunner.LONGEST_FIRST, and "silu_fused_max_rows"
-    splitserve.engine.worker.fp8.SILU_FUSED_MAX_ROWS."""
+    splitserve.engine.worker.model_runner.ModelRunner.LONGEST_FIRST."""
     from fp8_linear import gemv_tiles, swept_tiles
 
     from splitserve.engine.worker import fp8 as quant
@@ -172,8 +161,6 @@ def measured_tiles(options: dict, tiles_json: str):
         from splitserve.kernels import pdl
 
         tables.append((pdl, "ENABLED", options.pop("pdl")))
-    if "silu_fused_max_rows" in options:
-        tables.append((quant, "SILU_FUSED_MAX_ROWS", options.pop("silu_fused_max_rows")))
     saved = [(module, name, getattr(module, name)) for module, name, _ in tables]
     for module, name, table in tables:
         setattr(module, name, table)

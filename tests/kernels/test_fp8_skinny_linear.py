@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from splitserve.engine.worker.fp8 import quantize_per_channel
-from splitserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from splitserve.kernels.fp8_skinny_linear import (
     MAX_ROWS,
     MIN_BLOCK_N,
@@ -77,53 +76,6 @@ def test_a_sixteen_bit_weight_matches_the_plain_product(device, dtype, rows, n, 
     assert got.dtype == dtype and got.shape == (rows, n)
     assert_within_bound(got, x, w, None, b)
     assert (got.double() - want.double()).abs().max() <= 2 * torch.finfo(dtype).eps * want.double().abs().max()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("bias", [False, True])
-def test_silu_in_the_loads_equals_silu_and_mul_then_the_kernel_bit_for_bit(device, dtype, rows, split_k, bias):
-    """x = [gate | up] (M, 2K), the activation made per K slice: exactly kernels.activation's silu_and_mul
-    output multiplied on the same tiles (K = 200: six 32-wide steps and a partial one, SPLIT_K 3 -> 3 splits
-    of 96; rows 1 the GEMV loop, 3 and 16 the tensor-core one)."""
-    n, k = 40, 200
-    _, w_q, scale, b = _operands(device, dtype, rows, n, k, bias=bias)
-    gen = torch.Generator().manual_seed(1)
-    gate_up = (4 * torch.randn(rows, 2 * k, generator=gen)).to(device, dtype)  # silu's tails and its curve
-    config = dict(BLOCK_K=32, SPLIT_K=split_k)
-    act = silu_and_mul(gate_up, impl="triton")
-    want = fp8_skinny_linear_triton(act, w_q, scale, b, config=config)
-    got = fp8_skinny_linear_triton(gate_up, w_q, scale, b, config=config, silu=True)
-    assert got.dtype == dtype and got.shape == (rows, n)
-    assert torch.equal(got, want)
-    assert_within_bound(got, act, w_q, scale, b)
-
-
-def test_silu_reads_rows_at_their_stride(device):
-    """gate_up a column slice of a wider buffer (row stride 2K + 24): each row's gate and up from its own row."""
-    _, w_q, scale, b = _operands(device, torch.bfloat16, 3, 40, 64)
-    wide = torch.randn(3, 2 * 64 + 24, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
-    gate_up = wide[:, : 2 * 64]
-    want = fp8_skinny_linear_triton(silu_and_mul(gate_up.contiguous(), impl="triton"), w_q, scale, b)
-    assert torch.equal(fp8_skinny_linear_triton(gate_up, w_q, scale, b, silu=True), want)
-
-
-def test_silu_ref_and_width_errors():
-    """The reference runs silu_and_mul's reference first; x of the wrong width names x, 2K and the weight."""
-    _, w_q, scale, b = _operands("cpu", torch.bfloat16, 2, 24, 40)
-    gate_up = torch.randn(2, 80, generator=torch.Generator().manual_seed(3)).bfloat16()
-    want = fp8_skinny_linear_ref(silu_and_mul_ref(gate_up), w_q, scale, b)
-    assert torch.equal(fp8_skinny_linear(gate_up, w_q, scale, b, impl="ref", silu=True), want)
-    message = (
-        r"with silu x must be \[gate \| up\] \(M, 2K\) = \(M, 80\) for weight \(N, K\) \(24, 40\), got x \(2, 40\)"
-    )
-    with pytest.raises(ValueError, match=message):
-        fp8_skinny_linear(gate_up[:, :40], w_q, scale, impl="ref", silu=True)
-    with pytest.raises(ValueError, match=message):
-        fp8_skinny_linear_triton(gate_up[:, :40], w_q, scale, silu=True)
-    with pytest.raises(ValueError, match=r"x must be \(M, K\) and weight \(N, K\), got \(2, 80\), \(24, 40\)"):
-        fp8_skinny_linear(gate_up, w_q, scale, impl="ref")  # [gate | up] without silu
 
 
 def test_reference_is_the_dequantized_product_in_float64():

@@ -4,12 +4,6 @@
     w_q (N, K) float8_e4m3fn, scale (N,) fp32   one scale per output row (engine.worker.fp8's weights)
     y[m, n] = scale[n] * sum_k x[m, k] * w_q[n, k]  (+ b[n])          fp32 sums, rounded once to x's dtype
 
-With `silu` (constexpr SILU) x arrives as [gate | up] (M, 2K), and each program makes its K slice of the MLP's
-activation as it loads it, so the down projection needs no silu_and_mul launch in front:
-
-    x[m, k] = r(r(silu(gate[m, k])) * up[m, k])    silu and the product in fp32, r() rounding to x's dtype
-                                                    (kernels.activation's arithmetic: bit for bit its output)
-
 Why: at a decode step of a few rows the projections are bound by the weight bytes they read. The
 e4m3 GEMM (`torch._scaled_mm`) at one row plus the activation quantizer in front of it was slower
 than cuBLAS bf16 (docs/performance.md, "FP8"); this kernel streams the one-byte
@@ -42,7 +36,6 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels._common import dot_precision, interpreting, num_sms, use_triton
-from splitserve.kernels.activation import _silu_mul
 from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 16  # rows of one tensor-core tile; more rows belong to a real GEMM
@@ -61,12 +54,6 @@ def _finish(acc, rows, n, M, N, scale_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS: tl
         out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & n_mask[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_x(gate, up):
-    """kernels.activation's silu(gate) * up rounded to gate's dtype: bit for bit the x silu_and_mul writes."""
-    return _silu_mul(gate, up).to(gate.dtype)
 
 
 @triton.jit
@@ -97,7 +84,6 @@ def _fp8_skinny_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
-    SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -119,13 +105,9 @@ def _fp8_skinny_kernel(
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask, other=0.0)
-                if SILU:  # up sits K columns after gate; masked-out zeros stay zero (silu(0) * 0)
-                    a = _silu_mul_x(a, tl.load(x_rows + K + kk[None, :], mask=m_mask, other=0.0))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_rows + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0)
-                if SILU:
-                    a = _silu_mul_x(a, tl.load(x_rows + K + kk[None, :], mask=m_mask & (kk < K)[None, :], other=0.0))
             if DOT_F32:  # the interpreter's 16-bit dot is wrong (kernels._common.interpreting)
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PREC)
             else:
@@ -137,13 +119,9 @@ def _fp8_skinny_kernel(
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk)
-                if SILU:
-                    a = _silu_mul_x(a, tl.load(x_ptr + K + kk))
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
                 a = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-                if SILU:
-                    a = _silu_mul_x(a, tl.load(x_ptr + K + kk, mask=kk < K, other=0.0))
             acc2 += w.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
     if not SPLIT:
@@ -191,14 +169,9 @@ def fp8_skinny_config(
     return cfg
 
 
-def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None, silu=False):
+def fp8_skinny_linear_ref(x, weight, weight_scale, bias=None):
     """Plain torch, the same math: the e4m3 values times x in fp32 (fp64 for fp64 x), the row scale
-    after the sum (none for a 16-bit weight), the bias, one rounding to x's dtype. With `silu`, x (M, 2K) =
-    [gate | up] goes through kernels.activation's reference first."""
-    if silu:
-        from splitserve.kernels.activation import silu_and_mul_ref
-
-        x = silu_and_mul_ref(x)
+    after the sum (none for a 16-bit weight), the bias, one rounding to x's dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
     y = x.to(acc) @ weight.to(acc).t()  # (M, N)
     if weight_scale is not None:
@@ -225,16 +198,10 @@ def fp8_skinny_linear_error_bound(x, weight, weight_scale, bias=None) -> torch.T
     return step * y.abs() + 4 * x.shape[1] * 2.0**-24 * magnitude + smallest
 
 
-def _check(x, weight, weight_scale, bias, counters, cfg=None, silu=False) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (2 if silu else 1):
-        if silu and x.dim() == 2 and weight.dim() == 2:
-            raise ValueError(
-                f"fp8_skinny_linear: with silu x must be [gate | up] (M, 2K) = (M, {2 * weight.shape[1]}) for "
-                f"weight (N, K) {tuple(weight.shape)}, got x {tuple(x.shape)}"
-            )
+def _check(x, weight, weight_scale, bias, counters, cfg=None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"fp8_skinny_linear: x must be (M, {'2K' if silu else 'K'}) and weight (N, K), "
-            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
+            f"fp8_skinny_linear: x must be (M, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
     sixteen = weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
     if not (weight.dtype == torch.float8_e4m3fn or sixteen) or weight.stride(1) != 1:
@@ -259,10 +226,10 @@ def _check(x, weight, weight_scale, bias, counters, cfg=None, silu=False) -> Non
         raise ValueError(f"fp8_skinny_linear: config {cfg} needs BLOCK_N >= {MIN_BLOCK_N} and DOT for M > 1")
 
 
-def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, config=None, silu=False):
+def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, config=None):
     """The Triton kernel; `config` overrides fp8_skinny_config (benchmarks and tests only).
-    Without `counters` a zeroed set is made for this call. `silu`: x is [gate | up] (M, 2K)."""
-    m, k = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
+    Without `counters` a zeroed set is made for this call."""
+    m, k = x.shape[0], x.shape[1]
     n = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -270,7 +237,7 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
     sms = 1 if on_cpu else num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
     weight_bytes = weight.element_size()
     cfg = dict(fp8_skinny_config(m, n, k, sms, on_cpu, x.dtype, weight_bytes), **(config or {}))
-    _check(x, weight, weight_scale, bias, counters, cfg, silu)
+    _check(x, weight, weight_scale, bias, counters, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -312,7 +279,6 @@ def fp8_skinny_linear_triton(x, weight, weight_scale, bias=None, counters=None, 
         NUM_STAGES=cfg["num_stages"],
         DOT_F32=on_cpu,
         PREC="ieee" if on_cpu else dot_precision(x.dtype),
-        SILU=silu,
         **pdl_launch(x),
         num_warps=cfg["num_warps"],
     )
@@ -327,13 +293,11 @@ def fp8_skinny_linear(
     counters: torch.Tensor | None = None,
     impl: str = "auto",
     config: dict | None = None,
-    silu: bool = False,
 ) -> torch.Tensor:
     """x (M <= MAX_ROWS, K) times the e4m3 weight (N, K) scaled per row (or x's 16-bit dtype, no scale)
-    -> (M, N) in x's dtype; with `silu`, x (M, 2K) = [gate | up] and the product is silu(gate) * up's
-    (module docstring: the exact math, and what `counters` must be). `config` overrides some or all
-    of fp8_skinny_config's tiles (tuned ones: engine.worker.fp8.measured_w8a16_tiles)."""
-    _check(x, weight, weight_scale, bias, counters, silu=silu)
+    -> (M, N) in x's dtype (module docstring: the exact math, and what `counters` must be). `config` overrides
+    some or all of fp8_skinny_config's tiles (tuned ones: engine.worker.fp8.measured_w8a16_tiles)."""
+    _check(x, weight, weight_scale, bias, counters)
     if use_triton(impl, x, "fp8_skinny_linear"):
-        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters, config, silu)
-    return fp8_skinny_linear_ref(x, weight, weight_scale, bias, silu)
+        return fp8_skinny_linear_triton(x, weight, weight_scale, bias, counters, config)
+    return fp8_skinny_linear_ref(x, weight, weight_scale, bias)

@@ -17,9 +17,6 @@ the whole range; values are clamped to +-448 before the cast (the cast itself do
     T >  w8a16_max_rows   W8A8: activations quantized per token as above; on CUDA (capability >= 8.9,
                           K and N multiples of 16, as cuBLASLt/CUTLASS need) `torch._scaled_mm`
 
-`forward_silu` (the MLP's down projection, from [gate | up]): at the rows the kernel runs (up to SILU_FUSED_MAX_ROWS),
-one launch that makes silu(gate) * up in its loads, bit for bit silu_and_mul's output; else silu_and_mul, the layer.
-
 w8a16_max_rows comes from EngineConfig.fp8_w8a16_max_rows (at most the kernel's 16 rows) and is 0 by
 default: every step W8A8, on every device, as vLLM runs fp8 checkpoints. 16 makes a few-row decode step faster
 (docs/performance.md, "Findings that set defaults"); it stays opt-in because with it on, W8A16 and W8A8 differ
@@ -83,11 +80,6 @@ def measured_w8a16_tiles(device: torch.device) -> dict[tuple[str, int, int], dic
         return {}
     tables = tuned_configs("fp8_skinny_linear", cuda_device_name(device), "fp8_w8a16")
     return {(mode, n, k): config for mode, table in tables.items() for (n, k), config in table.items()}
-
-
-# Most rows at which Fp8Linear.forward_silu fuses the SiLU-mul into the W8A16 kernel (within w8a16_max_rows):
-# 0, off: slower than silu_and_mul and the kernel apart (docs/performance.md, "Findings that set defaults").
-SILU_FUSED_MAX_ROWS = 0
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -369,32 +361,14 @@ class Fp8Linear(nn.Module):
         w = dequantize(self.weight, self.weight_scale[:, None], self.out_dtype)  # (N, K)
         return F.linear(dequantize(x_q, x_scale, self.out_dtype), w, self.bias)
 
-    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) of gate_up (..., 2K) = [gate | up], K = in_features (the MLP's down projection).
-        Rows the W8A16 kernel runs (T <= w8a16_max_rows, use_skinny_kernel), up to SILU_FUSED_MAX_ROWS, take one
-        launch that makes the activation as it loads it, bit for bit silu_and_mul's output on the same tiles;
-        others the two ops."""
-        if gate_up.shape[-1] != 2 * self.in_features:
-            raise ValueError(
-                f"Fp8Linear.forward_silu: gate_up must be (..., 2 * in_features) = (..., {2 * self.in_features}), "
-                f"got {tuple(gate_up.shape)}"
-            )
-        x2 = gate_up.reshape(-1, 2 * self.in_features)  # (T, 2K)
-        if self.use_skinny_kernel and x2.shape[0] <= min(self.w8a16_max_rows, SILU_FUSED_MAX_ROWS):
-            return self._w8a16(x2, silu=True).reshape(*gate_up.shape[:-1], self.out_features)
-        from splitserve.engine.worker.layers import silu_and_mul
-
-        return self(silu_and_mul(gate_up))
-
-    def _w8a16(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """x (T <= w8a16_max_rows, K), not quantized, times the e4m3 weight -> (T, N) in x's dtype.
-        `silu` (the kernel only): x (T, 2K) = [gate | up], multiplied as silu(gate) * up."""
+    def _w8a16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T <= w8a16_max_rows, K), not quantized, times the e4m3 weight -> (T, N) in x's dtype."""
         if self.use_skinny_kernel:
             from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear
 
             tiles = self.skinny_tiles.get("gemv" if x.shape[0] == 1 else "dot")
             return fp8_skinny_linear(
-                x, self.weight, self.weight_scale, self.bias, self.split_counters, "triton", tiles, silu
+                x, self.weight, self.weight_scale, self.bias, self.split_counters, "triton", tiles
             )
         return w8a16_ref(x, self.weight, self.weight_scale, self.bias)
 

@@ -88,8 +88,6 @@ def silu_linear(linear, gate_up: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.activation import silu_and_mul_quant
 
         return linear.forward_quantized(*silu_and_mul_quant(gate_up, MIN_SCALE)).view(*gate_up.shape[:-1], -1)
-    if isinstance(linear, Fp8Linear):  # few rows: the W8A16 kernel with the SiLU-mul in its loads
-        return linear.forward_silu(gate_up)
     return linear(silu_and_mul(gate_up))
 
 
