@@ -121,14 +121,17 @@ def variant_options(engine: str) -> dict:
 @contextlib.contextmanager
 def measured_tiles(options: dict, tiles_json: str):
     """Pops "swept_tiles", "gemv_tiles", "no_gemv", "own_tiles", "fp8_mma", "fp8_mma_options", "longest_first"
-    and "pdl" from `options`; while the block runs, splitserve.engine.worker.fp8.W8A16_TILES (read by the fp8
-    layers when finalized) or splitserve.engine.worker.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles'
-    measured tiles in place of the device's tuned table (splitserve.kernels.tuned_configs), "no_gemv" sets GEMV_TILES to {}
-    (cuBLAS for every projection), "own_tiles" W8A16_TILES to {} (the kernel's own tiles), "pdl" sets
-    splitserve.kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by default), "fp8_mma"
-    splitserve.kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's default kernel),
-    "fp8_mma_options" overrides keys of its DEFAULT_OPTIONS, "longest_first" sets
-    splitserve.engine.worker.model_runner.ModelRunner.LONGEST_FIRST."""
+    and "pdl" from `options`; while the block runs:
+    - splitserve.engine.worker.fp8.W8A16_TILES (read by the fp8 layers when finalized) or
+      splitserve.engine.worker.fused_ops.GEMV_TILES (read at each call) hold --fp8-tiles' measured tiles in place
+      of the device's tuned table (splitserve.kernels.tuned_configs);
+    - "no_gemv" sets GEMV_TILES to {} (cuBLAS for every projection), "own_tiles" W8A16_TILES to {} (the
+      kernel's own tiles);
+    - "pdl" sets splitserve.kernels.pdl.ENABLED (programmatic dependent launch of the Triton kernels; on by
+      default);
+    - "fp8_mma" sets splitserve.kernels.paged_decode_attention_fp8_mma.ENABLED (the fp8 decode attention's
+      default kernel), "fp8_mma_options" overrides keys of its DEFAULT_OPTIONS;
+    - "longest_first" sets splitserve.engine.worker.model_runner.ModelRunner.LONGEST_FIRST."""
     from fp8_linear import gemv_tiles, swept_tiles
 
     from splitserve.engine.worker import fp8 as quant

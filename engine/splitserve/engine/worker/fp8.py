@@ -367,9 +367,7 @@ class Fp8Linear(nn.Module):
             from splitserve.kernels.fp8_skinny_linear import fp8_skinny_linear
 
             tiles = self.skinny_tiles.get("gemv" if x.shape[0] == 1 else "dot")
-            return fp8_skinny_linear(
-                x, self.weight, self.weight_scale, self.bias, self.split_counters, "triton", tiles
-            )
+            return fp8_skinny_linear(x, self.weight, self.weight_scale, self.bias, self.split_counters, "triton", tiles)
         return w8a16_ref(x, self.weight, self.weight_scale, self.bias)
 
     def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
