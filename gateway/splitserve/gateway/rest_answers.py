@@ -46,6 +46,22 @@ class Shape:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._text_offset = 0
+        self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # choice index -> text_chunk's frame
+
+    def text_chunk(self, index: int, text: str) -> str:
+        """The SSE event of a chunk that carries only `text` (no logprobs, no finish, no usage): the chunk
+        event() makes of envelope([choice]), byte for byte, with only the text encoded per token."""
+        parts = self._text_chunk_parts.get(index)
+        if parts is None:
+            marker = "\x00"  # encodes as "\u0000"; the text is the envelope's last string (id and model come first)
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+            if self.chat:
+                choice["delta"] = {"content": marker}
+            else:
+                choice["text"] = marker
+            head, tail = event(self.envelope([choice], ".chunk" if self.chat else "")).rsplit(json.dumps(marker), 1)
+            parts = self._text_chunk_parts[index] = (head, tail)
+        return parts[0] + json.dumps(text) + parts[1]
 
     def envelope(self, choices: list, object_suffix: str = "") -> dict:
         return {
@@ -238,7 +254,9 @@ async def _choice_events(
             yield event(server_error(message.error))
             return
         finish = FINISH_NAMES.get(message.finish_reason)
-        if message.text or finish or (shape.top is not None and message.token_ids):
+        if message.text and not finish and shape.top is None and not req.continuous_usage:  # most chunks
+            yield shape.text_chunk(index, message.text)
+        elif message.text or finish or (shape.top is not None and message.token_ids):
             choice: dict[str, Any] = {"index": index, "logprobs": shape.logprobs(message), "finish_reason": finish}
             if shape.chat:
                 choice["delta"] = {"content": message.text} if message.text else {}
