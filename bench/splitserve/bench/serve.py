@@ -54,12 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     t.add_argument("--http-port", type=int, default=8000, help="gateway REST port")
     t.add_argument("--mode", default="", help="label for the output (disaggregated, colocated, ...)")
-    t.add_argument(
-        "--rest-logprobs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="REST: ask logprobs: 0 so each chunk lists its tokens (exact ITLs); off: each SSE chunk is one ITL sample",
-    )
     t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
     s = p.add_argument_group("launch (start the stack for this run)")
     s.add_argument("--launch", choices=MODES, help="start this setup on free loopback ports, stop it at the end")
@@ -154,7 +148,7 @@ class Target:
                     f"cannot reach the gateway's REST API at {self.base_url}: {error_message(exc)}"
                 ) from None
             self.model_id, self.max_model_len = data[0]["id"], data[0].get("max_model_len") or None
-            self.send = rest_sender(client, self.base_url, self.model_id, self.ns.temperature, self.ns.rest_logprobs)
+            self.send = rest_sender(client, self.base_url, self.model_id, self.ns.temperature)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -48,9 +48,10 @@ class Shape:
         self._text_offset = 0
         self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # choice index -> text_chunk's frame
 
-    def text_chunk(self, index: int, text: str) -> str:
-        """The SSE event of a chunk that carries only `text` (no logprobs, no finish, no usage): the chunk
-        event() makes of envelope([choice]), byte for byte, with only the text encoded per token."""
+    def text_chunk(self, index: int, text: str, usage: common_pb2.Usage | None = None) -> str:
+        """The SSE event of a chunk that carries only `text` (no logprobs, no finish) and, with `usage`, the
+        counts so far: the chunk event() makes of envelope([choice]) (+ "usage"), byte for byte, with only the
+        text and the counts encoded per token."""
         parts = self._text_chunk_parts.get(index)
         if parts is None:
             marker = "\x00"  # encodes as "\u0000"; the text is the envelope's last string (id and model come first)
@@ -61,7 +62,10 @@ class Shape:
                 choice["text"] = marker
             head, tail = event(self.envelope([choice], ".chunk" if self.chat else "")).rsplit(json.dumps(marker), 1)
             parts = self._text_chunk_parts[index] = (head, tail)
-        return parts[0] + json.dumps(text) + parts[1]
+        if usage is None:
+            return parts[0] + json.dumps(text) + parts[1]
+        usage_json = json.dumps(usage_dict(usage), separators=(",", ":"))
+        return f"{parts[0]}{json.dumps(text)}{parts[1][:-3]},\"usage\":{usage_json}}}\n\n"
 
     def envelope(self, choices: list, object_suffix: str = "") -> dict:
         return {
@@ -254,8 +258,8 @@ async def _choice_events(
             yield event(server_error(message.error))
             return
         finish = FINISH_NAMES.get(message.finish_reason)
-        if message.text and not finish and shape.top is None and not req.continuous_usage:  # most chunks
-            yield shape.text_chunk(index, message.text)
+        if message.text and not finish and shape.top is None:  # most chunks
+            yield shape.text_chunk(index, message.text, message.usage if req.continuous_usage else None)
         elif message.text or finish or (shape.top is not None and message.token_ids):
             choice: dict[str, Any] = {"index": index, "logprobs": shape.logprobs(message), "finish_reason": finish}
             if shape.chat:
