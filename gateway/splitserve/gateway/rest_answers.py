@@ -65,7 +65,7 @@ class Shape:
         if usage is None:
             return parts[0] + json.dumps(text) + parts[1]
         usage_json = json.dumps(usage_dict(usage), separators=(",", ":"))
-        return f"{parts[0]}{json.dumps(text)}{parts[1][:-3]},\"usage\":{usage_json}}}\n\n"
+        return f'{parts[0]}{json.dumps(text)}{parts[1][:-3]},"usage":{usage_json}}}\n\n'
 
     def envelope(self, choices: list, object_suffix: str = "") -> dict:
         return {
