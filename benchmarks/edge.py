@@ -1,0 +1,192 @@
+"""The serving edge in one run: the offline engine, then the served stack in each setup (colocated worker;
+prefill + decode on the same device over a KV transport) and each API (gRPC, REST) at each in-flight count,
+on the same requests; every served row as a ratio of the offline engine's output tokens/s.
+
+    python benchmarks/dummy_model_dir.py benchmarks/configs/qwen3-0.6b.json /tmp/q06
+    python benchmarks/edge.py --model /tmp/q06 --device cuda:0 --kv-transport cuda_ipc --json edge.json
+
+Every run draws prompts of the same lengths (uniform around --input-len / --output-len, seeded) with fresh token
+ids, and prefix caching is off everywhere, so no run reuses another's KV. Columns: output tok/s and its ratio to
+the offline engine, TTFT p50 / p99, inter-token gap p99 and max (the longest wait of any stream), TPOT p99, and
+(served) the gateway's CPU seconds per second of the run (a gateway at 1.0 is saturated: one asyncio loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from splitserve.bench.serve import Target, build_parser
+from splitserve.bench.serve_launch import LaunchedStack, LaunchPlan
+from splitserve.bench.serve_load import LengthDist, Progress, arrival_times, make_workload, run_load
+from splitserve.bench.serve_stats import Slo, summarize
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lengths(args) -> tuple[LengthDist, LengthDist]:
+    return (
+        LengthDist("uniform", args.input_len, args.spread),
+        LengthDist("uniform", args.output_len, args.spread),
+    )
+
+
+def offline(args) -> dict:
+    """The engine in this process on the same requests (salt 0's lengths), all submitted at once."""
+    from splitserve.engine import LLM, SamplingParams
+
+    prompts, outputs = lengths(args)
+    specs = make_workload(args.num_requests, prompts, outputs, args.vocab_size, args.max_model_len, args.seed)
+    llm = LLM(args.model, load_format="dummy", enable_prefix_caching=False, **engine_kwargs(args))
+    try:
+        warm = make_workload(16, prompts, outputs, args.vocab_size, args.max_model_len, args.seed + 7919)
+        llm.generate(
+            prompt_token_ids=[s.prompt for s in warm],
+            sampling_params=[SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0) for s in warm],
+        )
+        start = time.perf_counter()
+        outs = llm.generate(
+            prompt_token_ids=[s.prompt for s in specs],
+            sampling_params=[SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0) for s in specs],
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        llm.close()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"setup": "offline", "api": "-", "in_flight": args.num_requests, "output_tok_s": tokens / seconds}
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    return kwargs | ({"device": args.device} if args.device else {})
+
+
+def engine_flags(args) -> str:
+    flags = f"--model {args.model} --load-format dummy --no-enable-prefix-caching"
+    return flags + (f" --max-model-len {args.max_model_len}" if args.max_model_len else "") + f" {args.engine_args}"
+
+
+async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt: int) -> dict:
+    """One load of --num-requests against the running stack through `api`, `in_flight` at a time."""
+    ns = build_parser().parse_args(
+        ["--api", api, "--no-progress", "--num-warmup", "16", "--vocab-size", str(args.vocab_size)]
+    )
+    prompts, outputs = lengths(args)
+    async with Target(ns, "127.0.0.1", stack.grpc_port, stack.http_port) as target:
+        warm = make_workload(16, prompts, outputs, args.vocab_size, target.max_model_len, args.seed + 7919, salt)
+        await run_load(
+            warm,
+            arrival_times(16, float("inf"), 0),
+            target.send,
+            concurrency=16,
+            max_seconds=600,
+            progress=Progress(16, "warm-up", enabled=False),
+        )
+        specs = make_workload(
+            args.num_requests, prompts, outputs, args.vocab_size, target.max_model_len, args.seed, salt
+        )
+        gateway = stack.procs["gateway"].pid
+        cpu0, wall0 = cpu_s(gateway), time.perf_counter()
+        records, duration = await run_load(
+            specs,
+            arrival_times(len(specs), float("inf"), args.seed),
+            target.send,
+            concurrency=in_flight,
+            max_seconds=600,
+            progress=Progress(len(specs), f"{api} x{in_flight}", enabled=False),
+        )
+        gateway_load = (cpu_s(gateway) - cpu0) / (time.perf_counter() - wall0)
+    summary = summarize(records, duration, Slo(None, None, None))
+    if summary["num_completed"] != len(specs):
+        raise RuntimeError(
+            f"{api} x{in_flight}: {summary['num_completed']} of {len(specs)} completed: {summary['errors']}"
+        )
+    return {
+        "api": api,
+        "in_flight": in_flight,
+        "output_tok_s": summary["output_token_throughput"],
+        "ttft_ms": summary["ttft_ms"],
+        "itl_ms": summary["itl_ms"],
+        "tpot_ms": summary["tpot_ms"],
+        "gateway_cpu_per_s": gateway_load,
+    }
+
+
+def served(args, setup: str) -> list[dict]:
+    devices = "" if not args.device else ",".join([args.device] * (2 if setup == "disaggregated" else 1))
+    plan = LaunchPlan.from_strings(
+        setup, engine_flags(args), args.gateway_args, devices, num_workers=1, kv_transport=args.kv_transport
+    )
+    rows, salt = [], 1
+    with LaunchedStack(plan, os.path.join(args.log_dir, setup) if args.log_dir else None) as stack:
+        print(f"{setup} ready in {stack.ready_s:.1f} s (logs in {stack.log_dir})", flush=True)
+        for in_flight in args.in_flight:
+            for api in args.apis:
+                row = asyncio.run(served_run(args, stack, api, in_flight, salt))
+                rows.append({"setup": setup, **row})
+                print(json.dumps(rows[-1]), flush=True)
+                salt += 1
+    return rows
+
+
+def table(rows: list[dict], offline_tok_s: float | None) -> str:
+    head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
+    head += f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9}"
+    lines = [head]
+    for r in rows:
+        ratio = f"{r['output_tok_s'] / offline_tok_s:.2f}" if offline_tok_s else "-"
+        if r["setup"] == "offline":
+            lines.append(f"{'offline':<14} {'-':<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9}")
+            continue
+        ttft = f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f}"
+        itl = f"{r['itl_ms']['p99']:.1f}/{r['itl_ms']['max']:.0f}"
+        lines.append(
+            f"{r['setup']:<14} {r['api']:<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9} {ttft:>16} "
+            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a model directory (benchmarks/dummy_model_dir.py); dummy weights")
+    ap.add_argument("--device", default="", help="every engine process's device (default: the engine's)")
+    ap.add_argument("--setups", default="colocated,disaggregated")
+    ap.add_argument("--apis", default="grpc,rest")
+    ap.add_argument("--in-flight", default="256,64", help="comma list of concurrencies")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--spread", type=float, default=0.9, help="uniform lengths in len * [1 - spread, 1 + spread]")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl"))
+    ap.add_argument("--engine-args", default="", help="more engine flags for every engine process")
+    ap.add_argument("--gateway-args", default="")
+    ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--log-dir", default="")
+    ap.add_argument("--json", default="", help="write the rows here (default: $OUT/edge.json when $OUT is set)")
+    args = ap.parse_args()
+    args.apis = [a for a in args.apis.split(",") if a]
+    args.in_flight = [int(c) for c in args.in_flight.split(",") if c]
+    rows = [] if args.no_offline else [offline(args)]
+    print(json.dumps(rows[-1]) if rows else "offline skipped", flush=True)
+    for setup in [s for s in args.setups.split(",") if s]:
+        rows += served(args, setup)
+    print(table(rows, None if args.no_offline else rows[0]["output_tok_s"]))
+    out = args.json or (os.path.join(os.environ["OUT"], "edge.json") if os.environ.get("OUT") else "")
+    if out:
+        Path(out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
