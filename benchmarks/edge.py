@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 from splitserve.bench.serve import Target, build_parser
-from splitserve.bench.serve_launch import LaunchedStack, LaunchPlan
+from splitserve.bench.serve_launch import LaunchedStack, LaunchPlan, free_port
 from splitserve.bench.serve_load import LengthDist, Progress, arrival_times, make_workload, run_load
 from splitserve.bench.serve_stats import Slo, summarize
+
+
+KV_MEMORY = 0.85  # of the device, for the KV caches of the engines on it
 
 
 def cpu_s(pid: int) -> float:
@@ -69,10 +74,8 @@ def engine_kwargs(args) -> dict:
     return kwargs | ({"device": args.device} if args.device else {})
 
 
-def engine_flags(args, num_engines: int) -> str:
-    """Every engine's flags; engines sharing the device split its KV memory."""
+def engine_flags(args) -> str:
     flags = f"--model {args.model} --load-format dummy --no-enable-prefix-caching"
-    flags += f" --kv-cache-memory-fraction {0.85 / num_engines:.3f}"
     return flags + (f" --max-model-len {args.max_model_len}" if args.max_model_len else "") + f" {args.engine_args}"
 
 
@@ -122,24 +125,39 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
     }
 
 
+def preemptions(metrics_port: int) -> int:
+    """The streaming engine's preemptions so far (its /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    prefix = "splitserve:num_preemptions_total"
+    return sum(int(float(line.split()[-1])) for line in text.splitlines() if line.startswith(prefix))
+
+
 def served(args, setup: str) -> list[dict]:
     num_engines = 2 if setup == "disaggregated" else 1
     devices = "" if not args.device else ",".join([args.device] * num_engines)
+    metrics_port = free_port()  # the engine that streams: the worker, or the decode
+    metrics = ("--metrics-port", str(metrics_port))
+    if setup == "disaggregated":  # the two engines share the device's KV memory
+        prefill_share, decode_share = KV_MEMORY * (1 - args.decode_kv_share), KV_MEMORY * args.decode_kv_share
+        role_args = (
+            ("prefill", ("--kv-cache-memory-fraction", f"{prefill_share:.3f}")),
+            ("decode", ("--kv-cache-memory-fraction", f"{decode_share:.3f}", *metrics)),
+        )
+    else:
+        role_args = (("worker", ("--kv-cache-memory-fraction", f"{KV_MEMORY}", *metrics)),)
     plan = LaunchPlan.from_strings(
-        setup,
-        engine_flags(args, num_engines),
-        args.gateway_args,
-        devices,
-        num_workers=1,
-        kv_transport=args.kv_transport,
+        setup, engine_flags(args), args.gateway_args, devices, num_workers=1, kv_transport=args.kv_transport
     )
+    plan = dataclasses.replace(plan, role_args=role_args)
     rows, salt = [], 1
     with LaunchedStack(plan, os.path.join(args.log_dir, setup) if args.log_dir else None) as stack:
         print(f"{setup} ready in {stack.ready_s:.1f} s (logs in {stack.log_dir})", flush=True)
         for in_flight in args.in_flight:
             for api in args.apis:
+                before = preemptions(metrics_port)
                 row = asyncio.run(served_run(args, stack, api, in_flight, salt))
-                rows.append({"setup": setup, **row})
+                rows.append({"setup": setup, **row, "preemptions": preemptions(metrics_port) - before})
                 print(json.dumps(rows[-1]), flush=True)
                 salt += 1
     return rows
@@ -147,7 +165,7 @@ def served(args, setup: str) -> list[dict]:
 
 def table(rows: list[dict], offline_tok_s: float | None) -> str:
     head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
-    head += f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9}"
+    head += f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'preempted':>9}"
     lines = [head]
     for r in rows:
         ratio = f"{r['output_tok_s'] / offline_tok_s:.2f}" if offline_tok_s else "-"
@@ -158,7 +176,7 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
         itl = f"{r['itl_ms']['p99']:.1f}/{r['itl_ms']['max']:.0f}"
         lines.append(
             f"{r['setup']:<14} {r['api']:<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9} {ttft:>16} "
-            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f}"
+            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['preemptions']:>9}"
         )
     return "\n".join(lines)
 
@@ -178,6 +196,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl"))
+    ap.add_argument("--decode-kv-share", type=float, default=0.5, help="disaggregated: the decode's share of KV memory")
     ap.add_argument("--engine-args", default="", help="more engine flags for every engine process")
     ap.add_argument("--gateway-args", default="")
     ap.add_argument("--no-offline", action="store_true")

@@ -47,6 +47,7 @@ class LaunchPlan:
     num_decode: int = 1
     num_workers: int = 2
     kv_transport: str = "shm"
+    role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (role, flags after engine_args) per role
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -102,6 +103,7 @@ def launch_commands(
     commands = []
     for i, (role, name, port) in enumerate(zip(roles, names, engine_ports)):
         argv = cli + [role, "--host", HOST, "--port", str(port), "--instance-name", name, *plan.engine_args]
+        argv += [flag for r, flags in plan.role_args if r == role for flag in flags]
         if role != "worker":
             argv += ["--kv-transport", plan.kv_transport]
         if role == "decode":
