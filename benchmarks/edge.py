@@ -27,7 +27,6 @@ from splitserve.bench.serve_launch import LaunchedStack, LaunchPlan, free_port
 from splitserve.bench.serve_load import LengthDist, Progress, arrival_times, make_workload, run_load
 from splitserve.bench.serve_stats import Slo, summarize
 
-
 KV_MEMORY = 0.85  # of the device, for the KV caches of the engines on it
 
 
