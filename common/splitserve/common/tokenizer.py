@@ -213,10 +213,12 @@ def apply_chat_template(
     continue_final_message: bool | str = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Render chat `messages` ([{"role": ..., "content": ...}]) with the tokenizer's template (or
-    `chat_template`, a name or a template) and return the prompt token ids. The template itself
-    writes any BOS token, so the text is encoded without adding special tokens again."""
+    `chat_template`, a name or a template) and `tools` (function tools, as transformers takes them), and
+    return the prompt token ids. The template itself writes any BOS token, so the text is encoded without
+    adding special tokens again."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(
@@ -227,6 +229,7 @@ def apply_chat_template(
         list(messages),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=tools,
         chat_template=chat_template,
         **(chat_template_kwargs or {}),
     )

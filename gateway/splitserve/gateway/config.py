@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from splitserve.common.config_fields import internal_token_option, option
 from splitserve.common.sampling_params import MAX_STOP_STRINGS
+from splitserve.gateway.tool_parsers import TOOL_PARSERS
 
 # engine.kv_connectors.factory.TRANSPORTS, repeated here so the gateway never imports torch
 # (tests/cli/test_supervisor.py checks that the two agree).
@@ -131,6 +132,12 @@ class GatewayConfig:
     )
     rate_limit_tokens_per_min: int = option(
         0, "prompt tokens + max_tokens per minute per API key; 0 = no limit", min=0, max=1 << 40
+    )
+    enable_auto_tool_choice: bool = option(
+        False, 'tool_choice "auto" on chat requests (as vLLM: needs --tool-call-parser); off = such requests get 400'
+    )
+    tool_call_parser: str = option(
+        "", "how the model writes tool calls (vLLM's parser names)", choices=("", *sorted(TOOL_PARSERS))
     )
 
     @property

@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,7 @@ from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from splitserve.gateway.rest_tokens import add_token_routes
+from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.sequences import split
 from splitserve.gateway.service import GatewayService
 
@@ -134,6 +136,7 @@ def create_app(
     *,
     api_keys: ApiKeys | None = None,
     metrics: GatewayMetrics | None = None,
+    tool_settings: ToolSettings | None = None,
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible endpoints (and /metrics) over `service`."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -197,7 +200,16 @@ def create_app(
         model = service.reported_name or req.inp.model
         with_prompt_logprobs = req.inp.params.prompt_logprobs is not None
         shapes = [
-            Shape(chat, service.tokenizer, model, req.inp.request_id, req.logprobs, req.inp.echo, with_prompt_logprobs)
+            Shape(
+                chat,
+                service.tokenizer,
+                model,
+                req.inp.request_id,
+                req.logprobs,
+                req.inp.echo,
+                with_prompt_logprobs,
+                tools=req.tools,
+            )
             for _ in streams
         ]
         if req.stream:
@@ -223,7 +235,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, parse_chat, chat=True)
+        return await generate(request, partial(parse_chat, tool_settings=tool_settings), chat=True)
 
     add_token_routes(app, service, lambda request: read_json(request, max_body_bytes))
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from splitserve.gateway.rest_params import RestRequest
+from splitserve.gateway.rest_tools import ToolPlan
 from splitserve.protos import common_pb2, generation_pb2
 
 FINISH_NAMES = {
@@ -40,9 +41,11 @@ class Shape:
         top: int | None,
         echo: bool = False,
         prompt_logprobs: bool = False,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
         self.echo, self.with_prompt_logprobs = echo, prompt_logprobs
+        self.tools = tools.new_answer() if tools is not None else None  # this choice's tool calls
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._text_offset = 0
@@ -207,8 +210,11 @@ async def _choice(
         "finish_reason": FINISH_NAMES[message.finish_reason],
         "stop_reason": message.stop_reason or None,
     }
-    if shape.chat:
+    if shape.tools is not None:
+        choice["message"], choice["finish_reason"] = shape.tools.message(text, choice["finish_reason"])
+    elif shape.chat:
         choice["message"] = {"role": "assistant", "content": text}
+    if shape.chat:
         if shape.with_prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs  # moved to the top level by `complete`
     else:
@@ -239,6 +245,28 @@ async def complete(
     return JSONResponse(body)
 
 
+def _chunk(
+    shape: Shape, req: RestRequest, message: generation_pb2.GenerateResponse, index: int, finish: str | None
+) -> dict | None:
+    """The chunk of one message (None when it has nothing to send: a tool call's text held back)."""
+    delta = {"content": message.text} if message.text else {}
+    if shape.tools is not None:
+        delta, finish = shape.tools.delta(message.text, finish)
+    if not (delta or finish or (shape.top is not None and message.token_ids)):
+        return None
+    choice: dict[str, Any] = {"index": index, "logprobs": shape.logprobs(message), "finish_reason": finish}
+    if shape.chat:
+        choice["delta"] = delta
+    else:
+        choice["text"] = message.text
+    if finish:
+        choice["stop_reason"] = message.stop_reason or None
+    chunk = shape.envelope([choice], ".chunk" if shape.chat else "")
+    if req.continuous_usage:
+        chunk["usage"] = usage_dict(message.usage)
+    return chunk
+
+
 async def _choice_events(
     shape: Shape,
     req: RestRequest,
@@ -258,20 +286,12 @@ async def _choice_events(
             yield event(server_error(message.error))
             return
         finish = FINISH_NAMES.get(message.finish_reason)
-        if message.text and not finish and shape.top is None:  # most chunks
+        if shape.tools is None and message.text and not finish and shape.top is None:  # most chunks
             yield shape.text_chunk(index, message.text, message.usage if req.continuous_usage else None)
-        elif message.text or finish or (shape.top is not None and message.token_ids):
-            choice: dict[str, Any] = {"index": index, "logprobs": shape.logprobs(message), "finish_reason": finish}
-            if shape.chat:
-                choice["delta"] = {"content": message.text} if message.text else {}
-            else:
-                choice["text"] = message.text
-            if finish:
-                choice["stop_reason"] = message.stop_reason or None
-            chunk = shape.envelope([choice], suffix)
-            if req.continuous_usage:
-                chunk["usage"] = usage_dict(message.usage)
-            yield event(chunk)
+        else:
+            chunk = _chunk(shape, req, message, index, finish)
+            if chunk is not None:
+                yield event(chunk)
         if finish:
             finals.append(message)
             return

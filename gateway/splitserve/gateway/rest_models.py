@@ -43,11 +43,8 @@ _UNSUPPORTED_COMMON = {
 UNSUPPORTED_COMPLETION = {**_UNSUPPORTED_COMMON, "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "parallel_tool_calls": (True, False),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -247,6 +244,9 @@ class ChatMessage(_Body):
 
     role: Literal[CHAT_ROLES] = Field(description="one of " + ", ".join(CHAT_ROLES))  # type: ignore[valid-type]
     content: str | list[TextPart] | None = Field(None, description="a string or a list of text parts")
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (gateway/rest_tools.py)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -277,6 +277,12 @@ class ChatMessages(_Body):
     def turns(self) -> tuple[tuple[str, str], ...]:
         return tuple((m.role, m.text) for m in self.messages)
 
+    @property
+    def message_extras(self) -> tuple[tuple[tuple[str, Any], ...], ...]:
+        """Per message, the fields beside role and content that the template reads (tool calls, ids)."""
+        names = ("tool_calls", "tool_call_id", "name")
+        return tuple(tuple((k, getattr(m, k)) for k in names if getattr(m, k) is not None) for m in self.messages)
+
 
 class ChatCompletionRequest(ChatMessages, _Request):
     """POST /v1/chat/completions, with vLLM's chat template fields."""
@@ -289,6 +295,10 @@ class ChatCompletionRequest(ChatMessages, _Request):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling: checked by gateway/rest_tools.py (vLLM's messages, naming the field)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

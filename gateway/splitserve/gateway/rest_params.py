@@ -15,6 +15,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.rest_models import ChatCompletionRequest, CompletionRequest, validate
 from splitserve.gateway.rest_structured import STRUCTURED_FIELDS, structured_output_of
+from splitserve.gateway.rest_tools import ToolPlan, ToolRequest, ToolSettings, template_messages, tool_request
 from splitserve.gateway.service import ChatOptions, GenerationInput, build_sampling_params
 
 log = logging.getLogger("splitserve.gateway")
@@ -69,6 +70,7 @@ class RestRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     more: tuple[GenerationInput, ...] = ()  # a batch of prompts: the ones after `inp` (choice i = prompt i)
     n: int = 1  # choices per prompt: choice i * n + j is prompt i's sequence j
+    tools: ToolPlan | None = None  # chat with tools: how each choice's text is read (gateway/rest_tools.py)
 
 
 def _log_ignored(names: list[str]) -> None:
@@ -152,7 +154,24 @@ def parse_completion(body: Any, request_id: str, max_stop_strings: int) -> RestR
     )
 
 
-def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest:
+def _with_tools(req: ChatCompletionRequest, values: dict[str, Any], field: str, settings: ToolSettings) -> ToolRequest:
+    """The request's tool plan; a required or named choice's grammar goes into `values` (with no other one)."""
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, settings)
+    if tools.structured is not None:
+        if "structured_output" in values:
+            raise invalid(
+                f"tool_choice {tools.plan.choice} constrains the answer itself; it cannot be combined with {field}",
+                "tool_choice",
+            )
+        values["structured_output"] = tools.structured
+    if tools.keep_special_tokens:  # the parser's marker is a special token: it must stay in the text
+        values["skip_special_tokens"] = False
+    return tools
+
+
+def parse_chat(
+    body: Any, request_id: str, max_stop_strings: int, tool_settings: ToolSettings | None = None
+) -> RestRequest:
     """POST /v1/chat/completions body -> RestRequest; RequestValidationError when the body is invalid."""
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     _log_ignored(req.ignored_fields)
@@ -169,7 +188,13 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
     max_tokens_param = renames.get("max_tokens", "max_tokens") if "max_tokens" in values else None
     values.setdefault("max_tokens", None)  # unset: up to the context, as vLLM's chat API (completions: 16)
     structured_field = _structured(req, values)
+    tools = _with_tools(req, values, structured_field, tool_settings or ToolSettings())
+    structured_field = tools.structured_field or structured_field
     params = _params(values, max_stop_strings, renames)
+    extras = req.message_extras if any(req.message_extras) else ()
+    if extras:
+        fixed = template_messages([dict(extra, role=m.role) for extra, m in zip(extras, req.messages)])
+        extras = tuple(tuple((k, v) for k, v in message.items() if k != "role") for message in fixed)
     inp = GenerationInput(
         request_id=request_id,
         model=req.model or "",
@@ -184,7 +209,11 @@ def parse_chat(body: Any, request_id: str, max_stop_strings: int) -> RestRequest
             add_generation_prompt=req.add_generation_prompt is not False,
             continue_final_message=bool(req.continue_final_message),
             template_kwargs=tuple(sorted((req.chat_template_kwargs or {}).items())),
+            tools=tools.template_tools,
+            message_extras=extras,
         ),
     )
     include_usage, continuous = _stream_flags(req)
-    return RestRequest(inp, bool(req.stream), include_usage, params.logprobs, continuous, n=req.n or 1)
+    return RestRequest(
+        inp, bool(req.stream), include_usage, params.logprobs, continuous, n=req.n or 1, tools=tools.plan
+    )

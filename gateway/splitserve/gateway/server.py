@@ -27,6 +27,7 @@ from splitserve.gateway.grpc_api import HealthReporter, add_services
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.registry import Registry
+from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.router import Router
 from splitserve.gateway.service import GatewayService
 
@@ -160,6 +161,7 @@ class GatewayServer:
 
         config = self.config
         tls = load_tls(config)
+        self.tool_settings = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
         from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS, InternalAuth, internal_channel
@@ -245,7 +247,12 @@ class GatewayServer:
         from splitserve.gateway.rest import create_app
 
         app = create_app(
-            self.service, self.config.max_body_bytes, int(time.time()), api_keys=self.api_keys, metrics=self.metrics
+            self.service,
+            self.config.max_body_bytes,
+            int(time.time()),
+            api_keys=self.api_keys,
+            metrics=self.metrics,
+            tool_settings=self.tool_settings,
         )
         self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
         sockets = None

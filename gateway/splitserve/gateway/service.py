@@ -53,6 +53,8 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    tools: tuple[dict, ...] | None = None  # function tools, passed to the template as transformers does
+    message_extras: tuple[tuple[tuple[str, Any], ...], ...] = ()  # per turn: tool_calls, tool_call_id, name
 
 
 @dataclass(frozen=True)
@@ -275,13 +277,15 @@ class GatewayService:
                 "continue_final_message continues the last message: set add_generation_prompt to false with it",
                 "continue_final_message",
             )
+        extras = options.message_extras or ((),) * len(turns)
         render = partial(
             apply_chat_template,
             self.tokenizer,
-            [{"role": r, "content": c} for r, c in turns],
+            [{"role": r, "content": c, **dict(extra)} for (r, c), extra in zip(turns, extras)],
             options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             chat_template_kwargs=dict(options.template_kwargs),
+            tools=list(options.tools) if options.tools is not None else None,
         )
         try:
             if sum(len(c) for _, c in turns) <= INLINE_TOKENIZE_CHARS:
