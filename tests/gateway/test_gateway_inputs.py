@@ -126,10 +126,16 @@ REST_CASES = [
         "/v1/chat/completions",
         {**CHAT, "tools": [{"type": "function"}]},
         400,
+        error("tools[0].function.name must be a non-empty string", "tools"),
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "functions": [{"name": "f"}]},
+        400,
         error(
-            "unsupported parameter: tools (got [{'type': 'function'}]); splitserve does not implement it, remove it "
+            "unsupported parameter: functions (got [{'name': 'f'}]); splitserve does not implement it, remove it "
             "from the request",
-            "tools",
+            "functions",
         ),
     ),
     (

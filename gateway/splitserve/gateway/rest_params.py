@@ -159,8 +159,9 @@ def _with_tools(req: ChatCompletionRequest, values: dict[str, Any], field: str, 
     tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, settings)
     if tools.structured is not None:
         if "structured_output" in values:
+            which = 'tool_choice "required"' if tools.plan.choice == "required" else "a named tool_choice"
             raise invalid(
-                f"tool_choice {tools.plan.choice} constrains the answer itself; it cannot be combined with {field}",
+                f"{which} constrains the answer to tool calls; it cannot be combined with {field.split('.')[0]}",
                 "tool_choice",
             )
         values["structured_output"] = tools.structured
