@@ -7,7 +7,8 @@
     GET  /ready                /health's answer with the instances' detail
     GET  /v1/models            the served model
     POST /v1/completions       prompt: text or token ids; SSE when stream is true
-    POST /v1/chat/completions  messages rendered with the tokenizer's chat template
+    POST /v1/chat/completions  messages rendered with the tokenizer's chat template; tools (gateway/rest_tools.py)
+    POST /v1/responses         OpenAI's Responses API, stateless (gateway/rest_responses.py)
     GET  /metrics              Prometheus metrics of the gateway (gateway/observe.py)
     POST /tokenize, /detokenize, GET /version   vLLM's token endpoints (gateway/rest_tokens.py)
 
@@ -44,6 +45,8 @@ from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
+from splitserve.gateway.rest_responses import parse_responses
+from splitserve.gateway.rest_responses_answers import ResponsesAnswer
 from splitserve.gateway.rest_tokens import add_token_routes
 from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.sequences import split
@@ -162,8 +165,9 @@ def create_app(
         first = exc.errors()[0]
         return error_response(invalid(first["msg"], str(first["loc"][0]) if first["loc"] else "body"))
 
-    async def generate(request: Request, parse: Callable, chat: bool):
-        prefix = "chatcmpl" if chat else "cmpl"
+    async def generate(request: Request, parse: Callable, chat: bool, respond: type | None = None):
+        """One request of an OpenAI endpoint; `respond` builds another API's answers (the Responses API)."""
+        prefix = "resp" if respond is not None else "chatcmpl" if chat else "cmpl"
         streams: list = []
         try:
             body = await read_json(request, max_body_bytes)
@@ -198,6 +202,7 @@ def create_app(
             streams = [part for first, stream in zip(firsts, streams) for part in split(first, stream, req.n)]
             firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         model = service.reported_name or req.inp.model
+        answer = respond(req, model) if respond is not None else None
         with_prompt_logprobs = req.inp.params.prompt_logprobs is not None
         shapes = [
             Shape(
@@ -213,10 +218,11 @@ def create_app(
             for _ in streams
         ]
         if req.stream:
-            return StreamingResponse(
-                sse(shapes, req, firsts, streams), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        work = asyncio.ensure_future(complete(shapes, firsts, streams))
+            events = answer.sse(firsts, streams) if answer is not None else sse(shapes, req, firsts, streams)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        work = asyncio.ensure_future(
+            answer.complete(firsts, streams) if answer is not None else complete(shapes, firsts, streams)
+        )
         try:
             await _until_disconnect(request, work)
         finally:
@@ -236,6 +242,11 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, partial(parse_chat, tool_settings=tool_settings), chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        parse = partial(parse_responses, tool_settings=tool_settings)
+        return await generate(request, parse, chat=True, respond=ResponsesAnswer)
 
     add_token_routes(app, service, lambda request: read_json(request, max_body_bytes))
 

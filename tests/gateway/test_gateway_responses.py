@@ -1,0 +1,240 @@
+"""POST /v1/responses through the real gateway and the official openai client's responses.create, over the
+fake prefill and decode: the response object and the streamed semantic events, exact.
+
+The chat template renders input "hello w30" as "user hello w30 assistant" = ids [3, 6, 30, 5]; the fakes then
+generate 6 ("hello"), 7 ("world"), 8 ("w8"), ...
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.test_gateway_tools import CANNED, TOOLS, make_tool_tokenizer
+from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+
+MODEL = "tiny-fake"
+TEXT_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.delta",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = Stack(make_tokenizer_dir(str(tmp_path_factory.mktemp("tokenizer"))), [FakePrefill()], [FakeDecode()])
+    yield stack.start()
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_text_response(client):
+    r = client.responses.create(model=MODEL, input="hello w30", max_output_tokens=3)
+    assert (r.object, r.status, r.incomplete_details.reason, r.model) == (
+        "response",
+        "incomplete",
+        "max_output_tokens",
+        MODEL,
+    )
+    assert r.id.startswith("resp_") and len(r.id) == 5 + 32
+    [item] = r.output
+    assert (item.type, item.role, item.status, item.id.startswith("msg_")) == (
+        "message",
+        "assistant",
+        "incomplete",
+        True,
+    )
+    assert [(p.type, p.text, p.annotations) for p in item.content] == [("output_text", " hello world w8", [])]
+    assert r.output_text == " hello world w8"
+    usage = r.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (4, 3, 7)
+    assert (usage.input_tokens_details.cached_tokens, usage.output_tokens_details.reasoning_tokens) == (0, 0)
+    assert (r.store, r.previous_response_id, r.max_output_tokens, r.tool_choice, r.tools) == (
+        False,
+        None,
+        3,
+        "none",
+        [],
+    )
+
+
+def test_instructions_messages_and_a_finished_answer(client, stack):
+    r = client.responses.create(
+        model=MODEL,
+        instructions="w40",
+        input=[
+            {"role": "user", "content": "hello w30"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "w31"}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "w50"}]},
+        ],
+        extra_body={"stop": ["w52"]},
+        temperature=0.5,
+        top_p=0.9,
+    )
+    # "system w40 user hello w30 assistant w31 user w50 assistant"
+    assert list(stack.prefills[0].requests[-1].prompt_token_ids) == [4, 40, 3, 6, 30, 5, 31, 3, 50, 5]
+    words = ["hello", "world", *(f"w{i}" for i in range(8, 52))]
+    assert (r.status, r.incomplete_details, r.output_text) == ("completed", None, " " + " ".join(words) + " ")
+    assert (r.instructions, r.temperature, r.top_p, r.usage.input_tokens) == ("w40", 0.5, 0.9, 10)
+
+
+def test_streamed_events(client):
+    events = list(client.responses.create(model=MODEL, input="hello w30", max_output_tokens=3, stream=True))
+    assert [e.type for e in events] == [*TEXT_EVENTS, "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == [" hello", " world", " w8"]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert (done.text, done.output_index, done.content_index) == (" hello world w8", 0, 0)
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    final = events[-1].response
+    assert item_ids == {final.output[0].id}
+    assert (events[0].response.status, events[0].response.output) == ("in_progress", [])
+    assert (final.status, final.output_text, final.usage.input_tokens, final.usage.output_tokens) == (
+        "incomplete",
+        " hello world w8",
+        4,
+        3,
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("store", True), ("previous_response_id", "resp_abc"), ("background", True), ("reasoning", {"effort": "low"})],
+)
+def test_state_is_refused_naming_the_field(client, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hello", **{field: value})
+    assert (info.value.status_code, info.value.body["param"]) == (400, field)
+    assert info.value.body["message"] == (
+        f"{field} is not supported: this server keeps no responses (stateless), so it cannot store one or "
+        f"continue one; remove {field}"
+    )
+
+
+def test_bad_values_name_the_responses_field(stack):
+    r = httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": -1})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "max_output_tokens")
+    assert r.json()["error"]["message"].startswith("max_output_tokens must be"), r.text
+    r = httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": []})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "input")
+    r = httpx.post(
+        stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}
+    )
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400,
+        "tools[0] is a 'web_search' tool; only function tools are served",
+    )
+
+
+@pytest.fixture(scope="module")
+def tool_client(tmp_path_factory):
+    overrides = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    tokenizer = make_tool_tokenizer(str(tmp_path_factory.mktemp("tool-tokenizer")))
+    stack = Stack(tokenizer, [FakePrefill()], [FakeDecode()], overrides).start()
+    yield openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    stack.stop()
+
+
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_function_call_response(tool_client):
+    r = tool_client.responses.create(
+        model=MODEL, input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED)
+    )
+    message, call = r.output
+    assert (message.type, message.content[0].text) == ("message", " hello world ")
+    assert (call.type, call.name, call.arguments, call.status) == (
+        "function_call",
+        "get_weather",
+        '{"city": "Paris"}',
+        "completed",
+    )
+    assert call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.tool_choice == "auto"
+
+
+def test_function_call_streamed(tool_client):
+    events = list(
+        tool_client.responses.create(
+            model=MODEL, input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED), stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    first_call = kinds.index("response.output_item.added", kinds.index("response.output_item.done"))
+    assert kinds[:4] == TEXT_EVENTS[:4] and kinds[first_call - 1] == "response.output_item.done"
+    added = events[first_call].item
+    assert (added.type, added.name, added.arguments, added.status) == (
+        "function_call",
+        "get_weather",
+        "",
+        "in_progress",
+    )
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) >= 2 and "".join(fragments) == '{"city": "Paris"}'
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.incomplete"]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == '{"city": "Paris"}' and final.output[1].call_id == added.call_id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == " hello world "
+
+
+def test_function_call_output_turns(tool_client):
+    r = tool_client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "hello"},
+            {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "world"},
+        ],
+        tools=RESPONSE_TOOLS,
+        tool_choice="none",
+        max_output_tokens=2,
+    )
+    # "tool get_weather tool get_time user hello assistant  get_time tool world assistant"
+    assert (r.usage.input_tokens, r.output_text) == (4 + 2 + 2 + 2 + 1, " hello world")
+
+
+def test_raw_bodies_validate_against_openais_types(stack):
+    """The openai client builds its objects without validating; here every body must validate strictly."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": MODEL, "input": "hello w30", "max_output_tokens": 3}
+    r = httpx.post(stack.base_url + "/v1/responses", json=body)
+    Response.model_validate(r.json(), strict=False)
+    assert set(r.json()) >= {"id", "object", "created_at", "status", "error", "incomplete_details", "output", "usage"}
+    with httpx.stream("POST", stack.base_url + "/v1/responses", json={**body, "stream": True}) as r:
+        lines = list(r.iter_lines())
+    kinds = [line[len("event: ") :] for line in lines if line.startswith("event: ")]
+    datas = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_json(data) for data in datas]
+    assert [e.type for e in events] == kinds == [*TEXT_EVENTS, "response.incomplete"]
+
+
+def test_raw_function_call_bodies_validate(tool_client):
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    url = str(tool_client.base_url).rstrip("/") + "/responses"
+    body = {"model": MODEL, "input": "hello", "tools": RESPONSE_TOOLS, "max_output_tokens": 2 + len(CANNED)}
+    response = Response.model_validate(httpx.post(url, json=body).json())
+    assert [o.type for o in response.output] == ["message", "function_call"]
+    with httpx.stream("POST", url, json={**body, "stream": True}) as r:
+        datas = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_json(d).type for d in datas][-1] == "response.incomplete"
