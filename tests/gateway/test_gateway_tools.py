@@ -170,6 +170,7 @@ def test_required_and_named_choices_send_their_grammar(stack, client):
     assert answer["choices"][0]["finish_reason"] == "length"
     sent = stack.prefills[0].requests[-1].sampling.structured_output
     weather = TOOLS[0]["function"]["parameters"]
+    assert sent.disable_any_whitespace
     assert json.loads(sent.json_schema) == {
         "type": "array",
         "minItems": 1,

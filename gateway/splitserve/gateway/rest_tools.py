@@ -14,6 +14,10 @@ The tools reach the chat template as transformers passes them (`tools=`). How th
     named      a grammar forces that function's parameters schema; the whole text is the arguments;
                finish_reason stays "stop" (as OpenAI and vLLM answer a named choice)
 
+Both grammars are vLLM's schemas with no whitespace but json.dumps' separators (", ", ": "): the JSON a
+model writes is then the form json.dumps gives, and a call always ends (a grammar that admits any
+whitespace lets a weak model spend its whole budget on spaces, leaving arguments that do not parse).
+
 `ToolAnswer` turns one choice's text into message.content + message.tool_calls (non-streamed), or its
 pieces into OpenAI's streamed deltas: a call's first delta carries index, id, type and name (arguments
 ""), later ones argument fragments that add up to the non-streamed arguments.
@@ -101,7 +105,7 @@ def tool_request(tools: Any, tool_choice: Any, parallel: bool | None, settings: 
         return ToolRequest(plan, tuple(checked), keep_special_tokens=parser.keep_special_tokens)
     if tool_choice == "required":
         schema = _required_schema(checked, parallel_ok)
-        spec = StructuredOutput(json=schema_text(schema, "tools"))
+        spec = StructuredOutput(json=schema_text(schema, "tools"), disable_any_whitespace=True)
         return ToolRequest(ToolPlan("required", parallel=parallel_ok), tuple(checked), spec, "tools")
     name = _named_function(tool_choice)
     if name not in names:
@@ -109,7 +113,7 @@ def tool_request(tools: Any, tool_choice: Any, parallel: bool | None, settings: 
     index = names.index(name)
     parameters = checked[index]["function"].get("parameters") or _EMPTY_PARAMETERS
     field = f"tools[{index}].function.parameters"
-    spec = StructuredOutput(json=schema_text(parameters, field))
+    spec = StructuredOutput(json=schema_text(parameters, field), disable_any_whitespace=True)
     return ToolRequest(ToolPlan("named", function=name), tuple(checked), spec, field)
 
 
