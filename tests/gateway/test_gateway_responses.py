@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.test_gateway_tools import CANNED, TOOLS, make_tool_tokenizer
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
 
 MODEL = "tiny-fake"
@@ -139,75 +138,6 @@ def test_bad_values_name_the_responses_field(stack):
     )
 
 
-@pytest.fixture(scope="module")
-def tool_client(tmp_path_factory):
-    overrides = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
-    tokenizer = make_tool_tokenizer(str(tmp_path_factory.mktemp("tool-tokenizer")))
-    stack = Stack(tokenizer, [FakePrefill()], [FakeDecode()], overrides).start()
-    yield openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
-    stack.stop()
-
-
-RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
-
-
-def test_function_call_response(tool_client):
-    r = tool_client.responses.create(
-        model=MODEL, input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED)
-    )
-    message, call = r.output
-    assert (message.type, message.content[0].text) == ("message", " hello world ")
-    assert (call.type, call.name, call.arguments, call.status) == (
-        "function_call",
-        "get_weather",
-        '{"city": "Paris"}',
-        "completed",
-    )
-    assert call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
-    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.tool_choice == "auto"
-
-
-def test_function_call_streamed(tool_client):
-    events = list(
-        tool_client.responses.create(
-            model=MODEL, input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED), stream=True
-        )
-    )
-    kinds = [e.type for e in events]
-    first_call = kinds.index("response.output_item.added", kinds.index("response.output_item.done"))
-    assert kinds[:4] == TEXT_EVENTS[:4] and kinds[first_call - 1] == "response.output_item.done"
-    added = events[first_call].item
-    assert (added.type, added.name, added.arguments, added.status) == (
-        "function_call",
-        "get_weather",
-        "",
-        "in_progress",
-    )
-    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    assert len(fragments) >= 2 and "".join(fragments) == '{"city": "Paris"}'
-    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.incomplete"]
-    final = events[-1].response
-    assert [o.type for o in final.output] == ["message", "function_call"]
-    assert final.output[1].arguments == '{"city": "Paris"}' and final.output[1].call_id == added.call_id
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == " hello world "
-
-
-def test_function_call_output_turns(tool_client):
-    r = tool_client.responses.create(
-        model=MODEL,
-        input=[
-            {"role": "user", "content": "hello"},
-            {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1", "output": "world"},
-        ],
-        tools=RESPONSE_TOOLS,
-        tool_choice="none",
-        max_output_tokens=2,
-    )
-    # "tool get_weather tool get_time user hello assistant  get_time tool world assistant"
-    assert (r.usage.input_tokens, r.output_text) == (4 + 2 + 2 + 2 + 1, " hello world")
-
-
 def test_raw_bodies_validate_against_openais_types(stack):
     """The openai client builds its objects without validating; here every body must validate strictly."""
     from openai.types.responses import Response, ResponseStreamEvent
@@ -224,17 +154,3 @@ def test_raw_bodies_validate_against_openais_types(stack):
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_json(data) for data in datas]
     assert [e.type for e in events] == kinds == [*TEXT_EVENTS, "response.incomplete"]
-
-
-def test_raw_function_call_bodies_validate(tool_client):
-    from openai.types.responses import Response, ResponseStreamEvent
-    from pydantic import TypeAdapter
-
-    url = str(tool_client.base_url).rstrip("/") + "/responses"
-    body = {"model": MODEL, "input": "hello", "tools": RESPONSE_TOOLS, "max_output_tokens": 2 + len(CANNED)}
-    response = Response.model_validate(httpx.post(url, json=body).json())
-    assert [o.type for o in response.output] == ["message", "function_call"]
-    with httpx.stream("POST", url, json={**body, "stream": True}) as r:
-        datas = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
-    adapter = TypeAdapter(ResponseStreamEvent)
-    assert [adapter.validate_json(d).type for d in datas][-1] == "response.incomplete"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -200,3 +201,85 @@ def test_required_and_named_choices_send_their_grammar(stack, client):
     assert info.value.body["message"] == (
         "a named tool_choice constrains the answer to tool calls; it cannot be combined with response_format"
     )
+
+
+# -- the Responses API's function calls (its text answers: tests/gateway/test_gateway_responses.py) --
+
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_function_call_response(client):
+    r = client.responses.create(
+        model="tiny-fake", input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED)
+    )
+    message, call = r.output
+    assert (message.type, message.content[0].text) == ("message", " hello world ")
+    assert (call.type, call.name, call.arguments, call.status) == (
+        "function_call",
+        "get_weather",
+        '{"city": "Paris"}',
+        "completed",
+    )
+    assert call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.tool_choice == "auto"
+
+
+def test_function_call_streamed(client):
+    events = list(
+        client.responses.create(
+            model="tiny-fake", input="hello", tools=RESPONSE_TOOLS, max_output_tokens=2 + len(CANNED), stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    first_call = kinds.index("response.output_item.added", kinds.index("response.output_item.done"))
+    text_start = [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[:4] == text_start and kinds[first_call - 1] == "response.output_item.done"
+    added = events[first_call].item
+    assert (added.type, added.name, added.arguments, added.status) == (
+        "function_call",
+        "get_weather",
+        "",
+        "in_progress",
+    )
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) >= 2 and "".join(fragments) == '{"city": "Paris"}'
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.incomplete"]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == '{"city": "Paris"}' and final.output[1].call_id == added.call_id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == " hello world "
+
+
+def test_function_call_output_turns(client):
+    r = client.responses.create(
+        model="tiny-fake",
+        input=[
+            {"role": "user", "content": "hello"},
+            {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "world"},
+        ],
+        tools=RESPONSE_TOOLS,
+        tool_choice="none",
+        max_output_tokens=2,
+    )
+    # "tool get_weather tool get_time user hello assistant  get_time tool world assistant"
+    assert (r.usage.input_tokens, r.output_text) == (4 + 2 + 2 + 2 + 1, " hello world")
+
+
+def test_raw_function_call_bodies_validate(client):
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    url = str(client.base_url).rstrip("/") + "/responses"
+    body = {"model": "tiny-fake", "input": "hello", "tools": RESPONSE_TOOLS, "max_output_tokens": 2 + len(CANNED)}
+    response = Response.model_validate(httpx.post(url, json=body).json())
+    assert [o.type for o in response.output] == ["message", "function_call"]
+    with httpx.stream("POST", url, json={**body, "stream": True}) as r:
+        datas = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_json(d).type for d in datas][-1] == "response.incomplete"

@@ -38,8 +38,11 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_alerts", "parameters": ALERT}},
 ]
 SCHEMAS = {"get_forecast": FORECAST, "get_alerts": ALERT}
-PROMPTS = ["What is the weather?", "Any storms coming?", "def f(x):", "Tell me more"]
-HERMES = r'<tool_call>\n\{"name": "get_forecast", "arguments": \{"unit": "(celsius|fahrenheit)", "days": [123]\}\}\n</tool_call>'
+PROMPTS = ["What is the weather?", "def f(x):"]
+HERMES = (
+    r'<tool_call>\n\{"name": "get_forecast", "arguments": '
+    r'\{"unit": "(celsius|fahrenheit)", "days": [123]\}\}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ relies only on the wire contract in `protos/`.
     router.py    prefill / decode choice (load, prefix affinity)
     service.py   the request path shared by gRPC and REST
     grpc_api.py  Generation servicer, grpc.health.v1, reflection
-    rest.py      FastAPI shim (/v1/completions, /v1/chat/completions, /v1/models, ...)
+    rest.py      FastAPI shim (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, ...)
+    rest_tools.py, tool_parsers/   tool calling (tools, tool_choice, vLLM's --tool-call-parser formats)
     server.py    `splitserve gateway`
 """
