@@ -154,3 +154,16 @@ def test_raw_bodies_validate_against_openais_types(stack):
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_json(data) for data in datas]
     assert [e.type for e in events] == kinds == [*TEXT_EVENTS, "response.incomplete"]
+
+
+def test_responses_are_counted_under_their_route(stack):
+    from tests.gateway_fakes import parse_metrics
+
+    def count(status: str) -> float:
+        metrics = parse_metrics(httpx.get(stack.base_url + "/metrics").text)
+        return metrics.get(("splitserve:requests_total", (("route", "/v1/responses"), ("status", status))), 0)
+
+    before = count("200"), count("400")
+    httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})
+    httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "store": True})
+    assert (count("200"), count("400")) == (before[0] + 1, before[1] + 1)

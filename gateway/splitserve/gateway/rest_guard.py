@@ -26,6 +26,7 @@ ROUTES = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/models",
         "/tokenize",
         "/detokenize",
