@@ -140,6 +140,10 @@ def test_history_with_calls_renders_and_none_answers_plain(client):
         ]
         client.chat.completions.create(model="tiny-fake", messages=bad, max_tokens=2)
     assert info.value.body["message"] == "messages[1].tool_calls[0].function.arguments is not valid JSON"
+    with pytest.raises(openai.BadRequestError) as info:
+        bad = [history[0], {**history[1], "tool_calls": [{"id": "c1", "function": "get_time"}]}]
+        client.chat.completions.create(model="tiny-fake", messages=bad, max_tokens=2)
+    assert info.value.body["message"] == "messages[1].tool_calls[0] must have a function with a string name"
 
 
 def test_auto_needs_the_flags(tokenizer_dir):

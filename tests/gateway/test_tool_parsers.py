@@ -37,6 +37,11 @@ CANNED = [
     ),
     ("hermes", "It is sunny in Paris.", Extracted("It is sunny in Paris.")),
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", Extracted("<tool_call>\n{not json}\n</tool_call>")),
+    (  # a bad escape in a key: not a call, streamed or not
+        "hermes",
+        '<tool_call>{"na\\qme": "f", "arguments": {}}</tool_call>',
+        Extracted('<tool_call>{"na\\qme": "f", "arguments": {}}</tool_call>'),
+    ),
     (
         "hermes",
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>',
@@ -132,7 +137,8 @@ def test_message_shapes_and_ids():
     ids = [c["id"] for c in message["tool_calls"]]
     assert all(len(i) == len("chatcmpl-tool-") + 32 and i.startswith("chatcmpl-tool-") for i in ids)
     assert len(set(ids)) == 2 and {c["type"] for c in message["tool_calls"]} == {"function"}
-    mistral, _ = _message(ToolPlan("auto", parser_name="mistral"), CANNED[11][1])
+    mistral_text = next(text for name, text, out in CANNED if name == "mistral" and out.calls)
+    mistral, _ = _message(ToolPlan("auto", parser_name="mistral"), mistral_text)
     assert len(mistral["tool_calls"][0]["id"]) == 9 and mistral["tool_calls"][0]["id"].isalnum()
     one, _ = _message(ToolPlan("auto", parallel=False, parser_name="hermes"), CANNED[1][1])
     assert [c["function"]["name"] for c in one["tool_calls"]] == ["get_weather"]
@@ -149,6 +155,20 @@ def test_hermes_stream_holds_back_a_tag_being_written():
     assert (first["index"], first["type"], first["function"]) == (0, "function", {"name": "get_time", "arguments": ""})
     assert deltas[2]["tool_calls"][1:] == [{"index": 0, "function": {"arguments": "{}"}}]
     assert deltas[3] == {}
+
+
+def test_a_call_that_goes_bad_after_its_name_was_streamed_stays_sent():
+    """Streamed text cannot be taken back: a call whose arguments turn malformed (a bad escape) after its name
+    went out stays in the stream with what was sent, finish_reason tool_calls; read whole, the text is content."""
+    text = '<tool_call>{"name": "get_time", "arguments": {"x": "\\q"}}</tool_call>'
+    plan = ToolPlan("auto", parser_name="hermes")
+    assert _message(plan, text) == ({"role": "assistant", "content": text, "tool_calls": []}, "stop")
+    content, calls, reason, _ = _streamed(plan, _split(text, 1))
+    assert (content, [(c["name"], c["arguments"]) for c in calls], reason) == (
+        None,
+        [("get_time", '{"x": "')],
+        "tool_calls",
+    )
 
 
 def test_required_and_named_answers():

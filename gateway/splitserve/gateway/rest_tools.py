@@ -188,7 +188,10 @@ def template_messages(messages: list[dict]) -> list[dict]:
         if message.get("role") == "assistant" and isinstance(calls, list):
             fixed = []
             for j, call in enumerate(calls):
-                function = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise invalid(f"messages[{i}].tool_calls[{j}] must have a function with a string name", "messages")
+                function = dict(function)
                 arguments = function.get("arguments")
                 if isinstance(arguments, str):
                     try:
@@ -257,6 +260,14 @@ class ToolAnswer:
         return {"tool_calls": entries} if entries else {}
 
     def _scan_delta(self) -> dict:
+        saved = self._content_sent, [list(call) for call in self._calls]
+        try:
+            return self._scan_delta_or_raise()
+        except ValueError:  # text no call can grow from (a bad escape): the last piece decides what it is
+            self._content_sent, self._calls = saved
+            return {}
+
+    def _scan_delta_or_raise(self) -> dict:
         scan = self.parser.scan(self._text)
         delta: dict[str, Any] = {}
         if len(scan.content) > self._content_sent:
@@ -281,7 +292,10 @@ class ToolAnswer:
         extracted = self.parser.extract(self._text)
         calls = extracted.calls if self.plan.parallel else extracted.calls[:1]
         delta: dict[str, Any] = {}
-        content = extracted.content or ("" if calls or self._calls else self._text)
+        if calls or self._calls:  # a streamed call stays sent, even when the whole text reads as none
+            content = (extracted.content or "") if calls else ""
+        else:
+            content = extracted.content or self._text
         if len(content) > self._content_sent and content.startswith(self._text[: self._content_sent]):
             delta["content"] = content[self._content_sent :]
         entries = []

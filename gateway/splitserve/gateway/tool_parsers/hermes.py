@@ -14,7 +14,7 @@ import json
 import re
 
 from splitserve.gateway.tool_parsers.base import Extracted, PartialCall, Scan, ToolParser, held_back
-from splitserve.gateway.tool_parsers.partial_json import MalformedJson, skip_space
+from splitserve.gateway.tool_parsers.partial_json import skip_space
 
 START, END = "<tool_call>", "</tool_call>"
 _CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -50,7 +50,7 @@ class HermesParser(ToolParser):
             if j < len(body):
                 try:
                     call, _ = self.partial_call(body, j)
-                except MalformedJson:
+                except ValueError:  # not JSON (a bad escape too): no more calls read from here
                     break
                 calls.append(call)
             position = text.find(START, stop) if stop >= 0 else -1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from splitserve.gateway.tool_parsers.base import Extracted, PartialCall, Scan, ToolCall, ToolParser
-from splitserve.gateway.tool_parsers.partial_json import MalformedJson, skip_space
+from splitserve.gateway.tool_parsers.partial_json import skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -67,6 +67,6 @@ class Llama3JsonParser(ToolParser):
                 if not text.startswith(";", position):
                     break
                 position = skip_space(text, position + 1)
-        except MalformedJson:
+        except ValueError:  # not JSON (a bad escape too): no more calls read from here
             pass
         return Scan("", tuple(calls), in_calls=True)

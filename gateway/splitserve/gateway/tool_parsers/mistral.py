@@ -15,7 +15,7 @@ import re
 import string
 
 from splitserve.gateway.tool_parsers.base import Extracted, Scan, ToolParser, held_back
-from splitserve.gateway.tool_parsers.partial_json import MalformedJson, skip_space
+from splitserve.gateway.tool_parsers.partial_json import skip_space
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _ARRAY = re.compile(r"\[{.*}\]", re.DOTALL)
@@ -60,6 +60,6 @@ class MistralParser(ToolParser):
         if position < len(text):
             try:
                 calls = self.partial_array(text, position)
-            except MalformedJson:
+            except ValueError:  # not JSON (a bad escape too): no more calls read from here
                 pass
         return Scan(text[:start], calls, in_calls=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from splitserve.gateway.tool_parsers.base import Extracted, Scan, ToolParser
-from splitserve.gateway.tool_parsers.partial_json import MalformedJson, skip_space
+from splitserve.gateway.tool_parsers.partial_json import skip_space
 
 
 class RequiredParser(ToolParser):
@@ -30,5 +30,5 @@ class RequiredParser(ToolParser):
             return Scan("", in_calls=True)
         try:
             return Scan("", self.partial_array(text, position), in_calls=True)
-        except MalformedJson:
+        except ValueError:  # not JSON (a bad escape too): no more calls read from here
             return Scan("", in_calls=True)
