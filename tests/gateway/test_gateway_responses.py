@@ -167,3 +167,26 @@ def test_responses_are_counted_under_their_route(stack):
     httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})
     httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "store": True})
     assert (count("200"), count("400")) == (before[0] + 1, before[1] + 1)
+
+
+def test_a_decode_failing_mid_stream_ends_with_response_failed(tmp_path):
+    import json
+
+    decode = FakeDecode()
+    decode.hold = True
+    stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [decode]).start()
+    try:
+        body = {"model": MODEL, "input": "hello w30", "max_output_tokens": 5, "stream": True}
+        with httpx.stream("POST", stack.base_url + "/v1/responses", json=body, timeout=10) as sse:
+            lines = (line for line in sse.iter_lines() if line.startswith("data: "))
+            first = [json.loads(next(lines)[len("data: ") :]) for _ in range(5)]  # to the prefill's first token
+            stack.wait_for(lambda: len(decode.requests) == 1, what="the request at the decode")
+            stack.loop.run(stack.servers["decode-0"].stop())
+            rest = [json.loads(line[len("data: ") :]) for line in lines]
+        assert [e["type"] for e in first] == TEXT_EVENTS[:5] and first[4]["delta"] == " hello"
+        assert [e["type"] for e in rest] == ["response.failed"]
+        failed = rest[0]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert failed["error"]["message"].startswith("decode instance decode-0 failed: ")
+    finally:
+        stack.stop()
