@@ -9,6 +9,7 @@ import json
 import pytest
 
 from splitserve.gateway.errors import GatewayError
+from splitserve.gateway.rest_tool_answers import ToolAnswer
 from splitserve.gateway.rest_tools import AUTO_NEEDS_FLAGS, ToolPlan, ToolSettings, tool_request
 from splitserve.gateway.tool_parsers import TOOL_PARSERS
 from splitserve.gateway.tool_parsers.base import Extracted, ToolCall
@@ -87,12 +88,12 @@ def test_whole_answers_give_vllms_calls_and_content(name, text, expected):
 
 
 def _message(plan: ToolPlan, text: str, finish: str = "stop") -> tuple[dict, str]:
-    return plan.new_answer().message(text, finish)
+    return ToolAnswer(plan).message(text, finish)
 
 
 def _streamed(plan: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[str | None, list[dict], str, list]:
     """Feed the pieces; (content, calls as the openai client assembles them, finish reason, every delta)."""
-    answer = plan.new_answer()
+    answer = ToolAnswer(plan)
     content, calls, deltas = None, {}, []
     for k, piece in enumerate(pieces):
         delta, reason = answer.delta(piece, finish if k == len(pieces) - 1 else None)
@@ -281,3 +282,21 @@ def test_plans_and_grammars():
     assert named.structured_field == "tools[1].function.parameters"
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ToolSettings(True, "")
+
+
+def test_arguments_being_written_are_not_rescanned():
+    """Streaming a long call costs time linear in its length: while its arguments are written, each piece goes
+    to the call's canonical stream alone; the parser re-reads the text only around the calls' beginnings."""
+    code = 'print("x")\n' * 500
+    text = "<tool_call>" + json.dumps({"name": "write", "arguments": {"path": "a.py", "code": code}}) + "</tool_call>"
+    answer = ToolAnswer(ToolPlan("auto", parser_name="hermes"))
+    scans = []
+    scan = answer.parser.scan
+    answer.parser.scan = lambda text: scans.append(len(text)) or scan(text)
+    pieces = _split(text, 3)
+    arguments = ""
+    for k, piece in enumerate(pieces):
+        delta, _ = answer.delta(piece, "stop" if k == len(pieces) - 1 else None)
+        arguments += "".join(e["function"]["arguments"] for e in delta.get("tool_calls", ()))
+    assert arguments == json.dumps({"path": "a.py", "code": code})
+    assert len(pieces) > 2000 and len(scans) < 20, len(scans)

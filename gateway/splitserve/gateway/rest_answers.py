@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from splitserve.gateway.rest_params import RestRequest
+from splitserve.gateway.rest_tool_answers import ToolAnswer
 from splitserve.gateway.rest_tools import ToolPlan
 from splitserve.protos import common_pb2, generation_pb2
 
@@ -45,7 +46,7 @@ class Shape:
     ) -> None:
         self.chat, self.tokenizer, self.model, self.id, self.top = chat, tokenizer, model, request_id, top
         self.echo, self.with_prompt_logprobs = echo, prompt_logprobs
-        self.tools = tools.new_answer() if tools is not None else None  # this choice's tool calls
+        self.tools = ToolAnswer(tools) if tools is not None else None  # this choice's tool calls
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._text_offset = 0

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from splitserve.gateway.rest_answers import FINISH_NAMES, server_error
 from splitserve.gateway.rest_responses import ResponsesRequest
-from splitserve.gateway.rest_tools import ToolAnswer
+from splitserve.gateway.rest_tool_answers import ToolAnswer
 from splitserve.protos import common_pb2, generation_pb2
 
 
@@ -50,7 +50,7 @@ class ResponsesAnswer:
         self.req, self.model = req, model
         self.id = "resp_" + req.inp.request_id.rsplit("-", 1)[-1]
         self.created_at = int(time.time())
-        self.tools: ToolAnswer | None = req.tools.new_answer() if req.tools is not None else None
+        self.tools: ToolAnswer | None = ToolAnswer(req.tools) if req.tools is not None else None
         self.output: list[dict] = []
         self._sequence = 0
         self._message_at: int | None = None  # output index of the open message item

@@ -18,9 +18,8 @@ Both grammars are vLLM's schemas with no whitespace but json.dumps' separators (
 model writes is then the form json.dumps gives, and a call always ends (a grammar that admits any
 whitespace lets a weak model spend its whole budget on spaces, leaving arguments that do not parse).
 
-`ToolAnswer` turns one choice's text into message.content + message.tool_calls (non-streamed), or its
-pieces into OpenAI's streamed deltas: a call's first delta carries index, id, type and name (arguments
-""), later ones argument fragments that add up to the non-streamed arguments.
+`ToolAnswer` (gateway/rest_tool_answers.py) turns each choice's text into message.content and
+message.tool_calls, or its pieces into OpenAI's streamed deltas.
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ from typing import Any
 from splitserve.common.structured_output import StructuredOutput, schema_text
 from splitserve.gateway.errors import invalid
 from splitserve.gateway.tool_parsers import TOOL_PARSERS
-from splitserve.gateway.tool_parsers.base import ToolParser
-from splitserve.gateway.tool_parsers.partial_json import canonical_prefix
-from splitserve.gateway.tool_parsers.required import RequiredParser
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
@@ -67,9 +63,6 @@ class ToolPlan:
     function: str = ""
     parallel: bool = True
     parser_name: str = ""  # auto: the server's parser
-
-    def new_answer(self) -> ToolAnswer:
-        return ToolAnswer(self)
 
 
 @dataclass(frozen=True)
@@ -204,121 +197,3 @@ def template_messages(messages: list[dict]) -> list[dict]:
             message = {**message, "tool_calls": fixed}
         out.append(message)
     return out
-
-
-class ToolAnswer:
-    """One choice's tool calls: from the whole text, or from its pieces as they stream."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.parser: ToolParser | None = None
-        if plan.choice == "auto":
-            self.parser = TOOL_PARSERS[plan.parser_name]()
-        elif plan.choice == "required":
-            self.parser = RequiredParser()
-        self._text = ""
-        self._content_sent = 0
-        self._calls: list[list[str]] = []  # per streamed call: [id, arguments sent]
-
-    def finish_reason(self, finish: str, called: bool) -> str:
-        """OpenAI's: "tool_calls" when auto or required called a tool (and ended by itself), else `finish`."""
-        if called and (self.plan.choice == "auto" or (self.plan.choice == "required" and finish == "stop")):
-            return "tool_calls"
-        return finish
-
-    def message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The non-streamed message (role, content, tool_calls) and the finish reason."""
-        if self.plan.choice == "named":
-            call = _call_dict(ToolParser().new_call_id(), self.plan.function, text)
-            return {"role": "assistant", "content": "", "tool_calls": [call]}, finish
-        extracted = self.parser.extract(text)
-        calls = extracted.calls if self.plan.parallel else extracted.calls[:1]
-        if not calls:
-            content = extracted.content if extracted.content else text
-            return {"role": "assistant", "content": content, "tool_calls": []}, finish
-        tool_calls = [_call_dict(self.parser.new_call_id(), c.name, c.arguments) for c in calls]
-        return {"role": "assistant", "content": extracted.content, "tool_calls": tool_calls}, self.finish_reason(
-            finish, True
-        )
-
-    def delta(self, piece: str, finish: str | None) -> tuple[dict, str | None]:
-        """The streamed delta for the next piece of text (finish set on the last) and the finish reason."""
-        self._text += piece
-        if self.plan.choice == "named":
-            return self._named_delta(piece), finish
-        if finish is None:
-            return self._scan_delta(), None
-        return self._final_delta(), self.finish_reason(finish, bool(self._calls))
-
-    def _named_delta(self, piece: str) -> dict:
-        entries = []
-        if not self._calls:
-            self._calls.append([ToolParser().new_call_id(), ""])
-            entries.append(_first_entry(0, self._calls[0][0], self.plan.function))
-        if piece:
-            entries.append({"index": 0, "function": {"arguments": piece}})
-        return {"tool_calls": entries} if entries else {}
-
-    def _scan_delta(self) -> dict:
-        saved = self._content_sent, [list(call) for call in self._calls]
-        try:
-            return self._scan_delta_or_raise()
-        except ValueError:  # text no call can grow from (a bad escape): the last piece decides what it is
-            self._content_sent, self._calls = saved
-            return {}
-
-    def _scan_delta_or_raise(self) -> dict:
-        scan = self.parser.scan(self._text)
-        delta: dict[str, Any] = {}
-        if len(scan.content) > self._content_sent:
-            delta["content"] = scan.content[self._content_sent :]
-            self._content_sent = len(scan.content)
-        entries = []
-        for i, call in enumerate(scan.calls if self.plan.parallel else scan.calls[:1]):
-            if i == len(self._calls):
-                if call.name is None:
-                    break
-                self._calls.append([self.parser.new_call_id(), ""])
-                entries.append(_first_entry(i, self._calls[i][0], call.name))
-            if call.raw_arguments is not None:
-                settled = canonical_prefix(call.raw_arguments, self.parser.ensure_ascii, final=call.complete)
-                entries.extend(self._arguments_entry(i, settled))
-        if entries:
-            delta["tool_calls"] = entries
-        return delta
-
-    def _final_delta(self) -> dict:
-        """The last piece: the whole text read as a non-streamed answer is; what was not sent yet goes now."""
-        extracted = self.parser.extract(self._text)
-        calls = extracted.calls if self.plan.parallel else extracted.calls[:1]
-        delta: dict[str, Any] = {}
-        if calls or self._calls:  # a streamed call stays sent, even when the whole text reads as none
-            content = (extracted.content or "") if calls else ""
-        else:
-            content = extracted.content or self._text
-        if len(content) > self._content_sent and content.startswith(self._text[: self._content_sent]):
-            delta["content"] = content[self._content_sent :]
-        entries = []
-        for i, call in enumerate(calls):
-            if i == len(self._calls):
-                self._calls.append([self.parser.new_call_id(), ""])
-                entries.append(_first_entry(i, self._calls[i][0], call.name))
-            entries.extend(self._arguments_entry(i, call.arguments))
-        if entries:
-            delta["tool_calls"] = entries
-        return delta
-
-    def _arguments_entry(self, index: int, settled: str) -> list[dict]:
-        sent = self._calls[index][1]
-        if len(settled) <= len(sent) or not settled.startswith(sent):
-            return []
-        self._calls[index][1] = settled
-        return [{"index": index, "function": {"arguments": settled[len(sent) :]}}]
-
-
-def _call_dict(call_id: str, name: str, arguments: str) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _first_entry(index: int, call_id: str, name: str) -> dict:
-    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}

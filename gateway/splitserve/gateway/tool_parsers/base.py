@@ -36,11 +36,12 @@ class Extracted:
 @dataclass(frozen=True)
 class PartialCall:
     """A call being generated: `name` once its string is whole; `raw_arguments` the arguments' text so far
-    (None until the value starts); `complete` once that value is whole."""
+    (None until the value starts) and where it starts in the text; `complete` once that value is whole."""
 
     name: str | None
     raw_arguments: str | None = None
     complete: bool = False
+    arguments_at: int = -1  # where the arguments' value starts in the text scanned (-1: not yet)
 
 
 @dataclass(frozen=True)
@@ -78,20 +79,23 @@ class ToolParser:
         key = next((k for k in self.argument_keys if k in obj), None)
         if key is None:
             raise ValueError(f"a tool call needs one of {self.argument_keys}")
-        return ToolCall(obj["name"], json.dumps(obj[key], ensure_ascii=self.ensure_ascii))
+        call = ToolCall(obj["name"], json.dumps(obj[key], ensure_ascii=self.ensure_ascii))
+        call.name.encode(), call.arguments.encode()  # UnicodeEncodeError (a ValueError) on a lone surrogate
+        return call
 
-    def partial_call(self, text: str, i: int) -> tuple[PartialCall | None, int | None]:
-        """The call whose object starts at text[i] ("{"), and the index after it (None while open)."""
+    def partial_call(self, text: str, i: int, offset: int = 0) -> tuple[PartialCall, int | None]:
+        """The call whose object starts at text[i] ("{"), and the index after it (None while open); `text`
+        is the scanned text's part from `offset` on."""
         fields, end = object_fields(text, i)
         name = None
-        raw_arguments, complete = None, False
+        raw_arguments, complete, arguments_at = None, False, -1
         for key, start, value_stop in fields:
             if key == "name" and value_stop is not None and text[start] == '"':
                 name = json.loads(text[start:value_stop])
             elif key in self.argument_keys:
                 raw_arguments = text[start : value_stop if value_stop is not None else len(text)]
-                complete = value_stop is not None
-        return PartialCall(name, raw_arguments, complete), end
+                complete, arguments_at = value_stop is not None, offset + start
+        return PartialCall(name, raw_arguments, complete, arguments_at), end
 
     def partial_array(self, text: str, i: int) -> tuple[PartialCall, ...]:
         """The calls of a JSON array of call objects starting at text[i] ("["), so far."""
@@ -104,8 +108,7 @@ class ToolParser:
                 j = skip_space(text, j + 1)
                 continue
             call, end = self.partial_call(text, j)
-            if call is not None:
-                calls.append(call)
+            calls.append(call)
             if end is None:
                 break
             j = skip_space(text, end)

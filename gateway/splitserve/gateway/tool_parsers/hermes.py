@@ -49,7 +49,7 @@ class HermesParser(ToolParser):
             j = skip_space(body, 0)
             if j < len(body):
                 try:
-                    call, _ = self.partial_call(body, j)
+                    call, _ = self.partial_call(body, j, offset=body_start)
                 except ValueError:  # not JSON (a bad escape too): no more calls read from here
                     break
                 calls.append(call)
