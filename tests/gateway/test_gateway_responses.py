@@ -188,5 +188,6 @@ def test_a_decode_failing_mid_stream_ends_with_response_failed(tmp_path):
         failed = rest[0]["response"]
         assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
         assert failed["error"]["message"].startswith("decode instance decode-0 failed: ")
+        assert failed["output"][0]["content"][0]["text"] == " hello"  # what was streamed before the failure
     finally:
         stack.stop()

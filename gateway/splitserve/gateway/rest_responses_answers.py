@@ -55,8 +55,15 @@ class ResponsesAnswer:
         self._sequence = 0
         self._message_at: int | None = None  # output index of the open message item
         self._calls_at: dict[int, int] = {}  # tool call index -> output index
+        self._pieces: dict[int, list[str]] = {}  # output index of an open item -> its text (or arguments) so far
 
     def response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
+        for at, pieces in self._pieces.items():  # items still open (a failed stream): what they hold so far
+            item = self.output[at]
+            if item["type"] == "message":
+                item["content"][0]["text"] = "".join(pieces)
+            else:
+                item["arguments"] = "".join(pieces)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id,
@@ -156,8 +163,7 @@ class ResponsesAnswer:
         if delta.get("content"):
             if self._message_at is None:
                 events.extend(self._open_message())
-            part = self.output[self._message_at]["content"][0]
-            part["text"] += delta["content"]
+            self._pieces[self._message_at].append(delta["content"])  # joined when the item is done
             events.append(
                 self._event(
                     "response.output_text.delta",
@@ -179,6 +185,7 @@ class ResponsesAnswer:
         events = [self._event("response.output_item.added", output_index=self._message_at, item=item)]
         events.append(self._part_event("response.content_part.added", ""))
         item["content"].append(_text_part(""))
+        self._pieces[self._message_at] = []
         return events
 
     def _call_events(self, entry: dict) -> list[str]:
@@ -188,11 +195,12 @@ class ResponsesAnswer:
             self._calls_at[entry["index"]] = len(self.output)
             item = self._call_item(entry["id"], entry["function"]["name"], "", "in_progress")
             self.output.append(item)
+            self._pieces[len(self.output) - 1] = []
             events.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=item))
         at = self._calls_at[entry["index"]]
         fragment = entry["function"].get("arguments", "")
         if fragment:
-            self.output[at]["arguments"] += fragment
+            self._pieces[at].append(fragment)
             events.append(
                 self._event(
                     "response.function_call_arguments.delta",
@@ -214,7 +222,7 @@ class ResponsesAnswer:
         events = []
         if self._message_at is not None:
             item = self.output[self._message_at]
-            text = item["content"][0]["text"]
+            text = item["content"][0]["text"] = "".join(self._pieces.pop(self._message_at))
             events.append(
                 self._event(
                     "response.output_text.done",
@@ -233,6 +241,7 @@ class ResponsesAnswer:
             item = self.output[at]
             if item["status"] != "in_progress":
                 continue
+            item["arguments"] = "".join(self._pieces.pop(at))
             events.append(
                 self._event(
                     "response.function_call_arguments.done",
