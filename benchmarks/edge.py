@@ -25,7 +25,7 @@ from pathlib import Path
 from splitserve.bench.serve import Target, build_parser
 from splitserve.bench.serve_launch import LaunchedStack, LaunchPlan, free_port
 from splitserve.bench.serve_load import LengthDist, Progress, arrival_times, make_workload, run_load
-from splitserve.bench.serve_stats import Slo, summarize
+from splitserve.bench.serve_stats import Slo, describe, summarize
 
 KV_MEMORY = 0.85  # of the device, for the KV caches of the engines on it
 
@@ -121,6 +121,9 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         "itl_ms": summary["itl_ms"],
         "tpot_ms": summary["tpot_ms"],
         "gateway_cpu_per_s": gateway_load,
+        # the hand-off shows in the gap after a stream's first token (from the prefill in a disaggregated stack)
+        "first_gap_ms": describe([r.itl_s[0] for r in records if r.itl_s]),
+        "later_gap_max_ms": 1000 * max((x for r in records for x in r.itl_s[1:]), default=0.0),
     }
 
 
@@ -164,7 +167,9 @@ def served(args, setup: str) -> list[dict]:
 
 def table(rows: list[dict], offline_tok_s: float | None) -> str:
     head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
-    head += f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'preempted':>9}"
+    head += (
+        f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'preempted':>9} {'1st gap max':>11} {'later max':>9}"
+    )
     lines = [head]
     for r in rows:
         ratio = f"{r['output_tok_s'] / offline_tok_s:.2f}" if offline_tok_s else "-"
@@ -175,7 +180,8 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
         itl = f"{r['itl_ms']['p99']:.1f}/{r['itl_ms']['max']:.0f}"
         lines.append(
             f"{r['setup']:<14} {r['api']:<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9} {ttft:>16} "
-            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['preemptions']:>9}"
+            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['preemptions']:>9} "
+            f"{r['first_gap_ms']['max']:>11.0f} {r['later_gap_max_ms']:>9.0f}"
         )
     return "\n".join(lines)
 
