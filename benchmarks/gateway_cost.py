@@ -118,6 +118,8 @@ def measure(args) -> dict:
                     decode,
                     "--model",
                     tok,
+                    "--stream-interval",
+                    str(args.stream_interval),
                 ],
                 env=CHILD_ENV,
                 stdout=subprocess.DEVNULL,
@@ -184,6 +186,7 @@ def measure(args) -> dict:
         "num_requests": args.num_requests,
         "output_len": args.output_len,
         "step_ms": args.step_ms,
+        "stream_interval": args.stream_interval,
         "tokens": tokens,
         "gateway_cpu_s": g1 - g0,
         "fakes_cpu_s": f1 - f0,
@@ -200,6 +203,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=15.0, help="the fake decode's step")
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc", help="the gateway API the client streams from")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     ap.add_argument("--json", default="")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", default="", help=argparse.SUPPRESS)

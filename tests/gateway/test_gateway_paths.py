@@ -93,6 +93,20 @@ def test_disaggregated_path_streams_prefill_token_then_decode_tokens(make_stack)
     assert prefill.released == []  # the decode owns the lease
 
 
+def test_stream_interval_sends_the_first_output_alone_then_that_many_tokens_a_message(make_stack):
+    """--stream-interval 3: the prefill's first token at once, then the decode's one-token steps in threes, the
+    last message holding what is left when the request ends; colocated, the decode's first token at once."""
+    stack = make_stack([FakePrefill()], [FakeDecode()], stream_interval=3)
+    messages = generate(stack, request(max_tokens=8, temperature=0.0))
+    assert [list(m.token_ids) for m in messages] == [[21], [22, 23, 24], [25, 26, 27], [28]]
+    assert [m.text for m in messages] == [" w21", " w22 w23 w24", " w25 w26 w27", " w28"]
+    assert [m.usage.completion_tokens for m in messages] == [1, 4, 7, 8]
+    assert messages[-1].finish_reason == FR.FINISH_REASON_LENGTH
+    worker = make_stack([], [FakeDecode("worker-0", role="both")], stream_interval=3)
+    messages = generate(worker, request(max_tokens=5))
+    assert [list(m.token_ids) for m in messages] == [[21], [22, 23, 24], [25]]
+
+
 def test_given_seed_and_request_id_are_passed_to_both_hops(make_stack):
     prefill, decode = FakePrefill(), FakeDecode()
     stack = make_stack([prefill], [decode])

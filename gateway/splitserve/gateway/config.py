@@ -93,6 +93,14 @@ class GatewayConfig:
     max_concurrent_requests: int = option(
         1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20
     )
+    stream_interval: int = option(
+        1,
+        "tokens a stream's message carries at least after its first (vLLM's --stream-interval): 1 sends every step's "
+        "token at once; more sends fewer, larger messages (less gateway work a token, coarser streaming); a stream "
+        "that falls behind gets its queued tokens in one message either way",
+        min=1,
+        max=1024,
+    )
     drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
     max_waiting_per_decode: int = option(
         256,

@@ -64,6 +64,7 @@ class RunDeps:
     registry: Registry
     tokenizer: Any
     spawn: Callable[[Coroutine], None]  # runs a cleanup coroutine in the background
+    stream_interval: int = 1  # least tokens a message carries after the stream's first (GatewayConfig)
 
 
 def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingParams:
@@ -382,7 +383,8 @@ class RequestRun:
 
     async def _next_item(self) -> decode_pb2.TokenDelta | LinkFailure | None:
         """The next TokenDelta (those already queued merged into one, so a slow client gets
-        fewer, larger messages) or LinkFailure; None when the deadline passed first."""
+        fewer, larger messages; after the stream's first output, deltas are gathered until they hold
+        stream_interval tokens or one ends the request) or LinkFailure; None when the deadline passed first."""
         queue = self._queue
         assert queue is not None
         if self._stashed is not None:
@@ -394,12 +396,15 @@ class RequestRun:
         if isinstance(item, LinkFailure):
             return item
         deltas = [item]
-        while not deltas[-1].finish_reason and not queue.empty():
-            following = queue.get_nowait()
+        wanted = self._deps.stream_interval if self.num_output_tokens else 1  # the first output goes at once
+        num_tokens = len(item.token_ids)
+        while not deltas[-1].finish_reason and (num_tokens < wanted or not queue.empty()):
+            following = queue.get_nowait() if not queue.empty() else await queue.get()
             if following is _DEADLINE or isinstance(following, LinkFailure):
                 self._stashed = following  # after the tokens that came before it
                 break
             deltas.append(following)
+            num_tokens += len(following.token_ids)
         return deltas[0] if len(deltas) == 1 else _merge_deltas(deltas)
 
     def _first_message(self, first: prefill_pb2.PrefillResponse) -> generation_pb2.GenerateResponse:

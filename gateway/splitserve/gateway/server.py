@@ -204,6 +204,7 @@ class GatewayServer:
             limiter=limiter,
             metrics=self.metrics,
             served_model_names=[n.strip() for n in config.served_model_name.split(",") if n.strip()],
+            stream_interval=config.stream_interval,
         )
         self.health = HealthReporter()
         await self.health.set_ready(False)

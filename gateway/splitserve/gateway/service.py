@@ -191,6 +191,7 @@ class GatewayService:
         limiter: RateLimiter | None = None,
         metrics: GatewayMetrics | None = None,
         served_model_names: Sequence[str] = (),
+        stream_interval: int = 1,
     ) -> None:
         self.registry = registry
         self._served_model_names = tuple(served_model_names)
@@ -207,7 +208,9 @@ class GatewayService:
         self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
         self.draining = False
         self._background: set[asyncio.Task] = set()
-        self._run_deps = RunDeps(router=router, registry=registry, tokenizer=tokenizer, spawn=self.spawn)
+        self._run_deps = RunDeps(
+            router=router, registry=registry, tokenizer=tokenizer, spawn=self.spawn, stream_interval=stream_interval
+        )
         # suffix of the ids this gateway gives its requests on internal hops: two gateways in front of the same
         # services may both run a caller's "req-1"; the services must see two requests
         self.instance_tag = secrets.token_hex(6)
