@@ -28,6 +28,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -121,11 +123,13 @@ def load_hf_reference(path: Path, dtype: torch.dtype = torch.float64):
     """The transformers model of `path` in `dtype` (sdpa attention, eval mode).
 
     For float64, RMSNorm and rotary modules compute in float64 (per instance; the classes
-    are untouched), matching engine.layers; other dtypes run transformers unchanged.
+    are untouched), matching engine.layers, and experts run eagerly; other dtypes run transformers unchanged.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    # transformers' default grouped-GEMM experts take no float64; its eager per-expert loop does
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **experts).eval()
     if dtype == torch.float64:
         for module in model.modules():
             kind = type(module).__name__

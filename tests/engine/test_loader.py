@@ -14,7 +14,9 @@ from splitserve.engine.worker.kv_cache import allocate_kv_cache
 from splitserve.engine.worker.loader import load_model
 from tests.model_factory import hf_logits, load_hf_reference, make_tiny_model_dir
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = (
+    "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common.kv_layout import KvLayout
+from splitserve.engine.worker.moe_config import MoeConfig, mixtral_config, qwen3_moe_config
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -37,6 +38,8 @@ class ArchTraits:
     qk_norm: bool = False
     # Config flag that must be true for `sliding_window` to apply; None: applies whenever set.
     sliding_window_flag: str | None = None
+    # The sparse layers' experts and routing (engine.worker.moe_config); None: a dense model.
+    moe_rule: Callable[[Any], MoeConfig | None] | None = None
 
 
 ARCH_TRAITS: dict[str, ArchTraits] = {
@@ -46,6 +49,10 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
         "qwen2", bias_rule=lambda hf: (True, False), sliding_window_flag="use_sliding_window"
     ),
     "Qwen3ForCausalLM": ArchTraits("qwen3", qk_norm=True, sliding_window_flag="use_sliding_window"),
+    "Qwen3MoeForCausalLM": ArchTraits(
+        "qwen3_moe", qk_norm=True, sliding_window_flag="use_sliding_window", moe_rule=qwen3_moe_config
+    ),
+    "MixtralForCausalLM": ArchTraits("mixtral", bias_rule=lambda hf: (False, False), moe_rule=mixtral_config),
 }
 _ARCH_BY_MODEL_TYPE = {traits.model_type: name for name, traits in ARCH_TRAITS.items()}
 
@@ -86,6 +93,7 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None
     checkpoint_dtype: str | None = None  # the dtype config.json names, e.g. "bfloat16"
+    moe: MoeConfig | None = None  # the mixture-of-experts layers; None: every layer's MLP is dense
 
     @classmethod
     def from_pretrained(cls, path: str | Path, model_id: str | None = None) -> ModelConfig:
@@ -143,6 +151,7 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
             checkpoint_dtype=_dtype_name_of(hf),
+            moe=None if traits.moe_rule is None else traits.moe_rule(hf),
         )
 
     def kv_layout(

@@ -20,6 +20,7 @@ from splitserve.engine.worker.fused_ops import gemv_tiles, norm_linear, rope_wri
 from splitserve.engine.worker.kv_cache import layer_kv
 from splitserve.engine.worker.layers import build_cos_sin_cache, rms_norm, rotary_embedding, silu_and_mul
 from splitserve.engine.worker.model_config import ModelConfig
+from splitserve.engine.worker.models.moe import mlp_for_layer
 
 # Fused module name -> the checkpoint modules stacked in its rows, in order.
 FUSED_PARTS = {
@@ -159,7 +160,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.self_attn = Attention(config, layer_idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        sparse = mlp_for_layer(config, layer_idx, dtype, device)  # a mixture of experts (models/moe.py)
+        self.mlp = MLP(config, dtype, device) if sparse is None else sparse
 
     def forward(self, positions, x, residual, cos_sin_cache, kv_cache, meta, fused: bool = False):
         """x: this layer's input delta (T, H); residual: the stream before it (None at layer 0).
@@ -181,6 +183,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         h = attn.attend(positions, qkv, cos_sin_cache, kv_cache, meta, fused=True)
+        if not isinstance(mlp, MLP):  # a mixture of experts launches its own kernels
+            h, residual = self.post_attention_layernorm(h, residual)
+            return mlp(h), residual
         gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
         return silu_linear(mlp.down_proj, gate_up), residual
 
