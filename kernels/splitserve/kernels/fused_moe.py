@@ -187,7 +187,7 @@ def _align_kernel(
         seen += tl.sum(mine)
     for pad in range(run_count, run_padded, CHUNK):
         rows = pad + offs
-        tl.store(sorted_ptr + run_start + rows, tl.full([CHUNK], num_pairs, tl.int32), mask=rows < run_padded)
+        tl.store(sorted_ptr + run_start + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=rows < run_padded)
     for block in range(run_start // BLOCK_M, (run_start + run_padded) // BLOCK_M):
         tl.store(expert_ids_ptr + block, expert)
 
