@@ -10,8 +10,8 @@ Sections, each on the MoE layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-
  2. layer: per call at batch 1/64/256, the fused kernel replayed from a CUDA graph and launched eagerly, the
     per-expert loop of torch matmuls (kernels.fused_moe_ref, what transformers' eager experts do), and the
     read floor: the weight bytes of the experts the batch hits (its active experts at batch 1, nearly all at
-    large batches) at the device's copy rate. Calls cycle over 4 layers' weights, so no call finds its
-    experts in the L2 left by the one before, as in a decode step.
+    large batches) at the device's copy rate; then the kernel on e4m3 experts (W8A16, half the bytes). Calls
+    cycle over 4 layers' weights, so no call finds its experts in the L2 left by the one before (a decode step).
  3. tiles: a sweep of the fused kernel's tiles per batch; the best are written as a tuned-config file
     (kernels/tuned_configs.py's format) to $OUT (or beside --json), to be copied into kernels' configs/.
  4. decode: the decode step of a dummy-weight model of Qwen3-30B-A3B's shape (as many of its 48 layers as
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.worker.fp8 import quantize_per_channel
 from splitserve.engine.worker.models.moe import route
 from splitserve.engine.worker.moe_config import MoeConfig
 from splitserve.kernels.fused_moe import OP, fused_moe, fused_moe_ref
@@ -129,6 +130,20 @@ class LayerCase:
         for w13, w2 in self.weights:
             fused_moe(self.x, w13, w2, self.topk_weights, self.topk_ids, impl=impl, config=config)
 
+    def to_fp8(self) -> None:
+        """The weight sets as e4m3 with per-expert row scales (what --quantization fp8 makes of the experts)."""
+        self.fp8 = []
+        for w13, w2 in self.weights:
+            pair = []
+            for w in (w13, w2):
+                w_q, scale = quantize_per_channel(w.reshape(-1, w.shape[2]))
+                pair += [w_q.view(w.shape), scale.view(w.shape[:2])]
+            self.fp8.append(pair)
+
+    def run_fp8(self):
+        for w13, s13, w2, s2 in self.fp8:
+            fused_moe(self.x, w13, w2, self.topk_weights, self.topk_ids, w13_scale=s13, w2_scale=s2, impl="triton")
+
 
 def check(p, device, dtype) -> list[dict]:
     rows = []
@@ -152,6 +167,9 @@ def bench_layer(p, device, dtype, rate: float) -> list[dict]:
         fused_eager = time_ms(lambda: case.run("triton"), device) / sets
         loop = time_ms(lambda: case.run("ref"), device, iters=5, repeats=5) / sets
         floor = case.read_bytes / rate * 1e3
+        case.to_fp8()
+        case.weights = case.weights[:1]  # the 16-bit sets' memory back, but one
+        fp8_graph = time_ms(graphed(case.run_fp8, device), device) / sets
         rows.append(
             dict(
                 batch=batch,
@@ -163,6 +181,8 @@ def bench_layer(p, device, dtype, rate: float) -> list[dict]:
                 floor_ms=floor,
                 floor_fraction=floor / fused_graph,
                 speedup_vs_loop=loop / fused_graph,
+                fp8_graph_ms=fp8_graph,
+                fp8_floor_fraction=floor / 2 / fp8_graph,
             )
         )
     return rows
@@ -278,11 +298,15 @@ def print_tables(out: dict) -> None:
     p = out["params"]
     shape = f"H {p['hidden']}, E {p['experts']}, top-{p['top_k']}, F {p['inter']}, {out['dtype']}"
     print(f"\nMoE layer ({shape}), ms per layer (calls cycle over {p['weight_sets']} layers' weights)")
-    print("  batch  experts  read MB   fused(graph)  fused(eager)  torch loop   floor   floor/fused  loop/fused")
+    print(
+        "  batch  experts  read MB   fused(graph)  fused(eager)  torch loop   floor   floor/fused  loop/fused"
+        "   fp8 W8A16(graph)  fp8 floor/fused"
+    )
     for r in out.get("layer") or []:
         print(f"  {r['batch']:>5}  {r['active_experts']:>7}  {r['read_mb']:>7.1f}   {r['fused_graph_ms']:>12.4f}  "
               f"{r['fused_eager_ms']:>12.4f}  {r['torch_loop_ms']:>10.4f}  {r['floor_ms']:>6.4f}  "
-              f"{r['floor_fraction']:>11.1%}  {r['speedup_vs_loop']:>9.1f}x")  # fmt: skip
+              f"{r['floor_fraction']:>11.1%}  {r['speedup_vs_loop']:>9.1f}x   {r['fp8_graph_ms']:>16.4f}  "
+              f"{r['fp8_floor_fraction']:>15.1%}")  # fmt: skip
     if out.get("tiles"):
         print("\ntiles: best (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per batch, graphed ms per layer")
         for r in out["tiles"]:

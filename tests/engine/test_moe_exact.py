@@ -5,6 +5,7 @@ names of each family. Block accounting returns to where it started in every run.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine import LLM, SamplingParams
@@ -126,3 +127,30 @@ def test_expert_tensors_load_into_their_slices_and_a_missing_one_is_named(model_
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match=r"is missing tensor 'model\.layers\.1\.block_sparse_moe\.experts\.7\.w3"):
         load_model(broken, dtype="float64", device="cpu")
+
+
+def test_fp8_quantization_makes_the_experts_e4m3_with_row_scales(model_dirs):
+    from splitserve.kernels.fused_moe import fused_moe_ref
+
+    path = model_dirs["qwen3moe-top2-dense1"]
+    plain, _ = load_model(path, dtype="float32", device="cpu")
+    net, _ = load_model(path, dtype="float32", device="cpu", quantization="fp8")
+    block, before = net.model.layers[2].mlp, plain.model.layers[2].mlp
+    experts = block.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_scale.shape == (4, 48) and experts.down_scale.shape == (4, 64)
+    assert block.gate.weight.dtype == torch.float32  # the router is not quantized
+    for name, scale in (("gate_up_proj", experts.gate_up_scale), ("down_proj", experts.down_scale)):
+        original = getattr(before.experts, name)
+        restored = getattr(experts, name).float() * scale[:, :, None]
+        # e4m3 keeps 3 mantissa bits: within 2^-4 of each value, or 2^-9 of the row's scale near zero
+        assert ((restored - original).abs() <= original.abs() / 16 + scale[:, :, None] / 512).all()
+    x = torch.randn(5, 64)
+    weights, ids = route(F.linear(x, block.gate.weight), block.moe)
+    want = fused_moe_ref(
+        x, experts.gate_up_proj, experts.down_proj, weights, ids, experts.gate_up_scale, experts.down_scale
+    )
+    assert torch.equal(block(x), want)
+    assert not torch.allclose(
+        want, fused_moe_ref(x, experts.gate_up_proj.float(), experts.down_proj.float(), weights, ids)
+    )

@@ -80,3 +80,25 @@ def test_shapes_that_disagree_are_refused():
         fused_moe(x, w13, w2[:, :, :8], weights, ids)
     with pytest.raises(ValueError, match=r"^fused_moe: topk_ids \(3, 2\) and topk_weights \(3, 1\) must both be"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
+
+
+def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, N, K) -> (e4m3 weights, (E, N) float32 scales), one scale per expert and output row."""
+    scale = w.float().abs().amax(dim=2) / 448.0  # (E, N)
+    return (w.float() / scale[:, :, None]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_experts_match_the_reference_on_their_dequantized_weights(dtype, device):
+    x, w13, w2, weights, ids = _case(6, 64, 40, 8, 2, dtype, device, seed=4)
+    (w13_q, w13_scale), (w2_q, w2_scale) = _quantized(w13), _quantized(w2)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    got = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, impl="triton", config=config)
+    w13_d = w13_q.double() * w13_scale.double()[:, :, None]
+    w2_d = w2_q.double() * w2_scale.double()[:, :, None]
+    want = fused_moe_ref(x.double(), w13_d, w2_d, weights.double(), ids)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    ref = fused_moe(x, w13_q, w2_q, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, impl="ref")
+    torch.testing.assert_close(ref.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match=r"^fused_moe: e4m3 experts need both weights in e4m3 and both scales; got"):
+        fused_moe(x, w13_q, w2_q, weights, ids, w13_scale=w13_scale)

@@ -20,6 +20,10 @@ with no host sync:
 
 Blocks past `num_tokens_post_padded` return at once. The plain-torch reference loops over the experts hit,
 as transformers' eager experts do; it is the CPU path and the tests' ground truth.
+
+FP8 experts (W8A16): w13 and w2 in e4m3 with one float32 scale per expert and output row, w13_scale (E, 2F)
+and w2_scale (E, H); the kernels upcast the weight tiles in registers and scale the fp32 sums in the epilogue
+(the reference multiplies by the dequantized weights).
 Tiles come from `tuned_configs` (op "fused_moe", modes "M<=<tokens>", shapes N=2F,K=H and N=H,K=F).
 """
 
@@ -43,10 +47,20 @@ _ALIGN_CHUNK = 256
 
 
 def fused_moe_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The plain-torch MoE: per expert hit (ascending), its tokens through SwiGLU, times their weights
-    (in the weights' dtype, then cast to x's), added into the output (T, H)."""
+    (in the weights' dtype, then cast to x's), added into the output (T, H). e4m3 experts are dequantized
+    (times their per-row scales, in x's dtype) first."""
+    if w13_scale is not None:
+        w13 = (w13.to(torch.float32) * w13_scale[:, :, None]).to(x.dtype)  # (E, 2F, H)
+        w2 = (w2.to(torch.float32) * w2_scale[:, :, None]).to(x.dtype)  # (E, H, F)
     out = torch.zeros_like(x)  # (T, H)
     half = w13.shape[1] // 2
     for expert in torch.unique(topk_ids).tolist():
@@ -64,14 +78,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     impl: str = "auto",
     config: dict | None = None,
 ) -> torch.Tensor:
-    """out (T, H) of the top-k experts (module docstring); `config`: tiles (BLOCK_M/N/K, num_warps,
-    num_stages), else the tuned table's or the default for the shape."""
+    """out (T, H) of the top-k experts (module docstring); `w13_scale` / `w2_scale`: the row scales of e4m3
+    experts; `config`: tiles (BLOCK_M/N/K, num_warps, num_stages), else the tuned table's or the default."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    _check_scales(w13, w2, w13_scale, w2_scale)
     if not use_triton(impl, x, OP):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # the kernels assume unit last strides
     num_tokens, top_k = topk_ids.shape
     num_experts, two_f, hidden = w13.shape
@@ -82,9 +99,9 @@ def fused_moe(
         down_config = {**down_config, "BLOCK_M": block_m}
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     inter = torch.empty(num_tokens * top_k, two_f // 2, dtype=x.dtype, device=x.device)  # (T*k, F)
-    _grouped_gemm(x, w13, inter, sorted_ids, expert_ids, num_post, top_k, None, up_config)
+    _grouped_gemm(x, w13, w13_scale, inter, sorted_ids, expert_ids, num_post, top_k, None, up_config)
     down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # (T*k, H)
-    _grouped_gemm(inter, w2, down, sorted_ids, expert_ids, num_post, 1, topk_weights.reshape(-1), down_config)
+    _grouped_gemm(inter, w2, w2_scale, down, sorted_ids, expert_ids, num_post, 1, topk_weights.reshape(-1), down_config)
     return down.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # (T, H)
 
 
@@ -105,6 +122,24 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
             f"{OP}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
             f"(T, k) with T = {x.shape[0]}"
         )
+
+
+def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8 != (w2.dtype == torch.float8_e4m3fn) or fp8 != (w13_scale is not None) or fp8 != (w2_scale is not None):
+        raise ValueError(
+            f"{OP}: e4m3 experts need both weights in e4m3 and both scales; got w13 {w13.dtype}, w2 {w2.dtype}, "
+            f"w13_scale {_shape_of(w13_scale)}, w2_scale {_shape_of(w2_scale)}"
+        )
+    if fp8 and (tuple(w13_scale.shape) != tuple(w13.shape[:2]) or tuple(w2_scale.shape) != tuple(w2.shape[:2])):
+        raise ValueError(
+            f"{OP}: scales must be w13_scale {tuple(w13.shape[:2])} and w2_scale {tuple(w2.shape[:2])}, got "
+            f"{tuple(w13_scale.shape)} and {tuple(w2_scale.shape)}"
+        )
+
+
+def _shape_of(t: torch.Tensor | None) -> str:
+    return "None" if t is None else str(tuple(t.shape))
 
 
 def choose_config(x: torch.Tensor, num_tokens: int, n: int, k: int) -> dict:
@@ -192,9 +227,9 @@ def _align_kernel(
         tl.store(expert_ids_ptr + block, expert)
 
 
-def _grouped_gemm(a, w, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config) -> None:
-    """out[flat] = epilogue(a[flat // pairs_per_a_row] @ w[e]^T) for every sorted row: SiLU-and-mul of the
-    [gate | up] halves when row_scale is None, else times row_scale[flat]."""
+def _grouped_gemm(a, w, w_scale, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config) -> None:
+    """out[flat] = epilogue(a[flat // pairs_per_a_row] @ w[e]^T (* w_scale[e], e4m3 w)) for every sorted row:
+    SiLU-and-mul of the [gate | up] halves when row_scale is None, else times row_scale[flat]."""
     silu_mul = row_scale is None
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
@@ -204,6 +239,7 @@ def _grouped_gemm(a, w, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, 
         w,
         out,
         row_scale if row_scale is not None else out,
+        w_scale if w_scale is not None else out,
         sorted_ids,
         expert_ids,
         num_post,
@@ -212,11 +248,13 @@ def _grouped_gemm(a, w, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, 
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        0 if w_scale is None else w_scale.stride(0),
         PAIRS_PER_A_ROW=pairs_per_a_row,
         N=n_out,
         K=w.shape[2],
         SILU_MUL=silu_mul,
-        UPCAST=interpreting(a) and a.dtype == torch.bfloat16,
+        W_FP8=w_scale is not None,
+        UPCAST=interpreting(a) and (a.dtype == torch.bfloat16 or w_scale is not None),
         PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -228,9 +266,9 @@ def _grouped_gemm(a, w, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
-    stride_a, stride_we, stride_wn, stride_out,
-    PAIRS_PER_A_ROW: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SILU_MUL: tl.constexpr,
+    a_ptr, w_ptr, out_ptr, scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
+    stride_a, stride_we, stride_wn, stride_out, stride_se,
+    PAIRS_PER_A_ROW: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SILU_MUL: tl.constexpr, W_FP8: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -254,13 +292,16 @@ def _grouped_gemm_kernel(
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # (BK, BN)
         if UPCAST:
             a = a.to(tl.float32)
-            w = w.to(tl.float32)
+        w = w.to(a.dtype)  # e4m3 upcast in registers (a no-op for 16-bit weights)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_base + (cols[None, :] + N) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-            if UPCAST:
-                w_up = w_up.to(tl.float32)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=PRECISION)
+    if W_FP8:  # the per-row scales of this expert's weight, after the sums
+        scale_base = w_scale_ptr + expert * stride_se
+        acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
     out_ty = out_ptr.dtype.element_ty
     if SILU_MUL:  # as eager torch: each projection rounded to the dtype, then silu(gate) * up
         result = _silu_mul(acc.to(out_ty), acc_up.to(out_ty))

@@ -215,12 +215,16 @@ def quantize_model(net: nn.Module, w8a16_max_rows: int = 0) -> int:
     """Quantize every projection of a loaded unquantized model to FP8 (per output channel), in place; steps
     of up to `w8a16_max_rows` rows W8A16 (worker/fp8.py).
 
-    Embeddings and the LM head stay in the model's dtype (as vLLM's fp8 does). Returns the count.
+    Embeddings, the LM head and MoE routers stay in the model's dtype (as vLLM's fp8 does); MoE experts become
+    e4m3 with per-row scales. Returns the count of projections and expert blocks quantized.
     """
     linears = _linears(net)
     for path, linear in linears:
         _replace(net, path, Fp8Linear.from_linear(linear, w8a16_max_rows))
-    return len(linears)
+    experts = [module for module in net.modules() if hasattr(module, "quantize_fp8")]
+    for module in experts:  # a mixture of experts' stacked experts (models/moe.py)
+        module.quantize_fp8()
+    return len(linears) + len(experts)
 
 
 def kv_scale_of(name: str) -> tuple[int, str] | None:

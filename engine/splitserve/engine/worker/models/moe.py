@@ -50,12 +50,35 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = _param((moe.num_experts, 2 * inter, hidden), dtype, device)
         self.experts.down_proj = _param((moe.num_experts, hidden, inter), dtype, device)
+        self.experts.gate_up_scale = self.experts.down_scale = None  # (E, 2F), (E, H) once quantized to fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.fused_moe import fused_moe  # lazily: the kernels package imports Triton
 
         weights, ids = route(F.linear(x, self.gate.weight), self.moe)  # (T, k) each
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        experts = self.experts
+        return fused_moe(
+            x,
+            experts.gate_up_proj,
+            experts.down_proj,
+            weights,
+            ids,
+            w13_scale=experts.gate_up_scale,
+            w2_scale=experts.down_scale,
+        )
+
+    def quantize_fp8(self) -> None:
+        """The experts' weights to e4m3 with one float32 scale per expert and output row (W8A16: activations
+        stay 16-bit); the router stays in the model dtype, as in vLLM's fp8."""
+        from splitserve.engine.worker.fp8 import quantize_per_channel
+
+        experts = self.experts
+        for name, scale_name in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
+            weight = getattr(experts, name)
+            num_experts, rows, cols = weight.shape
+            w_q, scale = quantize_per_channel(weight.data.reshape(num_experts * rows, cols))
+            setattr(experts, name, nn.Parameter(w_q.view(num_experts, rows, cols), requires_grad=False))
+            setattr(experts, scale_name, nn.Parameter(scale.view(num_experts, rows), requires_grad=False))
 
     def expert_targets(self, prefix: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the slice it fills, for per-expert tensors named
