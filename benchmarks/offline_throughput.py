@@ -518,22 +518,33 @@ def roofline_ms(
     kv_bytes_per_elem: float = 2,
 ) -> float:
     """The decode-step floor for this config (weights + KV read, or matmul FLOPs); fp8 weights
-    read one byte a projection parameter (embeddings and LM head stay 16-bit), an fp8 KV one an element."""
-    h, layers, ffn, vocab = (
-        config["hidden_size"],
-        config["num_hidden_layers"],
-        config["intermediate_size"],
-        config["vocab_size"],
-    )
+    read one byte a projection parameter (embeddings and LM head stay 16-bit), an fp8 KV one an element.
+    A mixture of experts reads the experts its batch hits and multiplies each token by its top k."""
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim", h // heads)
     head_params = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    layer_params = layers * (h * d * (heads + 2 * kv_heads) + heads * d * h + 3 * h * ffn)
-    params = head_params + layer_params
+    mlp_read, mlp_used = _mlp_params(config, batch)
+    attn_params = h * d * (heads + 2 * kv_heads) + heads * d * h
+    layer_params = layers * (attn_params + mlp_read)
     kv_bytes = 2 * layers * kv_heads * d * kv_bytes_per_elem
     t_mem = (head_params * 2 + layer_params * weight_bytes + batch * context * kv_bytes) / bytes_per_s
-    t_flop = 2 * params * batch / flops
+    t_flop = 2 * (head_params + layers * (attn_params + mlp_used)) * batch / flops
     return 1e3 * max(t_mem, t_flop)
+
+
+def _mlp_params(config: dict, batch: int) -> tuple[float, float]:
+    """(MLP parameters a decode step of `batch` tokens reads per layer, those one token multiplies). Experts: the
+    expected number a batch of uniformly routed tokens hits (every layer taken as sparse)."""
+    h = config["hidden_size"]
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts:
+        dense = 3 * h * config["intermediate_size"]
+        return dense, dense
+    top_k = config["num_experts_per_tok"]
+    per_expert = 3 * h * (config.get("moe_intermediate_size") or config["intermediate_size"])
+    hit = num_experts * (1 - (1 - top_k / num_experts) ** batch)
+    return hit * per_expert, top_k * per_expert
 
 
 def run_fixed(args) -> list[dict]:
