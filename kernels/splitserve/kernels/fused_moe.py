@@ -16,7 +16,7 @@ with no host sync:
  2. gate/up: a block's rows gather x[flat // k], one grouped GEMM against its expert's gate and up rows,
     SiLU-and-mul in the epilogue, stored at row `flat` of the (T*k, F) intermediate.
  3. down: those rows against the expert's w2, times the router weight of (t, j) in the epilogue, stored at
-    row `flat` of (T*k, H); the k rows of a token are then summed (in float32, rounded once).
+    row `flat` of (T*k, H); the k rows of a token are then summed (torch sums 16-bit values in float32).
 
 Blocks past `num_tokens_post_padded` return at once. The plain-torch reference loops over the experts hit,
 as transformers' eager experts do; it is the CPU path and the tests' ground truth.
@@ -102,7 +102,7 @@ def fused_moe(
     _grouped_gemm(x, w13, w13_scale, inter, sorted_ids, expert_ids, num_post, top_k, None, up_config)
     down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # (T*k, H)
     _grouped_gemm(inter, w2, w2_scale, down, sorted_ids, expert_ids, num_post, 1, topk_weights.reshape(-1), down_config)
-    return down.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # (T, H)
+    return down.view(num_tokens, top_k, hidden).sum(1)  # (T, H), summed in float32 and rounded once
 
 
 def _check(x, w13, w2, topk_weights, topk_ids) -> None:

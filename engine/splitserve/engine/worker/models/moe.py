@@ -27,14 +27,12 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
 
 def route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights (T, k), expert ids (T, k) int64) from router logits (T, E), as transformers computes them:
-    softmax in float32, top k, renormalised when the family does, cast to the model dtype when it does."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (T, E)
-    weights, ids = torch.topk(probs, moe.top_k, dim=-1)  # (T, k) each
-    if moe.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if moe.weights_in_model_dtype:
-        weights = weights.to(router_logits.dtype)
-    return weights, ids
+    softmax in float32, top k, renormalised when the family does, cast to the model dtype when it does
+    (kernels.moe_topk: one launch on CUDA, transformers' torch ops elsewhere)."""
+    from splitserve.kernels.moe_topk import moe_topk  # lazily: the kernels package imports Triton
+
+    out_dtype = router_logits.dtype if moe.weights_in_model_dtype else torch.float32
+    return moe_topk(router_logits, moe.top_k, moe.renormalize, out_dtype)
 
 
 class SparseMoeBlock(nn.Module):
