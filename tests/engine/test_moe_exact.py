@@ -154,3 +154,19 @@ def test_fp8_quantization_makes_the_experts_e4m3_with_row_scales(model_dirs):
     assert not torch.allclose(
         want, fused_moe_ref(x, experts.gate_up_proj.float(), experts.down_proj.float(), weights, ids)
     )
+
+
+def test_an_fp8_checkpoint_of_an_moe_model_is_refused_with_the_way_out(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = shutil.copytree(model_dirs["mixtral-top2"], tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        load_model(path, dtype="bfloat16", device="cpu")
+    assert str(err.value) == (
+        "fp8 checkpoints of mixture-of-experts models (MixtralForCausalLM) are not supported; "
+        "load the bf16 checkpoint with --quantization fp8 (e4m3 experts, W8A16)"
+    )

@@ -175,8 +175,13 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
     """Swap each projection the checkpoint quantizes for an empty Fp8Linear (the loader fills it).
 
     A fused projection (q|k|v) is quantized only as a whole: the checkpoint must quantize all of its
-    parts or none (ValueError naming the parts otherwise).
+    parts or none (ValueError naming the parts otherwise). A mixture of experts' fp8 experts are refused.
     """
+    if getattr(net.config, "moe", None) is not None:
+        raise ValueError(
+            f"fp8 checkpoints of mixture-of-experts models ({net.config.architecture}) are not supported; "
+            "load the bf16 checkpoint with --quantization fp8 (e4m3 experts, W8A16)"
+        )
     for path, linear in _linears(net):
         prefix, _, module_name = path.rpartition(".")
         parts = [f"{prefix}.{p}" for p in fused_parts.get(module_name, (module_name,))]
