@@ -77,11 +77,16 @@ def test_stack_commands_forward_non_default_engine_flags():
     peers = ["--prefill-peers", "127.0.0.1:50061"]  # decodes map the prefill's pool at start
     decodes = ["--decode-peers", "127.0.0.1:50071,127.0.0.1:50072"]  # the prefill pairs only with these
     # placed as on a machine without GPUs, the 6 cores shared by 3 engines (tests/test_up_placement.py has the rest)
-    cpu = ["--device", "cpu", "--num-threads", "2"]
+    cpu = ["--device", "cpu"]
+    threads = ["--num-threads", "2"]
+
+    def metrics(port):  # on by default: the prefill on 9100, decode i on 9101 + i
+        return ["--metrics-port", str(port)]
+
     assert commands == [
-        ("prefill-0", service("prefill", "prefill-0", 50061) + decodes + cpu + eflags),
-        ("decode-0", service("decode", "decode-0", 50071) + peers + cpu + eflags),
-        ("decode-1", service("decode", "decode-1", 50072) + peers + cpu + eflags),
+        ("prefill-0", service("prefill", "prefill-0", 50061) + decodes + cpu + metrics(9100) + threads + eflags),
+        ("decode-0", service("decode", "decode-0", 50071) + peers + cpu + metrics(9101) + threads + eflags),
+        ("decode-1", service("decode", "decode-1", 50072) + peers + cpu + metrics(9102) + threads + eflags),
         (
             "gateway",
             CLI
@@ -121,6 +126,8 @@ def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
         "127.0.0.1:50061",
         "--device",
         "cpu",
+        "--metrics-port",
+        "9101",
         "--num-threads",
         "1",
         "--model",
@@ -160,6 +167,8 @@ def test_banner_with_tls_and_api_keys():
         "  OpenAI REST  https://127.0.0.1:8000/v1",
         "  gRPC         127.0.0.1:50051  (splitserve.v1.Generation, reflection on, TLS)",
         "  readiness    https://127.0.0.1:8000/ready",
+        "  metrics      https://127.0.0.1:8000/metrics (gateway), http://127.0.0.1:9100/metrics (prefill-0), "
+        "ports 9101.. (decodes)",
         "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
         "  curl -s --cacert /c.pem https://127.0.0.1:8000/v1/completions "
         '-H "Authorization: Bearer $SPLITSERVE_API_KEY"'
@@ -296,6 +305,7 @@ def _start_up(tokenizer_dir, log_path, *flags):
     argv = [sys.executable, "-c", UP_SCRIPT.replace("FAKES_PY", repr(FAKE[1])), "up", "--model", tokenizer_dir]
     for name, port in ports.items():
         argv += [f"--{name}-port", str(port)]
+    argv += ["--metrics-ports", "0"]  # the fakes serve no /metrics (the default, 9100, is tested without them)
     log = subprocess.DEVNULL if log_path is None else open(log_path, "w")
     proc = subprocess.Popen([*argv, *flags], stdout=subprocess.PIPE, stderr=log, text=True)
     lines = []

@@ -134,7 +134,8 @@ def test_metrics_ports_reach_the_engines_and_the_banner():
     assert option(commands["prefill-0"], "--metrics-port") == "9100"
     assert [option(commands[f"decode-{i}"], "--metrics-port") for i in range(2)] == ["9101", "9102"]
     assert "--metrics-port" not in commands["gateway"]
-    assert "--metrics-port" not in dict(stack_commands(EngineConfig(), UpConfig()))["prefill-0"]
+    assert option(dict(stack_commands(EngineConfig(), UpConfig()))["prefill-0"], "--metrics-port") == "9100"
+    assert "--metrics-port" not in dict(stack_commands(EngineConfig(), UpConfig(metrics_ports=0)))["prefill-0"]
     lines = up.banner(config, "m").splitlines()
     assert (
         "  metrics      http://127.0.0.1:8000/metrics (gateway), http://127.0.0.1:9100/metrics (prefill-0), "

@@ -141,6 +141,7 @@ class Engine:
     config = SimpleNamespace(block_size=16)
     runner = SimpleNamespace(kv_cache="kv-cache")
     num_free_blocks = 30  # pins are only noted: never changes
+    last_step_num_tokens = 1  # one running request, one token a step
 
     def __init__(self, pipe: Pipe, room_after_steps: int = 0, has_work: bool = True, frees_at=()) -> None:
         self.pipe, self.room_after_steps, self.has_work = pipe, room_after_steps, has_work

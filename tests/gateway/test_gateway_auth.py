@@ -150,7 +150,7 @@ def test_health_ready_and_metrics_stay_open(stack):
     refused = {
         dict(labels)["route"]: value
         for (name, labels), value in metrics.items()
-        if name == "splitserve:requests_total" and dict(labels)["status"] == "401"
+        if name == "splitserve:gateway_requests_total" and dict(labels)["status"] == "401"
     }
     assert refused["/v1/completions"] >= 3  # every refusal above is counted with its status
     channel = grpc.insecure_channel(stack.grpc_target)

@@ -119,8 +119,8 @@ def test_burst_over_the_limit_gets_429_and_the_rest_are_served(limited):
             }
     assert [post(limited, KEY_B).status_code for _ in range(4)] == [200, 200, 200, 429]  # B has its own bucket
     metrics = parse_metrics(httpx.get(limited.base_url + "/metrics").text)
-    assert metrics[("splitserve:requests_total", (("route", "/v1/completions"), ("status", "200")))] == 6
-    assert metrics[("splitserve:requests_total", (("route", "/v1/completions"), ("status", "429")))] == 6
+    assert metrics[("splitserve:gateway_requests_total", (("route", "/v1/completions"), ("status", "200")))] == 6
+    assert metrics[("splitserve:gateway_requests_total", (("route", "/v1/completions"), ("status", "429")))] == 6
 
 
 def test_grpc_over_the_limit_is_resource_exhausted_with_retry_after(limited):

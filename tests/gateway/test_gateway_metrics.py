@@ -80,7 +80,7 @@ def test_counts_tokens_and_latencies_match_the_batch(stack):
     requests = {
         dict(labels)["route"] + " " + dict(labels)["status"]: value
         for (name, labels), value in m.items()
-        if name == "splitserve:requests_total"
+        if name == "splitserve:gateway_requests_total"
     }
     assert requests == {
         "/v1/completions 200": 4,
@@ -96,18 +96,20 @@ def test_counts_tokens_and_latencies_match_the_batch(stack):
     generation_tokens = sum(u["completion_tokens"] for u in usages)
     assert (prompt_tokens, generation_tokens) == (3 * 4 + 4 + 2 * 2, 5 * 3 + 1 + 3 + 4 * 2)
     served = 7
-    assert m[("splitserve:prompt_tokens_total", ())] == prompt_tokens
-    assert m[("splitserve:generation_tokens_total", ())] == generation_tokens
-    assert m[("splitserve:time_to_first_token_seconds_count", ())] == served
-    assert m[("splitserve:e2e_request_latency_seconds_count", ())] == served
-    assert m[("splitserve:request_time_per_output_token_seconds_count", ())] == served - 1  # not the 1-token one
-    assert m[("splitserve:inter_token_latency_seconds_count", ())] == generation_tokens - served
-    assert m[("splitserve:request_success_total", (("finished_reason", "length"),))] == served
-    assert ("splitserve:request_success_total", (("finished_reason", "stop"),)) not in m
-    assert m[("splitserve:num_requests_running", ())] == 0
+    assert m[("splitserve:gateway_prompt_tokens_total", ())] == prompt_tokens
+    assert m[("splitserve:gateway_generation_tokens_total", ())] == generation_tokens
+    assert m[("splitserve:gateway_time_to_first_token_seconds_count", ())] == served
+    assert m[("splitserve:gateway_e2e_request_latency_seconds_count", ())] == served
+    assert (
+        m[("splitserve:gateway_request_time_per_output_token_seconds_count", ())] == served - 1
+    )  # not the 1-token one
+    assert m[("splitserve:gateway_inter_token_latency_seconds_count", ())] == generation_tokens - served
+    assert m[("splitserve:gateway_request_success_total", (("finished_reason", "length"),))] == served
+    assert m[("splitserve:gateway_request_success_total", (("finished_reason", "stop"),))] == 0  # there from start
+    assert m[("splitserve:gateway_num_requests_running", ())] == 0
     # the fake decode steps every 10 ms: 4 decode steps of a 5-token request take >= 30 ms
-    assert m[("splitserve:e2e_request_latency_seconds_sum", ())] >= 3 * 0.03
-    assert m[("splitserve:time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == served
+    assert m[("splitserve:gateway_e2e_request_latency_seconds_sum", ())] >= 3 * 0.03
+    assert m[("splitserve:gateway_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == served
 
 
 def test_stop_abort_and_error_endings_are_counted_by_reason(tokenizer_dir):
@@ -133,18 +135,18 @@ def test_stop_abort_and_error_endings_are_counted_by_reason(tokenizer_dir):
         reasons = {
             dict(labels)["finished_reason"]: value
             for (name, labels), value in m.items()
-            if name == "splitserve:request_success_total"
+            if name == "splitserve:gateway_request_success_total"
         }
-        assert reasons == {"stop": 1, "abort": 1, "error": 1}
-        assert m[("splitserve:prompt_tokens_total", ())] == 3 + 3 + 1
-        assert m[("splitserve:e2e_request_latency_seconds_count", ())] == 3
-        assert m[("splitserve:time_to_first_token_seconds_count", ())] == 3
+        assert reasons == {"stop": 1, "abort": 1, "error": 1, "length": 0}
+        assert m[("splitserve:gateway_prompt_tokens_total", ())] == 3 + 3 + 1
+        assert m[("splitserve:gateway_e2e_request_latency_seconds_count", ())] == 3
+        assert m[("splitserve:gateway_time_to_first_token_seconds_count", ())] == 3
         requests = {
             dict(labels)["route"] + " " + dict(labels)["status"]: value
             for (name, labels), value in m.items()
-            if name == "splitserve:requests_total"
+            if name == "splitserve:gateway_requests_total"
         }
-        assert requests == {f"{GENERATE} OK": 2, "/v1/completions 200": 1}
+        assert requests == {f"{GENERATE} OK": 2, "/v1/completions 200": 1, "/v1/chat/completions 200": 0}
     finally:
         stack.stop()
 
@@ -161,9 +163,12 @@ def test_metrics_port_when_rest_is_off(tokenizer_dir):
         out = grpc_generate(stack, text="hello world w20", sampling=common_pb2.SamplingParams(max_tokens=2))
         assert len(out) == 2
         _, m = scrape(f"http://127.0.0.1:{port}/metrics")
-        assert m[("splitserve:requests_total", (("route", GENERATE), ("status", "OK")))] == 1
-        assert (m[("splitserve:prompt_tokens_total", ())], m[("splitserve:generation_tokens_total", ())]) == (3, 2)
-        assert m[("splitserve:time_to_first_token_seconds_count", ())] == 1
+        assert m[("splitserve:gateway_requests_total", (("route", GENERATE), ("status", "OK")))] == 1
+        assert (
+            m[("splitserve:gateway_prompt_tokens_total", ())],
+            m[("splitserve:gateway_generation_tokens_total", ())],
+        ) == (3, 2)
+        assert m[("splitserve:gateway_time_to_first_token_seconds_count", ())] == 1
     finally:
         stack.stop()
     with socket.socket() as s:
@@ -179,12 +184,16 @@ def test_metric_children_follow_a_label_change():
     from splitserve.runtime.metrics import Metrics
 
     metrics = Metrics(model_name="", instance="gw-test", role="gateway")
-    metrics.lab(metrics.requests, route="/ready", status="200").inc()
-    metrics.labels["model_name"] = "late-model"
-    metrics.lab(metrics.requests, route="/ready", status="200").inc()
-    metrics.lab(metrics.requests, route="/ready", status="200").inc()
+    metrics.lab(metrics.gw_requests, route="/ready", status="200").inc()
+    metrics.relabel_model("late-model")
+    metrics.lab(metrics.gw_requests, route="/ready", status="200").inc()
+    metrics.lab(metrics.gw_requests, route="/ready", status="200").inc()
     text = generate_latest(metrics.registry).decode()
-    assert 'splitserve:requests_total{instance="gw-test",model_name="",route="/ready",status="200"} 1.0' in text
+    assert 'splitserve:gateway_requests_total{instance="gw-test",model_name="",route="/ready",status="200"} 1.0' in text
     assert (
-        'splitserve:requests_total{instance="gw-test",model_name="late-model",route="/ready",status="200"} 2.0' in text
+        'splitserve:gateway_requests_total{instance="gw-test",model_name="late-model",route="/ready",status="200"} 2.0'
+        in text
     )
+    # the zero series made before the name was known go; the new name's are there from the change
+    assert 'splitserve:gateway_num_requests_running{instance="gw-test",model_name=""}' not in text
+    assert 'splitserve:gateway_num_requests_running{instance="gw-test",model_name="late-model"} 0.0' in text

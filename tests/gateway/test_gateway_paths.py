@@ -179,7 +179,7 @@ def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(
                 httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
 
         def counted_499() -> float:
-            lines = [line for line in metrics_lines(stack) if line.startswith("splitserve:requests_total{")]
+            lines = [line for line in metrics_lines(stack) if line.startswith("splitserve:gateway_requests_total{")]
             return sum(float(line.split()[-1]) for line in lines if 'status="499"' in line)
 
         wait_until(lambda: counted_499() == 20, 10, lambda: f"{counted_499()} responses of 499, not 20")

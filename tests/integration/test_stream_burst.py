@@ -54,7 +54,7 @@ def test_a_burst_of_streams_all_reach_the_gateway_and_end_named(tmp_path):
         stack.stop()
     assert dict(ended) == {("FINISH_REASON_LENGTH", (21, 22, 23, 24)): NUM_STREAMS}
     route = ("route", "/splitserve.v1.Generation/Generate")
-    assert metrics[("splitserve:requests_total", (route, ("status", "OK")))] == NUM_STREAMS
+    assert metrics[("splitserve:gateway_requests_total", (route, ("status", "OK")))] == NUM_STREAMS
     assert [i["up"] for i in ready["instances"]] == [True, True]  # no instance marked down meanwhile
 
 

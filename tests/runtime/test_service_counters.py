@@ -14,7 +14,7 @@ def test_counts_before_and_after_prometheus_is_attached_agree():
     counters = ServiceCounters()
     counters.count("kv_bytes_pulled", 4096)  # before the model id is known: no Prometheus yet
     counters.count("requests_received")
-    metrics = Metrics("m", "d0", "decode")
+    metrics = Metrics("m", "d0", "prefill")  # a prefill declares both the transfer and the lease families
     counters.attach(metrics)
     counters.count("kv_bytes_pulled", 1024)
     counters.count("kv_pull_failures")
@@ -32,9 +32,22 @@ def test_counts_before_and_after_prometheus_is_attached_agree():
 
 
 def test_every_mapped_counter_names_a_prometheus_counter():
-    metrics = Metrics("m", "d0", "decode")
-    for name, attribute in PROMETHEUS_COUNTER_OF.items():
-        assert type(getattr(metrics, attribute)).__name__ == "Counter", (name, attribute)
+    for role in ("prefill", "decode"):
+        metrics = Metrics("m", "d0", role)
+        for name, attribute in PROMETHEUS_COUNTER_OF.items():
+            if role == "decode" and attribute == "kv_leases_expired":
+                assert metrics.kv_leases_expired is None  # leases are the prefill's
+                continue
+            assert type(getattr(metrics, attribute)).__name__ == "Counter", (role, name, attribute)
+
+
+def test_a_count_of_a_family_the_role_does_not_declare_reaches_describe_only():
+    counters = ServiceCounters()
+    metrics = Metrics("m", "w0", "both")  # a colocated worker moves no KV
+    counters.attach(metrics)
+    counters.count("kv_bytes_pulled", 10)
+    assert counters.values == {"kv_bytes_pulled": 10}
+    assert b"kv_transfer" not in generate_latest(metrics.registry)
 
 
 def test_transfer_durations_reach_the_histogram_once_attached():
@@ -45,30 +58,3 @@ def test_transfer_durations_reach_the_histogram_once_attached():
     counters.observe_transfer(0.25)
     assert sample(metrics, "splitserve:kv_transfer_duration_seconds_count") == 1
     assert sample(metrics, "splitserve:kv_transfer_duration_seconds_sum") == 0.25
-
-
-def test_the_metrics_vllm_exports_are_exported_under_its_names_too():
-    """Dashboards, autoscalers and routers written for vLLM read vllm:* with model_name."""
-    from splitserve.runtime.metrics import VLLM_NAMES
-
-    metrics = Metrics("m", "d0", "decode")
-    metrics.observe_engine_stats({"num_running": 3, "num_waiting": 2, "num_total_blocks": 10, "num_free_blocks": 4})
-    metrics.lab(metrics.generation_tokens).inc(7)
-    metrics.lab(metrics.ttft).observe(0.25)
-    metrics.lab(metrics.request_success, finished_reason="stop").inc()
-    labels = {"model_name": "m", "instance": "d0"}
-    for name, value in [
-        ("num_requests_running", 3),
-        ("num_requests_waiting", 2),
-        ("kv_cache_usage_perc", 0.6),
-        ("generation_tokens_total", 7),
-        ("time_to_first_token_seconds_count", 1),
-        ("time_to_first_token_seconds_sum", 0.25),
-    ]:
-        ours = metrics.registry.get_sample_value("splitserve:" + name, labels)
-        theirs = metrics.registry.get_sample_value("vllm:" + name, labels)
-        assert ours == theirs == value, name
-    assert metrics.registry.get_sample_value("vllm:request_success_total", {**labels, "finished_reason": "stop"}) == 1
-    exported = {m.name for m in metrics.registry.collect()}
-    assert {n.removesuffix("_total") for n in VLLM_NAMES} <= {n.removeprefix("vllm:") for n in exported}
-    assert "vllm:requests" not in exported  # the gateway's route/status counter is ours alone

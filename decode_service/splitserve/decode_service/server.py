@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
@@ -27,12 +28,39 @@ from splitserve.engine.grammar import check_spec
 from splitserve.engine_service.base import ServiceBase, setup_logging
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
+from splitserve.runtime.metrics import RequestEnd
 
 log = logging.getLogger("splitserve.decode")
 
 
 class Unavailable(ValueError):
     """This decode cannot take a request now (draining, starting): the gateway answers 503, not 500."""
+
+
+@dataclass
+class RequestTiming:
+    """What a request's sequences share for its metrics: recorded once, when the last of them ends."""
+
+    arrival_s: float  # time.monotonic()
+    num_prompt_tokens: int
+    n: int
+    max_tokens: int | None
+    num_open: int  # its sequences still running
+    num_tokens: int = 0  # generated, over every sequence that ended
+    queue_s: float = 0.0  # waiting before the first compute (prefilled here only)
+    finish_reason: str = ""  # the lead sequence's
+
+
+@dataclass
+class SequenceTiming:
+    """One sequence's times (time.monotonic() seconds) and counts, for its metrics."""
+
+    request: RequestTiming
+    lead: bool  # the request's own id (not a fork)
+    prefills_here: bool  # the lead of a request without a KV handle: the prompt runs on this engine
+    first_s: float = 0.0  # its first token (for an imported request: the prefill's, arriving here)
+    last_s: float = 0.0
+    num_tokens: int = 0
 
 
 class GatewayStream:
@@ -53,7 +81,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.role = engine_config.role
         self.owner: dict[str, GatewayStream] = {}
         self.prefill_peers = tuple(a.strip() for a in service_config.prefill_peers.split(",") if a.strip())
-        self.timing: dict[str, list[float]] = {}  # request_id -> [arrival, first token, last token]
+        self.timing: dict[str, SequenceTiming] = {}  # request_id (and fork ids) -> its times and counts
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
         self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
@@ -93,25 +121,43 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
 
     def _observe(self, out) -> None:
-        """Per-request latency metrics of the tokens this decode produced."""
+        """The metrics of a sequence's new tokens; at its end, the request's (once, on the lead sequence)."""
         mt, now = self.metrics, time.monotonic()
         t = self.timing.get(out.request_id)
         if t is None:
             return
         if out.new_token_ids:
-            if t[1] == 0.0:
-                t[1] = now
+            if t.num_tokens == 0:
+                t.first_s = now
+                if t.prefills_here:  # the prompt ran here: its facts are this decode's
+                    r = t.request
+                    r.queue_s = out.queue_ns / 1e9
+                    ttft_s = now - r.arrival_s
+                    mt.prompt_done(r.num_prompt_tokens, r.queue_s, max(ttft_s - r.queue_s, 0.0), ttft_s)
             else:
-                mt.lab(mt.itl).observe(now - t[2])
-            t[2] = now
-            t[3] += len(out.new_token_ids)
+                mt.lab(mt.itl).observe(now - t.last_s)
+            t.last_s = now
+            t.num_tokens += len(out.new_token_ids)
         if out.finished:
-            mt.lab(mt.request_success, finished_reason=out.finish_reason).inc()
-            mt.lab(mt.e2e).observe(now - t[0])
-            if t[1]:
-                mt.lab(mt.decode_time).observe(now - t[1])
-            if t[3] > 1:
-                mt.lab(mt.tpot).observe((t[2] - t[1]) / (t[3] - 1))
+            if t.first_s:
+                mt.lab(mt.decode_time).observe(now - t.first_s)
+            if t.num_tokens > 1:
+                mt.lab(mt.tpot).observe((t.last_s - t.first_s) / (t.num_tokens - 1))
+            self._request_done(t, out.finish_reason, now)
+
+    def _request_done(self, t: SequenceTiming, finish_reason: str, now: float) -> None:
+        """A sequence ended; the request's facts once its last sequence has (n sequences are one request)."""
+        r = t.request
+        r.num_open -= 1
+        r.num_tokens += t.num_tokens
+        if t.lead:
+            r.finish_reason = finish_reason
+        if r.num_open == 0:
+            e2e_s = now - r.arrival_s
+            end = RequestEnd(
+                r.finish_reason or finish_reason, r.num_tokens, e2e_s, e2e_s - r.queue_s, r.n, r.max_tokens
+            )
+            self.metrics.request_done(end)
 
     def finish_request(self, request_id: str, error: str | None = None) -> None:
         self.timing.pop(request_id, None)
@@ -135,6 +181,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if stream is None:
             return
         self.counters.count("requests_failed")
+        t = self.timing.get(request_id)
+        if t is not None and self.metrics is not None:
+            self._request_done(t, "error", time.monotonic())
         tracing.end_span(self.spans.pop(request_id, None), error)
         stream.out.put_nowait(
             decode_pb2.DecodeOut(
@@ -253,9 +302,11 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 deltas.append(delta)
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas))
             return
+        now, imported = time.monotonic(), req.HasField("kv") and req.HasField("first_token_id")
+        request = RequestTiming(now, len(req.prompt_token_ids), 1 + len(forks), params.max_tokens, 1 + len(forks))
         for sequence_id in (rid, *forks):  # fork ids: the request's other sequences (n > 1), outputs of their own
             self.owner[sequence_id] = stream
-            self.timing[sequence_id] = [time.monotonic(), 0.0, 0.0, 0]
+            self.timing[sequence_id] = SequenceTiming(request, sequence_id == rid, not imported and sequence_id == rid)
             stream.request_ids.add(sequence_id)
             self.inflight += 1
         if tracing.enabled():
@@ -265,7 +316,12 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 {"request_id": rid, "prompt_tokens": len(req.prompt_token_ids), "kv.imported": req.HasField("kv")},
             )
         self.counters.count("requests_received")
-        if req.HasField("kv") and req.HasField("first_token_id"):
+        if imported:
+            # the prefill's first token is generated, but the request ends here: this decode reports it
+            self.counters.count("generation_tokens", 1)
+            lead = self.timing[rid]
+            lead.first_s = lead.last_s = now
+            lead.num_tokens = 1
             self.pulls.start(req, params)
         else:
             self.counters.count("prompt_tokens", len(req.prompt_token_ids))

@@ -200,6 +200,7 @@ class EngineCore:
         if device.type == "cuda":
             self._freeze_collector()
         self.num_steps = 0
+        self.last_step_num_tokens = 0
         log.info(
             "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
             self.info.model_id,
@@ -366,6 +367,7 @@ class EngineCore:
         """Schedule and launch a step, read the step before it (asynchronous) or this one, and report every
         request that progressed."""
         out = self.scheduler.schedule()
+        self.last_step_num_tokens = out.num_tokens  # vllm:iteration_tokens_total
         changed: list[Request] = []
         if self._unread is not None and self._reads_pending_ids(out):
             # penalties read the ids of earlier outputs: learn the pending ones first, and drop what they ended

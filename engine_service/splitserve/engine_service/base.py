@@ -58,6 +58,7 @@ class ServiceBase:
 
         if isinstance(msg, StepBatch) and self.metrics is not None:
             self.metrics.observe_engine_stats(msg.stats)
+            self.metrics.observe_step(msg.num_tokens)
         self.on_core_message(msg)
 
     def on_core_message(self, msg) -> None:  # overridden by roles that need core messages
@@ -182,7 +183,15 @@ class ServiceBase:
     async def _serve(self, add_servicers) -> int:
         from splitserve.runtime.metrics import Metrics, serve_http
 
-        self.metrics = Metrics(self.client.info.model_id, self.name, self.role)
+        info, config = self.client.info, self.engine_config
+        cache_info = {
+            "block_size": config.block_size,
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.kv_cache_memory_fraction,
+            "num_gpu_blocks": info.num_kv_blocks,
+        }
+        self.metrics = Metrics(info.model_id, self.name, self.role, info.max_model_len, cache_info)
         self.counters.attach(self.metrics)
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]

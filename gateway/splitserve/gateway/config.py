@@ -175,7 +175,7 @@ class UpConfig:
     )
     num_decode: int = option(1, "decode instances", min=1, max=64)
     metrics_ports: int = option(
-        0,
+        9100,
         "Prometheus /metrics of the prefill on this port and of decode i on port + 1 + i (0 = off; the "
         "gateway's are on its REST port, or --metrics-port)",
         min=0,

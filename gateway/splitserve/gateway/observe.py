@@ -1,6 +1,7 @@
 """What clients see, as Prometheus metrics: per-request latencies, tokens and call counts.
 
-Over the shared `runtime.metrics.Metrics` (vLLM-style names, `splitserve:` prefix):
+The gateway's own facts, named `splitserve:gateway_*` (the engines export the `vllm:` ones, each fact once;
+runtime/metric_families.py):
 
     requests_total{route,status}   every REST call (route = path, or "other"; status = HTTP
                                    code) and every Generation gRPC call (route = full method;
@@ -46,14 +47,14 @@ class GatewayMetrics:
 
     def set_model(self, model_name: str) -> None:
         """Label later observations with `model_name` (the served model, once Describe told it)."""
-        self.metrics.labels["model_name"] = model_name
+        self.metrics.relabel_model(model_name)
 
     def count(self, route: str, status: str | int) -> None:
         """One call of `route` answered with `status` (HTTP code or gRPC code name)."""
-        self.metrics.lab(self.metrics.requests, route=route, status=str(status)).inc()
+        self.metrics.lab(self.metrics.gw_requests, route=route, status=str(status)).inc()
 
     def set_running(self, num_running: int) -> None:
-        self.metrics.lab(self.metrics.running).set(num_running)
+        self.metrics.lab(self.metrics.gw_running).set(num_running)
 
     def run(self, arrival_s: float) -> RunObserver:
         """An observer for one admitted request that arrived at `arrival_s` (time.monotonic())."""
@@ -80,11 +81,11 @@ class RunObserver:
         if n:
             if self._first_token_s is None:
                 self._first_token_s = now
-                self._m.lab(self._m.ttft).observe(now - self._arrival_s)
+                self._m.lab(self._m.gw_ttft).observe(now - self._arrival_s)
                 n_gaps, gap_s = n - 1, 0.0  # tokens sent together with the first one arrive with it
             else:
                 n_gaps, gap_s = n, (now - self._last_token_s) / n
-            itl = self._m.lab(self._m.itl)
+            itl = self._m.lab(self._m.gw_itl)
             for _ in range(n_gaps):
                 itl.observe(gap_s)
             self._last_token_s = now
@@ -97,10 +98,10 @@ class RunObserver:
         if not self.num_messages:
             return
         m = self._m
-        m.lab(m.e2e).observe(time.monotonic() - self._arrival_s)
+        m.lab(m.gw_e2e).observe(time.monotonic() - self._arrival_s)
         if self.num_output_tokens >= 2 and self._first_token_s is not None:
-            m.lab(m.tpot).observe((self._last_token_s - self._first_token_s) / (self.num_output_tokens - 1))
-        m.lab(m.prompt_tokens).inc(num_prompt_tokens)
-        m.lab(m.generation_tokens).inc(self.num_output_tokens)
+            m.lab(m.gw_tpot).observe((self._last_token_s - self._first_token_s) / (self.num_output_tokens - 1))
+        m.lab(m.gw_prompt_tokens).inc(num_prompt_tokens)
+        m.lab(m.gw_generation_tokens).inc(self.num_output_tokens)
         reason = self.finish_reason or ("abort" if closed_early else "error")
-        m.lab(m.request_success, finished_reason=reason).inc()
+        m.lab(m.gw_request_success, finished_reason=reason).inc()

@@ -25,6 +25,7 @@ from splitserve.prefill_service.leases import LeaseTable
 from splitserve.prefill_service.pair_check import DecodePeers, PairRefused
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
+from splitserve.runtime.metrics import RequestEnd
 
 log = logging.getLogger("splitserve.prefill")
 
@@ -125,9 +126,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         if out.prompt_logprobs:
             response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         self.counters.count("prompt_tokens", len(request.prompt_token_ids))
-        mt = self.metrics
-        mt.lab(mt.queue).observe(out.queue_ns / 1e9)
-        mt.lab(mt.prefill_time).observe(max(total_ns - out.queue_ns, 0) / 1e9)
+        queue_s, total_s = out.queue_ns / 1e9, total_ns / 1e9
+        self.metrics.prompt_done(len(request.prompt_token_ids), queue_s, max(total_s - queue_s, 0.0), total_s)
         response.timings.queue_ns = out.queue_ns
         tracing.record_span("prefill.queue", arrival_wall, arrival_wall + out.queue_ns, sp)
         tracing.record_span(
@@ -137,8 +137,13 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             sp,
             {"cached_prompt_tokens": out.num_cached_tokens},
         )
-        if out.finish_reason != "prefilled":
+        if out.finish_reason != "prefilled":  # its first token is its last: the request ends here
             response.finish_reason = FINISH_REASONS[out.finish_reason]
+            self.counters.count("generation_tokens", len(out.new_token_ids))
+            end = RequestEnd(
+                out.finish_reason, len(out.new_token_ids), total_s, max(total_s - queue_s, 0.0), 1, params.max_tokens
+            )
+            self.metrics.request_done(end)
             return response
         held = self.held.pop(rid)
         lease = self.leases.grant(rid, held.block_ids, held.block_hashes, held.num_tokens, request.lease_ms)

@@ -1,165 +1,94 @@
-"""Prometheus metrics of every splitserve process (names follow vLLM's, prefixed `splitserve:`).
+"""Prometheus metrics of every splitserve process: which families, and who owns each, is metric_families.py.
 
-The ones vLLM also exports (VLLM_NAMES) are exported a second time under vLLM's own `vllm:` prefix,
-same labels and values (copied at scrape time), so dashboards, autoscalers and routers written for vLLM read
-them unchanged.
-
-Each process builds one `Metrics` on its own registry with constant labels model_name and
-instance, and serves it on `/metrics` (gRPC-only processes on a separate HTTP port via
-`serve_http`). Latency histograms are observed where the latency is known: TTFT, ITL, TPOT
-and e2e at the gateway (what clients see) and at decode (per request it owns).
+Each process builds one `Metrics` for its role on its own registry with constant labels model_name and
+instance, and serves it on `/metrics` (gRPC-only processes on a separate HTTP port via `serve_http`).
+`ServiceCounters` is an engine service's one sink of event counts, feeding Describe and Prometheus alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
-
-LATENCY_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-TOKEN_LATENCY_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
-# Metrics vLLM exports under the same name (after its `vllm:` prefix): exported under both prefixes.
-VLLM_NAMES = frozenset(
-    {
-        "time_to_first_token_seconds",
-        "inter_token_latency_seconds",
-        "request_time_per_output_token_seconds",
-        "e2e_request_latency_seconds",
-        "request_queue_time_seconds",
-        "request_prefill_time_seconds",
-        "request_decode_time_seconds",
-        "prompt_tokens_total",
-        "generation_tokens_total",
-        "request_success_total",
-        "num_requests_running",
-        "num_requests_waiting",
-        "kv_cache_usage_perc",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
-        "num_preemptions_total",
-    }
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
 )
 
+from splitserve.runtime.metric_families import (
+    BY_MAX_MODEL_LEN,
+    FAMILIES,
+    Family,
+    buckets_1_2_5,
+    families_of,
+)
 
-class _VllmAliases:
-    """A collector that, at scrape time, repeats the VLLM_NAMES metrics under the `vllm:` prefix: the
-    hot path updates one metric, the copy costs only the scrape."""
-
-    def __init__(self) -> None:
-        self.metrics: list = []
-
-    def collect(self):
-        for metric in self.metrics:
-            for family in metric.collect():
-                alias = Metric(family.name.replace("splitserve:", "vllm:", 1), family.documentation, family.type)
-                alias.samples = [s._replace(name=s.name.replace("splitserve:", "vllm:", 1)) for s in family.samples]
-                yield alias
+# vLLM drops the `_created` series too: one series per fact keeps a sum over /metrics a sum of facts.
+disable_created_metrics()
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
 class Metrics:
-    """All metrics one process exports; unused ones simply stay at zero."""
+    """The families one process owns (metric_families.py), on its own registry, every label set at 0 from
+    the start so that each dashboard panel has a value at the first scrape. A family the role does not own
+    is None here."""
 
-    def __init__(self, model_name: str, instance: str, role: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        instance: str,
+        role: str,
+        max_model_len: int = 8192,
+        cache_info: dict[str, object] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name", "instance"]
+        self.role = role
         self.labels = {"model_name": model_name, "instance": instance}
-        r, p = self.registry, "splitserve:"
-        aliases = _VllmAliases()
-        r.register(aliases)
-
-        def alias(metric, name):
-            if name in VLLM_NAMES:
-                aliases.metrics.append(metric)
-            return metric
-
-        def hist(name, doc, buckets):
-            return alias(Histogram(p + name, doc, labels, registry=r, buckets=buckets), name)
-
-        def counter(name, doc, extra=()):
-            return alias(Counter(p + name, doc, labels + list(extra), registry=r), name)
-
-        def gauge(name, doc):
-            return alias(Gauge(p + name, doc, labels, registry=r), name)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S)
-        self.itl = hist(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS_S
-        )
-        self.tpot = hist(
-            "request_time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            TOKEN_LATENCY_BUCKETS_S,
-        )
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled compute.", LATENCY_BUCKETS_S)
-        self.prefill_time = hist("request_prefill_time_seconds", "Prompt compute time.", LATENCY_BUCKETS_S)
-        self.decode_time = hist("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS_S)
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.request_success = counter("request_success_total", "Finished requests by reason.", ["finished_reason"])
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks in use (0..1).")
-        self.prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions_total", "Requests preempted (recomputed later).")
-        self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV bytes moved between instances.")
-        self.kv_transfer_blocks = counter("kv_transfer_blocks_total", "KV blocks moved between instances.")
-        self.kv_transfer_time = hist(
-            "kv_transfer_duration_seconds", "Duration of one request's KV pull or send.", TRANSFER_BUCKETS_S
-        )
-        self.kv_transfer_failures = counter("kv_transfer_failures_total", "Failed KV pulls or sends.")
-        self.kv_leases_expired = counter("kv_leases_expired_total", "Prefill leases that expired unclaimed.")
-        self.requests = counter("requests_total", "Requests by route and status code.", ["route", "status"])
         self._last_engine: dict[str, int] = {}
         self._children: dict[tuple, object] = {}
+        self.families = families_of(role)
+        for family in FAMILIES:
+            setattr(self, family.attr, None)
+        for family in self.families:
+            setattr(self, family.attr, self._declare(family, max_model_len))
+        if cache_info is not None and self.cache_info is not None:
+            self.cache_info.labels(**self.labels, **{k: str(v) for k, v in cache_info.items()}).set(1)
+        self.zero()
+
+    def _declare(self, family: Family, max_model_len: int):
+        labels = ["model_name", "instance", *family.extra_labels]
+        kwargs = {}
+        if family.kind == "histogram":
+            buckets = family.buckets
+            kwargs["buckets"] = buckets_1_2_5(max_model_len) if buckets == BY_MAX_MODEL_LEN else buckets
+        return _KINDS[family.kind](family.name, family.doc, labels, registry=self.registry, **kwargs)
+
+    def zero(self) -> None:
+        """Create every label set the families declare for the start (Family.zero_label_sets), at 0."""
+        for family in self.families:
+            for extra in family.zero_label_sets():
+                self.lab(getattr(self, family.attr), **extra)
+
+    def relabel_model(self, model_name: str) -> None:
+        """Label later observations with `model_name`; the zero series of the old name go (they never
+        counted anything but the time before the model was known)."""
+        old = self.labels["model_name"]
+        if old == model_name:
+            return
+        for family in self.families:
+            if not family.extra_labels:
+                with contextlib.suppress(KeyError):
+                    getattr(self, family.attr).remove(old, self.labels["instance"])
+        self._children = {k: v for k, v in self._children.items() if old not in k[1:2]}
+        self.labels["model_name"] = model_name
+        self.zero()
 
     def lab(self, metric, **extra):
         """The metric's child for this process's labels (plus `extra`), looked up once: prometheus_client's
@@ -188,6 +117,41 @@ class Metrics:
             if delta > 0:
                 self.lab(metric).inc(delta)
             self._last_engine[key] = stats.get(key, 0)
+
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step computed `num_tokens` tokens (prompt and generated)."""
+        if num_tokens > 0:
+            self.lab(self.iteration_tokens).observe(num_tokens)
+
+    def prompt_done(self, num_prompt_tokens: int, queue_s: float, prefill_s: float, ttft_s: float) -> None:
+        """A prompt computed here produced its first token (the prompt token counter goes through
+        ServiceCounters, so Describe agrees)."""
+        self.lab(self.request_prompt_tokens).observe(num_prompt_tokens)
+        self.lab(self.queue).observe(queue_s)
+        self.lab(self.prefill_time).observe(prefill_s)
+        self.lab(self.ttft).observe(ttft_s)
+
+    def request_done(self, end: RequestEnd) -> None:
+        """A request ended here: its per-request facts (generated tokens go through ServiceCounters)."""
+        self.lab(self.request_success, finished_reason=end.finish_reason).inc()
+        self.lab(self.request_generation_tokens).observe(end.num_generation_tokens)
+        self.lab(self.e2e).observe(end.e2e_s)
+        self.lab(self.inference_time).observe(end.inference_s)
+        self.lab(self.params_n).observe(end.n)
+        if end.max_tokens:
+            self.lab(self.params_max_tokens).observe(end.max_tokens)
+
+
+@dataclass(frozen=True)
+class RequestEnd:
+    """What an engine records when a request ends there (times in seconds, from arrival at this engine)."""
+
+    finish_reason: str
+    num_generation_tokens: int
+    e2e_s: float
+    inference_s: float
+    n: int
+    max_tokens: int | None
 
 
 # A Describe counter -> the Metrics attribute of the Prometheus counter that records the same fact.
@@ -226,13 +190,13 @@ class ServiceCounters:
 
     def observe_transfer(self, seconds: float) -> None:
         """One request's KV pull or send duration (a histogram: Prometheus only)."""
-        if self._metrics is not None:
+        if self._metrics is not None and self._metrics.kv_transfer_time is not None:
             self._metrics.lab(self._metrics.kv_transfer_time).observe(seconds)
 
     def _export(self, name: str, n: int) -> None:
-        attribute = PROMETHEUS_COUNTER_OF.get(name)
-        if attribute is not None and n:
-            self._metrics.lab(getattr(self._metrics, attribute)).inc(n)
+        metric = getattr(self._metrics, PROMETHEUS_COUNTER_OF.get(name, ""), None)
+        if metric is not None and n:  # None: a Describe-only fact, or a family this role does not declare
+            self._metrics.lab(metric).inc(n)
 
 
 def serve_http(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:

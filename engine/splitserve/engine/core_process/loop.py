@@ -128,7 +128,11 @@ class CoreLoop:
             if out.finish_reason == "prefilled":
                 blocks, hashes, num_tokens = self.engine.held_kv(out.request_id)
                 held.append(m.HeldKv(out.request_id, blocks, hashes, num_tokens))
-        self.outbox.append(m.StepBatch(outputs, held, self.engine.stats(), time.perf_counter_ns() - start))
+        self.outbox.append(
+            m.StepBatch(
+                outputs, held, self.engine.stats(), time.perf_counter_ns() - start, self.engine.last_step_num_tokens
+            )
+        )
 
     def handle(self, msg) -> None:
         handler = HANDLERS.get(type(msg))

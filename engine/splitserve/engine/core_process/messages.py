@@ -138,6 +138,7 @@ class StepBatch:
     held: list[HeldKv] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
     step_ns: int = 0
+    num_tokens: int = 0  # tokens the step computed (prompt and generated); 0 for a batch that is no step
 
 
 @dataclass
