@@ -33,9 +33,14 @@ def option(
     choices: tuple | None = None,
     min_exclusive: bool = False,
     secret: bool = False,
+    aliases: tuple[str, ...] = (),
+    negated_by: str = "",
 ) -> Any:
-    """A dataclass field with its help text and allowed range or choices; a `secret` one is never printed."""
+    """A dataclass field with its help text and allowed range or choices; a `secret` one is never printed.
+    `aliases`: more flags of the same meaning (vLLM's name where ours differs); `negated_by`: a flag that
+    sets a bool field to False (vLLM's `--disable-*` beside our `--enable-*`)."""
     meta = {"help": help, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive, "secret": secret}
+    meta.update(aliases=tuple(aliases), negated_by=negated_by)
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults are not allowed in frozen configs")
     return dataclasses.field(default=default, metadata=meta)
@@ -102,17 +107,26 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: frozenset
             extra.append(f"range [{meta.get('min', '')}, {meta.get('max', '')}]")
         help_text = f"{meta.get('help', '')} (default: {field.default}; env {env_name(field.name)}"
         help_text += "; " + "; ".join(extra) + ")" if extra else ")"
+        flags = (flag_name(field.name), *meta.get("aliases", ()))
         if tp is bool:
             group.add_argument(
-                flag_name(field.name),
+                *flags,
                 dest=field.name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
                 help=help_text,
             )
+            if meta.get("negated_by"):
+                group.add_argument(
+                    meta["negated_by"],
+                    dest=field.name,
+                    action="store_const",
+                    const=False,
+                    help=f"the same as --no-{flag_name(field.name)[2:]}",
+                )
         else:
             group.add_argument(
-                flag_name(field.name),
+                *flags,
                 dest=field.name,
                 default=None,
                 type=str,

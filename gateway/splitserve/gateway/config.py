@@ -110,6 +110,12 @@ class GatewayConfig:
         min=1,
         max=1 << 20,
     )
+    enable_log_requests: bool = option(
+        True,
+        "one log line per request (request id, trace id, route, status, tokens, TTFT, total ms, finish reason); "
+        "--disable-log-requests (vLLM's flag) or --no-enable-log-requests turns it off",
+        negated_by="--disable-log-requests",
+    )
     metrics_port: int = option(
         0,
         "separate HTTP port for /metrics (for a gateway without REST; REST serves /metrics itself); 0 = off",

@@ -8,6 +8,7 @@ of their GatewayError and, when the caller may retry, trailing metadata `retry-a
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -19,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.gateway.auth import ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.request_log import RequestLog
 from splitserve.gateway.service import (
     GatewayService,
     GenerationInput,
@@ -160,10 +162,17 @@ class _Call:
 
 
 class _Gate:
-    """What every Generation method shares: the servicer, the keys, the metrics."""
+    """What every Generation method shares: the servicer, the keys, the metrics, the request log (Generate)."""
 
-    def __init__(self, servicer: GenerationServicer, api_keys: ApiKeys, metrics: GatewayMetrics | None) -> None:
+    def __init__(
+        self,
+        servicer: GenerationServicer,
+        api_keys: ApiKeys,
+        metrics: GatewayMetrics | None,
+        request_log: RequestLog | None = None,
+    ) -> None:
         self.servicer, self.api_keys, self.metrics = servicer, api_keys, metrics
+        self.request_log = request_log or RequestLog(enabled=False)
 
     def unary(self, name: str, request_type: type) -> grpc.RpcMethodHandler:
         method, route = getattr(self.servicer, name), f"/{GENERATION_SERVICE}/{name}"
@@ -190,6 +199,7 @@ class _Gate:
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(self, route, context)
+            record, start = self.request_log.open(), time.monotonic()
             try:
                 client_id = call.client_id()  # authenticate before looking at the request
                 async with aclosing(method(_parse(raw, request_type), context, client_id)) as stream:
@@ -203,6 +213,7 @@ class _Gate:
                 raise
             finally:
                 call.done()
+                self.request_log.write(record, route, call.status, (time.monotonic() - start) * 1000)
 
         return grpc.unary_stream_rpc_method_handler(handle, response_serializer=_serialize)
 
@@ -212,11 +223,14 @@ def _serialize(message: Any) -> bytes:
 
 
 def generation_handlers(
-    service: GatewayService, api_keys: ApiKeys, metrics: GatewayMetrics | None
+    service: GatewayService,
+    api_keys: ApiKeys,
+    metrics: GatewayMetrics | None,
+    request_log: RequestLog | None = None,
 ) -> grpc.GenericRpcHandler:
     """The Generation service's handlers: requests arrive as bytes and are parsed by us, so a
     malformed message is INVALID_ARGUMENT; every call is authenticated and counted."""
-    gate = _Gate(GenerationServicer(service), api_keys, metrics)
+    gate = _Gate(GenerationServicer(service), api_keys, metrics, request_log)
     handlers = {
         "Generate": gate.streaming("Generate", generation_pb2.GenerateRequest),
         "Tokenize": gate.unary("Tokenize", generation_pb2.TokenizeRequest),
@@ -251,9 +265,10 @@ def add_services(
     health_reporter: HealthReporter,
     api_keys: ApiKeys | None = None,
     metrics: GatewayMetrics | None = None,
+    request_log: RequestLog | None = None,
 ) -> None:
     """Register Generation (authenticated when keys are configured), health and reflection (open)."""
-    server.add_generic_rpc_handlers((generation_handlers(service, api_keys or ApiKeys(), metrics),))
+    server.add_generic_rpc_handlers((generation_handlers(service, api_keys or ApiKeys(), metrics, request_log),))
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
     names = (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

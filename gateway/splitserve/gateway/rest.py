@@ -42,6 +42,8 @@ from starlette.requests import ClientDisconnect
 from splitserve.gateway.auth import ANONYMOUS, ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.request_log import RequestLog
+from splitserve.gateway.request_log import current as current_record
 from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
@@ -140,10 +142,11 @@ def create_app(
     api_keys: ApiKeys | None = None,
     metrics: GatewayMetrics | None = None,
     tool_settings: ToolSettings | None = None,
+    request_log: RequestLog | None = None,
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible endpoints (and /metrics) over `service`."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(GuardMiddleware, api_keys=api_keys or ApiKeys(), metrics=metrics)
+    app.add_middleware(GuardMiddleware, api_keys=api_keys or ApiKeys(), metrics=metrics, request_log=request_log)
     created = started_unix_s or int(time.time())
 
     @app.exception_handler(HTTPException)
@@ -168,10 +171,14 @@ def create_app(
     async def generate(request: Request, parse: Callable, chat: bool, respond: type | None = None):
         """One request of an OpenAI endpoint; `respond` builds another API's answers (the Responses API)."""
         prefix = "resp" if respond is not None else "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        record = current_record()
+        if record is not None:  # the log line names the id also when the body is refused
+            record.add_request(request_id, 0)
         streams: list = []
         try:
             body = await read_json(request, max_body_bytes)
-            req: RestRequest = parse(body, f"{prefix}-{uuid.uuid4().hex}", service.max_stop_strings)
+            req: RestRequest = parse(body, request_id, service.max_stop_strings)
             inputs = [req.inp, *req.more]  # a batch of prompts: one request each, run side by side
             service.check_answer_size(inputs)
             carrier = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}

@@ -12,6 +12,7 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 from splitserve.gateway.auth import OPEN_HTTP_PATHS, ApiKeys
 from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.request_log import RequestLog
 
 CLIENT_ID_KEY = "splitserve.client_id"
 ROUTES = frozenset(
@@ -54,16 +56,23 @@ def error_response(exc: GatewayError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """Authenticates and counts every HTTP call to the wrapped app."""
+    """Authenticates and counts every HTTP call to the wrapped app; writes the request log line of every
+    POST (the calls that ask the model for something)."""
 
-    def __init__(self, app: Callable, api_keys: ApiKeys, metrics: GatewayMetrics | None) -> None:
+    def __init__(
+        self, app: Callable, api_keys: ApiKeys, metrics: GatewayMetrics | None, request_log: RequestLog | None = None
+    ) -> None:
         self.app, self.api_keys, self.metrics = app, api_keys, metrics
+        self.request_log = request_log or RequestLog(enabled=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+        record = self.request_log.open() if scope.get("method") == "POST" else None
+        start = time.monotonic()
         status = [500]  # what an exception escaping the app becomes
 
         async def send_counted(message: dict) -> None:
@@ -81,7 +90,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send_counted)
         finally:
             if self.metrics is not None and path != "/metrics":
-                self.metrics.count(path if path in ROUTES else "other", status[0])
+                self.metrics.count(route, status[0])
+            self.request_log.write(record, route, status[0], (time.monotonic() - start) * 1000)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

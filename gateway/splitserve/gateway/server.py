@@ -27,6 +27,7 @@ from splitserve.gateway.grpc_api import HealthReporter, add_services
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.registry import Registry
+from splitserve.gateway.request_log import RequestLog
 from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.router import Router
 from splitserve.gateway.service import GatewayService
@@ -210,7 +211,8 @@ class GatewayServer:
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
         self.registry.listeners.append(self._learn_model)
-        add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics)
+        self.request_log = RequestLog(config.enable_log_requests)
+        add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics, self.request_log)
         await self._grpc_server.start()
         if config.http_port or self._http_socket is not None:
             await self._start_rest()
@@ -254,6 +256,7 @@ class GatewayServer:
             api_keys=self.api_keys,
             metrics=self.metrics,
             tool_settings=self.tool_settings,
+            request_log=self.request_log,
         )
         self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
         sockets = None

@@ -26,10 +26,11 @@ from typing import Any
 
 from splitserve.common import wire
 from splitserve.common.sampling_params import MAX_SEED, MAX_SEQUENCES, SamplingParams
+from splitserve.gateway import request_log
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.limits import RateLimiter
-from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.observe import FINISH_REASON_NAMES, GatewayMetrics
 from splitserve.gateway.registry import Registry
 from splitserve.gateway.request_run import RequestRun, RunDeps
 from splitserve.gateway.router import Router
@@ -422,6 +423,9 @@ class GatewayService:
         request on every hop.
         """
         arrival_ns = time.monotonic_ns()
+        record = request_log.current()  # this call's request log line, when its front end keeps one
+        if record is not None:
+            record.add_request(inp.request_id, 0)  # named also when refused below
         self.limiter.take_request(client_id)
         self._admit()
         request_id = inp.request_id or f"req-{uuid.uuid4().hex}"
@@ -435,11 +439,15 @@ class GatewayService:
             )
         self._enter(request_id, +1)
         observer = self.metrics.run(arrival_ns / 1e9) if self.metrics is not None else None
+        if record is not None:
+            record.add_request(request_id, 0)
         prompt_ids: list[int] = []
         closed_early = False
         try:
             num_sequences = inp.best_of or inp.n
             prompt_ids, params = await self._prepare(inp, client_id, num_sequences)
+            if record is not None:
+                record.prompt_tokens += len(prompt_ids)
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             echo_text = None
             if inp.echo:  # the text as given; token ids decoded as they are (special tokens kept, as vLLM)
@@ -467,6 +475,9 @@ class GatewayService:
                 async for message in messages:
                     if observer is not None:
                         observer.message(message)
+                    if record is not None:
+                        record.add_tokens(len(message.token_ids), (time.monotonic_ns() - arrival_ns) / 1e6)
+                        record.add_finish(FINISH_REASON_NAMES.get(message.finish_reason, ""))
                     yield message
         except (GeneratorExit, asyncio.CancelledError):
             closed_early = True

@@ -34,7 +34,8 @@ class PlainFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """{"ts", "level", "logger", "msg", "request_id"?, "trace_id"?, "exc"?} per line."""
+    """{"ts", "level", "logger", "msg", "request_id"?, "trace_id"?, "exc"?} per line, and a record's own
+    `fields` (logged with extra={"fields": {...}}) as fields of the line."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
@@ -50,6 +51,9 @@ class JsonFormatter(logging.Formatter):
         trace_id = _current_trace_id()
         if trace_id:
             line["trace_id"] = trace_id
+        for key, value in (getattr(record, "fields", None) or {}).items():
+            if value is not None or key not in line:  # an unknown field never hides what the formatter found
+                line[key] = value
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)
