@@ -29,9 +29,9 @@ def test_top_level_help_lists_subcommands(capsys):
 
 def test_unknown_subcommand_exits_2_naming_the_choices(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["serve"])
+        main(["sreve"])
     assert info.value.code == 2
-    assert "invalid choice: 'serve'" in capsys.readouterr().err
+    assert "invalid choice: 'sreve'" in capsys.readouterr().err
 
 
 def test_generate_help_shows_engine_flags(capsys):

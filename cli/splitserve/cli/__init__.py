@@ -1,4 +1,4 @@
-"""The `splitserve` command: up, gateway, prefill, decode, worker, generate, bench.
+"""The `splitserve` command: up, serve, gateway, prefill, decode, worker, generate, bench.
 
 Each subcommand builds its frozen configs from flags and SPLITSERVE_* variables, prints them, and
 runs. A subcommand's own modules are imported only when it is chosen (each `_load_*` function
@@ -28,6 +28,8 @@ class Loaded:
     config_classes: tuple[type, ...]
     run: Runner
     role: str | None = None  # EngineConfig.role this subcommand fixes (None: it has no EngineConfig)
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None  # flags beyond the configs'
+    prepare: Callable[[argparse.Namespace], None] | None = None  # the namespace adjusted before configs are built
 
 
 def _load_up() -> Loaded:
@@ -36,6 +38,14 @@ def _load_up() -> Loaded:
     from splitserve.gateway.config import UpConfig, UpGatewayConfig
 
     return Loaded((EngineConfig, UpConfig, UpGatewayConfig), run_up, role="both")
+
+
+def _load_serve() -> Loaded:
+    from splitserve.cli.serve import add_serve_arguments, prepare_serve, run_serve
+    from splitserve.common.config import EngineConfig
+    from splitserve.gateway.config import UpConfig, UpGatewayConfig
+
+    return Loaded((EngineConfig, UpConfig, UpGatewayConfig), run_serve, "both", add_serve_arguments, prepare_serve)
 
 
 def _load_gateway() -> Loaded:
@@ -77,6 +87,7 @@ def _load_bench() -> Loaded:
 # subcommand -> (help, loader)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[], Loaded]]] = {
     "up": ("start gateway + prefill + decode on loopback with the default model", _load_up),
+    "serve": ("`up` with vLLM's flag names: splitserve serve MODEL --port 8000 --api-key KEY", _load_serve),
     "gateway": ("run the gateway (gRPC Generation API + REST shim)", _load_gateway),
     "prefill": ("run a prefill service", _load_service("prefill")),
     "decode": ("run a decode service", _load_service("decode")),
@@ -103,6 +114,8 @@ def build_parser(command: str, loaded: Loaded) -> argparse.ArgumentParser:
     if command == "bench":
         parser.add_argument("benchmark", help="benchmark name: serve")
         parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    if loaded.add_arguments is not None:
+        loaded.add_arguments(parser)
     for cls in loaded.config_classes:
         add_arguments(parser, cls, exclude=frozenset({"role"}) if cls.__name__ == "EngineConfig" else frozenset())
     return parser
@@ -110,6 +123,8 @@ def build_parser(command: str, loaded: Loaded) -> argparse.ArgumentParser:
 
 def build_configs(loaded: Loaded, ns: argparse.Namespace) -> dict[str, object]:
     """Build every config class of the subcommand from the namespace; class name -> config."""
+    if loaded.prepare is not None:
+        loaded.prepare(ns)
     configs = {}
     for cls in loaded.config_classes:
         overrides = {"role": loaded.role} if cls.__name__ == "EngineConfig" else {}

@@ -232,7 +232,7 @@ def stack_commands(
     gateway = cli + [
         "gateway",
         "--host",
-        HOST,
+        up.host,
         "--grpc-port",
         str(up.grpc_port),
         "--http-port",
@@ -435,9 +435,15 @@ def wait_ready(
     return None if should_stop() else f"not ready after {timeout_s:g} s: {last}"
 
 
+def public_host(up: UpConfig) -> str:
+    """Where a client on this machine reaches the gateway: its --host, or loopback when that is every interface."""
+    return HOST if up.host in ("", "0.0.0.0", "::") else up.host
+
+
 def base_url(up: UpConfig, gateway_options: Any = None) -> str:
     scheme = "https" if gateway_options is not None and gateway_options.tls_cert else "http"
-    return f"{scheme}://{HOST}:{up.http_port}"
+    host = public_host(up)
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{up.http_port}"
 
 
 def banner(
@@ -460,7 +466,7 @@ def banner(
         f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {placement.kv_transport}",
         *placement.describe(),
         f"  OpenAI REST  {base}/v1",
-        f"  gRPC         {HOST}:{up.grpc_port}  "
+        f"  gRPC         {public_host(up)}:{up.grpc_port}  "
         f"(splitserve.v1.Generation, reflection on{', TLS' if base.startswith('https:') else ''})",
         f"  readiness    {base}/ready",
         *(

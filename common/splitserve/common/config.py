@@ -66,10 +66,12 @@ class EngineConfig:
     kv_cache_memory_fraction: float = option(
         0.9,
         "share of the CUDA device's memory this instance may allocate (weights, KV, activations); other "
-        "processes on the device are not counted, so instances sharing a GPU split it (up does)",
+        "processes on the device are not counted, so instances sharing a GPU split it (up does); "
+        "--gpu-memory-utilization is vLLM's name for it",
         min=0.0,
         max=0.98,
         min_exclusive=True,
+        aliases=("--gpu-memory-utilization",),
     )
     kv_cache_cpu_bytes: int = option(
         1 << 30,

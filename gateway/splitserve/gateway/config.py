@@ -122,6 +122,11 @@ class GatewayConfig:
         min=0,
         max=65535,
     )
+    chat_template: str = option(
+        "",
+        "chat template for every chat request instead of the model's: a file's path or the template itself "
+        "(vLLM's --chat-template); empty = the model's",
+    )
     api_keys_file: str = option(
         "",
         "file of API keys, one per line (# comments); with it or SPLITSERVE_API_KEYS "
@@ -171,8 +176,13 @@ class UpConfig:
     decode_port: int = option(
         50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535
     )
+    host: str = option(
+        "127.0.0.1",
+        "address the gateway's public ports (REST, gRPC) bind, e.g. 0.0.0.0 for every interface; the prefill and "
+        "decodes stay on loopback",
+    )
     grpc_port: int = option(50051, "gateway gRPC port", min=1, max=65535)
-    http_port: int = option(8000, "gateway REST port", min=1, max=65535)
+    http_port: int = option(8000, "gateway REST port (--port: vLLM's name)", min=1, max=65535, aliases=("--port",))
     kv_transport: str = option(
         "auto",
         "KV transport between prefill and decode; auto = what the placement supports (shm when the prefill runs "

@@ -54,6 +54,22 @@ def load_gateway_tokenizer(model: str) -> Any:
     return load_tokenizer(model)
 
 
+def read_chat_template(value: str) -> str | None:
+    """--chat-template as vLLM reads it: a file's text, or the value itself when it is a template; None when
+    unset. ValueError naming the flag when it is neither a readable file nor a template."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value!r} cannot be read: {exc}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value[:200]!r} is neither a file nor a jinja template ({{{{ or {{% in it)")
+
+
 def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
     """(certificate PEM, key PEM) for the public ports, or None; ValueError naming the flag."""
     if bool(config.tls_cert) != bool(config.tls_key):
@@ -163,6 +179,7 @@ class GatewayServer:
         config = self.config
         tls = load_tls(config)
         self.tool_settings = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
+        chat_template = read_chat_template(config.chat_template)  # refused before anything listens
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
         from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS, InternalAuth, internal_channel
@@ -206,6 +223,7 @@ class GatewayServer:
             metrics=self.metrics,
             served_model_names=[n.strip() for n in config.served_model_name.split(",") if n.strip()],
             stream_interval=config.stream_interval,
+            chat_template=chat_template,
         )
         self.health = HealthReporter()
         await self.health.set_ready(False)

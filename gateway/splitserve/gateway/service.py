@@ -193,8 +193,10 @@ class GatewayService:
         metrics: GatewayMetrics | None = None,
         served_model_names: Sequence[str] = (),
         stream_interval: int = 1,
+        chat_template: str | None = None,
     ) -> None:
         self.registry = registry
+        self.chat_template = chat_template  # --chat-template: every chat is rendered with it
         self._served_model_names = tuple(served_model_names)
         self.router = router
         self.tokenizer = tokenizer
@@ -288,6 +290,7 @@ class GatewayService:
             [{"role": r, "content": c, **dict(extra)} for (r, c), extra in zip(turns, extras)],
             options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            chat_template=self.chat_template,
             chat_template_kwargs=dict(options.template_kwargs),
             tools=list(options.tools) if options.tools is not None else None,
         )
