@@ -23,6 +23,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return f"http://127.0.0.1:{self.port}"
 
     def Export(self, request, context):
+        self.keep(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def keep(self, request) -> None:
         with self._lock:
             for resource_spans in request.resource_spans:
                 service = next(
@@ -37,15 +41,45 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                                 "trace_id": s.trace_id.hex(),
                                 "span_id": s.span_id.hex(),
                                 "parent": s.parent_span_id.hex(),
+                                "kind": s.kind,  # 1 internal, 2 server, 3 client
                                 "attributes": {a.key: _value(a.value) for a in s.attributes},
                                 "start": s.start_time_unix_nano,
                                 "end": s.end_time_unix_nano,
                             }
                         )
-        return trace_service_pb2.ExportTraceServiceResponse()
 
     def stop(self) -> None:
         self.server.stop(0)
+
+
+class HttpReceiver(Receiver):
+    """The same over OTLP/HTTP (protobuf bodies POSTed to /v1/traces); `paths` lists the paths posted to."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.spans, self._lock, self.paths = [], threading.Lock(), []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.paths.append((self.path, self.headers["Content-Type"]))
+                receiver.keep(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _value(v):

@@ -1,5 +1,6 @@
 """The splitserve command: every subcommand has --help; bad flags exit 2 naming the flag."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -95,3 +96,17 @@ def test_every_subcommand_builds_its_parser_without_conflicting_flags(command):
     from splitserve.cli import build_parser
 
     build_parser(command, SUBCOMMANDS[command][1]())
+
+
+def test_start_up_prints_what_differs_from_the_defaults_and_every_field_at_debug(monkeypatch, capsys):
+    import splitserve.cli as cli
+    from splitserve.gateway.config import GatewayConfig
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "gateway", ("gateway", lambda: cli.Loaded((GatewayConfig,), lambda ns, c: 0)))
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "t0ken")
+    assert main(["gateway", "--grpc-port", "6000", "--served-model-name", "m"]) == 0
+    assert capsys.readouterr().err == ("GatewayConfig: grpc_port=6000, served_model_name='m', internal_token='<set>'\n")
+    monkeypatch.setenv("SPLITSERVE_LOG_LEVEL", "debug")
+    assert main(["gateway"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "GatewayConfig:" and len(err) == 1 + len(dataclasses.fields(GatewayConfig))

@@ -169,6 +169,7 @@ def test_banner_with_tls_and_api_keys():
         "  readiness    https://127.0.0.1:8000/ready",
         "  metrics      https://127.0.0.1:8000/metrics (gateway), http://127.0.0.1:9100/metrics (prefill-0), "
         "ports 9101.. (decodes)",
+        "  traces       off (--otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT turns them on)",
         "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
         "  curl -s --cacert /c.pem https://127.0.0.1:8000/v1/completions "
         '-H "Authorization: Bearer $SPLITSERVE_API_KEY"'
@@ -348,6 +349,7 @@ def test_up_prints_the_banner_serves_and_leaves_nothing_after_ctrl_c(tokenizer_d
             f"  OpenAI REST  {base}/v1",
             f"  gRPC         127.0.0.1:{grpc_port}  (splitserve.v1.Generation, reflection on)",
             f"  readiness    {base}/ready",
+            "  traces       off (--otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT turns them on)",
             "Try:",
             f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'",
             "Press Ctrl-C to stop.",
@@ -369,7 +371,7 @@ def test_up_with_tls_and_api_keys_serves_only_authorized_https(tokenizer_dir, tm
             lines[0] == "splitserve is up: model 'tiny-fake', 1 prefill + 1 decode, KV over shm"
         )  # id asked with the key
         assert lines[3] == f"  OpenAI REST  {base}/v1"
-        assert f"--cacert {cert} {base}/v1/completions" in lines[7]
+        assert f"--cacert {cert} {base}/v1/completions" in lines[8]
         body = {"model": "tiny-fake", "prompt": "hello", "max_tokens": 2, "temperature": 0}
         ca = ssl.create_default_context(cafile=str(cert))
         assert httpx.post(base + "/v1/completions", json=body, verify=ca, timeout=10).status_code == 401

@@ -71,6 +71,7 @@ def test_health_serving_and_reflection(channel):
     (answer,) = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     assert sorted(s.name for s in answer.list_services_response.service) == [
         "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
         "grpc.reflection.v1alpha.ServerReflection",
         "splitserve.v1.Generation",
     ]

@@ -1,9 +1,10 @@
 """The `splitserve` command: up, serve, gateway, prefill, decode, worker, generate, bench.
 
-Each subcommand builds its frozen configs from flags and SPLITSERVE_* variables, prints them, and
-runs. A subcommand's own modules are imported only when it is chosen (each `_load_*` function
-below imports them by name), so `splitserve gateway` never loads torch and `splitserve --help`
-loads nothing of the stack. An import that fails is an error, never a silently missing flag.
+Each subcommand builds its frozen configs from flags and SPLITSERVE_* variables, prints what differs
+from the defaults (every field with SPLITSERVE_LOG_LEVEL=DEBUG), and runs. A subcommand's own modules
+are imported only when it is chosen (each `_load_*` function below imports them by name), so
+`splitserve gateway` never loads torch and `splitserve --help` loads nothing of the stack. An import
+that fails is an error, never a silently missing flag.
 
 `--role` is no flag: the subcommand decides it (prefill, decode, worker = both; `up` starts
 one of each; `generate` runs both in one process).
@@ -12,11 +13,12 @@ one of each; `generate` runs both in one process).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.common.config_fields import ConfigError, add_arguments, describe, from_namespace
+from splitserve.common.config_fields import ConfigError, add_arguments, describe, describe_changes, from_namespace
 
 Runner = Callable[[argparse.Namespace, dict[str, object]], int | None]
 
@@ -163,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"splitserve {command}: error: {exc}", file=sys.stderr)
         return 2
-    for config in configs.values():
-        print(describe(config), file=sys.stderr)
+    full = os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper() == "DEBUG"
+    for config in configs.values():  # every field at DEBUG; else what differs from the defaults
+        print(describe(config) if full else describe_changes(config), file=sys.stderr)
     from splitserve.runtime.grpc_server import PortInUse
 
     try:

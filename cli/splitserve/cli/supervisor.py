@@ -45,6 +45,7 @@ from splitserve.common.config_fields import flag_name
 from splitserve.gateway.config import UpConfig
 
 HOST = "127.0.0.1"
+TRACES_HOW = "--otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT turns them on"
 # EngineConfig fields not forwarded as they are: each subcommand decides its own role; the placement
 # gives each child its device and its share of the GPU's memory.
 _NOT_FORWARDED = {"role", "device", "kv_cache_memory_fraction"}
@@ -452,8 +453,10 @@ def banner(
     gateway_options: Any = None,
     keys_required: bool = False,
     placement: Placement | None = None,
+    traces: str = "off",
 ) -> str:
-    """URLs, where each process runs, and a ready-to-paste request (with the CA and API key options it needs)."""
+    """URLs, where each process runs, where traces go (tracing.destination), and a ready-to-paste request (with
+    the CA and API key options it needs)."""
     placement = placement or Placement("cpu", ("cpu",) * up.num_decode, "shm", {})
     base = base_url(up, gateway_options)
     body = json.dumps({"model": model_id, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
@@ -477,6 +480,7 @@ def banner(
             if up.metrics_ports
             else []
         ),
+        f"  traces       {traces}" if traces != "off" else f"  traces       off ({TRACES_HOW})",
         "Try:" if not keys_required else "Try (SPLITSERVE_API_KEY: one of the configured API keys):",
         f"  {curl} -H 'Content-Type: application/json' -d '{body}'",
         "Press Ctrl-C to stop.",
@@ -522,10 +526,16 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
     stack = LocalStack()
     # the children prove themselves to each other with a secret of this run unless one is given
     stack.env.setdefault("SPLITSERVE_INTERNAL_TOKEN", secrets.token_hex(16))
+    from splitserve.runtime.tracing import destination
+
     base = base_url(up, gateway_options)
+    endpoint = gateway_options.otlp_traces_endpoint if gateway_options is not None else ""
+    if endpoint:  # the engines trace to the same collector as the gateway
+        stack.env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
     try:
         key = configured_key(gateway_options, dict(os.environ))
-    except ValueError as exc:  # an unreadable keys file: say so before starting anything
+        traces = destination(stack.env, endpoint)
+    except ValueError as exc:  # an unreadable keys file, an unknown OTEL_* value: say so before starting anything
         print(f"splitserve up: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -546,7 +556,7 @@ def run_up(ns: Any, configs: dict[str, Any]) -> int:
             return 0
         print(f"splitserve up: ready in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         stack.echo()
-        print(banner(up, _model_id(base, key), gateway_options, bool(key), placement), flush=True)
+        print(banner(up, _model_id(base, key), gateway_options, bool(key), placement, traces), flush=True)
         restarts = RestartPolicy(up.max_restarts, up.restart_window_s, up.restart_backoff_s)
         due: dict[str, float] = {}  # child -> when it starts again
         while not stopping:

@@ -198,3 +198,14 @@ def describe(config: Any) -> str:
 
     lines = [f"{name}:"] + [f"  {f.name} = {shown(f)}" for f in dataclasses.fields(config)]
     return "\n".join(lines)
+
+
+def describe_changes(config: Any) -> str:
+    """One line: the fields set away from their defaults (secrets hidden), for the start-up summary."""
+
+    def shown(field: dataclasses.Field) -> str:
+        value = getattr(config, field.name)
+        return "'<set>'" if field.metadata.get("secret") else repr(value)
+
+    changed = [f"{f.name}={shown(f)}" for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]
+    return f"{type(config).__name__}: {', '.join(changed) if changed else 'defaults'}"

@@ -363,7 +363,7 @@ def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
 
 def _serve(engine_config, service_config) -> int:
     service = DecodeService(engine_config, service_config)
-    tracing.init_tracing(f"splitserve-{engine_config.role}", service.name)
+    tracing.init_tracing(f"splitserve-{engine_config.role}", service.name, endpoint=service_config.otlp_traces_endpoint)
     return asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
 
 

@@ -24,6 +24,11 @@ class ServiceConfig:
         "", "address peers use to reach this instance (KV handles, NCCL rendezvous); empty = --host"
     )
     metrics_port: int = option(0, "HTTP port for /metrics; 0 = off", min=0, max=65535)
+    otlp_traces_endpoint: str = option(
+        "",
+        "send traces to this OTLP collector (vLLM's flag; grpc, or http/protobuf with OTEL_EXPORTER_OTLP_PROTOCOL); "
+        "empty = as the OTEL_* variables say (off when none is set)",
+    )
     health_port: int = option(
         0,
         "gRPC port of a second server answering only Describe and health (advertised in Describe, so the "

@@ -19,7 +19,7 @@ from splitserve.gateway.errors import GatewayError
 
 API_KEYS_ENV = "SPLITSERVE_API_KEYS"
 ANONYMOUS = "anonymous"  # the client id of every caller when authentication is off
-OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/ready", "/metrics"})
+OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/ready", "/metrics", "/docs", "/openapi.json"})
 MISSING_KEY = "missing API key: send the header 'Authorization: Bearer <key>'"
 WRONG_KEY = "invalid API key"
 

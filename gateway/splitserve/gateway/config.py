@@ -110,6 +110,11 @@ class GatewayConfig:
         min=1,
         max=1 << 20,
     )
+    otlp_traces_endpoint: str = option(
+        "",
+        "send traces to this OTLP collector (vLLM's flag; grpc, or http/protobuf with OTEL_EXPORTER_OTLP_PROTOCOL); "
+        "empty = as the OTEL_* variables say (off when none is set)",
+    )
     enable_log_requests: bool = option(
         True,
         "one log line per request (request id, trace id, route, status, tokens, TTFT, total ms, finish reason); "

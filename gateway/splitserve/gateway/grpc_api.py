@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from splitserve.gateway import request_log
 from splitserve.gateway.auth import ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
@@ -30,6 +30,7 @@ from splitserve.gateway.service import (
 )
 from splitserve.protos import generation_pb2
 from splitserve.runtime import tracing
+from splitserve.runtime.grpc_server import enable_reflection
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -85,19 +86,32 @@ class GenerationServicer:
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, client_id: str
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        inp = input_from_proto(request, self._service.max_stop_strings)
-        self._service.check_answer_size([inp])
-        stream = self._service.generate(
-            inp,
-            timeout_s=context.time_remaining(),
-            client_id=client_id,
-            trace_carrier=tracing.metadata_carrier(context.invocation_metadata()),
+        # the call's one SERVER span; the request's own spans are its children
+        span = tracing.start_span(
+            f"/{GENERATION_SERVICE}/Generate",
+            tracing.extract(tracing.metadata_carrier(context.invocation_metadata())),
+            {"rpc.system": "grpc", "rpc.service": GENERATION_SERVICE, "rpc.method": "Generate"},
         )
+        record = request_log.current()
+        if record is not None:
+            record.trace_id = tracing.trace_id_of(span)
+        error = None
         try:
-            async for message in stream:
-                yield message
+            inp = input_from_proto(request, self._service.max_stop_strings)
+            self._service.check_answer_size([inp])
+            stream = self._service.generate(
+                inp, timeout_s=context.time_remaining(), client_id=client_id, trace_carrier=tracing.inject(span)
+            )
+            try:
+                async for message in stream:
+                    yield message
+            finally:
+                await stream.aclose()  # client gone mid-stream: abort on every hop now
+        except GatewayError as exc:
+            error = f"{exc.grpc_status.name}: {exc.message}"
+            raise
         finally:
-            await stream.aclose()  # client gone mid-stream: abort on every hop now
+            tracing.end_span(span, error)
 
     async def Tokenize(
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext, client_id: str
@@ -270,5 +284,4 @@ def add_services(
     """Register Generation (authenticated when keys are configured), health and reflection (open)."""
     server.add_generic_rpc_handlers((generation_handlers(service, api_keys or ApiKeys(), metrics, request_log),))
     health_pb2_grpc.add_HealthServicer_to_server(health_reporter.servicer, server)
-    names = (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    enable_reflection(server, [GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])

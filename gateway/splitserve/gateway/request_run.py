@@ -141,10 +141,11 @@ class RequestRun:
         self._stashed: LinkFailure | object | None = None  # a failure or _DEADLINE queued behind merged deltas
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._handed: tuple[Instance, common_pb2.KvHandle] | None = None  # lease given to a decode, unclaimed yet
-        self._span = tracing.start_span(
+        self._span = tracing.start_span(  # a child of the front end's SERVER span
             "request",
             tracing.extract(trace_carrier),
             {"request_id": request_id, "prompt_tokens": len(prompt_token_ids), "max_tokens": params.max_tokens or 0},
+            kind="internal",
         )
         self._first_message_ns = 0
         self._error: str | None = None

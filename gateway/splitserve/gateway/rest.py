@@ -11,8 +11,9 @@
     POST /v1/responses         OpenAI's Responses API, stateless (gateway/rest_responses.py)
     GET  /metrics              Prometheus metrics of the gateway (gateway/observe.py)
     POST /tokenize, /detokenize, GET /version   vLLM's token endpoints (gateway/rest_tokens.py)
+    GET  /docs, /openapi.json  the API's Swagger UI and OpenAPI schema (open, as vLLM's)
 
-With API keys configured every route but /health, /live, /ready and /metrics needs
+With API keys configured every route but /health, /live, /ready, /metrics, /docs and /openapi.json needs
 `Authorization: Bearer <key>` (gateway/rest_guard.py).
 Bodies are validated by the pydantic models of gateway/rest_models.py; a refused body is HTTP 400 (as
 vLLM's server answers a validation error; FastAPI's default would be 422) naming the field and the limit.
@@ -25,6 +26,7 @@ refused (4xx/5xx) only before its first token; a failure after that is a final S
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -45,7 +47,7 @@ from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.request_log import RequestLog
 from splitserve.gateway.request_log import current as current_record
 from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
-from splitserve.gateway.rest_guard import CLIENT_ID_KEY, GuardMiddleware, error_response
+from splitserve.gateway.rest_guard import CLIENT_ID_KEY, SPAN_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from splitserve.gateway.rest_responses import parse_responses
 from splitserve.gateway.rest_responses_answers import ResponsesAnswer
@@ -53,6 +55,7 @@ from splitserve.gateway.rest_tokens import add_token_routes
 from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.sequences import split
 from splitserve.gateway.service import GatewayService
+from splitserve.runtime import tracing
 
 _DISCONNECT_POLL_S = 0.25
 BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is cut off (HTTP 408)
@@ -145,7 +148,11 @@ def create_app(
     request_log: RequestLog | None = None,
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible endpoints (and /metrics) over `service`."""
-    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry (0.165+) would open a second SERVER span per call beside ours (rest_guard.py)
+    native = {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        native = {}
+    app = FastAPI(title="splitserve gateway", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json", **native)
     app.add_middleware(GuardMiddleware, api_keys=api_keys or ApiKeys(), metrics=metrics, request_log=request_log)
     created = started_unix_s or int(time.time())
 
@@ -181,7 +188,8 @@ def create_app(
             req: RestRequest = parse(body, request_id, service.max_stop_strings)
             inputs = [req.inp, *req.more]  # a batch of prompts: one request each, run side by side
             service.check_answer_size(inputs)
-            carrier = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+            span = request.scope.get(SPAN_KEY)  # the request's spans are children of the call's SERVER span
+            carrier = tracing.inject(span) if span is not None else {}
             client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)
             streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
             # watched for the client leaving from the start: one that leaves before its first token aborts the

@@ -22,8 +22,10 @@ from splitserve.gateway.auth import OPEN_HTTP_PATHS, ApiKeys
 from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.request_log import RequestLog
+from splitserve.runtime import tracing
 
 CLIENT_ID_KEY = "splitserve.client_id"
+SPAN_KEY = "splitserve.span"  # the call's SERVER span in the ASGI scope (None when tracing is off)
 ROUTES = frozenset(
     {
         "/v1/completions",
@@ -37,6 +39,8 @@ ROUTES = frozenset(
         "/live",
         "/ready",
         "/metrics",
+        "/docs",
+        "/openapi.json",
     }
 )
 
@@ -71,7 +75,12 @@ class GuardMiddleware:
             return
         path = scope.get("path", "")
         route = path if path in ROUTES else "other"
-        record = self.request_log.open() if scope.get("method") == "POST" else None
+        post = scope.get("method") == "POST"
+        record = self.request_log.open() if post else None
+        span = _server_span(scope, route) if post else None  # the call's one SERVER span
+        scope[SPAN_KEY] = span
+        if record is not None:
+            record.trace_id = tracing.trace_id_of(span)
         start = time.monotonic()
         status = [500]  # what an exception escaping the app becomes
 
@@ -92,6 +101,22 @@ class GuardMiddleware:
             if self.metrics is not None and path != "/metrics":
                 self.metrics.count(route, status[0])
             self.request_log.write(record, route, status[0], (time.monotonic() - start) * 1000)
+            if span is not None:
+                span.set_attribute("http.response.status_code", status[0])
+                tracing.end_span(span, f"HTTP {status[0]}" if status[0] >= 500 else None)
+
+
+def _server_span(scope: Scope, route: str):
+    """A SERVER span for the call, child of the client's traceparent when it sent one (a no-op when off)."""
+    if not tracing.enabled():
+        return None
+    carrier = {}
+    for key in ("traceparent", "tracestate"):
+        value = _header(scope, key.encode())
+        if value is not None:
+            carrier[key] = value.decode("latin-1")
+    attributes = {"http.request.method": "POST", "http.route": route, "url.path": scope.get("path", "")[:256]}
+    return tracing.start_span(f"POST {route}", tracing.extract(carrier), attributes, kind="server")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -350,7 +350,10 @@ def run(ns: Any, configs: dict[str, Any]) -> int:
     setup_logging()
 
     config = configs["GatewayConfig"]
-    tracing.init_tracing("splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}")
+    tracing.init_tracing(
+        "splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}", endpoint=config.otlp_traces_endpoint
+    )
+    log.info("traces: %s", tracing.destination(endpoint=config.otlp_traces_endpoint))
     try:
         return asyncio.run(serve(config))
     finally:

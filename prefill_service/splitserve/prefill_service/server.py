@@ -249,5 +249,5 @@ def run(ns, configs) -> int:
     setup_logging()
     engine_config = configs["EngineConfig"]  # role prefill, set by the CLI
     service = PrefillService(engine_config, configs["ServiceConfig"])
-    tracing.init_tracing("splitserve-prefill", service.name)
+    tracing.init_tracing("splitserve-prefill", service.name, endpoint=configs["ServiceConfig"].otlp_traces_endpoint)
     return asyncio.run(service.serve(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)))

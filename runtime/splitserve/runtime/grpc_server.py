@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 log = logging.getLogger("splitserve.server")
 
@@ -244,6 +244,26 @@ class PortInUse(RuntimeError):
     """A server's address could not be bound (another process holds it, or the host is not this machine's)."""
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Server reflection of `service_names` under both of its names: grpc.reflection.v1 (what current grpcurl and
+    grpc-requests ask first) and v1alpha (older clients). grpcio-reflection ships only v1alpha; the two
+    protocols' messages are the same on the wire, so one servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    servicer = reflection.aio.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    handlers = grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1})
+    server.add_generic_rpc_handlers((handlers,))
+
+
 def build_server(
     host: str, port: int, add_servicers, service_names: list[str], auth: InternalAuth | None = None
 ) -> tuple[grpc.aio.Server, health.HealthServicer, int]:
@@ -264,8 +284,7 @@ def build_server(
     add_servicers(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    enable_reflection(server, [*service_names, health.SERVICE_NAME])
     address = f"{host}:{port}"
     try:  # grpcio raises (older ones returned 0) when another socket holds the address
         bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)

@@ -1,9 +1,12 @@
 """OpenTelemetry tracing, off unless asked for, with no import of OpenTelemetry when off.
 
-On: `SPLITSERVE_TRACING=1` (or the flag that sets it) or `OTEL_EXPORTER_OTLP_ENDPOINT` /
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set. Spans go out over OTLP/gRPC (the standard OTEL_*
-variables configure the exporter). Context crosses processes as W3C `traceparent`: in gRPC
-metadata for unary calls, and in `DecodeRequest.trace_context` on the shared decode stream.
+On: `--otlp-traces-endpoint` (vLLM's flag), `SPLITSERVE_TRACING=1`, `OTEL_EXPORTER_OTLP_ENDPOINT` /
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_TRACES_EXPORTER` set (to anything but `none`). Where spans go
+follows the standard variables: `OTEL_TRACES_EXPORTER` = `otlp` (default), `console` or both (comma-separated),
+`none`; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` = `grpc` (default) or
+`http/protobuf` (otlp_http.py); endpoints, headers and TLS from the usual `OTEL_EXPORTER_OTLP_*` variables.
+Context crosses processes as W3C `traceparent`: in gRPC metadata for unary calls, and in
+`DecodeRequest.trace_context` on the shared decode stream.
 
 Spans whose times are known only afterwards (queueing, compute inside the engine core) are
 recorded with explicit start/end times, so the hot path never waits on tracing.
@@ -12,38 +15,115 @@ recorded with explicit start/end times, so the hot path never waits on tracing.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 _tracer = None
+_provider = None
 _enabled = False
+EXPORTERS = ("otlp", "console", "none")
+PROTOCOLS = ("grpc", "http/protobuf")
 
 
-def tracing_requested() -> bool:
-    env = os.environ
-    return env.get("SPLITSERVE_TRACING", "").lower() in ("1", "true", "yes", "on") or bool(
-        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+def _exporter_names(env: Mapping[str, str]) -> list[str]:
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()] or ["otlp"]
+    bad = [n for n in names if n not in EXPORTERS]
+    if bad:
+        raise ValueError(f"OTEL_TRACES_EXPORTER={bad[0]!r} is not supported; use one of {', '.join(EXPORTERS)}")
+    return names
+
+
+def _protocol(env: Mapping[str, str]) -> str:
+    variable = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+    if not env.get(variable):
+        variable = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    protocol = env.get(variable, "").strip().lower() or "grpc"
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"{variable}={protocol!r} is not supported; use one of {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def _otlp_endpoint(env: Mapping[str, str], endpoint: str, protocol: str) -> str:
+    """The collector URL: the flag or the traces variable as given, else the base endpoint (+ /v1/traces for
+    HTTP), else the default port of the protocol on localhost."""
+    given = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+    if given:
+        return given
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if protocol == "grpc":
+        return base or "http://localhost:4317"
+    return (base.rstrip("/") or "http://localhost:4318") + "/v1/traces"
+
+
+def tracing_requested(env: Mapping[str, str] | None = None, endpoint: str = "") -> bool:
+    env = os.environ if env is None else env
+    if _exporter_names(env) == ["none"]:
+        return False
+    return bool(
+        endpoint
+        or env.get("SPLITSERVE_TRACING", "").lower() in ("1", "true", "yes", "on")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or env.get("OTEL_TRACES_EXPORTER")
     )
 
 
-def init_tracing(service_name: str, instance: str, enabled: bool | None = None) -> bool:
-    """Set up the process's tracer; returns whether tracing is on."""
-    global _tracer, _enabled
-    _enabled = tracing_requested() if enabled is None else enabled
+def destination(env: Mapping[str, str] | None = None, endpoint: str = "") -> str:
+    """Where spans go, in words ("off" when tracing is off), for banners and the start-up log."""
+    env = os.environ if env is None else env
+    if not tracing_requested(env, endpoint):
+        return "off"
+    where = []
+    for name in _exporter_names(env):
+        if name == "console":
+            where.append("console (stdout)")
+        elif name == "otlp":
+            protocol = _protocol(env)
+            kind = "OTLP/gRPC" if protocol == "grpc" else "OTLP/HTTP"
+            where.append(f"{kind} {_otlp_endpoint(env, endpoint, protocol)}")
+    return ", ".join(where)
+
+
+def make_exporters(env: Mapping[str, str], endpoint: str = "") -> list[Any]:
+    """The span exporters the variables (and the flag's `endpoint`) ask for."""
+    exporters = []
+    for name in _exporter_names(env):
+        if name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporters.append(ConsoleSpanExporter(out=sys.stdout))  # stdout now, not at the SDK's import
+        elif name == "otlp" and _protocol(env) == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter(endpoint=endpoint or None))  # None: the variables decide
+        elif name == "otlp":
+            from splitserve.runtime.otlp_http import OtlpHttpSpanExporter, parse_headers
+
+            headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS", "")
+            exporters.append(OtlpHttpSpanExporter(_otlp_endpoint(env, endpoint, "http"), parse_headers(headers)))
+    return exporters
+
+
+def init_tracing(service_name: str, instance: str, enabled: bool | None = None, endpoint: str = "") -> bool:
+    """Set up the process's tracer; returns whether tracing is on. `endpoint`: --otlp-traces-endpoint."""
+    global _tracer, _provider, _enabled
+    _enabled = tracing_requested(os.environ, endpoint) if enabled is None else enabled
     if not _enabled:
         return False
     from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create({"service.name": service_name, "service.instance.id": instance})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=200))
-    trace.set_tracer_provider(provider)
-    _tracer = trace.get_tracer("splitserve")
+    _provider = TracerProvider(resource=resource)
+    for exporter in make_exporters(os.environ, endpoint):
+        _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(_provider)  # for libraries that trace through the global one
+    _tracer = _provider.get_tracer("splitserve")  # ours, also when a provider was set before (tests)
     return True
 
 
@@ -53,12 +133,15 @@ def enabled() -> bool:
 
 def shutdown() -> None:
     """Flush pending spans (at process exit)."""
-    if _enabled:
-        from opentelemetry import trace
+    if _enabled and _provider is not None:
+        _provider.shutdown()
 
-        provider = trace.get_tracer_provider()
-        if hasattr(provider, "shutdown"):
-            provider.shutdown()
+
+def trace_id_of(s) -> str:
+    """The 32-hex trace id of span `s` ("" when off or a no-op span)."""
+    if s is _NOOP or s is None:
+        return ""
+    return f"{s.get_span_context().trace_id:032x}"
 
 
 def extract(carrier: Mapping[str, str] | None) -> Any:
