@@ -77,7 +77,8 @@ def test_one_trace_per_request_across_prefill_transfer_and_decode(transport, tmp
 
 
 def test_rest_request_is_one_trace_from_gateway_to_decode(tmp_path):
-    """traceparent from a REST caller → gateway request span → prefill, kv.transfer, decode, stream."""
+    """traceparent from a REST caller → the call's one SERVER span → request span → prefill, kv.transfer,
+    decode, stream."""
     import httpx
 
     from tests.service_harness import Stack
@@ -99,6 +100,7 @@ def test_rest_request_is_one_trace_from_gateway_to_decode(tmp_path):
         )
         assert r.status_code == 200
         wanted = {
+            "POST /v1/completions",
             "request",
             "gateway.prefill",
             "gateway.stream",
@@ -116,7 +118,12 @@ def test_rest_request_is_one_trace_from_gateway_to_decode(tmp_path):
         )
         spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == TRACE_ID}
         assert wanted <= set(spans), sorted(spans)
-        assert spans["request"]["parent"] == PARENT and spans["request"]["service"] == "splitserve-gateway"
+        call = spans["POST /v1/completions"]
+        assert call["parent"] == PARENT and call["service"] == "splitserve-gateway" and call["kind"] == 2  # SERVER
+        assert [s["name"] for s in receiver.spans if s["service"] == "splitserve-gateway" and s["kind"] == 2] == [
+            "POST /v1/completions"
+        ]  # one SERVER span at the gateway per call
+        assert spans["request"]["parent"] == call["span_id"] and spans["request"]["kind"] == 1  # INTERNAL
         assert spans["gateway.prefill"]["parent"] == spans["request"]["span_id"]
         assert spans["prefill"]["parent"] == spans["gateway.prefill"]["span_id"]
         assert spans["decode"]["parent"] == spans["request"]["span_id"]
