@@ -161,7 +161,7 @@ def test_responses_are_counted_under_their_route(stack):
 
     def count(status: str) -> float:
         metrics = parse_metrics(httpx.get(stack.base_url + "/metrics").text)
-        return metrics.get(("splitserve:requests_total", (("route", "/v1/responses"), ("status", status))), 0)
+        return metrics.get(("splitserve:gateway_requests_total", (("route", "/v1/responses"), ("status", status))), 0)
 
     before = count("200"), count("400")
     httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})

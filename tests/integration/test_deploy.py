@@ -638,7 +638,7 @@ def wait_for(prom: str, expr: str, ok, log: Path, timeout_s: float = 20.0) -> No
 def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
     http, log = metrics_stack["http"], tmp_path / "prometheus.log"
     proc, prom = start_prometheus(tmp_path, metrics_stack["targets"])
-    ttft_count = 'sum(splitserve:time_to_first_token_seconds_count{job="splitserve-gateway"})'
+    ttft_count = 'sum(splitserve:gateway_time_to_first_token_seconds_count{job="splitserve-gateway"})'
     try:
         wait_for(prom, "count(up == 1)", lambda v: v == 4, log)
         # two batches with a scrape between them, so the dashboard's rate() windows see an increase
@@ -655,31 +655,24 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
         prompt_tokens = sum(a["prompt_tokens"] for a in answers)
         completion_tokens = sum(a["completion_tokens"] for a in answers)
         assert scalar(prom, ttft_count) == len(answers)
-        assert scalar(prom, 'sum(splitserve:generation_tokens_total{job="splitserve-gateway"})') == completion_tokens
-        assert scalar(prom, 'sum(splitserve:prompt_tokens_total{job="splitserve-prefill"})') == prompt_tokens
-        # decodes count the tokens they sample; each request's first token is sampled by the prefill
-        assert scalar(prom, 'sum(splitserve:generation_tokens_total{job="splitserve-decode"})') == (
-            completion_tokens - len(answers)
-        )
+        gateway = 'sum(splitserve:gateway_generation_tokens_total{job="splitserve-gateway"})'
+        assert scalar(prom, gateway) == completion_tokens
+        # each vllm: fact once, summed over every process: prompts at the prefill, generated tokens (the
+        # prefill's first token included) and successes where each request ended
+        assert scalar(prom, 'sum(vllm:prompt_tokens_total{job=~"splitserve-.+"})') == prompt_tokens
+        assert scalar(prom, 'sum(vllm:prompt_tokens_total{job="splitserve-prefill"})') == prompt_tokens
+        assert scalar(prom, 'sum(vllm:generation_tokens_total{job=~"splitserve-.+"})') == completion_tokens
+        assert scalar(prom, 'sum(vllm:request_success_total{job=~"splitserve-.+"})') == len(answers)
         assert scalar(
-            prom, 'sum(splitserve:requests_total{job="splitserve-gateway", route="/v1/completions", status="200"})'
+            prom,
+            'sum(splitserve:gateway_requests_total{job="splitserve-gateway", route="/v1/completions", status="200"})',
         ) == len(answers)
-        # honor_labels kept the processes' own instance names; a decode the router never picked exports no series
-        served = {
-            name.split(":")[0]
-            for name, address in metrics_stack["targets"].items()
-            if name.startswith("decode")
-            and "splitserve:request_success_total{" in httpx.get(f"http://{address}/metrics").text
-        }
+        # honor_labels kept the processes' own instance names; every engine exports its series from the start
         instances = {
             r["metric"]["instance"]
-            for r in query(
-                prom,
-                'splitserve:prompt_tokens_total{job="splitserve-prefill"}'
-                ' or splitserve:request_success_total{job="splitserve-decode"}',
-            )
+            for r in query(prom, 'vllm:request_success_total{job=~"splitserve-prefill|splitserve-decode"}')
         }
-        assert instances == {"prefill-0"} | served and served
+        assert instances == {"prefill-0", "decode-0", "decode-1"}
         results = [
             query(prom, q.replace("$__rate_interval", "1m").replace("$model", ".*"))
             for q in dashboard_queries(templating=False)
