@@ -7,6 +7,7 @@ The chat template renders [{"role": "user", "content": "hello w30"}] as
 """
 
 import json
+import logging
 from pathlib import Path
 
 import grpc
@@ -328,6 +329,19 @@ def test_streaming_client_that_leaves_aborts_the_request(stack):
         assert chunk["choices"][0]["text"] == " w21"
         rid = stack.internal_id(chunk["id"])  # the REST id, with this gateway's suffix on the hops
     stack.wait_for(lambda: rid in decode.aborts, what="AbortRequest after the client left")
+
+
+def test_a_batch_streams_client_that_leaves_aborts_every_prompt_cleanly(stack, caplog):
+    """Three prompts streamed as one batch (the later ones pumped by tasks of their own): a client that leaves
+    at the first chunk aborts all three, and closing them logs no error."""
+    (decode,) = [s.servicer for s in stack.servers.values() if isinstance(s.servicer, FakeDecode)]
+    body = {"model": MODEL, "prompt": ["hello w20", "hello w21", "hello w22"], "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", stack.base_url + "/v1/completions", json=body, timeout=10) as r:
+        chunk = json.loads(next(line for line in r.iter_lines() if line)[len("data: ") :])
+    base = chunk["id"]  # prompt i runs as request f"{base}-{i}" (i > 0) on the internal hops
+    wanted = {stack.internal_id(base), stack.internal_id(f"{base}-1"), stack.internal_id(f"{base}-2")}
+    wait_until(lambda: wanted <= set(decode.aborts), 10, lambda: f"aborts of {wanted}, got {decode.aborts[-6:]}")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_no_decode_up_is_503_with_retry_after(tokenizer_dir):

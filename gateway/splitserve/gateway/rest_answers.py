@@ -334,10 +334,23 @@ async def sse(
             yield event(body)
         yield "data: [DONE]\n\n"
     finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            await stream.aclose()  # client gone: abort the request on every hop
+        # Client gone (or done): abort every prompt's request on every hop. In a task of its own: a client that
+        # leaves cancels the response's scope, where every await of this generator would be cancelled again,
+        # and a cancelled pump may still be inside its stream's __anext__ until it has run.
+        closing = asyncio.get_running_loop().create_task(_close(tasks, streams))
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Task] = set()  # sse's closing tasks, held until they end
+
+
+async def _close(pumps: list[asyncio.Task], streams: list[AsyncIterator[generation_pb2.GenerateResponse]]) -> None:
+    for task in pumps:
+        task.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()
 
 
 def event(body: dict) -> str:
