@@ -27,7 +27,7 @@ from tests.service_harness import REPO, Proc, free_port, gateway_args, start_ser
 DEPLOY = REPO / "deploy"
 SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
 ALL_SERVICES = SPLITSERVE_SERVICES | {"otel-collector", "jaeger", "prometheus", "grafana"}
-METRIC_NAME = re.compile(r"splitserve:[A-Za-z0-9_:]+")
+METRIC_NAME = re.compile(r"(?:splitserve|vllm):[A-Za-z0-9_:]+")
 COMPOSE_TOKEN = "compose-test-token"
 
 
@@ -91,13 +91,16 @@ def command_option(service: dict, flag: str) -> str:
 
 
 def exported_metric_names() -> set[str]:
-    """Every sample name engine/metrics.py exports (counters as _total, histograms' series)."""
+    """Every sample name some process exports (runtime/metrics.py, per role; counters as _total, histograms'
+    series)."""
+    from splitserve.runtime.metric_families import ROLES
     from splitserve.runtime.metrics import Metrics
 
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
     names = set()
-    for family in Metrics("m", "i", "r").registry.collect():
-        names.update(family.name + s for s in suffixes[family.type])
+    for role in sorted(ROLES):
+        for family in Metrics("m", "i", role).registry.collect():
+            names.update(family.name + s for s in suffixes[family.type])
     return names
 
 
