@@ -30,7 +30,7 @@ def structured(rid: str) -> decode_pb2.DecodeRequest:
 def test_an_unexpected_admission_error_ends_that_request_alone(monkeypatch):
     svc, sent = service(monkeypatch)
 
-    def broken(spec):  # what a missing or broken grammar library raises
+    def broken(spec, max_spec_bytes):  # what a missing or broken grammar library raises
         raise ImportError("No module named 'xgrammar'")
 
     monkeypatch.setattr(server, "check_spec", broken)

@@ -14,13 +14,13 @@ from splitserve.common import wire
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput, refusal_detail
 from splitserve.engine.grammar import (
-    GrammarBackend,
     TokenMask,
     apply_token_mask,
     build_token_mask,
     check_spec,
     choice_grammar,
 )
+from splitserve.engine.grammar_backend import GrammarBackend
 from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_structured import structured_output_of
 from splitserve.protos import common_pb2
@@ -441,7 +441,8 @@ def test_grpc_spec_errors_name_the_proto_field(spec, message):
 
 def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_request():
     """A request with a spec waits in the core loop while a worker compiles its grammar (the engine then finds it
-    in xgrammar's cache); the loop keeps stepping the running batch meanwhile; an abort while compiling ends it."""
+    in its cache); the loop keeps stepping the running batch meanwhile; an abort while compiling ends it and
+    cancels its compile (nobody else waits for it)."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
@@ -449,12 +450,15 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
     from tests.engine.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
 
     futures: dict[str, Future] = {}
+    cancelled: list[Future] = []
 
     class GrammarEngine(Engine):
         def __init__(self, pipe):
             super().__init__(pipe)
             self.added: list[tuple[str, int]] = []  # (request id, steps run before it was added)
-            self.grammars = SimpleNamespace(prepare=lambda spec: futures.setdefault(spec.regex, Future()))
+            self.grammars = SimpleNamespace(
+                prepare=lambda spec: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
+            )
 
         def add_request(self, request_id, *args, **kwargs):
             self.added.append((request_id, self.steps))
@@ -475,6 +479,7 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
         driver.send(m.Abort(["gone"]))
         driver.until(lambda: "gone" in driver.finished, 10, "no abort output for the compiling request")
         assert driver.finished["gone"].finish_reason == "abort"
+        assert cancelled == [futures["b+"]]
         steps = engine.steps
         futures["a+"].set_result(None)
         driver.until(lambda: len(engine.added) == 2, 10, "the compiled request was never added")
@@ -491,7 +496,7 @@ def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_th
     """n > 1 with a spec: the gateway aborts a request's sequences one message each. A fork aborted while its
     request compiles ends at once and never reaches the engine (the engine drops it when the request arrives);
     the request aborted before its last fork leaves that fork to wait for the grammar alone, seeded as it would
-    have been forked (seed + its index)."""
+    have been forked (seed + its index). The compile goes on while any of them waits for it."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
@@ -499,12 +504,15 @@ def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_th
     from tests.engine.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
 
     futures: dict[str, Future] = {}
+    cancelled: list[Future] = []
 
     class GrammarEngine(Engine):
         def __init__(self, pipe):
             super().__init__(pipe, has_work=False)
             self.calls: list[tuple] = []  # ("add", id, fork ids, seed) | ("abort", id)
-            self.grammars = SimpleNamespace(prepare=lambda spec: futures.setdefault(spec.regex, Future()))
+            self.grammars = SimpleNamespace(
+                prepare=lambda spec: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
+            )
 
         def add_request(self, request_id, prompt, params, fork_ids=(), priority=0, seed=None):
             self.calls.append(("add", request_id, list(fork_ids), seed))
@@ -533,6 +541,7 @@ def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_th
             ("g", "g~1", "g~3", "h~2"), "abort"
         )
         assert [c for c in engine.calls if c[0] == "add"] == []  # nothing reached the engine yet
+        assert cancelled == []  # g~2 and h wait for them
         futures["a+"].set_result(None)
         futures["b+"].set_result(None)
         driver.until(lambda: len([c for c in engine.calls if c[0] == "add"]) == 2, 10, "nothing was admitted")

@@ -100,6 +100,35 @@ class EngineConfig:
         "same); unset = on with CUDA, off on CPU (where nothing overlaps)",
     )
     num_threads: int = option(0, "torch CPU threads; 0 = torch's default", min=0, max=1024)
+    structured_output_compile_timeout_s: float = option(
+        10.0,
+        "a structured output spec that takes longer to compile is refused (400 naming this flag); the compile runs "
+        "in a worker process that is killed then, or when every request waiting for it was aborted",
+        min=0.0,
+        max=3600.0,
+        min_exclusive=True,
+    )
+    structured_output_max_spec_bytes: int = option(
+        128 << 10,
+        "a structured output spec (JSON schema, regex, grammar, or the choices together) larger than this is "
+        "refused before it is parsed",
+        min=16,
+        max=64 << 20,
+    )
+    structured_output_cache_mb: int = option(
+        512,
+        "compiled grammars kept by spec (vLLM's VLLM_XGRAMMAR_CACHE_MB), counted by the resident memory each "
+        "holds; a spec whose grammar alone holds more is refused",
+        min=1,
+        max=1 << 20,
+    )
+    structured_output_compile_workers: int = option(
+        2,
+        "worker processes that compile specs on trial (each loads torch and xgrammar when first needed, ~350 MB); "
+        "0 = compile on a thread of the engine, where --structured-output-compile-timeout-s cannot stop it",
+        min=0,
+        max=64,
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -286,7 +286,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             self._check_prefill_address(req)
             params = sampling_from_proto(req.sampling)
             if params.structured_output is not None:
-                check_spec(params.structured_output)  # refused here, before any work is queued
+                # refused here, before any work is queued
+                check_spec(params.structured_output, self.engine_config.structured_output_max_spec_bytes)
         except Exception as exc:  # noqa: BLE001 - one bad request ends alone, never the gateway's whole stream
             unavailable = isinstance(exc, Unavailable)
             if not isinstance(exc, ValueError):

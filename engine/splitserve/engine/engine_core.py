@@ -35,7 +35,7 @@ from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_
 from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.grammar import GrammarBackend
+from splitserve.engine.grammar_backend import GrammarBackend, GrammarLimits
 from splitserve.engine.outputs import RequestError, RequestOutput
 from splitserve.engine.scheduling.block_pool import BlockPool
 from splitserve.engine.scheduling.kv_cache_manager import KvCacheManager, cdiv
@@ -173,7 +173,9 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
         )
         # structured output: the model's tokenizer is loaded at the first request with a grammar
-        self.grammars = GrammarBackend(config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids)
+        self.grammars = GrammarBackend(
+            config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids, GrammarLimits.from_config(config)
+        )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
         self.scheduler = Scheduler(
@@ -228,6 +230,7 @@ class EngineCore:
         stay allocated for the life of the process (a second LLM in one process found its GPU taken). Unfreezes
         every frozen object; once the caller dropped the engine and collected, `refreeze()` freezes again for
         the engines still open. Idempotent."""
+        self.grammars.close()
         if self._froze_gc:
             self._froze_gc = False
             EngineCore._frozen_open -= 1

@@ -1,11 +1,12 @@
 """Structured output in the engine: xgrammar grammars, one matcher per request, the token bitmask.
 
     SamplingParams.structured_output (a StructuredOutput spec)
-        │ check_spec: the service process parses it (no tokenizer, cheap) before queueing any work;
-        │             a refusal starts with REFUSAL_PREFIX and carries xgrammar's own message
-        │ GrammarBackend.matcher: the engine core compiles it against the model's tokenizer
-        │             (xgrammar caches compiled grammars per spec) and starts a matcher; a spec whose
-        │             fresh matcher allows no token (it only refers to itself) is refused there
+        │ check_spec: the service process checks its size and parses it (no tokenizer, cheap) before
+        │             queueing any work; a refusal starts with REFUSAL_PREFIX and carries xgrammar's message
+        │ grammar_backend.GrammarBackend: the engine core compiles it against the model's tokenizer
+        │             (compile_spec) on trial in a worker process it can kill (a time budget, the request's
+        │             abort), then for itself, cached by spec; a spec whose fresh matcher allows no token
+        │             (it only refers to itself) is refused there
         ▼
     RequestGrammar on the Request: accept(token) for every output token as it is appended (the prefill's
         first token included: a decode that imports a request starts a fresh matcher from the spec and
@@ -21,8 +22,6 @@ xgrammar imports torch, so the gateway never imports this module (pyproject's im
 from __future__ import annotations
 
 import re
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,14 +36,13 @@ if TYPE_CHECKING:
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:NN: " and may hold "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
-_LABELS = {
+KIND_LABELS = {
     "json": "JSON schema",
     "json_object": "JSON object",
     "regex": "regex",
     "choice": "choice",
     "grammar": "grammar",
 }
-GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept per engine (xgrammar's cache)
 _EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -62,7 +60,7 @@ def xgrammar_message(exc: BaseException) -> str:
 
 def refusal(spec: StructuredOutput, exc: BaseException) -> ValueError:
     """The ValueError a service and the engine raise for a spec xgrammar refuses (the gateway reads the prefix)."""
-    return ValueError(f"{REFUSAL_PREFIX}invalid {_LABELS[spec.kind]}: {xgrammar_message(exc)}")
+    return ValueError(f"{REFUSAL_PREFIX}invalid {KIND_LABELS[spec.kind]}: {xgrammar_message(exc)}")
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -71,9 +69,12 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(f'"{literal}"' for literal in literals)
 
 
-def check_spec(spec: StructuredOutput) -> None:
-    """Parse `spec` as xgrammar will (no tokenizer needed); ValueError (REFUSAL_PREFIX ...) when it cannot.
-    Runs in the service processes before a request is queued."""
+def check_spec(spec: StructuredOutput, max_spec_bytes: int | None = None) -> None:
+    """Parse `spec` as xgrammar will (no tokenizer needed); ValueError (REFUSAL_PREFIX ...) when it cannot, or when
+    it is larger than `max_spec_bytes` (checked first: parsing costs time). Runs in the service processes before a
+    request is queued."""
+    if max_spec_bytes is not None:
+        check_spec_size(spec, max_spec_bytes)
     xgr = _xgr()
     try:
         if spec.json is not None:
@@ -115,84 +116,71 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-class GrammarBackend:
-    """Compiles specs against one model's tokenizer (lazily: the first structured request pays for loading
-    it) and starts matchers. The tokenizer is the model directory's, through transformers, as vLLM uses it."""
+def spec_bytes(spec: StructuredOutput) -> int:
+    """How big a spec is, in UTF-8 bytes of its text (the choices joined), for --structured-output-max-spec-bytes."""
+    if spec.choice is not None:
+        return sum(len(c.encode()) for c in spec.choice)
+    text = spec.json or spec.regex or spec.grammar or ""
+    return len(text.encode())
 
-    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-        self.model_dir = model_dir
-        self.vocab_size = vocab_size  # the lm_head's width: the bitmask covers every logit
-        self.stop_token_ids = stop_token_ids
-        self._compiler: xgrammar.GrammarCompiler | None = None
-        self._lock = threading.Lock()  # the compiler is made once, by whichever thread asks first
-        self._pool: ThreadPoolExecutor | None = None
 
-    def prepare(self, spec: StructuredOutput) -> Future:
-        """Compile `spec` on a worker thread, so that `compile` in the step loop then finds it in xgrammar's
-        cache. The core loop holds a request back until this is done: a 128k-token vocabulary takes ~0.35 s
-        to compile a small schema, and xgrammar releases the GIL for most of it, so the loop steps on."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._pool.submit(self.compile, spec)
-
-    def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = self._make_compiler()
-            return self._compiler
-
-    def _make_compiler(self) -> xgrammar.GrammarCompiler:
-        directory = Path(self.model_dir)
-        if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
-            raise ValueError(
-                f"{REFUSAL_PREFIX}this engine serves {self.model_dir!r}, which has no tokenizer files; "
-                "structured output needs the model's tokenizer"
-            )
-        from transformers import AutoTokenizer
-
-        xgr = _xgr()
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+def check_spec_size(spec: StructuredOutput, max_spec_bytes: int) -> None:
+    """ValueError (REFUSAL_PREFIX ...) naming the limit when `spec` is larger than `max_spec_bytes`."""
+    size = spec_bytes(spec)
+    if size > max_spec_bytes:
+        raise ValueError(
+            f"{REFUSAL_PREFIX}{KIND_LABELS[spec.kind]} is {size} bytes; this engine compiles at most "
+            f"{max_spec_bytes} (--structured-output-max-spec-bytes)"
         )
-        # bounded: every distinct spec a client sends stays cached (LRU) only up to this much memory
-        return xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
-    def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (cached by xgrammar); ValueError (REFUSAL_PREFIX ...) when invalid,
-        or when it admits no first token at all (a self-referencing schema or rule: nothing can ever match)."""
-        compiled = self._compile(spec)
-        if not self._admits_a_first_token(compiled):
-            raise ValueError(
-                f"{REFUSAL_PREFIX}{_LABELS[spec.kind]} admits no output: no token can start a string it matches "
-                "(a rule or schema that only refers to itself?)"
-            )
-        return compiled
 
-    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        compiler = self._get_compiler()
-        try:
-            if spec.json is not None:
-                return compiler.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-            if spec.json_object:
-                return compiler.compile_builtin_json_grammar()
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
-        except RuntimeError as exc:
-            raise refusal(spec, exc) from None
+def load_tokenizer_info(model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgrammar.TokenizerInfo:
+    """The model directory's tokenizer (through transformers, as vLLM loads it) as xgrammar sees it; the bitmask
+    covers `vocab_size` (the lm_head's width). ValueError (REFUSAL_PREFIX ...) when the model has no tokenizer."""
+    directory = Path(model_dir)
+    if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+        raise ValueError(
+            f"{REFUSAL_PREFIX}this engine serves {model_dir!r}, which has no tokenizer files; "
+            "structured output needs the model's tokenizer"
+        )
+    from transformers import AutoTokenizer
 
-    def _admits_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
-        """Whether a fresh matcher allows any token (a stop token counts: the empty string may match)."""
-        xgr = _xgr()
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # (1, ceil(V / 32)) int32
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        return bool(bitmask.any())
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return _xgr().TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+    )
 
-    def matcher(self, spec: StructuredOutput) -> RequestGrammar:
-        return RequestGrammar(_xgr().GrammarMatcher(self.compile(spec)))
+
+def compile_spec(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+    """The compiled grammar of `spec`; ValueError (REFUSAL_PREFIX ...) when xgrammar refuses it, or when it admits
+    no first token at all (a self-referencing schema or rule: nothing can ever match)."""
+    try:
+        if spec.json is not None:
+            compiled = compiler.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
+        elif spec.json_object:
+            compiled = compiler.compile_builtin_json_grammar()
+        elif spec.regex is not None:
+            compiled = compiler.compile_regex(spec.regex)
+        elif spec.choice is not None:
+            compiled = compiler.compile_grammar(choice_grammar(spec.choice))
+        else:
+            compiled = compiler.compile_grammar(spec.grammar)
+    except RuntimeError as exc:
+        raise refusal(spec, exc) from None
+    if not _admits_a_first_token(compiled):
+        raise ValueError(
+            f"{REFUSAL_PREFIX}{KIND_LABELS[spec.kind]} admits no output: no token can start a string it matches "
+            "(a rule or schema that only refers to itself?)"
+        )
+    return compiled
+
+
+def _admits_a_first_token(compiled: xgrammar.CompiledGrammar) -> bool:
+    """Whether a fresh matcher allows any token (a stop token counts: the empty string may match)."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # (1, ceil(V / 32)) int32
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 @dataclass

@@ -46,6 +46,9 @@ class LLM:
     """Runs an EngineCore in this process until every prompt is done."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_args) -> None:
+        # the caller's own specs, never a hostile client's, and nobody aborts: compiled on a thread of this process
+        # unless asked otherwise (worker processes would each load torch first)
+        engine_args.setdefault("structured_output_compile_workers", 0)
         self.config = resolve_model_config(EngineConfig(model=str(model or ""), **engine_args), name_by_hub_id=True)
         self.engine = EngineCore(self.config, offline=True)
         self.tokenizer = self._load_tokenizer(tokenizer or self.config.resolved_model())

@@ -86,7 +86,8 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             self.check_accepting(context)
             params = sampling_from_proto(request.sampling)
             if params.structured_output is not None:
-                check_spec(params.structured_output)  # refused here, before any work is queued
+                # refused here, before any work is queued
+                check_spec(params.structured_output, self.engine_config.structured_output_max_spec_bytes)
             max_lease_ms = int(self.config.lease_s * 1000)
             if request.lease_ms > max_lease_ms:
                 raise ValueError(

@@ -40,7 +40,7 @@ class CoreLoop:
         self.engine = engine
         self.conn = conn
         self.connector = connector  # the transport's KvConnector: pairs and maps here; pulls and sends on workers
-        # requests with a structured output spec, held back while a worker thread compiles their grammar
+        # requests with a structured output spec, held back while their grammar compiles (engine/grammar_backend.py)
         self.compiling: list[tuple[m.AddRequest | m.ImportKv, Future]] = []
         self.outbox: list = []
         self._send_lock = threading.Lock()  # the pipe: this thread's flushes and a receive's NeedSend
@@ -193,8 +193,8 @@ class CoreLoop:
     def _abort_compiling(self, ids: set[str]) -> set[str]:
         """Aborts among the requests waiting for their grammar: the ids that end here. The forks of an aborted
         one that are not aborted wait for the same grammar as requests of their own."""
-        kept, gone = [], set()
-        for msg, future in self.compiling:
+        kept, gone, before = [], set(), self.compiling
+        for msg, future in before:
             if msg.request_id in ids:
                 gone |= self.kv.drop_pending(msg, ids)
                 kept += [(fork, future) for fork in forks_outliving(msg, self.kv.live_forks(msg))]
@@ -202,6 +202,9 @@ class CoreLoop:
                 gone |= self.kv.note_aborted_forks(msg, ids)
                 kept.append((msg, future))
         self.compiling = kept
+        waited = {future for _, future in kept}
+        for future in {future for _, future in before} - waited:
+            self.engine.grammars.cancel(future)  # nobody waits for it now: its compile is stopped
         return gone
 
     def on_release(self, msg: m.ReleaseHeld) -> None:
