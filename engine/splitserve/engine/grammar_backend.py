@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splitserve.grammar")
 
-NUM_REFUSALS_KEPT = 1024  # refused spec keys remembered, so a repeated bad spec costs no second compile
+# verdicts remembered per spec key: a refused spec is refused again at once, and one that passed its trial and was
+# evicted from the cache since is compiled again without a second trial
+NUM_VERDICTS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class GrammarBackend:
         self._compiling: dict[str, _Job] = {}  # by spec key
         self._job_of: dict[Future, _Job] = {}
         self._refused: OrderedDict[str, str] = OrderedDict()
+        self._passed: OrderedDict[str, int] = OrderedDict()  # key -> the bytes its grammar held in the trial
         self.slots: list[_Slot] = []
 
     # -- the core loop's side ------------------------------------------------------------------
@@ -235,9 +238,12 @@ class GrammarBackend:
 
     def _compile_job(self, slot: _Slot, job: _Job) -> tuple[xgrammar.CompiledGrammar, int]:
         compiler = self._get_compiler()
-        trial_bytes = 0
-        if self.limits.num_workers:
-            trial_bytes = self._trial(slot, job)
+        with self._lock:
+            trial_bytes = self._passed.get(job.key)
+        if trial_bytes is None:
+            trial_bytes = self._trial(slot, job) if self.limits.num_workers else 0
+            with self._lock:
+                _remember(self._passed, job.key, trial_bytes)
         with self._lock:
             if job.cancelled:
                 raise _Cancelled
@@ -305,10 +311,15 @@ class GrammarBackend:
             if error is None:
                 self.cache.put(job.key, compiled, num_bytes)
             elif remember:
-                self._refused[job.key] = error
-                while len(self._refused) > NUM_REFUSALS_KEPT:
-                    self._refused.popitem(last=False)
+                _remember(self._refused, job.key, error)
         if error is None:
             job.future.set_result(compiled)
         else:
             job.future.set_exception(ValueError(error))
+
+
+def _remember(verdicts: OrderedDict, key: str, value) -> None:
+    verdicts[key] = value
+    verdicts.move_to_end(key)
+    while len(verdicts) > NUM_VERDICTS_KEPT:
+        verdicts.popitem(last=False)
