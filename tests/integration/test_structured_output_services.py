@@ -158,18 +158,24 @@ class Ports:
     http_port: int
 
 
+# a compile budget well above what the cases here take, and specs up to 1 MiB (a slow one below is 400 KB)
+COMPILE_ARGS = ["--structured-output-compile-timeout-s", "3", "--structured-output-max-spec-bytes", str(1 << 20)]
+
+
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def stack(request, tmp_path_factory):
     """A gateway over prefill + one decode (shm), or over one colocated worker."""
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     if request.param == "disaggregated":
-        stack = Stack("shm", logs, num_decode=1)
+        stack = Stack("shm", logs, num_decode=1, prefill_args=COMPILE_ARGS, decode_args=COMPILE_ARGS)
         yield Ports(stack.grpc_port, stack.http_port)
         stack.stop()
         return
     from splitserve.common.default_model_path import default_model_path
 
-    worker, address = start_service("worker", default_model_path(), logs, "worker-0", **ENGINE)
+    worker, address = start_service(
+        "worker", default_model_path(), logs, "worker-0", service_args=COMPILE_ARGS, **ENGINE
+    )
     ports = Ports(free_port(), free_port())
     args = gateway_args(ports.grpc_port, ports.http_port, "", address, "--health-interval-s", "0.2")
     gateway = Proc("gateway", args, logs, "gateway")
@@ -316,6 +322,31 @@ def test_a_grammar_dead_end_ends_that_request_alone(stack):
         r"tokens \(a dead end in the spec\)",
         r.json()["error"]["message"],
     ), r.text
+    assert streams() == [(40, "length")] * 4
+    ok = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "guided_regex": REGEX})
+    assert ok.status_code == 200 and re.fullmatch(REGEX, ok.json()["choices"][0]["text"]), ok.text
+
+
+def slow_schema(num_properties: int) -> dict:
+    """Many required properties, some with patterns: compiling it takes about 2 ms a property on these CPUs."""
+    props = {
+        f"p{k}": {"type": ("string", "integer", "boolean")[k % 3]}
+        | ({"pattern": f"[a-z]{{2,{k % 9 + 3}}}"} if k % 3 == 0 else {})
+        for k in range(num_properties)
+    }
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_compile_past_its_budget_is_400_naming_the_flag_and_other_streams_finish(stack):
+    """A 400 KB schema (about 16 s to compile) is refused at the 3 s budget, its compile worker killed; the streams
+    running meanwhile finish, and a spec sent after compiles and serves."""
+    streams = stream_lengths(stack, 4, 40)
+    r = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "guided_json": slow_schema(8000)})
+    assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
+        400,
+        "guided_json: JSON schema did not compile within 3 s (--structured-output-compile-timeout-s)",
+        "guided_json",
+    )
     assert streams() == [(40, "length")] * 4
     ok = post(stack, "/v1/completions", {"prompt": CODE, "max_tokens": 8, "temperature": 0, "guided_regex": REGEX})
     assert ok.status_code == 200 and re.fullmatch(REGEX, ok.json()["choices"][0]["text"]), ok.text
