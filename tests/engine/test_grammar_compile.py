@@ -154,3 +154,14 @@ def test_a_spec_over_the_size_budget_is_refused_naming_the_flag_before_it_is_par
     with pytest.raises(ValueError) as err:
         check_spec(choices, 101)
     assert str(err.value) == message.replace("regex is 200", "choice is 102").replace("100", "101")
+
+
+def test_a_spec_its_prefill_compiled_is_compiled_without_a_trial():
+    """A decode's import: the prefill compiled the spec within its budget, so no worker process starts for it."""
+    from splitserve.common.default_model_path import default_model_path
+
+    backend = GrammarBackend(str(default_model_path()), 8192, (0,), GrammarLimits(num_workers=1))
+    compiled = backend.prepare(StructuredOutput(regex=r"\d{3}"), vetted=True).result(timeout=60)
+    assert compiled.tokenizer_info.vocab_size == 8192 and [slot.worker for slot in backend.slots] == [None]
+    assert backend.prepare(StructuredOutput(regex=r"\d{3}")).result() is compiled  # cached by spec
+    backend.close()

@@ -451,13 +451,18 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
 
     futures: dict[str, Future] = {}
     cancelled: list[Future] = []
+    vetted: dict[str, bool] = {}
+
+    def prepare(spec, vetted_elsewhere=False):
+        vetted[spec.regex] = vetted_elsewhere
+        return futures.setdefault(spec.regex, Future())
 
     class GrammarEngine(Engine):
         def __init__(self, pipe):
             super().__init__(pipe)
             self.added: list[tuple[str, int]] = []  # (request id, steps run before it was added)
             self.grammars = SimpleNamespace(
-                prepare=lambda spec: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
+                prepare=lambda spec, vetted=False: prepare(spec, vetted), cancel=cancelled.append
             )
 
         def add_request(self, request_id, *args, **kwargs):
@@ -487,6 +492,12 @@ def test_the_core_loop_steps_on_while_a_grammar_compiles_and_then_admits_the_req
         futures["b+"].set_result(None)
         driver.until(lambda: engine.steps > steps + 5, 10, "no steps")
         assert [rid for rid, _ in engine.added] == ["free", "g"]  # the aborted one never reaches the engine
+        # an imported request's spec compiled within the budget on its prefill: no trial here
+        params_c = SamplingParams(structured_output=StructuredOutput(regex="c+"))
+        imported = m.ImportKv("i", [1, 2], params_c, 0, 5, None, 0, None)  # (never pulled: it waits for c+)
+        driver.send(imported)
+        driver.until(lambda: "c+" in vetted, 10, "the imported request's spec was not prepared")
+        assert vetted == {"a+": False, "b+": False, "c+": True}
     finally:
         engine.has_work = False
         driver.stop()
@@ -511,7 +522,7 @@ def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_th
             super().__init__(pipe, has_work=False)
             self.calls: list[tuple] = []  # ("add", id, fork ids, seed) | ("abort", id)
             self.grammars = SimpleNamespace(
-                prepare=lambda spec: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
+                prepare=lambda spec, vetted=False: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
             )
 
         def add_request(self, request_id, prompt, params, fork_ids=(), priority=0, seed=None):

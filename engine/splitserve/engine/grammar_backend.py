@@ -11,7 +11,9 @@ by the memory it really holds.
 The core loop holds a request back until its future is done and steps the others meanwhile (xgrammar releases the
 GIL while it compiles); so a compile never delays, nor runs ahead of, requests that need none. Each engine (the
 prefill's and the decode's) compiles a spec once and keeps it by spec key: a compiled grammar is not handed from
-the prefill to the decode, since moving one takes several times longer than compiling it (grammar_workers.py).
+the prefill to the decode, since moving one takes several times longer than compiling it (grammar_workers.py);
+but a decode compiles a spec that its prefill has compiled within the budget (an imported request) without a
+trial, so it costs the decode one compile, not two.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class _Job:
     key: str
     spec: StructuredOutput
     future: Future
+    vetted: bool = False  # compiled within its budget elsewhere: no trial here
     worker: CompileWorker | None = None  # the worker running its trial, while it runs
     cancelled: bool = False
 
@@ -152,9 +155,10 @@ class GrammarBackend:
         self.slots: list[_Slot] = []
 
     # -- the core loop's side ------------------------------------------------------------------
-    def prepare(self, spec: StructuredOutput) -> Future:
+    def prepare(self, spec: StructuredOutput, vetted: bool = False) -> Future:
         """A future of `spec`'s compiled grammar; its exception is a ValueError (REFUSAL_PREFIX ...) to end the
-        request with."""
+        request with. `vetted`: another engine compiled it within its budget already (a prefill, for a request
+        this decode imports), so it is compiled here without a trial."""
         future: Future = Future()
         try:
             check_spec_size(spec, self.limits.max_spec_bytes)
@@ -172,7 +176,7 @@ class GrammarBackend:
             elif key in self._compiling:
                 return self._compiling[key].future
             else:
-                job = _Job(key, spec, future)
+                job = _Job(key, spec, future, vetted=vetted)
                 self._compiling[key] = self._job_of[future] = job
                 self._start_slots()
                 self._jobs.put(job)
@@ -241,7 +245,7 @@ class GrammarBackend:
         with self._lock:
             trial_bytes = self._passed.get(job.key)
         if trial_bytes is None:
-            trial_bytes = self._trial(slot, job) if self.limits.num_workers else 0
+            trial_bytes = self._trial(slot, job) if self.limits.num_workers and not job.vetted else 0
             with self._lock:
                 _remember(self._passed, job.key, trial_bytes)
         with self._lock:

@@ -139,8 +139,8 @@ class CoreLoop:
         if handler is None:
             raise TypeError(f"core received unknown message {type(msg).__name__}")
         spec = getattr(msg.params, "structured_output", None) if isinstance(msg, (m.AddRequest, m.ImportKv)) else None
-        if spec is not None:
-            self.compiling.append((msg, self.engine.grammars.prepare(spec)))
+        if spec is not None:  # an imported request's spec was compiled within the budget on its prefill
+            self.compiling.append((msg, self.engine.grammars.prepare(spec, vetted=isinstance(msg, m.ImportKv))))
             return  # admitted by _admit_compiled once its grammar is compiled
         handler(self, msg)
 
