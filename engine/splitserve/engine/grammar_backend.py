@@ -226,6 +226,7 @@ class GrammarBackend:
             threading.Thread(target=self._run_slot, args=(slot,), name="grammar", daemon=True).start()
 
     def _run_slot(self, slot: _Slot) -> None:
+        self._start_worker(slot)
         while (job := self._jobs.get()) is not None:
             try:
                 compiled, num_bytes = self._compile_job(slot, job)
@@ -257,6 +258,19 @@ class GrammarBackend:
         trim_heap()
         # other threads allocate meanwhile too: the larger of the two measures (the worker's is clean)
         return compiled, max(trial_bytes, rss_bytes() - before, compiled.memory_size_bytes)
+
+    def _start_worker(self, slot: _Slot) -> None:
+        """Every slot's worker starts with the first spec (it imports torch: seconds), so that a small spec sent
+        while a large one compiles finds one ready. One killed is replaced when the next spec comes."""
+        if not self.limits.num_workers:
+            return
+        try:
+            self._get_compiler()
+        except ValueError:
+            return  # no tokenizer: each spec is refused with that message
+        with self._lock:
+            if slot.worker is None and slot in self.slots:
+                slot.worker = CompileWorker(self._info_json)
 
     def _trial(self, slot: _Slot, job: _Job) -> int:
         """Run `job`'s trial in `slot`'s worker (started if needed): the bytes its grammar holds; ValueError

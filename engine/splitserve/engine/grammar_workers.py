@@ -79,6 +79,7 @@ class CompileWorker:
         self.conn = Connection(ours.detach())
         self.conn.send(tokenizer_info_json)
         self.compiling = False  # between a spec's Begin and its Trial
+        self.num_trials = 0
 
     @property
     def pid(self) -> int:
@@ -87,6 +88,7 @@ class CompileWorker:
     def trial(self, spec, timeout_s: float) -> Trial:
         """Compile `spec` in the worker; CompileTimeout (the worker killed) past `timeout_s` from its Begin,
         WorkerGone when it is killed meanwhile or dies."""
+        self.num_trials += 1
         try:
             self.conn.send(spec)
             if not self.conn.poll(WORKER_START_S):
