@@ -18,7 +18,7 @@ from tests.service_harness import free_port, wait_until
 
 REPO = "acme/tiny-llama"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
-ENGINE_COMMANDS = ("up", "prefill", "decode", "worker", "generate")
+ENGINE_COMMANDS = ("up", "serve", "prefill", "decode", "worker", "generate")
 
 
 @pytest.fixture
