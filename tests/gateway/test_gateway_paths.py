@@ -197,6 +197,31 @@ def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(
     assert len(prefill.requests) == 26 and len(decode.requests) == 1  # none of the 25 reached the decode
 
 
+def test_a_client_that_leaves_before_its_forks_first_tokens_stops_every_sequence(make_stack):
+    """n > 1: the lead's first token comes from the prefill, its forks' only from a decode step. REST clients of 4
+    prompts x n=16 (streamed and not) leave while the decode produces nothing: each request's 64 sequences are
+    aborted at the decode, none keeps running, and each answer is counted as a 499."""
+    import httpx
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    decode.hold = True  # the decode takes the sequences but produces no token
+    stack = make_stack([prefill], [decode])
+    url = f"{stack.base_url}/v1/completions"
+    for i, streamed in enumerate((False, True)):
+        body = {"prompt": ["w20"] * 4, "max_tokens": 8, "n": 16, "stream": streamed}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=0.3))
+        stack.wait_for(lambda: len(decode.aborts) == 64 * (i + 1), what=f"{64 * (i + 1)} sequences aborted")
+        stack.wait_for(lambda: decode.running == {}, what="no sequence running at the decode")
+    assert len(decode.requests) == 8 and len(set(decode.aborts)) == 128
+    assert sorted(decode.aborts) == sorted(
+        [r.request_id for r in decode.requests] + [f for r in decode.requests for f in r.fork_ids]
+    )
+    lines = [line for line in metrics_lines(stack) if line.startswith("splitserve:gateway_requests_total{")]
+    assert sum(float(line.split()[-1]) for line in lines if 'status="499"' in line) == 2
+    stack.wait_for(lambda: stack.gateway.service.num_active == 0, what="request bookkeeping at zero")
+
+
 def test_an_answer_that_could_outgrow_the_limit_is_refused_before_any_work(make_stack):
     """--max-answer-entries bounds prompts x sequences x (max_tokens + prompt tokens) x (1 + logprobs), summed over
     a batch of prompts, on REST and gRPC: 400 / INVALID_ARGUMENT naming the field and the limit, nothing sent to

@@ -53,7 +53,7 @@ from splitserve.gateway.rest_responses import parse_responses
 from splitserve.gateway.rest_responses_answers import ResponsesAnswer
 from splitserve.gateway.rest_tokens import add_token_routes
 from splitserve.gateway.rest_tools import ToolSettings
-from splitserve.gateway.sequences import split
+from splitserve.gateway.sequences import Split
 from splitserve.gateway.service import GatewayService
 from splitserve.runtime import tracing
 
@@ -125,9 +125,39 @@ def _too_large(size: int, limit: int) -> GatewayError:
     )
 
 
-async def _first_messages(streams: list) -> list:
-    """Each stream's first message (or what it raised)."""
-    return await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+class _Opening:
+    """Every choice's first message: each prompt's first, then with n > 1 the first of each of its sequences
+    (gateway/sequences.py `Split`). All of it runs under the disconnect watch, since a fork's first token
+    comes only from a decode step: a client that leaves while any is missing stops every sequence."""
+
+    def __init__(self, streams: list, n: int) -> None:
+        self.streams, self.n = streams, n
+        self.splits: list[Split] = []
+
+    async def firsts(self) -> tuple[list, list]:
+        """(first messages, streams), one per choice; a refusal of any prompt is raised."""
+        firsts = await asyncio.gather(*(s.__anext__() for s in self.streams), return_exceptions=True)
+        _raise_any(firsts)
+        if self.n == 1:
+            return firsts, self.streams
+        self.splits = [Split(first, stream, self.n) for first, stream in zip(firsts, self.streams)]
+        parts = [part for split in self.splits for part in split.parts]  # choice i * n + j: prompt i, sequence j
+        firsts = await asyncio.gather(*(part.__anext__() for part in parts), return_exceptions=True)
+        _raise_any(firsts)
+        return firsts, parts
+
+    async def aclose(self) -> None:
+        """Abort every sequence of every prompt, whichever parts had started."""
+        for split in self.splits:
+            await split.aclose()
+        for stream in self.streams:
+            await stream.aclose()  # the requests' cleanup: abort at the prefill or decode, release what they held
+
+
+def _raise_any(results: list) -> None:
+    refused = next((r for r in results if isinstance(r, BaseException)), None)
+    if refused is not None:  # one prompt refused: the whole request is, and the others stop
+        raise refused
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> None:
@@ -194,28 +224,21 @@ def create_app(
             streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
             # watched for the client leaving from the start: one that leaves before its first token aborts the
             # request wherever it is (queued, prefilling, handed to a decode), not only at its first token
-            first_work = asyncio.ensure_future(_first_messages(streams))  # a task: cancelled() says it was
+            opening = _Opening(streams, req.n)
+            first_work = asyncio.ensure_future(opening.firsts())  # a task: cancelled() says it was
             try:
                 await _until_disconnect(request, first_work)
             finally:
                 if not first_work.done():
                     first_work.cancel()
                 await asyncio.gather(first_work, return_exceptions=True)
+            if first_work.cancelled() or first_work.exception() is not None:
+                await opening.aclose()
             if first_work.cancelled():
-                for stream in streams:
-                    await stream.aclose()  # the requests' cleanup: abort at the prefill, release what it held
                 return JSONResponse(server_error("client disconnected"), status_code=499)
-            firsts = first_work.result()
-            refused = next((f for f in firsts if isinstance(f, BaseException)), None)
-            if refused is not None:  # one prompt refused: the whole request is, and the others stop
-                for stream in streams:
-                    await stream.aclose()
-                raise refused
+            firsts, streams = first_work.result()
         except GatewayError as exc:
             return error_response(exc)
-        if req.n > 1:  # n sequences per prompt: choice i * n + j is prompt i's sequence j, as vLLM numbers them
-            streams = [part for first, stream in zip(firsts, streams) for part in split(first, stream, req.n)]
-            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         model = service.reported_name or req.inp.model
         answer = respond(req, model) if respond is not None else None
         with_prompt_logprobs = req.inp.params.prompt_logprobs is not None

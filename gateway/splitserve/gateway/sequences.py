@@ -135,27 +135,32 @@ def _collapsed(
     return out
 
 
-def split(
-    first: generation_pb2.GenerateResponse, messages: AsyncIterator[generation_pb2.GenerateResponse], n: int
-) -> list[AsyncIterator[generation_pb2.GenerateResponse]]:
-    """The merged stream of an n-sequence request as n streams, stream i holding index i's messages
-    (a REST choice each). Closing all of them closes `messages`; the caller starts every one (the REST
-    layer awaits each first message), as closing a generator never started runs none of its code."""
-    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
-    queues[first.index].put_nowait(first)
-    state = {"open": n}
+class Split:
+    """The merged stream of an n-sequence request as n streams, `parts[i]` holding index i's messages (a REST
+    choice each). Closing every part, or `aclose()`, stops the pump and closes `messages` (every sequence
+    aborts); `aclose()` also covers parts never started, as closing a generator that never ran runs none of
+    its code."""
 
-    async def pump() -> None:
+    def __init__(
+        self, first: generation_pb2.GenerateResponse, messages: AsyncIterator[generation_pb2.GenerateResponse], n: int
+    ) -> None:
+        self._messages = messages
+        self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
+        self._queues[first.index].put_nowait(first)
+        self._open = n
+        self._closed = False
+        self._task = asyncio.ensure_future(self._pump())
+        self.parts = [self._one(queue) for queue in self._queues]
+
+    async def _pump(self) -> None:
         try:
-            async for message in messages:
-                queues[message.index].put_nowait(message)
+            async for message in self._messages:
+                self._queues[message.index].put_nowait(message)
         except Exception as exc:  # noqa: BLE001 - handed to every reader
-            for queue in queues:
+            for queue in self._queues:
                 queue.put_nowait(exc)
 
-    task = asyncio.ensure_future(pump())
-
-    async def one(queue: asyncio.Queue) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _one(self, queue: asyncio.Queue) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
             while True:
                 item = await queue.get()
@@ -165,10 +170,15 @@ def split(
                 if item.finish_reason:
                     return
         finally:
-            state["open"] -= 1
-            if not state["open"]:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await messages.aclose()
+            self._open -= 1
+            if not self._open:
+                await self.aclose()
 
-    return [one(queue) for queue in queues]
+    async def aclose(self) -> None:
+        """Stop reading and close the merged stream (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._messages.aclose()
