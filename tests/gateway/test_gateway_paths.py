@@ -255,6 +255,42 @@ def test_an_answer_that_could_outgrow_the_limit_is_refused_before_any_work(make_
     assert len(prefill.requests) == 4  # the one request under the limit: a Prefill per prompt (n forks later)
 
 
+def test_a_request_that_could_ask_for_too_many_tokens_is_refused_before_any_work(make_stack):
+    """--max-request-tokens bounds the sum over a request's prompts of sequences x min(prompt tokens + max_tokens,
+    context) (a text prompt as its UTF-8 bytes), on REST and gRPC: 400 / INVALID_ARGUMENT naming the field and the
+    limit, nothing sent to the prefill. A limit below the context (64 here) counts as the context."""
+    import httpx
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    stack = make_stack([prefill], [decode], max_request_tokens=256)
+    url = f"{stack.base_url}/v1/completions"
+    body = {"prompt": ["w20"] * 4, "max_tokens": 13, "n": 4}  # 4 x 4 x (3 bytes + 13) = 256
+    r = httpx.post(url, json=body, timeout=10)
+    assert (r.status_code, len(r.json()["choices"])) == (200, 16), r.text
+    r = httpx.post(url, json={**body, "prompt": ["w20"] * 5}, timeout=10)
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) == (
+        400,
+        "max_tokens",
+        "the request could ask for 320 tokens (prompts x sequences x (prompt tokens + max_tokens), a sequence at "
+        "most the context of 64); at most 256 (--max-request-tokens): ask for fewer prompts, sequences or tokens",
+    )
+    unset = {"messages": [{"role": "user", "content": "w20"}], "n": 5}  # no max_tokens: up to the context, 5 x 64
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=unset, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request could ask for 320 tokens ")
+    many = request(max_tokens=61)
+    many.n = 5  # 5 x min(15 bytes + 61, 64)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, many)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("the request could ask for 320 tokens")
+    assert len(prefill.requests) == 4  # the one request under the limit: a Prefill per prompt (n forks later)
+    small = make_stack([FakePrefill()], [FakeDecode()], max_request_tokens=1)
+    r = httpx.post(f"{small.base_url}/v1/completions", json={"prompt": "w20", "max_tokens": 61}, timeout=10)  # 64
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{small.base_url}/v1/completions", json={"prompt": "w20", "max_tokens": 61, "n": 2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request could ask for 128 tokens ")
+
+
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):
     decode = FakeDecode()
     stack = make_stack([FakePrefill()], [decode])

@@ -90,6 +90,14 @@ class GatewayConfig:
         min=1024,
         max=1 << 30,
     )
+    max_request_tokens: int = option(
+        1 << 17,
+        "most tokens one request may ask the engines for: the sum over its prompts of sequences x min(prompt "
+        "tokens + max_tokens, context), a text prompt counted as its UTF-8 bytes; more is refused (400) before "
+        "any work. Never below the context length, so one sequence of any allowed size always passes",
+        min=1,
+        max=1 << 40,
+    )
     max_concurrent_requests: int = option(
         1024, "requests in flight before answering RESOURCE_EXHAUSTED / HTTP 503", min=1, max=1 << 20
     )

@@ -98,7 +98,7 @@ class GenerationServicer:
         error = None
         try:
             inp = input_from_proto(request, self._service.max_stop_strings)
-            self._service.check_answer_size([inp])
+            self._service.check_request_size([inp])
             stream = self._service.generate(
                 inp, timeout_s=context.time_remaining(), client_id=client_id, trace_carrier=tracing.inject(span)
             )

@@ -217,7 +217,7 @@ def create_app(
             body = await read_json(request, max_body_bytes)
             req: RestRequest = parse(body, request_id, service.max_stop_strings)
             inputs = [req.inp, *req.more]  # a batch of prompts: one request each, run side by side
-            service.check_answer_size(inputs)
+            service.check_request_size(inputs)
             span = request.scope.get(SPAN_KEY)  # the request's spans are children of the call's SERVER span
             carrier = tracing.inject(span) if span is not None else {}
             client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)

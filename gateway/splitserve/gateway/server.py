@@ -218,6 +218,7 @@ class GatewayServer:
             max_concurrent_requests=config.max_concurrent_requests,
             max_stop_strings=config.max_stop_strings,
             max_answer_entries=config.max_answer_entries,
+            max_request_tokens=config.max_request_tokens,
             request_timeout_s=config.request_timeout_s,
             limiter=limiter,
             metrics=self.metrics,

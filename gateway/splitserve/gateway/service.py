@@ -156,21 +156,32 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
 INLINE_TOKENIZE_CHARS = 8192
 
 
+def prompt_tokens_bound(inp: GenerationInput) -> int:
+    """At most how many tokens an input's prompt has: its ids, or a text's UTF-8 bytes (a token covers at least
+    one byte; counted before tokenizing, so a refusal costs no work)."""
+    if inp.token_ids is not None:
+        return len(inp.token_ids)
+    return len((inp.text or "").encode()) + sum(len(content.encode()) for _, content in inp.chat or ())
+
+
 def answer_entries(inp: GenerationInput, max_model_len: int) -> int:
     """At most how many token entries (a token, or one of its top alternatives) an input's answer holds: its
-    sequences' tokens and, with prompt_logprobs or echo, its prompt's; a text prompt counted as its UTF-8 bytes
-    (a token covers at least one), all capped by the context."""
+    sequences' tokens and, with prompt_logprobs or echo, its prompt's, all capped by the context."""
     params = inp.params
     top = 1 + max(params.logprobs or 0, 0)
     tokens = min(params.max_tokens if params.max_tokens is not None else max_model_len, max_model_len)
     entries = (inp.best_of or inp.n) * tokens * top
     if params.prompt_logprobs is not None or inp.echo:
-        if inp.token_ids is not None:
-            prompt = len(inp.token_ids)
-        else:
-            prompt = len((inp.text or "").encode()) + sum(len(content.encode()) for _, content in inp.chat or ())
+        prompt = prompt_tokens_bound(inp)
         entries += min(prompt, max_model_len) * (1 + max(params.prompt_logprobs or 0, params.logprobs or 0))
     return entries
+
+
+def request_tokens(inp: GenerationInput, max_model_len: int) -> int:
+    """At most how many tokens an input asks the engines for: each sequence's prompt and output, a sequence
+    never past the context (max_tokens unset: up to the context)."""
+    max_tokens = inp.params.max_tokens if inp.params.max_tokens is not None else max_model_len
+    return (inp.best_of or inp.n) * min(prompt_tokens_bound(inp) + max_tokens, max_model_len)
 
 
 class GatewayService:
@@ -188,6 +199,7 @@ class GatewayService:
         max_concurrent_requests: int = 1024,
         max_stop_strings: int = 16,
         max_answer_entries: int = 1 << 20,
+        max_request_tokens: int = 1 << 17,
         request_timeout_s: float = 600.0,
         limiter: RateLimiter | None = None,
         metrics: GatewayMetrics | None = None,
@@ -203,6 +215,7 @@ class GatewayService:
         self.max_concurrent_requests = max_concurrent_requests
         self.max_stop_strings = max_stop_strings
         self.max_answer_entries = max_answer_entries
+        self.max_request_tokens = max_request_tokens
         self.request_timeout_s = request_timeout_s
         self.limiter = limiter or RateLimiter()
         self.metrics = metrics
@@ -218,10 +231,22 @@ class GatewayService:
         # services may both run a caller's "req-1"; the services must see two requests
         self.instance_tag = secrets.token_hex(6)
 
-    def check_answer_size(self, inputs: Sequence[GenerationInput]) -> None:
-        """Refuse (400) a request whose answer could hold more than max_answer_entries token entries, before any
-        work: one small body (64 prompts x n 16 x prompt_logprobs 20) once built a 1.5 GB answer."""
-        worst = sum(answer_entries(inp, self.registry.max_model_len) for inp in inputs)
+    def check_request_size(self, inputs: Sequence[GenerationInput]) -> None:
+        """Refuse (400), before any work, a request that could ask for more than max_request_tokens tokens
+        (never below the context) or whose answer could hold more than max_answer_entries token entries: one
+        small body (64 prompts x n 16 x prompt_logprobs 20) once built a 1.5 GB answer, and another (64 prompts x
+        n 16 x 200 tokens) held the engines for minutes."""
+        max_model_len = self.registry.max_model_len
+        limit = max(self.max_request_tokens, max_model_len)
+        tokens = sum(request_tokens(inp, max_model_len) for inp in inputs)
+        if tokens > limit:
+            raise invalid(
+                f"the request could ask for {tokens:,} tokens (prompts x sequences x (prompt tokens + max_tokens), "
+                f"a sequence at most the context of {max_model_len:,}); at most {limit:,} (--max-request-tokens): "
+                "ask for fewer prompts, sequences or tokens",
+                "max_tokens",
+            )
+        worst = sum(answer_entries(inp, max_model_len) for inp in inputs)
         if worst > self.max_answer_entries:
             params = inputs[0].params
             field = "prompt_logprobs" if params.prompt_logprobs is not None else "max_tokens"
