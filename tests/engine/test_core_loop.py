@@ -151,13 +151,20 @@ class Engine:
         self.sent_before_step: list[list[str]] = []
         self.pins: list[tuple[str, list[int]]] = []
         self.import_steps: list[int] = []  # steps run by each begin_import call
+        self.rooms_made: list[tuple[int, int]] = []  # (blocks, share) the scheduler was asked to free
+        self.scheduler = SimpleNamespace(
+            import_share=None, make_room=lambda n, share: self.rooms_made.append((n, share))
+        )
 
     def has_unfinished(self) -> bool:
         return self.has_work
 
-    def begin_import(self, *args):
+    def begin_import(self, *args, share=0):
         self.import_steps.append(self.steps)
         return None if self.steps < self.room_after_steps else ([7, 8], 0)
+
+    def import_blocks_needed(self, prompt_token_ids):
+        return len(prompt_token_ids) // self.config.block_size
 
     def pin_blocks(self, blocks):
         self.pins.append(("pin", list(blocks)))

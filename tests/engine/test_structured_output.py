@@ -525,7 +525,7 @@ def test_forks_of_a_request_waiting_for_its_grammar_are_aborted_one_by_one_as_th
                 prepare=lambda spec, vetted=False: futures.setdefault(spec.regex, Future()), cancel=cancelled.append
             )
 
-        def add_request(self, request_id, prompt, params, fork_ids=(), priority=0, seed=None):
+        def add_request(self, request_id, prompt, params, fork_ids=(), priority=0, seed=None, share=0):
             self.calls.append(("add", request_id, list(fork_ids), seed))
 
         def abort(self, request_id):

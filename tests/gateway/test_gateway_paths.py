@@ -4,6 +4,8 @@ Prompt "hello world w20" is ids [6, 7, 20]; the fakes then generate 21, 22, 23, 
 text (after the prompt) is " w21 w22 w23 ...".
 """
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -289,6 +291,40 @@ def test_a_request_that_could_ask_for_too_many_tokens_is_refused_before_any_work
     assert r.status_code == 200, r.text
     r = httpx.post(f"{small.base_url}/v1/completions", json={"prompt": "w20", "max_tokens": 61, "n": 2}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request could ask for 128 tokens ")
+
+
+@pytest.mark.parametrize("with_keys", [False, True])
+def test_each_request_carries_its_callers_sequences_in_flight_as_its_share(tokenizer_dir, with_keys):
+    """The share on PrefillRequest and DecodeRequest is the caller's sequences in flight at admission, this
+    request's included: per connection without API keys, per key with them (two connections of one key count
+    together); it falls back as the requests end."""
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.gate = asyncio.Event()
+    env = {"SPLITSERVE_API_KEYS": "k1,k2"} if with_keys else {}
+    stack = Stack(tokenizer_dir, [prefill], [decode], {}, rest=False, env=env).start()
+    try:
+        check_shares(stack, prefill, decode, with_keys)
+    finally:
+        stack.stop()
+
+
+def check_shares(stack, prefill, decode, with_keys):
+    key = lambda k: (("authorization", f"Bearer {k}"),) if with_keys else None  # noqa: E731
+    # a connection each (channels to one target share their connection unless told not to)
+    channels = [grpc.insecure_channel(stack.grpc_target, [("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)]
+    calls = []
+    for rid, channel, k, n in (("a1", 0, "k1", 1), ("a2", 0, "k1", 3), ("b1", 1, "k2", 1), ("a3", 2, "k1", 2)):
+        req = request(max_tokens=3)
+        req.request_id, req.n = rid, n
+        calls.append(generation_pb2_grpc.GenerationStub(channels[channel]).Generate(req, timeout=10, metadata=key(k)))
+        stack.wait_for(lambda: len(prefill.requests) == len(calls), what=f"{rid}'s Prefill call")
+    shares = {r.request_id.split("@")[0]: r.share for r in prefill.requests}
+    # a3 comes on its own connection: a caller of its own without keys, k1's third request with them
+    assert shares == {"a1": 1, "a2": 4, "b1": 1, "a3": 6 if with_keys else 2}
+    stack.loop.call(prefill.gate.set)
+    assert [len([m for m in call if m.finish_reason]) for call in calls] == [1, 3, 1, 2]
+    assert {r.request_id.split("@")[0]: r.share for r in decode.requests} == shares
+    stack.wait_for(lambda: stack.gateway.service._sequences_of == {}, what="no sequence in flight")
 
 
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):

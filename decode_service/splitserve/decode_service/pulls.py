@@ -137,6 +137,7 @@ class PullCoordinator:
                 req.priority,
                 spec,
                 list(req.fork_ids),
+                share=req.share,
             )
         )
 

@@ -326,7 +326,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             self.pulls.start(req, params)
         else:
             self.counters.count("prompt_tokens", len(req.prompt_token_ids))
-            self.client.send(m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed, forks))
+            self.client.send(
+                m.AddRequest(rid, list(req.prompt_token_ids), params, req.priority, req.seed, forks, share=req.share)
+            )
 
 
 def check_token_ids(req, vocab_size: int) -> None:

@@ -266,8 +266,10 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         seed: int | None = None,
+        share: int = 0,
     ) -> Request:
-        """Validate and build a Request (does not queue it)."""
+        """Validate and build a Request (does not queue it). `share`: the caller's fair share (lower runs first,
+        scheduling/scheduler.py)."""
         if (
             request_id in self.scheduler.requests
             or request_id in self.held
@@ -318,6 +320,7 @@ class EngineCore:
             eos_token_ids=eos,
             priority=priority,
             grammar=grammar,
+            share=share,
         )
 
     def add_request(
@@ -328,7 +331,7 @@ class EngineCore:
         fork_ids: Sequence[str] = (),
         **options,
     ) -> Request:
-        """Validate, build and queue a request; `options`: make_request's `priority` and `seed`.
+        """Validate, build and queue a request; `options`: make_request's `priority`, `seed` and `share`.
         `fork_ids`: more sequences of the same prompt (scheduling/parallel_sampling.py), sequence i + 1 seeded
         seed + i + 1."""
         request = self.make_request(request_id, prompt_token_ids, params, **options)
@@ -343,7 +346,12 @@ class EngineCore:
             raise RequestError(f"fork ids must be distinct and differ from the request's id, got {list(fork_ids)}")
         return [
             self.make_request(
-                fork_id, parent.prompt_token_ids, parent.sampling_params, parent.priority, parent.seed + i
+                fork_id,
+                parent.prompt_token_ids,
+                parent.sampling_params,
+                parent.priority,
+                parent.seed + i,
+                share=parent.share,
             )
             for i, fork_id in enumerate(fork_ids, start=1)
         ]
@@ -463,6 +471,7 @@ class EngineCore:
         first_logprobs=None,
         priority: int = 0,
         fork_ids: Sequence[str] = (),
+        share: int = 0,
     ) -> tuple[list[int], int] | None:
         """Allocate blocks for an incoming prompt's KV, reusing locally cached prefix blocks.
 
@@ -474,7 +483,7 @@ class EngineCore:
             raise RequestError(
                 f"first_token_id {first_token_id} is not a token id of this model (vocab_size {self.info.vocab_size})"
             )
-        request = self.make_request(request_id, prompt_token_ids, params, priority, seed)
+        request = self.make_request(request_id, prompt_token_ids, params, priority, seed, share)
         children = self._children(request, fork_ids)
         hashes = hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys)
         cached = self.kv.lookup_hashes(hashes)
@@ -491,6 +500,12 @@ class EngineCore:
         self.waiting_for_kv[request_id] = request
         self.forks.expect(request, children)
         return self.kv.blocks_of(request_id), len(cached)
+
+    def import_blocks_needed(self, prompt_token_ids: list[int]) -> int:
+        """Free blocks an import of this prompt takes (its prefix cached here is adopted, not pulled)."""
+        cached = self.kv.lookup_hashes(hash_full_blocks(prompt_token_ids, self.config.block_size, self.kv.extra_keys))
+        revived = sum(1 for block in cached if self.pool.ref_counts[block] == 0)
+        return cdiv(len(prompt_token_ids), self.config.block_size) - len(cached) + revived
 
     def finish_import(self, request_id: str) -> RequestOutput | None:
         """The prompt KV is in place: join the running batch (or finish at once if the

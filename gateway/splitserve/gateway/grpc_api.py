@@ -100,7 +100,11 @@ class GenerationServicer:
             inp = input_from_proto(request, self._service.max_stop_strings)
             self._service.check_request_size([inp])
             stream = self._service.generate(
-                inp, timeout_s=context.time_remaining(), client_id=client_id, trace_carrier=tracing.inject(span)
+                inp,
+                timeout_s=context.time_remaining(),
+                client_id=client_id,
+                trace_carrier=tracing.inject(span),
+                connection=context.peer(),  # the caller's fair share without API keys: one per connection
             )
             try:
                 async for message in stream:

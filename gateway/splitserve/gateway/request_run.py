@@ -94,12 +94,14 @@ class RequestRun:
         structured_field: str = "",
         index: int = 0,
         fork_ids: Sequence[str] = (),
+        share: int = 0,
     ) -> None:
         """`echo_text`: completions' echo, the prompt's text that starts the first message's text (and that
         message then carries the prompt's ids); `drop_output`: answer no output tokens or text (echo with
         max_tokens 0; usage still counts the token computed, as vLLM's). `index`: the sequence this run is
         (n > 1, gateway/sequences.py); `fork_ids`: the internal ids of the request's other sequences, which
-        the decode forks from this one's prompt KV."""
+        the decode forks from this one's prompt KV. `share`: the caller's sequences in flight when the request
+        was admitted, sent on both hops (the engines run lower shares first)."""
         self._deps = deps
         self.request_id = request_id  # the caller's: in its responses and in logs
         # on every internal hop (prefill, decode, KV lease): unique across the gateways that share them
@@ -109,6 +111,7 @@ class RequestRun:
         self._prompt = prompt_token_ids
         self._seed = seed
         self._priority = priority
+        self._share = share
         self._index = index
         self._fork_ids = list(fork_ids)
         # resolved with (the decode, its link) once the request is on a decode (None if it never gets there):
@@ -224,14 +227,15 @@ class RequestRun:
             )
 
     def _engine_fields(self) -> dict:
-        """The fields PrefillRequest and DecodeRequest share: one id, prompt, sampling, seed and priority on
-        both hops, so the decode continues exactly what the prefill started."""
+        """The fields PrefillRequest and DecodeRequest share: one id, prompt, sampling, seed, priority and fair
+        share on both hops, so the decode continues exactly what the prefill started."""
         return dict(
             request_id=self.internal_id,
             prompt_token_ids=self._prompt,
             sampling=self._sampling,
             seed=self._seed,
             priority=self._priority,
+            share=self._share,
         )
 
     async def _prefill(self, prefill: Instance) -> prefill_pb2.PrefillResponse | None:

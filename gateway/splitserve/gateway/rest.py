@@ -221,7 +221,11 @@ def create_app(
             span = request.scope.get(SPAN_KEY)  # the request's spans are children of the call's SERVER span
             carrier = tracing.inject(span) if span is not None else {}
             client_id = request.scope.get(CLIENT_ID_KEY, ANONYMOUS)
-            streams = [service.generate(inp, client_id=client_id, trace_carrier=carrier) for inp in inputs]
+            connection = _client(request)  # the caller's fair share without API keys: one per connection
+            streams = [
+                service.generate(inp, client_id=client_id, trace_carrier=carrier, connection=connection)
+                for inp in inputs
+            ]
             # watched for the client leaving from the start: one that leaves before its first token aborts the
             # request wherever it is (queued, prefilling, handed to a decode), not only at its first token
             opening = _Opening(streams, req.n)

@@ -222,6 +222,7 @@ class GatewayService:
         self.vocab_size = len(tokenizer)
         self.num_active = 0
         self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
+        self._sequences_of: dict[str, int] = {}  # caller -> its sequences in flight (the fair share)
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._run_deps = RunDeps(
@@ -443,8 +444,10 @@ class GatewayService:
         timeout_s: float | None = None,
         client_id: str = ANONYMOUS,
         trace_carrier: dict[str, str] | None = None,
+        connection: str = "",
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Run one request of `client_id`; yield its GenerateResponse messages (the last has finish_reason).
+        `connection` (the client's address) names the caller for its fair share when no API keys are set.
 
         Raises GatewayError before the first message when the request is refused (rate
         limit, admission, validation). Closing the iterator early (client gone) aborts the
@@ -471,8 +474,10 @@ class GatewayService:
             record.add_request(request_id, 0)
         prompt_ids: list[int] = []
         closed_early = False
+        num_sequences = inp.best_of or inp.n
+        caller = client_id if client_id != ANONYMOUS else connection or ANONYMOUS
+        share = self._share(caller, num_sequences)
         try:
-            num_sequences = inp.best_of or inp.n
             prompt_ids, params = await self._prepare(inp, client_id, num_sequences)
             if record is not None:
                 record.prompt_tokens += len(prompt_ids)
@@ -492,6 +497,7 @@ class GatewayService:
                 echo_text=echo_text,
                 drop_output=inp.echo_only,
                 structured_field=inp.structured_field,
+                share=share,
             )
             internal_id = f"{request_id}@{self.instance_tag}"
             if num_sequences == 1:
@@ -512,8 +518,19 @@ class GatewayService:
             raise
         finally:
             self._enter(request_id, -1)
+            self._share(caller, -num_sequences)
             if observer is not None:
                 observer.end(len(prompt_ids), closed_early)
+
+    def _share(self, caller: str, num_sequences: int) -> int:
+        """Count `num_sequences` more (or fewer) in flight for `caller`; its count now, the share its new request
+        carries to the engines (protos PrefillRequest.share): lower shares run first when they are saturated."""
+        count = self._sequences_of.get(caller, 0) + num_sequences
+        if count:
+            self._sequences_of[caller] = count
+        else:
+            del self._sequences_of[caller]
+        return count
 
     def _sequences(
         self,

@@ -103,7 +103,11 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         queue = self.client.open_stream(rid)
         self.inflight += 1
         try:
-            self.client.send(m.AddRequest(rid, list(request.prompt_token_ids), params, request.priority, request.seed))
+            self.client.send(
+                m.AddRequest(
+                    rid, list(request.prompt_token_ids), params, request.priority, request.seed, share=request.share
+                )
+            )
             out = await queue.get()
         except asyncio.CancelledError:
             self.client.send(m.Abort([rid]))

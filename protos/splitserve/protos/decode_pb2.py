@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos import common_pb2 as splitserve_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/decode.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"o\n\x12\x43onfirmPairRequest\x12\x18\n\x10prefill_instance\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\"(\n\x13\x43onfirmPairResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\"\xa7\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x45\n\rtrace_context\x18\t \x03(\x0b\x32..splitserve.v1.DecodeRequest.TraceContextEntry\x12\x10\n\x08\x66ork_ids\x18\n \x03(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_first_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"q\n\x08\x44\x65\x63odeIn\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.DecodeRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xe5\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_blocks_pulled\x18\x08 \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x0f\n\x07refused\x18\n \x01(\x08\x12\x13\n\x0bunavailable\x18\x0b \x01(\x08\"G\n\tDecodeOut\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TokenDelta\x12\x0f\n\x07step_ns\x18\x02 \x01(\x04\x32\xee\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x17.splitserve.v1.DecodeIn\x1a\x18.splitserve.v1.DecodeOut(\x01\x30\x01\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponse\x12T\n\x0b\x43onfirmPair\x12!.splitserve.v1.ConfirmPairRequest\x1a\".splitserve.v1.ConfirmPairResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/decode.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"o\n\x12\x43onfirmPairRequest\x12\x18\n\x10prefill_instance\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\r\"(\n\x13\x43onfirmPairResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\"\xb6\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x45\n\rtrace_context\x18\t \x03(\x0b\x32..splitserve.v1.DecodeRequest.TraceContextEntry\x12\x10\n\x08\x66ork_ids\x18\n \x03(\t\x12\r\n\x05share\x18\x0b \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_first_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"q\n\x08\x44\x65\x63odeIn\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.DecodeRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xe5\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_blocks_pulled\x18\x08 \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x0f\n\x07refused\x18\n \x01(\x08\x12\x13\n\x0bunavailable\x18\x0b \x01(\x08\"G\n\tDecodeOut\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TokenDelta\x12\x0f\n\x07step_ns\x18\x02 \x01(\x04\x32\xee\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x17.splitserve.v1.DecodeIn\x1a\x18.splitserve.v1.DecodeOut(\x01\x30\x01\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponse\x12T\n\x0b\x43onfirmPair\x12!.splitserve.v1.ConfirmPairRequest\x1a\".splitserve.v1.ConfirmPairResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONFIRMPAIRRESPONSE']._serialized_start=194
   _globals['_CONFIRMPAIRRESPONSE']._serialized_end=234
   _globals['_DECODEREQUEST']._serialized_start=237
-  _globals['_DECODEREQUEST']._serialized_end=660
-  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=590
-  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=641
-  _globals['_ABORTREQUEST']._serialized_start=662
-  _globals['_ABORTREQUEST']._serialized_end=696
-  _globals['_DECODEIN']._serialized_start=698
-  _globals['_DECODEIN']._serialized_end=811
-  _globals['_TOKENDELTA']._serialized_start=814
-  _globals['_TOKENDELTA']._serialized_end=1171
-  _globals['_DECODEOUT']._serialized_start=1173
-  _globals['_DECODEOUT']._serialized_end=1244
-  _globals['_DECODE']._serialized_start=1247
-  _globals['_DECODE']._serialized_end=1485
+  _globals['_DECODEREQUEST']._serialized_end=675
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=605
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=656
+  _globals['_ABORTREQUEST']._serialized_start=677
+  _globals['_ABORTREQUEST']._serialized_end=711
+  _globals['_DECODEIN']._serialized_start=713
+  _globals['_DECODEIN']._serialized_end=826
+  _globals['_TOKENDELTA']._serialized_start=829
+  _globals['_TOKENDELTA']._serialized_end=1186
+  _globals['_DECODEOUT']._serialized_start=1188
+  _globals['_DECODEOUT']._serialized_end=1259
+  _globals['_DECODE']._serialized_start=1262
+  _globals['_DECODE']._serialized_end=1500
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos import common_pb2 as splitserve_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/protos/prefill.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\"\xca\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"3\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"u\n\rPairKvRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\" \n\x0ePairKvResponse\x12\x0e\n\x06paired\x18\x01 \x01(\x08\"t\n\rSendKvRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x15\n\rblock_indices\x18\x04 \x03(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"8\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_ns\x18\x02 \x01(\x04\x32\xfe\x02\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12N\n\tReleaseKv\x12\x1f.splitserve.v1.ReleaseKvRequest\x1a .splitserve.v1.ReleaseKvResponse\x12\x45\n\x06PairKv\x12\x1c.splitserve.v1.PairKvRequest\x1a\x1d.splitserve.v1.PairKvResponse\x12\x45\n\x06SendKv\x12\x1c.splitserve.v1.SendKvRequest\x1a\x1d.splitserve.v1.SendKvResponse\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/protos/prefill.proto\x12\rsplitserve.v1\x1a\x1esplitserve/protos/common.proto\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\r\n\x05share\x18\x07 \x01(\r\"\xca\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"3\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"u\n\rPairKvRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\" \n\x0ePairKvResponse\x12\x0e\n\x06paired\x18\x01 \x01(\x08\"t\n\rSendKvRequest\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x15\n\rblock_indices\x18\x04 \x03(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"8\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_ns\x18\x02 \x01(\x04\x32\xfe\x02\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12N\n\tReleaseKv\x12\x1f.splitserve.v1.ReleaseKvRequest\x1a .splitserve.v1.ReleaseKvResponse\x12\x45\n\x06PairKv\x12\x1c.splitserve.v1.PairKvRequest\x1a\x1d.splitserve.v1.PairKvResponse\x12\x45\n\x06SendKv\x12\x1c.splitserve.v1.SendKvRequest\x1a\x1d.splitserve.v1.SendKvResponse\x12K\n\x08\x44\x65scribe\x12\x1e.splitserve.v1.DescribeRequest\x1a\x1f.splitserve.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.prefill_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=83
-  _globals['_PREFILLREQUEST']._serialized_end=244
-  _globals['_PREFILLRESPONSE']._serialized_start=247
-  _globals['_PREFILLRESPONSE']._serialized_end=577
-  _globals['_RELEASEKVREQUEST']._serialized_start=579
-  _globals['_RELEASEKVREQUEST']._serialized_end=630
-  _globals['_RELEASEKVRESPONSE']._serialized_start=632
-  _globals['_RELEASEKVRESPONSE']._serialized_end=669
-  _globals['_PAIRKVREQUEST']._serialized_start=671
-  _globals['_PAIRKVREQUEST']._serialized_end=788
-  _globals['_PAIRKVRESPONSE']._serialized_start=790
-  _globals['_PAIRKVRESPONSE']._serialized_end=822
-  _globals['_SENDKVREQUEST']._serialized_start=824
-  _globals['_SENDKVREQUEST']._serialized_end=940
-  _globals['_SENDKVRESPONSE']._serialized_start=942
-  _globals['_SENDKVRESPONSE']._serialized_end=998
-  _globals['_PREFILL']._serialized_start=1001
-  _globals['_PREFILL']._serialized_end=1383
+  _globals['_PREFILLREQUEST']._serialized_end=259
+  _globals['_PREFILLRESPONSE']._serialized_start=262
+  _globals['_PREFILLRESPONSE']._serialized_end=592
+  _globals['_RELEASEKVREQUEST']._serialized_start=594
+  _globals['_RELEASEKVREQUEST']._serialized_end=645
+  _globals['_RELEASEKVRESPONSE']._serialized_start=647
+  _globals['_RELEASEKVRESPONSE']._serialized_end=684
+  _globals['_PAIRKVREQUEST']._serialized_start=686
+  _globals['_PAIRKVREQUEST']._serialized_end=803
+  _globals['_PAIRKVRESPONSE']._serialized_start=805
+  _globals['_PAIRKVRESPONSE']._serialized_end=837
+  _globals['_SENDKVREQUEST']._serialized_start=839
+  _globals['_SENDKVREQUEST']._serialized_end=955
+  _globals['_SENDKVRESPONSE']._serialized_start=957
+  _globals['_SENDKVRESPONSE']._serialized_end=1013
+  _globals['_PREFILL']._serialized_start=1016
+  _globals['_PREFILL']._serialized_end=1398
 # @@protoc_insertion_point(module_scope)

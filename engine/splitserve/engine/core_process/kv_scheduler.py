@@ -69,7 +69,17 @@ class KvScheduler:
 
     # -- decode: imports ----------------------------------------------------------------------
     def add_import(self, msg: m.ImportKv) -> None:
-        """Allocate the prompt's blocks and start pulling; without room now, wait (retry_imports)."""
+        """Allocate the prompt's blocks and start pulling; without room now, wait (retry_imports). An import of a
+        lower or equal share waiting already goes first: this one waits behind it."""
+        if any(waiting.share <= msg.share for waiting in self.waiting_for_room):
+            self._tried_at[msg.request_id] = -1  # never tried: tried at the next retry
+            self.waiting_for_room.append(msg)
+            return
+        if not self._try_import(msg):
+            self._hold_room()
+
+    def _try_import(self, msg: m.ImportKv) -> bool:
+        """Begin `msg`'s import; False when the pool cannot hold it now (it then waits for room)."""
         try:
             started = self.engine.begin_import(
                 msg.request_id,
@@ -80,34 +90,49 @@ class KvScheduler:
                 msg.first_logprobs,
                 msg.priority,
                 msg.fork_ids,
+                share=msg.share,
             )
         except ValueError as exc:  # a bad request, not a failed pull: it ends here, and its forks
             self._end(msg.request_id, str(exc), self.live_forks(msg))
-            return
+            return True
         if started is None:
             self.waiting_for_room.append(msg)
             self._tried_at[msg.request_id] = self.engine.pool.num_blocks_freed
-            return
+            return False
         self.admitted(msg.request_id)
         self._start_load(msg, *started)  # the request waits in WAITING_FOR_KV; the loop steps on
+        return True
 
     def retry_imports(self) -> None:
-        """Once per loop turn: try the imports waiting for room again, if a block was freed since the last try
-        (each try hashes the prompt and looks it up: ~0.2 ms per 2,048 tokens, per waiting import, per turn).
-        A prefix cached meanwhile could also make room; it waits for the next free, which every request's end
-        brings."""
+        """Once per loop turn: try the imports waiting for room again, lower shares first (then arrival), up to
+        the first that still does not fit (the blocks freed are held for it, not handed to a larger share), if a
+        block was freed since its last try (each try hashes the prompt and looks it up: ~0.2 ms per 2,048 tokens,
+        per waiting import, per turn). A prefix cached meanwhile could also make room; it waits for the next free,
+        which every request's end brings."""
         if not self.waiting_for_room:
             return
         freed = self.engine.pool.num_blocks_freed
-        if all(self._tried_at.get(msg.request_id) == freed for msg in self.waiting_for_room):
-            return
-        waiting, self.waiting_for_room = self.waiting_for_room, []
-        for msg in waiting:
-            if self._tried_at.get(msg.request_id) == freed:
-                self.waiting_for_room.append(msg)  # tried since the last free: it would fail again
-            else:
-                self.add_import(msg)
+        waiting = sorted(self.waiting_for_room, key=_share)
+        if self._tried_at.get(waiting[0].request_id) == freed:
+            return  # tried since the last free: it would fail again
+        self.waiting_for_room = []
+        for i, msg in enumerate(waiting):
+            if not self._try_import(msg):
+                self.waiting_for_room.extend(waiting[i + 1 :])
+                break
         self._tried_at = {msg.request_id: self._tried_at[msg.request_id] for msg in self.waiting_for_room}
+        self._hold_room()
+
+    def _hold_room(self) -> None:
+        """The first import waiting for room holds it against larger shares: the scheduler admits none of them
+        meanwhile and preempts running ones (largest share first) until the blocks it needs are free."""
+        scheduler = self.engine.scheduler
+        if not self.waiting_for_room:
+            scheduler.import_share = None
+            return
+        head = min(self.waiting_for_room, key=_share)
+        scheduler.import_share = head.share
+        scheduler.make_room(self.engine.import_blocks_needed(head.prompt_token_ids), head.share)
 
     def _start_load(self, msg: m.ImportKv, dst_blocks: list[int], num_local: int) -> None:
         """Pull the handle's blocks past the `num_local` cached here into `dst_blocks[num_local:]`."""
@@ -184,12 +209,18 @@ class KvScheduler:
                 ended |= self.drop_pending(pull, ids)
                 for fork in forks_outliving(pull, self.live_forks(pull)):
                     self.engine.add_request(
-                        fork.request_id, fork.prompt_token_ids, fork.params, priority=fork.priority, seed=fork.seed
+                        fork.request_id,
+                        fork.prompt_token_ids,
+                        fork.params,
+                        priority=fork.priority,
+                        seed=fork.seed,
+                        share=fork.share,
                     )
             else:
                 ended |= self.note_aborted_forks(pull, ids)
                 waiting.append(pull)
         self.waiting_for_room = waiting
+        self.engine.scheduler.import_share = min((pull.share for pull in waiting), default=None)
         for request_id in request_ids:
             self.connector.forget(request_id)
         return ended
@@ -262,6 +293,11 @@ def forks_outliving(msg: m.AddRequest | m.ImportKv, fork_ids: list[str]) -> list
             msg.params,
             msg.priority,
             base + index[fork_id] if base is not None else None,
+            share=msg.share,
         )
         for fork_id in fork_ids
     ]
+
+
+def _share(msg: m.ImportKv) -> int:
+    return msg.share

@@ -166,6 +166,7 @@ class CoreLoop:
                 fork_ids=msg.fork_ids,
                 priority=msg.priority,
                 seed=msg.seed,
+                share=msg.share,
             )
         except ValueError as exc:  # the request and its forks end here
             outs = [

@@ -23,6 +23,7 @@ class AddRequest:
     priority: int = 0
     seed: int | None = None
     fork_ids: list[str] = field(default_factory=list)  # more sequences of this prompt (n > 1)
+    share: int = 0  # the caller's fair share (its sequences in flight at the gateway): lower runs first
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ImportKv:
     priority: int
     spec: PullSpec
     fork_ids: list[str] = field(default_factory=list)  # more sequences of this prompt, forked once imported
+    share: int = 0  # the caller's fair share, as AddRequest's
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    share: int = 0  # the caller's sequences in flight at the gateway: lower shares run first when saturated
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)

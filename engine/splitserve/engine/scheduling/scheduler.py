@@ -3,11 +3,14 @@
 There are no prefill and decode phases: each request's `num_computed_tokens` catches up
 to its `num_tokens` under a per-step token budget. One step, in named phases:
 
-    1. _schedule_running   running requests first (decodes take 1 token, unfinished
-                           prompts take a chunk); when blocks run out, preempt the
-                           newest (or lowest priority) running request by recompute
-    2. _schedule_waiting   admit waiting requests while budget, sequence cap and blocks
-                           allow, reusing their cached prefix blocks
+    1. _schedule_running   running requests (decodes take 1 token, unfinished prompts take
+       and _admit          a chunk) and waiting ones admitted while budget, sequence cap and
+                           blocks allow (reusing their cached prefix blocks), in one order:
+                           lower shares first, a running request before a waiting one of
+                           its share; at most max_num_seqs in a step. When blocks run out a
+                           running request preempts, by recompute, the one of the largest
+                           share (then lowest priority, then newest); an admitted one only
+                           larger shares. No admission after a preemption in the step.
     3. _advance            the scheduled tokens count as computed at once, and a
                            sampling step adds a pending token (its id stays on the device)
     4. (runner executes)   then update_from_output appends the sampled tokens and finishes
@@ -18,6 +21,13 @@ update_from_output(N) comes after N+1 is launched. A request that N's tokens end
 be in step N+1: that step's token for it is discarded, and its blocks are freed once N+1
 has been read (`in_flight`), never while a step that writes them may still run. The
 synchronous loop is the same code with update_from_output right after each launch.
+
+Fair share: each request carries its caller's `share` (the caller's sequences in flight at the gateway when
+it was admitted; protos PrefillRequest.share). When the engine is saturated, lower shares are admitted, ordered
+and kept first, so one caller's thousand sequences cannot hold back another caller's one. The sequence cap
+holds for every step, also when imports (decode role) made the running batch larger than the cap: the
+sequences past it wait for a step with room. An import waiting for blocks (core_process/kv_scheduler.py)
+sets `import_share`: requests of larger shares are not admitted meanwhile, and `make_room` preempts them.
 
 Roles: "prefill" admits prompt work and parks each request as PREFILLED after its
 first token, keeping its blocks until release; "decode" takes requests whose KV was
@@ -38,7 +48,8 @@ from splitserve.engine.scheduling.request import Request, RequestStatus
 
 
 class WaitingQueue:
-    """FCFS or priority (lower first, then arrival) queue of waiting requests."""
+    """Waiting requests, lower shares first; then FCFS (a preempted request in front) or priority (lower first,
+    then arrival). The share comes before the caller-chosen priority, so no priority buys a larger share."""
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
@@ -50,8 +61,8 @@ class WaitingQueue:
     def _key(self, request: Request, front: bool) -> tuple:
         order = -next(self._counter) if front else next(self._counter)
         if self.policy == "priority":
-            return (request.priority, request.arrival_time, order)
-        return (0 if front else 1, order)
+            return (request.share, request.priority, request.arrival_time, order)
+        return (request.share, 0 if front else 1, order)
 
     def push(self, request: Request, front: bool = False) -> None:
         heapq.heappush(self._heap, (*self._key(request, front), request))
@@ -106,6 +117,7 @@ class Scheduler:
         self.num_launched = 0  # steps launched so far; SchedulerOutput.step_number of the latest
         self.in_flight: set[str] = set()  # request ids of the latest launched step until it is read
         self._free_when_read: list[tuple[int, list[int]]] = []  # (step number, blocks) waiting for it
+        self.import_share: int | None = None  # lowest share of the imports waiting for blocks (decode role)
 
     # -- intake ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -162,9 +174,21 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        running = sorted(self.running, key=_share)  # stable: arrival order within a share
+        i, admitting = 0, True
+        while budget > 0 and len(out.scheduled) < self.max_num_seqs:
+            head = self._admissible_head() if admitting and not out.preempted else None
+            if i < len(running) and (head is None or running[i].share <= head.share):
+                budget -= self._schedule_running(running[i], budget, out, scheduled_ids)
+                i += 1
+            elif head is not None:
+                admitted = self._admit(head, budget, out, scheduled_ids)
+                admitting = admitted > 0
+                budget -= admitted
+            else:
+                break
         self._advance(out)
         return out
 
@@ -184,38 +208,54 @@ class Scheduler:
             return True
         return request.num_pending_tokens > 0 and request.ends_by_length(self.max_model_len)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled_ids: set[str] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or (request.num_pending_tokens or self.role == "prefill") and self._needs_no_step(request):
-                i += 1
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(exclude=scheduled_ids)
-                if victim is None or victim is request:
-                    self._preempt(request, out)
-                    request = None
-                    break
-                self._preempt(victim, out)
-            if request is None:
-                continue  # this request itself was preempted; running[i] is now the next one
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-            scheduled_ids.add(request.request_id)
-            budget -= num_new
-            i += 1
-        return budget
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[str]) -> int:
+        """Schedule a running request's next tokens; the number scheduled (0: it needs no step, or was preempted)."""
+        if request.status != RequestStatus.RUNNING:
+            return 0  # preempted earlier in this step
+        num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+        if num_new <= 0 or (request.num_pending_tokens or self.role == "prefill") and self._needs_no_step(request):
+            return 0
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self._pick_victim(exclude=scheduled_ids)
+            if victim is None or victim is request:
+                self._preempt(request, out.preempted)
+                return 0
+            self._preempt(victim, out.preempted)
+        out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        scheduled_ids.add(request.request_id)
+        return num_new
 
-    def _pick_victim(self, exclude: set[str]) -> Request | None:
-        """The running request to preempt: lowest priority, then latest arrival."""
-        candidates = [r for r in self.running if r.request_id not in exclude and not self._needs_no_step(r)]
+    def _pick_victim(self, exclude: set[str], above_share: int = -1) -> Request | None:
+        """The running request to preempt: largest share, then lowest priority, then latest arrival; only shares
+        above `above_share`."""
+        candidates = [
+            r
+            for r in self.running
+            if r.request_id not in exclude and r.share > above_share and not self._needs_no_step(r)
+        ]
         if not candidates:
             return None
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return max(candidates, key=lambda r: (r.share, r.priority, r.arrival_time))
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def make_room(self, num_blocks: int, share: int) -> list[Request]:
+        """Preempt running requests of shares above `share` (largest first) until `num_blocks` blocks are free or
+        will be once the launched step is read (its requests' blocks are freed then, never under it): an import
+        of that share waits for them. Returns the preempted requests."""
+        preempted: list[Request] = []
+        pending = sum(len(blocks) for _, blocks in self._free_when_read)
+        while self.kv.pool.num_free_blocks + pending < num_blocks:
+            victim = self._pick_victim(exclude=set(), above_share=share)
+            if victim is None:
+                break
+            if victim.request_id in self.in_flight:
+                blocks = self.kv.blocks_of(victim.request_id)
+                self.kv.pool.touch(blocks)  # our own reference until the step is read
+                self._free_when_read.append((self.num_launched, blocks))
+                pending += len(blocks)
+            self._preempt(victim, preempted)
+        return preempted
+
+    def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -223,30 +263,54 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request, front=True)
-        out.preempted.append(request)
+        preempted.append(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            if request is None or request.num_pending_tokens:
-                break  # a preempted request's last token is still on the device: it is read first
-            # a request asking for prompt logprobs computes every prompt position: no cached prefix (as vLLM)
-            reads_cache = request.num_computed_tokens == 0 and not request.needs_prompt_logprobs
-            cached = self.kv.find_cached_prefix(request) if reads_cache else []
-            num_computed = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
-                break
-            self.waiting.pop()
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
-            budget -= num_new
+    def _admissible_head(self) -> Request | None:
+        """The first waiting request, if it may be admitted now."""
+        request = self.waiting.peek()
+        if request is None or request.num_pending_tokens or not self._has_seat(request):
+            return None  # a preempted request's last token is still on the device: it is read first
+        return request
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput, scheduled_ids: set[str]) -> int:
+        """Admit the first waiting request: the number of tokens scheduled (0: no blocks for it)."""
+        # a request asking for prompt logprobs computes every prompt position: no cached prefix (as vLLM)
+        reads_cache = request.num_computed_tokens == 0 and not request.needs_prompt_logprobs
+        cached = self.kv.find_cached_prefix(request) if reads_cache else []
+        num_computed = len(cached) * self.kv.block_size
+        num_new = min(request.num_tokens - num_computed, budget)
+        if not self._allocate_for_admission(request, num_new, cached, out, scheduled_ids):
+            return 0
+        self.waiting.pop()
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = min(num_computed, request.num_prompt_tokens)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+        scheduled_ids.add(request.request_id)
+        return num_new
+
+    def _has_seat(self, request: Request) -> bool:
+        """Under the sequence cap counting only the running requests of its share or lower (larger shares give up
+        their seats in each step), and no import of a lower share waits for the blocks it would take."""
+        if self.import_share is not None and request.share > self.import_share:
+            return False
+        return sum(1 for r in self.running if r.share <= request.share) < self.max_num_seqs
+
+    def _allocate_for_admission(
+        self, request: Request, num_new: int, cached: list[int], out: SchedulerOutput, scheduled_ids: set[str]
+    ) -> bool:
+        """Blocks for a request being admitted, preempting running requests of larger shares (largest first, none
+        of this step) while it is short."""
+        while not self.kv.allocate_slots(request, num_new, cached):
+            victim = self._pick_victim(scheduled_ids, above_share=request.share)
+            if victim is None:
+                return False
+            self._preempt(victim, out.preempted)
+        return True
 
     # -- after the runner ------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
@@ -289,3 +353,7 @@ class Scheduler:
             changed.append(request)
         self._step_read(out)
         return changed
+
+
+def _share(request: Request) -> int:
+    return request.share
