@@ -224,12 +224,14 @@ class Stack:
         decode_args: list[str] = (),
         prefill_faults: str = "",
         decode_faults: str = "",
+        gateway_more: list[str] = (),
     ):
         from splitserve.common.default_model_path import default_model_path
 
         self.model, self.logs, self.transport = default_model_path(), logs, transport
         self.prefill_args = ["--kv-transport", transport, *prefill_args]
         self.prefill_faults = prefill_faults
+        self.gateway_more = list(gateway_more)  # more gateway flags
         for attempt in range(3):
             self.procs: dict[str, Proc] = {}
             try:
@@ -263,7 +265,13 @@ class Stack:
         self.gateway = Proc(
             "gateway",
             gateway_args(
-                self.grpc_port, self.http_port, self.prefill[1], ",".join(self.decodes), "--health-interval-s", "0.2"
+                self.grpc_port,
+                self.http_port,
+                self.prefill[1],
+                ",".join(self.decodes),
+                "--health-interval-s",
+                "0.2",
+                *self.gateway_more,
             ),
             logs,
             "gateway",

@@ -201,3 +201,30 @@ def test_every_decode_full_is_503_with_retry_after(tokenizer_dir):
         assert (r.status_code, r.json()["choices"][0]["text"]) == (200, " w21 w22")
     finally:
         stack.stop()
+
+
+def test_a_decode_full_of_one_callers_sequences_still_takes_another_callers_request(tokenizer_dir):
+    """The decode runs lower shares first, so a request waits there only behind each caller's sequences up to its
+    own share (and behind every waiting request this gateway does not account for): caller A's 8 sequences fill
+    the queue (max_waiting_per_decode=4), caller B's request (share 1: 2 ahead) is served, and A's next one
+    (share 9: the 6 waiting are all ahead) is refused."""
+    decode = FakeDecode(step_s=0.05)
+    stack = Stack(tokenizer_dir, [FakePrefill()], [decode], {"max_waiting_per_decode": 4}).start()
+    options = [("grpc.use_local_subchannel_pool", 1)]  # a connection (a caller) each
+    a, b = (generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.grpc_target, options)) for _ in "ab")
+    try:
+        many = generation_pb2.GenerateRequest(text="w20", n=8, sampling=common_pb2.SamplingParams(max_tokens=40))
+        running = a.Generate(many, timeout=30)
+        stack.wait_for(lambda: len(decode.running) == 8, what="caller A's 8 sequences at the decode")
+        stack.loop.call(lambda: setattr(decode, "waiting", 6))
+        (inst,) = stack.gateway.registry.decodes()
+        stack.wait_for(lambda: inst.describe.load.num_waiting == 6, what="the decode's next Describe")
+        small = generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=2))
+        assert [t for m in b.Generate(small, timeout=10) for t in m.token_ids] == [21, 22]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(a.Generate(small, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details().startswith("every decode instance is full (decode-0 has 6 waiting")
+        assert len([m for m in running if m.finish_reason]) == 8
+    finally:
+        stack.stop()

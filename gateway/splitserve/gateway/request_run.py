@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -65,6 +66,8 @@ class RunDeps:
     tokenizer: Any
     spawn: Callable[[Coroutine], None]  # runs a cleanup coroutine in the background
     stream_interval: int = 1  # least tokens a message carries after the stream's first (GatewayConfig)
+    # (share, requests waiting at a decode) -> how many of them a request of that share waits behind (None: all)
+    waiting_ahead: Callable[[int, int], int] | None = None
 
 
 def sampling_to_proto(params: SamplingParams, seed: int) -> common_pb2.SamplingParams:
@@ -214,7 +217,9 @@ class RequestRun:
         up = router.decode_candidates(None, with_room=False)
         if not up:
             raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
-        if not any(router.has_room(d) for d in up):
+        waiting_ahead = self._deps.waiting_ahead
+        ahead = functools.partial(waiting_ahead, self._share) if waiting_ahead is not None else None
+        if not any(router.has_room(d, ahead) for d in up):
             full = ", ".join(
                 f"{d.name} is draining" if d.describe.draining else f"{d.name} has {router.num_waiting(d)} waiting"
                 for d in up

@@ -25,7 +25,7 @@ the hashes its own prefix cache uses.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.gateway.registry import Instance, Registry
@@ -97,9 +97,14 @@ class Router:
         """Requests waiting at decode `d`: its last Describe's, plus those sent since."""
         return d.describe.load.num_waiting + d.pending_requests
 
-    def has_room(self, d: Instance) -> bool:
-        """False when full, or draining (it finishes what it has and takes nothing new)."""
-        return not d.describe.draining and self.num_waiting(d) < self.max_waiting_per_decode
+    def has_room(self, d: Instance, ahead: Callable[[int], int] | None = None) -> bool:
+        """False when full, or draining (it finishes what it has and takes nothing new). `ahead`: of the requests
+        waiting there, how many a request would wait behind (the decode runs lower shares first), so that a caller
+        with little in flight is not refused because another one filled the queue."""
+        waiting = self.num_waiting(d)
+        if ahead is not None:
+            waiting = min(waiting, ahead(waiting))
+        return not d.describe.draining and waiting < self.max_waiting_per_decode
 
     def pick_decode(self, candidates: Sequence[Instance], prompt_token_ids: Sequence[int]) -> Instance | None:
         """The best-scoring candidate (see the module docstring); ties go to the first listed."""

@@ -226,7 +226,12 @@ class GatewayService:
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._run_deps = RunDeps(
-            router=router, registry=registry, tokenizer=tokenizer, spawn=self.spawn, stream_interval=stream_interval
+            router=router,
+            registry=registry,
+            tokenizer=tokenizer,
+            spawn=self.spawn,
+            stream_interval=stream_interval,
+            waiting_ahead=self._waiting_ahead,
         )
         # suffix of the ids this gateway gives its requests on internal hops: two gateways in front of the same
         # services may both run a caller's "req-1"; the services must see two requests
@@ -531,6 +536,14 @@ class GatewayService:
         else:
             del self._sequences_of[caller]
         return count
+
+    def _waiting_ahead(self, share: int, num_waiting: int) -> int:
+        """Of `num_waiting` requests waiting at a decode, at most how many a request of `share` waits behind: each
+        caller's here up to that share (the decodes run lower shares first, and one caller's in order), and every
+        one this gateway does not account for (another gateway's, of any share)."""
+        counts = self._sequences_of.values()
+        unknown = max(num_waiting - sum(counts), 0)
+        return sum(min(count, share) for count in counts) + unknown
 
     def _sequences(
         self,
