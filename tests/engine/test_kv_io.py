@@ -572,3 +572,26 @@ def test_a_send_whose_communicator_a_pairing_replaced_fails_and_keeps_the_new_on
     with pytest.raises(RuntimeError, match=r"^the communicator of pair p->d was replaced during the transfer$"):
         io.send("p->d", [1, 2], torch.zeros(4, 2))
     assert io.groups["p->d"] is new and aborted == []
+
+
+def _rss_shmem_kib() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    return int(fields["RssShmem"].split()[0])
+
+
+def test_a_shared_pool_takes_all_its_memory_when_created_not_as_blocks_are_first_used():
+    """The prefill's memory grew over a long soak as fresh blocks of its sparse segment were first written (by up
+    to the pool's size): the pool's pages are now mapped at creation, and using the blocks maps nothing more."""
+    num_blocks = 128  # 256 KiB a block: 2 layers x (k, v) x 16 tokens x 2 heads x 512 dims x 4 bytes
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=512, block_size=16, dtype="float32", model_id="rss")
+    nbytes = num_blocks * layout.block_nbytes
+    assert nbytes == 32 << 20
+    before = _rss_shmem_kib()
+    pool = SharedKvPool.create(segment_name("p-rss", 1), layout, num_blocks)
+    try:
+        taken = _rss_shmem_kib() - before
+        assert taken >= nbytes // 1024, f"{taken} KiB mapped of {nbytes // 1024}"
+        pool.tensor.fill_(1.0)  # every block written, as a long run writes them
+        assert _rss_shmem_kib() - before - taken < 1024  # nothing more than a page or so of noise
+    finally:
+        pool.close()

@@ -80,9 +80,26 @@ class SharedKvPool:
 
     @classmethod
     def create(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
+        """A new segment holding the whole pool, its memory taken now. A new segment is sparse: its pages were
+        taken as blocks were first used, so the prefill's memory grew over hours (by up to the pool's size, as
+        the free-block order reaches every block once) and a /dev/shm too small for the pool (docker's default
+        is 64 MiB) killed the process with SIGBUS mid-run. Reserving and touching every page at the start makes
+        the memory flat from then on and a /dev/shm too small a clear error at start."""
         nbytes = num_blocks * layout.block_nbytes
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        return cls(shm, layout, num_blocks, owner=True)
+        try:
+            os.posix_fallocate(shm._fd, 0, nbytes)  # noqa: SLF001  (the segment's file: reserve its pages)
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            raise ValueError(
+                f"shared memory cannot hold the KV pool: {num_blocks} blocks need {nbytes:,} bytes in /dev/shm "
+                f"({os.strerror(exc.errno)}); give /dev/shm more room (docker: --shm-size) or set --num-kv-blocks "
+                "lower"
+            ) from None
+        pool = cls(shm, layout, num_blocks, owner=True)
+        pool.tensor.view(-1).zero_()  # every page mapped now (the segment is zeros already: only the faults cost)
+        return pool
 
     @classmethod
     def open(cls, name: str, layout: KvLayout, num_blocks: int) -> SharedKvPool:
