@@ -1,6 +1,10 @@
 """Fair share in the scheduler: lower shares admitted, ordered and kept first; the largest share preempted first;
 at most max_num_seqs requests a step; an import waiting for blocks holds them against larger shares — exact."""
 
+from types import SimpleNamespace
+
+from splitserve.engine.core_process import messages as m
+from splitserve.engine.core_process.kv_scheduler import KvScheduler
 from tests.engine.test_scheduler import req, run_step, setup
 
 
@@ -106,3 +110,58 @@ def test_an_import_waiting_for_blocks_holds_them_against_larger_shares():
     sched.import_share = None
     assert [s[0] for s in run_step(sched)[0]] == ["low", "equal", "later"]  # no room left for `big`
     assert sched.kv.pool.num_free_blocks == 1 and [r.request_id for r in sched.waiting] == ["big", "biggest"]
+
+
+class RoomEngine:
+    """A decode engine for the KV scheduler: begin_import gives blocks (all cached here: nothing to pull) only to
+    the ids in `fits`; every call is noted, and so is every make_room."""
+
+    layout = "layout-a"
+    config = SimpleNamespace(block_size=16)
+    runner = SimpleNamespace(kv_cache="kv-cache")
+    num_free_blocks = 0
+
+    def __init__(self) -> None:
+        self.fits: set[str] = set()
+        self.tried: list[str] = []
+        self.rooms: list[tuple[int, int]] = []
+        self.pool = SimpleNamespace(num_blocks_freed=0)
+        self.scheduler = SimpleNamespace(import_share=None, make_room=lambda n, share: self.rooms.append((n, share)))
+
+    def begin_import(self, request_id, *args, share=0):
+        self.tried.append(request_id)
+        return ([7, 8], 2) if request_id in self.fits else None
+
+    def import_blocks_needed(self, prompt_token_ids):
+        return len(prompt_token_ids) // self.config.block_size
+
+    def stats(self):
+        return {}
+
+
+def share_import(rid: str, share: int, num_tokens: int = 32) -> m.ImportKv:
+    spec = m.PullSpec("shm", "p0", {}, [3, 4], [], num_tokens, "layout-a", request_id=rid)
+    return m.ImportKv(rid, list(range(num_tokens)), None, 0, 5, None, 0, spec, share=share)
+
+
+def test_imports_waiting_for_room_go_lower_shares_first_and_hold_the_room():
+    """An import of a lower share is tried at once and asks the scheduler for room against larger shares; one of a
+    larger or equal share queues behind the waiting ones; a freed block retries them lower shares first, up to the
+    first that still does not fit (the blocks are held for it)."""
+    engine, emitted = RoomEngine(), []
+    kv = KvScheduler(engine, connector=None, emit=emitted.append, send_now=emitted.append)
+    kv.add_import(share_import("big", 9))
+    assert (engine.tried, engine.rooms, engine.scheduler.import_share) == (["big"], [(2, 9)], 9)
+    kv.add_import(share_import("small", 1, num_tokens=64))  # lower: tried at once, and it holds the room now
+    kv.add_import(share_import("big-2", 9))  # behind `big`: not tried
+    kv.add_import(share_import("mid", 4))  # behind `small`: not tried
+    assert engine.tried == ["big", "small"] and engine.rooms[-1] == (4, 1) and engine.scheduler.import_share == 1
+    kv.retry_imports()
+    assert engine.tried == ["big", "small"]  # nothing freed since: no try
+    engine.pool.num_blocks_freed += 1
+    engine.fits = {"small", "mid"}
+    kv.retry_imports()  # small and mid import; big does not fit: big-2 (same share, later) is not tried
+    assert engine.tried == ["big", "small", "small", "mid", "big"]
+    assert [d.request_id for d in emitted if isinstance(d, m.ImportDone)] == ["small", "mid"]
+    assert [w.request_id for w in kv.waiting_for_room] == ["big", "big-2"]
+    assert engine.scheduler.import_share == 9 and engine.rooms[-1] == (2, 9)
