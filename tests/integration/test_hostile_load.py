@@ -127,8 +127,11 @@ async def huge_and_small(url: str) -> list[float]:
 
 
 def test_a_small_request_is_served_within_two_seconds_while_another_callers_huge_one_runs(stack):
+    """Another caller's three 8-token requests each answered in under 2 s while 64 prompts x n=16 x 200 tokens
+    run; once that client leaves, the stack is idle (every block and lease back) within 5 s."""
     url = f"http://127.0.0.1:{stack.http_port}/v1/completions"
     wait_until(lambda: idle(stack), 30, "an idle stack to start from")
     took = asyncio.run(huge_and_small(url))
     assert all(t < 2.0 for t in took), took
-    wait_until(lambda: idle(stack), 30, lambda: f"every block and lease back; loads {loads(stack)}")
+    # the huge request's client has left: its ~1,000 sequences are aborted at once (0.8 s to idle here, loaded)
+    wait_until(lambda: idle(stack), 5, lambda: f"every block and lease back; loads {loads(stack)}")
