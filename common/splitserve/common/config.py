@@ -129,6 +129,14 @@ class EngineConfig:
         min=0,
         max=64,
     )
+    tensor_parallel_size: int = option(
+        1,
+        "ranks (one process and device each) the model's layers are split over: heads, MLP rows and vocabulary "
+        "sharded, the KV cache by KV head (replicated where KV heads < ranks); on CUDA ranks use --device's GPU "
+        "and the ones after it, on CPU they share the cores",
+        min=1,
+        max=64,
+    )
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens
-from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
+from splitserve.common.kv_layout import KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.grammar_backend import GrammarBackend, GrammarLimits
@@ -43,8 +43,14 @@ from splitserve.engine.scheduling.output import SchedulerOutput
 from splitserve.engine.scheduling.parallel_sampling import ParallelSampling
 from splitserve.engine.scheduling.request import Request, RequestStatus
 from splitserve.engine.scheduling.scheduler import Scheduler
-from splitserve.engine.worker.kv_cache import allocate_kv_cache, dtype_from_name
-from splitserve.engine.worker.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
+from splitserve.engine.worker.kv_cache import allocate_kv_cache
+from splitserve.engine.worker.rank_setup import (
+    kv_layout_for,
+    load_rank_model,
+    max_model_len_of,
+    read_model_config,
+    size_pool,
+)
 
 if TYPE_CHECKING:
     from splitserve.engine.worker.model_runner import LaunchedStep
@@ -70,14 +76,23 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return name
 
 
-def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str) -> KvLayout:
-    """The KV layout of --kv-cache-dtype: the model's dtype, or fp8 with per-layer scales (the
-    checkpoint's, else 1.0), which the model's attention then applies."""
-    if not config.fp8_kv_cache:
-        return model_config.kv_layout(config.block_size, dtype_name)
-    scales = getattr(model, "checkpoint_kv_scales", None) or [(1.0, 1.0)] * model_config.num_layers
-    model.set_kv_scales(scales)
-    return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales)
+def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, dtype_name: str):
+    """Ranks 1..N-1 of --tensor-parallel-size N, each loading its shard as rank 0 does (worker/rank_setup.py)."""
+    import functools
+
+    from splitserve.engine.worker.rank_setup import set_up_rank
+    from splitserve.engine.worker.tp_worker import TpWorkers
+
+    if config.async_scheduling:
+        raise RequestError("--async-scheduling is not supported with --tensor-parallel-size > 1 yet")
+    if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():
+        raise RequestError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs GPUs {device.index}.."
+            f"{device.index + config.tensor_parallel_size - 1}; {torch.cuda.device_count()} are visible"
+        )
+    return TpWorkers.start(
+        functools.partial(set_up_rank, config, model_config, dtype_name), config.tensor_parallel_size, device
+    )
 
 
 def _default_budget(device: torch.device, offline: bool) -> int:
@@ -134,8 +149,8 @@ class EngineCore:
         self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None, offline: bool = False
     ) -> None:
         """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory);
-        `offline`: the offline LLM API owns this engine (a larger default token budget on large GPUs)."""
-        from splitserve.engine.worker.loader import load_model
+        `offline`: the offline LLM API owns this engine (a larger default token budget on large GPUs).
+        With --tensor-parallel-size N > 1 this is rank 0: it starts ranks 1..N-1 (worker/tp_worker.py) first."""
         from splitserve.engine.worker.model_runner import ModelRunner
 
         self.config = config
@@ -145,23 +160,25 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_memory()
         dtype_name = resolve_dtype(config.dtype, device)
-        if model is None:
-            model, model_config = load_model(
-                config.resolved_model(),
-                dtype=dtype_from_name(dtype_name),
-                device=device,
-                load_format=config.load_format,
-                seed=config.seed,
-                model_id=config.model_id or None,
-                quantization=config.quantization,
-                fp8_w8a16_max_rows=config.fp8_w8a16_max_rows,
-            )
-        self.model_config = model_config
-        self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name)
-        max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
-        num_blocks = config.num_kv_blocks or self._size_pool(device, max_model_len)
+        self.tp_workers = tp = None
+        if config.tensor_parallel_size > 1:
+            model_config = model_config or read_model_config(config)
+            self.tp_workers = _start_tp_workers(config, model_config, device, dtype_name)
+            tp = self.tp_workers.group
+        try:
+            if model is None:
+                model, model_config = load_rank_model(config, device, dtype_name, tp, model_config)
+            self.model_config = model_config
+            self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name, tp)
+            max_model_len = max_model_len_of(config, model_config)
+            num_blocks = size_pool(config, self.layout, device, max_model_len)
+            if tp is not None:
+                with self.tp_workers.guard():
+                    num_blocks = tp.min_over_ranks(num_blocks)
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
         self.info = RuntimeInfo(
             model_id=model_config.model_id,
             device=str(device),
@@ -188,15 +205,19 @@ class EngineCore:
         )
         factory = kv_cache_factory or allocate_kv_cache
         kv_cache = factory(self.layout, num_blocks, device)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, device)
-        self.forks = ParallelSampling(self.kv, self.scheduler, kv_cache)  # n > 1: sequences sharing a prompt's KV
-        if device.type == "cuda" and not config.enforce_eager and config.role != "prefill":
+        self.runner = ModelRunner(model, kv_cache, config.block_size, device, self.tp_workers)
+        # n > 1: sequences sharing a prompt's KV (a partial block copied on every rank)
+        self.forks = ParallelSampling(self.kv, self.scheduler, self.runner.copy_blocks)
+        # tensor parallel: decode graphs would have to capture every rank's collectives in step (not yet)
+        graphs = device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
+        if graphs and config.role != "prefill":
             self.runner.capture_graphs(config.max_num_seqs, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)
         lagged = config.async_scheduling
-        self.async_scheduling = lagged if lagged is not None else device.type == "cuda"
+        # tensor parallel: the ranks > 0 get host inputs, so a token must be read before it is an input
+        self.async_scheduling = lagged if lagged is not None else device.type == "cuda" and self.tp_workers is None
         self._unread: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, not read yet
         self._froze_gc = False
         if device.type == "cuda":
@@ -231,6 +252,8 @@ class EngineCore:
         every frozen object; once the caller dropped the engine and collected, `refreeze()` freezes again for
         the engines still open. Idempotent."""
         self.grammars.close()
+        if self.tp_workers is not None:
+            self.tp_workers.close()
         if self._froze_gc:
             self._froze_gc = False
             EngineCore._frozen_open -= 1
@@ -246,17 +269,6 @@ class EngineCore:
         """After a closed engine was collected: freeze again what the engines still open hold (see close)."""
         if EngineCore._frozen_open:
             gc.freeze()
-
-    def _size_pool(self, device: torch.device, max_model_len: int) -> int:
-        """Blocks of a pool sized from memory (worker/kv_sizing.py): per-instance on CUDA, capped."""
-        cap = cap_blocks(self.config.max_num_seqs, max_model_len, self.config.block_size)
-        if device.type != "cuda":
-            return cpu_kv_blocks(self.config.kv_cache_cpu_bytes, self.layout.block_nbytes, cap)
-        gc.collect()
-        torch.cuda.empty_cache()  # memory cached by an earlier engine in this process is free to take
-        free, total = torch.cuda.mem_get_info(device)
-        memory = DeviceMemory(total_bytes=total, free_bytes=free, own_bytes=torch.cuda.memory_reserved(device))
-        return gpu_kv_blocks(memory, self.config.kv_cache_memory_fraction, self.layout.block_nbytes, cap, str(device))
 
     # -- requests --------------------------------------------------------------------------
     def make_request(

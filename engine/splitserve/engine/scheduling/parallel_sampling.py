@@ -20,7 +20,7 @@ says the decode does not prefill that prompt, for any of its sequences.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
 from splitserve.engine.scheduling.block_pool import NoFreeBlocksError
 from splitserve.engine.scheduling.kv_cache_manager import KvCacheManager
@@ -29,21 +29,16 @@ from splitserve.engine.scheduling.request import Request
 from splitserve.engine.scheduling.scheduler import Scheduler
 
 
-def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (all layers, K and V) src -> dst, on the cache's device and stream."""
-    if pairs:
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64).to(kv_cache.device)  # (N,)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64).to(kv_cache.device)  # (N,)
-        kv_cache.index_copy_(0, dst, kv_cache.index_select(0, src))  # block-major: dim 0 is the block
-
-
 class ParallelSampling:
     """Children waiting for their parent's prompt KV, and the fork that hands it to them."""
 
-    def __init__(self, kv: KvCacheManager, scheduler: Scheduler, kv_cache: torch.Tensor) -> None:
+    def __init__(
+        self, kv: KvCacheManager, scheduler: Scheduler, copy_blocks: Callable[[list[tuple[int, int]]], None]
+    ) -> None:
+        """`copy_blocks(pairs)` copies whole KV blocks src -> dst (the runner's, on every rank)."""
         self._kv = kv
         self._scheduler = scheduler
-        self._kv_cache = kv_cache
+        self._copy_blocks = copy_blocks
         self._children: dict[str, list[Request]] = {}  # parent id -> children not forked yet
         self._parent_of: dict[str, str] = {}  # child id -> parent id, while waiting
 
@@ -88,7 +83,8 @@ class ParallelSampling:
             child.num_cached_tokens = max(parent.num_cached_tokens, 0)
             child.first_scheduled_time = parent.first_scheduled_time
             self._scheduler.add_running(child)
-        copy_blocks(self._kv_cache, copies)
+        if copies:
+            self._copy_blocks(copies)
 
     def release(self, parent_id: str) -> None:
         """The parent ended before its prompt KV existed: its children compute their prompts themselves."""

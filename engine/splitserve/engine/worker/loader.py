@@ -6,6 +6,9 @@
       model.safetensors               one file, or shards listed in
       model.safetensors.index.json    ("weight_map": tensor name -> shard file)
 
+Tensor parallel (`tp`): each rank reads only its slices of each tensor (`safe_open`'s `get_slice`), as
+the model's `checkpoint_shards` names them; fp8 does not shard yet and is refused.
+
 Every checkpoint tensor must map to a parameter of the model (fused q|k|v and gate|up
 rows included) with the same shape; every parameter must be filled. Any violation is a
 ValueError naming the tensor; missing files are FileNotFoundError naming the path.
@@ -37,6 +40,7 @@ from splitserve.engine.worker.kv_cache import dtype_from_name
 from splitserve.engine.worker.model_config import ModelConfig
 from splitserve.engine.worker.models import model_class
 from splitserve.engine.worker.models.llama import FUSED_PARTS
+from splitserve.engine.worker.tensor_parallel import TpGroup, TpShard, check_shardable
 
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_MIN_BYTES = 1 << 30  # always show the bar above this (and whenever stderr is a TTY)
@@ -53,6 +57,8 @@ def load_model(
     model_id: str | None = None,
     quantization: str | None = None,
     fp8_w8a16_max_rows: int = 0,
+    tp: TpGroup | None = None,
+    model_config: ModelConfig | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load `model` (a directory; for load_format="dummy" also a config JSON file).
 
@@ -61,7 +67,9 @@ def load_model(
     N(0, DUMMY_STD) from `seed` (norm weights 1). quantization "fp8" quantizes the projections of
     an unquantized checkpoint (an fp8 checkpoint loads as fp8 either way); fp8_w8a16_max_rows: steps
     of up to that many rows keep activations unquantized in fp8 projections (EngineConfig's option of that
-    name). Returns (model in eval mode, config).
+    name). tp: this rank's tensor-parallel group; the model holds only its slices. Returns (model in eval
+    mode, config). model_config: the directory's, already read (a tensor-parallel rank > 0 gets rank 0's
+    and so never imports transformers).
     """
     path = Path(model)
     if load_format not in ("auto", "dummy"):
@@ -78,10 +86,10 @@ def load_model(
         weight_files = checkpoint_files(path)
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization {quantization!r} is not supported; choose fp8 or none")
-    config = ModelConfig.from_pretrained(path, model_id=model_id)
+    config = model_config or ModelConfig.from_pretrained(path, model_id=model_id)
     torch_dtype = resolve_dtype(dtype, config)
-    net = model_class(config)(config, torch_dtype, torch.device(device))
     scheme = read_fp8_scheme(path) if load_format == "auto" else None
+    net = _build(config, torch_dtype, torch.device(device), tp, fp8=scheme is not None or quantization == "fp8")
     if scheme is not None:
         prepare_fp8_model(net, scheme, FUSED_PARTS)
     if load_format == "dummy":
@@ -95,6 +103,19 @@ def load_model(
     if hasattr(net, "pack_for_cpu"):
         net.pack_for_cpu()  # float32 on CPU: GEMM weights packed for oneDNN or MKL (engine.worker.cpu_gemm)
     return net.eval(), config
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TpGroup | None, fp8: bool) -> nn.Module:
+    """The model's module, this rank's slices only under tensor parallelism (refusals name the field)."""
+    cls = model_class(config)
+    if tp is None or tp.size == 1:
+        return cls(config, dtype, device)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1 (got {tp.size})")
+    if fp8:
+        raise ValueError(f"fp8 weights do not support tensor_parallel_size > 1 yet (got {tp.size})")
+    check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, tp.size)
+    return cls(config, dtype, device, tp=tp)
 
 
 def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig) -> torch.dtype:
@@ -125,6 +146,7 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
     from safetensors import safe_open
 
     targets = net.checkpoint_targets()
+    shards = net.checkpoint_shards() if hasattr(net, "checkpoint_shards") else {}
     loaded: set[str] = set()
     kv_scales: dict[tuple[int, str], float] = {}
     progress = Progress("loading weights", sum(f.stat().st_size for f in files))
@@ -143,7 +165,8 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                         raise ValueError(
                             f"unexpected tensor {name!r} in {file.name}: {net.config.architecture} has no such weight"
                         )
-                    tensor = reader.get_tensor(name)
+                    shard = shards.get(name)
+                    tensor = reader.get_tensor(name) if shard is None else _read_shard(reader, name, shard)
                     target.copy_(_fitted(tensor, target, name, file.name))
                     loaded.add(name)
                     progress.advance(tensor.numel() * tensor.element_size())
@@ -153,6 +176,15 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint in {path} is missing tensor {missing[0]!r}{more}")
+
+
+def _read_shard(reader, name: str, shard: TpShard) -> torch.Tensor:
+    """Only `shard`'s piece of tensor `name` (the rest is never read from the file)."""
+    piece = reader.get_slice(name)
+    stop = shard.start + shard.size
+    if shard.dim == 0:
+        return piece[shard.start : stop]
+    return piece[:, shard.start : stop]
 
 
 def _fitted(tensor: torch.Tensor, target: torch.Tensor, name: str, file_name: str) -> torch.Tensor:

@@ -155,13 +155,18 @@ class ModelConfig:
         )
 
     def kv_layout(
-        self, block_size: int, dtype_name: str, kv_scales: list[tuple[float, float]] | None = None
+        self,
+        block_size: int,
+        dtype_name: str,
+        kv_scales: list[tuple[float, float]] | None = None,
+        num_kv_heads: int | None = None,
     ) -> KvLayout:
         """The KV cache layout this model needs with `block_size` tokens per block; `kv_scales`
-        (per-layer (k, v)) only for an fp8 dtype."""
+        (per-layer (k, v)) only for an fp8 dtype; `num_kv_heads`: the heads one rank holds (tensor
+        parallelism), else all of them."""
         return KvLayout(
             num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=num_kv_heads or self.num_kv_heads,
             head_dim=self.head_dim,
             block_size=block_size,
             dtype=dtype_name,

@@ -17,6 +17,10 @@ device, their copy to pinned host memory is queued behind them with an event, an
 `LaunchedStep.read` waits for that event. A token the host has not read yet (a pending one,
 asynchronous scheduling) is the input of its request's next one-token step: that input is
 taken on the device from the previous launch's sampled tokens.
+
+Tensor parallel (`tp_workers`): this runner is rank 0's. It sends each step's inputs (and the block
+copies since the last step) to the other ranks before its forward (worker/tp_worker.py), which run the
+same forward and logits calls; only rank 0 samples. A rank that exited raises `TensorParallelError`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from splitserve.engine.scheduling.request import Request
 from splitserve.engine.worker.attention import AttentionMetadata
 from splitserve.engine.worker.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
 from splitserve.engine.worker.sampler import DeviceSample, Sampler, SamplingRow, plain_greedy_at
+from splitserve.engine.worker.tp_worker import TpStep, TpWorkers, copy_blocks
 
 
 @dataclass
@@ -150,7 +155,14 @@ class ModelRunner:
     # that set defaults": decode rows longest first)
     LONGEST_FIRST = True
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        tp_workers: TpWorkers | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -162,6 +174,14 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self.tables = BlockTableRows()
+        self.tp_workers = tp_workers
+        self._tp_copies: list[tuple[int, int]] = []  # block copies the other ranks make before the next step
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst here now, and on the other ranks before their next step."""
+        copy_blocks(self.kv_cache, pairs)
+        if self.tp_workers is not None:
+            self._tp_copies += pairs
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for bucketed batch sizes (CUDA only)."""
@@ -280,10 +300,34 @@ class ModelRunner:
             prompt_rows=wanted,
         )
 
+    def _send_step(self, inputs: StepInputs) -> None:
+        """Tensor parallel: the step's inputs (host copies) to the other ranks, before rank 0's forward."""
+        dead = self.tp_workers.dead_rank()
+        if dead is not None:
+            raise dead
+        cpu = torch.device("cpu")
+        step = TpStep(
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            meta=inputs.meta,
+            logits_indices=inputs.logits_indices if inputs.sampling_requests else None,
+            prompt_rows=inputs.prompt_rows,
+            block_copies=self._tp_copies,
+        )
+        self._tp_copies = []
+        self.tp_workers.send_step(step if self.device.type == "cpu" else step.to(cpu))
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> LaunchedStep:
         """Queue one step (inputs, model, sampler, the tokens' copy to the host) without waiting for the device."""
         inputs = self.prepare_inputs(out, block_tables)
+        if self.tp_workers is None:
+            return self._launch(out, inputs)
+        self._send_step(inputs)
+        with self.tp_workers.guard():
+            return self._launch(out, inputs)
+
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
         meta = inputs.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket_for(meta.num_seqs) is not None:
             hidden = self.graphs.run(
