@@ -81,8 +81,12 @@ def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, 
     import functools
 
     from splitserve.engine.worker.rank_setup import set_up_rank
+    from splitserve.engine.worker.tensor_parallel import check_shardable
     from splitserve.engine.worker.tp_worker import TpWorkers
 
+    check_shardable(
+        model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, config.tensor_parallel_size
+    )
     if config.async_scheduling:
         raise RequestError("--async-scheduling is not supported with --tensor-parallel-size > 1 yet")
     if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():

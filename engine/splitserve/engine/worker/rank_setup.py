@@ -7,6 +7,7 @@ the same functions, so their layouts and pools agree block for block.
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
@@ -84,8 +85,10 @@ def size_pool(config: EngineConfig, layout: KvLayout, device: torch.device, max_
 def set_up_rank(config: EngineConfig, model_config: ModelConfig, dtype_name: str, tp: TpGroup):
     """A rank > 0: its model shard and KV tensor, the pool as large as the smallest rank's allows
     (rank 0 runs the same steps in EngineCore). Module-level: it is pickled to the rank."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    # on CPU the ranks share the cores: without --num-threads each takes its share, not torch's default of all
+    threads = config.num_threads or (max(1, (os.cpu_count() or 1) // tp.size) if tp.device.type == "cpu" else 0)
+    if threads:
+        torch.set_num_threads(threads)
     model, model_config = load_rank_model(config, tp.device, dtype_name, tp, model_config)
     layout = kv_layout_for(model, model_config, config, dtype_name, tp)
     num_blocks = tp.min_over_ranks(size_pool(config, layout, tp.device, max_model_len_of(config, model_config)))
