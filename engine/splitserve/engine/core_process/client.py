@@ -51,6 +51,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._flush_scheduled = False
         self.dead = False
+        self.fatal: str | None = None  # the last line of the core's Fatal report, when it sent one before exiting
         self.last_heard = time.monotonic()  # when the core last sent anything (set by the reader thread)
 
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -92,6 +93,8 @@ class EngineClient:
         self.process.join(1.0)  # the pipe closed: the process is exiting; its code says how
         code = self.process.exitcode
         why = f"engine core process exited (exit code {code})" if code is not None else "engine core process exited"
+        if self.fatal:  # the error it raised (e.g. a tensor-parallel rank that exited), named for the clients
+            why += f": {self.fatal}"
         for request_id, stream in list(self.streams.items()):
             stream.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="error", error=why))
         for future in self.futures.values():
@@ -122,6 +125,7 @@ class EngineClient:
                     self.on_batch(msg)
             elif isinstance(msg, m.Fatal):
                 log.error("engine core failed:\n%s", msg.message)
+                self.fatal = msg.message.strip().splitlines()[-1] if msg.message.strip() else None
 
     def silent_s(self) -> float:
         """Seconds since the core last sent anything: a running core sends at least every loop.HEARTBEAT_S."""

@@ -109,24 +109,29 @@ class TpWorkers:
         # torch and the loader imported once: each rank forks from the server in a fraction of a second
         ctx.set_forkserver_preload([__name__, "splitserve.engine.worker.rank_setup", "splitserve.engine.worker.loader"])
         processes, hellos = [], []
-        for rank in range(1, size):
-            receive, send = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=run_rank,
-                args=(setup, rank, size, port, rank_device(device, rank), send),
-                name=f"splitserve-tp{rank}",
-                daemon=True,
-            )
-            process.start()
-            send.close()
-            processes.append(process)
-            hellos.append(receive)
+        with _children_allowed():
+            for rank in range(1, size):
+                processes.append(cls._start_rank(ctx, setup, rank, size, port, device, hellos))
         for rank, (process, hello) in enumerate(zip(processes, hellos), start=1):
             # each rank says so before it joins: one that dies starting is seen here, not as a store timeout
             if not wait([hello, process.sentinel], START_TIMEOUT_S) or not hello.poll():
                 cls._stop(processes)
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start (exit code {process.exitcode})")
         return cls(TpGroup(0, size, port, device, listener), processes)
+
+    @staticmethod
+    def _start_rank(ctx, setup, rank: int, size: int, port: int, device: torch.device, hellos: list):
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=run_rank,
+            args=(setup, rank, size, port, rank_device(device, rank), send),
+            name=f"splitserve-tp{rank}",
+            daemon=True,  # ends with its rank 0 (which also closes its sockets: the rank's next collective fails)
+        )
+        process.start()
+        send.close()
+        hellos.append(receive)
+        return process
 
     def send_step(self, step: TpStep) -> None:
         with self.guard():
@@ -178,6 +183,20 @@ class TpWorkers:
             if process.exitcode is None:
                 process.kill()
                 process.join(EXIT_WAIT_S)
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (a service's engine core, daemonic so that it ends with its service) start its
+    ranks: multiprocessing refuses children to daemonic processes only so that none is orphaned, and the
+    ranks are daemonic themselves (terminated when it exits) and fail at once when its sockets close."""
+    config = mp.current_process()._config
+    daemonic = config.pop("daemon", None)
+    try:
+        yield
+    finally:
+        if daemonic is not None:
+            config["daemon"] = daemonic
 
 
 def run_rank(setup, rank: int, size: int, port: int, device: torch.device, hello) -> None:
