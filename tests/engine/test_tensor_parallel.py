@@ -125,7 +125,13 @@ def test_greedy_tokens_equal_transformers(name, size, model_dirs, prompts, expec
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [o.token_ids for o in outs] == expected[name]
-        assert llm.engine.layout.num_kv_heads == len(kv_heads_of_rank(TINY_MODELS[name]["num_kv_heads"], size, 0))
+        heads = [tuple(kv_heads_of_rank(TINY_MODELS[name]["num_kv_heads"], size, r)) for r in range(size)]
+        layout = llm.engine.layout  # rank 0's pool: its heads; the layout names every rank's
+        assert (layout.num_kv_heads, layout.tensor_parallel_size, layout.rank_kv_heads) == (
+            len(heads[0]),
+            size,
+            tuple(heads),
+        )
         assert llm.engine.num_free_blocks == NUM_BLOCKS
         assert llm.engine.stats()["prefix_hit_tokens"] > 0  # the shared prefixes were reused on every rank
 

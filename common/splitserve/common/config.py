@@ -140,6 +140,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        if self.tensor_parallel_size > 1 and self.role != "both":
+            # each rank holds its own KV heads; moving a request's KV between instances moves one rank's pool
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} needs --role both (a colocated worker or the "
+                f"offline LLM), not {self.role}: KV hand-off between tensor-parallel prefill and decode ranks is not "
+                "built yet"
+            )
         if self.max_model_len is not None and self.num_kv_blocks is not None:
             if self.num_kv_blocks * self.block_size < 1:
                 raise ConfigError("--num-kv-blocks must hold at least one token")

@@ -17,6 +17,11 @@ per layer. Layer `l`'s keys are the strided view `kv_cache[:, l, 0]` with shape
 `KvLayout` describes this tensor; two instances may exchange blocks only when their
 layouts are equal (the gateway checks at registration).
 
+Tensor parallel: each of `tensor_parallel_size` ranks keeps a pool of this shape holding `num_kv_heads`
+of the model's KV heads; `rank_kv_heads[r]` names rank r's (the model's head indices). Where the model has
+fewer KV heads than ranks, a head is held by several ranks. A block id names the same block on every
+rank. `transfer_plan` maps a decode's ranks to the prefill ranks holding their heads.
+
 An fp8 cache (dtype "float8_e4m3fn") stores k / k_scale and v / v_scale with one scale pair
 per layer (`k_scales[l]`, `v_scales[l]`): part of the layout, since blocks written under one
 scale mean other values under another. Other dtypes have no scales (empty tuples).
@@ -50,8 +55,18 @@ class KvLayout:
     layout: str = LAYOUT_NAME
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    tensor_parallel_size: int = 1
+    rank_kv_heads: tuple[tuple[int, ...], ...] = ()  # per rank, its KV heads; empty at tensor_parallel_size 1
 
     def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1 or (size == 1 and self.rank_kv_heads) or (size > 1 and len(self.rank_kv_heads) != size):
+            raise ValueError(
+                f"KV layout of tensor_parallel_size {size}: {len(self.rank_kv_heads)} rank_kv_heads entries, "
+                f"expected {size if size > 1 else 0}"
+            )
+        if any(len(heads) != self.num_kv_heads for heads in self.rank_kv_heads):
+            raise ValueError(f"KV layout: every rank_kv_heads entry must name num_kv_heads={self.num_kv_heads} heads")
         wanted = self.num_layers if self.dtype == FP8_KV_DTYPE else 0
         if len(self.k_scales) != wanted or len(self.v_scales) != wanted:
             raise ValueError(
@@ -87,12 +102,59 @@ class KvLayout:
             return None
         return f"KV layouts differ: [{self.describe()}] vs [{other.describe()}]"
 
+    def heads_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The model's KV heads rank `rank`'s pool holds, in pool order."""
+        return self.rank_kv_heads[rank] if self.rank_kv_heads else tuple(range(self.num_kv_heads))
+
+
+# A decode rank's part of a plan: (its pool's head index, prefill rank, that rank's pool head index) per head.
+RankPlan = tuple[tuple[int, int, int], ...]
+_SAME_IN_A_PLAN = ("num_layers", "head_dim", "block_size", "dtype", "model_id", "layout", "k_scales", "v_scales")
+
+
+def transfer_plan(prefill: KvLayout, decode: KvLayout) -> tuple[RankPlan, ...]:
+    """Where each decode rank pulls each of its KV heads from: one `RankPlan` per decode rank. A head several
+    prefill ranks hold is taken from them in turn across decode ranks (spreading the reads). ValueError naming
+    both layouts when they cannot map: another model, dtype, block or head shape, or a head no prefill rank holds.
+    """
+    differ = [name for name in _SAME_IN_A_PLAN if getattr(prefill, name) != getattr(decode, name)]
+    if differ:
+        raise ValueError(f"KV layouts cannot map ({', '.join(differ)} differ): {_both(prefill, decode)}")
+    holders: dict[int, list[tuple[int, int]]] = {}  # model head -> [(prefill rank, its pool index)]
+    for rank in range(prefill.tensor_parallel_size):
+        for index, head in enumerate(prefill.heads_of_rank(rank)):
+            holders.setdefault(head, []).append((rank, index))
+    plans = []
+    for rank in range(decode.tensor_parallel_size):
+        plan = []
+        for index, head in enumerate(decode.heads_of_rank(rank)):
+            sources = holders.get(head)
+            if not sources:
+                raise ValueError(
+                    f"KV layouts cannot map (decode rank {rank}'s head {head} is on no prefill rank): "
+                    f"{_both(prefill, decode)}"
+                )
+            plan.append((index, *sources[rank % len(sources)]))
+        plans.append(tuple(plan))
+    return tuple(plans)
+
+
+def _both(prefill: KvLayout, decode: KvLayout) -> str:
+    return f"prefill [{prefill.describe()}] vs decode [{decode.describe()}]"
+
 
 def describe_layout_fields(fields: dict) -> str:
-    """`name=value, ...` of a layout's fields; empty scale lists are left out, and a scale list
-    shows as `value x layers` when every layer has the same scale (`k_scales=1x28`)."""
+    """`name=value, ...` of a layout's fields; empty scale lists and tensor_parallel_size 1 are left out, a
+    scale list shows as `value x layers` when every layer has the same scale (`k_scales=1x28`), and each
+    rank's KV heads as `[0,1][2,3]`."""
     shown = []
     for name, value in fields.items():
+        if name == "tensor_parallel_size" and value in (0, 1):
+            continue
+        if name == "rank_kv_heads":
+            if value:
+                shown.append(f"{name}=" + "".join("[" + ",".join(str(h) for h in heads) + "]" for heads in value))
+            continue
         if isinstance(value, (tuple, list)):
             if not value:
                 continue

@@ -115,6 +115,8 @@ def layout_to_proto(layout: KvLayout) -> common_pb2.KvLayout:
         layout=layout.layout,
         k_scales=layout.k_scales,
         v_scales=layout.v_scales,
+        tensor_parallel_size=layout.tensor_parallel_size,
+        rank_kv_heads=[common_pb2.RankKvHeads(heads=heads) for heads in layout.rank_kv_heads],
     )
 
 
@@ -129,4 +131,6 @@ def layout_from_proto(pb: common_pb2.KvLayout) -> KvLayout:
         layout=pb.layout,
         k_scales=tuple(pb.k_scales),
         v_scales=tuple(pb.v_scales),
+        tensor_parallel_size=pb.tensor_parallel_size or 1,
+        rank_kv_heads=tuple(tuple(rank.heads) for rank in pb.rank_kv_heads),
     )

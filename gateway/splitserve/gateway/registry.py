@@ -60,6 +60,8 @@ _LAYOUT_FIELDS = (
     "layout",
     "k_scales",
     "v_scales",
+    "tensor_parallel_size",
+    "rank_kv_heads",
 )
 _POOL_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
@@ -68,6 +70,7 @@ def describe_layout(layout: common_pb2.KvLayout) -> str:
     """One line naming every KvLayout field, in common.kv_layout.KvLayout.describe()'s format."""
     fields = {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
     fields["k_scales"], fields["v_scales"] = tuple(layout.k_scales), tuple(layout.v_scales)  # repeated fields
+    fields["rank_kv_heads"] = tuple(tuple(rank.heads) for rank in layout.rank_kv_heads)
     return describe_layout_fields(fields)
 
 

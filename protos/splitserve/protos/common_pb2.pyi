@@ -116,7 +116,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout", "k_scales", "v_scales")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_id", "layout", "k_scales", "v_scales", "tensor_parallel_size", "rank_kv_heads")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class KvLayout(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     K_SCALES_FIELD_NUMBER: _ClassVar[int]
     V_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -135,7 +137,15 @@ class KvLayout(_message.Message):
     layout: str
     k_scales: _containers.RepeatedScalarFieldContainer[float]
     v_scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    tensor_parallel_size: int
+    rank_kv_heads: _containers.RepeatedCompositeFieldContainer[RankKvHeads]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[_Union[RankKvHeads, _Mapping]]] = ...) -> None: ...
+
+class RankKvHeads(_message.Message):
+    __slots__ = ("heads",)
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "epoch", "expires_unix_ns")

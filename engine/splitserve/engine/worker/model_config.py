@@ -159,14 +159,20 @@ class ModelConfig:
         block_size: int,
         dtype_name: str,
         kv_scales: list[tuple[float, float]] | None = None,
-        num_kv_heads: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> KvLayout:
         """The KV cache layout this model needs with `block_size` tokens per block; `kv_scales`
-        (per-layer (k, v)) only for an fp8 dtype; `num_kv_heads`: the heads one rank holds (tensor
-        parallelism), else all of them."""
+        (per-layer (k, v)) only for an fp8 dtype. Over `tensor_parallel_size` ranks each rank's pool holds
+        its share of the KV heads (engine.worker.tensor_parallel), and the layout names every rank's."""
+        from splitserve.engine.worker.tensor_parallel import kv_heads_of_rank
+
+        size = tensor_parallel_size
+        ranks = [tuple(kv_heads_of_rank(self.num_kv_heads, size, r)) for r in range(size)] if size > 1 else []
         return KvLayout(
             num_layers=self.num_layers,
-            num_kv_heads=num_kv_heads or self.num_kv_heads,
+            num_kv_heads=len(ranks[0]) if ranks else self.num_kv_heads,
+            tensor_parallel_size=size,
+            rank_kv_heads=tuple(ranks),
             head_dim=self.head_dim,
             block_size=block_size,
             dtype=dtype_name,

@@ -16,7 +16,7 @@ from splitserve.common.kv_layout import FP8_KV_DTYPE, KvLayout
 from splitserve.engine.worker.kv_cache import allocate_kv_cache, dtype_from_name
 from splitserve.engine.worker.kv_sizing import DeviceMemory, cap_blocks, cpu_kv_blocks, gpu_kv_blocks
 from splitserve.engine.worker.model_config import ModelConfig
-from splitserve.engine.worker.tensor_parallel import TpGroup, kv_heads_of_rank
+from splitserve.engine.worker.tensor_parallel import TpGroup
 
 
 def read_model_config(config: EngineConfig) -> ModelConfig:
@@ -50,16 +50,14 @@ def load_rank_model(
 
 def kv_layout_for(model, model_config, config: EngineConfig, dtype_name: str, tp: TpGroup | None = None) -> KvLayout:
     """The KV layout of --kv-cache-dtype: the model's dtype, or fp8 with per-layer scales (the
-    checkpoint's, else 1.0), which the model's attention then applies. Under tensor parallelism the
-    layout holds this rank's KV heads only."""
-    num_kv_heads = None
-    if tp is not None and tp.size > 1:
-        num_kv_heads = len(kv_heads_of_rank(model_config.num_kv_heads, tp.size, tp.rank))
+    checkpoint's, else 1.0), which the model's attention then applies. Under tensor parallelism a rank's
+    pool holds its KV heads only (the layout names every rank's)."""
+    size = tp.size if tp is not None else 1
     if not config.fp8_kv_cache:
-        return model_config.kv_layout(config.block_size, dtype_name, num_kv_heads=num_kv_heads)
+        return model_config.kv_layout(config.block_size, dtype_name, tensor_parallel_size=size)
     scales = getattr(model, "checkpoint_kv_scales", None) or [(1.0, 1.0)] * model_config.num_layers
     model.set_kv_scales(scales)
-    return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales, num_kv_heads=num_kv_heads)
+    return model_config.kv_layout(config.block_size, FP8_KV_DTYPE, scales, tensor_parallel_size=size)
 
 
 def max_model_len_of(config: EngineConfig, model_config) -> int:
