@@ -96,6 +96,13 @@ def test_config_is_frozen():
             {},
             "--kv-cache-memory-fraction=inf is out of range; allowed (0.0, 0.98]",
         ),
+        (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size=0 is out of range; allowed [1, 64]"),
+        (
+            ["--tensor-parallel-size", "2", "--role", "decode"],
+            {},
+            "--tensor-parallel-size 2 needs --role both (a colocated worker or the offline LLM), not decode: KV "
+            "hand-off between tensor-parallel prefill and decode ranks is not built yet",
+        ),
     ],
 )
 def test_validation_errors_name_flag_value_and_range(argv, env, message):

@@ -161,6 +161,22 @@ def test_aborts_forks_and_seeded_sampling_match_tp1_and_free_every_block(model_d
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_match_tp1(model_dirs, prompts):
+    """Prompt logprobs gather the logits of every prompt row on every rank: ranks and tokens equal TP 1's,
+    values to float64 rounding (the all-reduces sum in another order)."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+    got = {}
+    for size in (1, 2):
+        with tp_llm(model_dirs["llama-gqa2"], size) as llm:
+            got[size] = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+    for one, two in zip(got[1], got[2]):
+        assert two.token_ids == one.token_ids and two.prompt_logprobs[0] is None
+        for a, b in zip(one.prompt_logprobs[1:] + one.logprobs, two.prompt_logprobs[1:] + two.logprobs):
+            assert (b.token_id, b.rank, [t for t, _ in b.top]) == (a.token_id, a.rank, [t for t, _ in a.top])
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-9)
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_fails_the_next_step_naming_it(model_dirs, prompts):
     with tp_llm(model_dirs["llama-gqa2"], 2) as llm:
         engine = llm.engine

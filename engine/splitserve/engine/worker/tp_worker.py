@@ -149,13 +149,10 @@ class TpWorkers:
 
     def failure(self, cause: BaseException | str) -> TensorParallelError:
         """The error a failed collective means: the rank that exited and its exit code, when one did."""
-        for rank, process in enumerate(self.processes, start=1):
-            process.join(EXIT_WAIT_S if rank == 1 else 0.1)
-            if process.exitcode is not None:
-                return TensorParallelError(
-                    f"tensor-parallel rank {rank} of {self.group.size} exited (exit code {process.exitcode})"
-                )
-        return TensorParallelError(f"tensor-parallel collective failed: {cause}")
+        from multiprocessing.connection import wait
+
+        wait([process.sentinel for process in self.processes], EXIT_WAIT_S)  # the one that failed it is exiting
+        return self.dead_rank() or TensorParallelError(f"tensor-parallel collective failed: {cause}")
 
     def dead_rank(self) -> TensorParallelError | None:
         """A rank that has exited (checked before a step: cheaper than a failed collective to read)."""
