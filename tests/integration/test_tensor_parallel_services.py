@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.common.default_model_path import default_model_path
 from splitserve.engine import LLM
 from splitserve.protos import common_pb2, decode_pb2
-from tests.model_factory import engine_reference
+from tests.model_factory import engine_reference, make_tiny_model_dir
 from tests.service_client import DecodeSession
 from tests.service_harness import ENGINE, start_service, wait_until
 
 pytestmark = pytest.mark.slow
-PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500, 600, 700], [42] * 13]
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 450, 480, 500], [42] * 13]
 MAX_TOKENS = 8
 
 
@@ -43,10 +42,14 @@ def rank1_pid(service_pid: int) -> int | None:
 
 
 @pytest.fixture()
-def worker(tmp_path):
-    proc, address = start_service(
-        "worker", default_model_path(), tmp_path, "worker", service_args=["--tensor-parallel-size", "2"], **ENGINE
-    )
+def model(tmp_path):
+    return make_tiny_model_dir(tmp_path, "qwen3", num_kv_heads=2, name="tp-tiny", max_position_embeddings=4096)
+
+
+@pytest.fixture()
+def worker(tmp_path, model):
+    args = ["--tensor-parallel-size", "2"]
+    proc, address = start_service("worker", model, tmp_path, "worker", service_args=args, **ENGINE)
     try:
         proc.wait_ready()
         yield proc, address
@@ -54,9 +57,9 @@ def worker(tmp_path):
         proc.stop()
 
 
-def test_tp2_worker_tokens_equal_tp1_and_a_dead_rank_ends_it(worker):
+def test_tp2_worker_tokens_equal_tp1_and_a_dead_rank_ends_it(worker, model):
     proc, address = worker
-    with LLM(model=str(default_model_path()), device="cpu", **ENGINE) as llm:
+    with LLM(model=str(model), device="cpu", **ENGINE) as llm:
         expected, _ = engine_reference(llm, PROMPTS, MAX_TOKENS, [])
     greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     long = common_pb2.SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
