@@ -1,0 +1,64 @@
+"""Blocks moved between pools of different tensor-parallel sizes by a transfer plan land exactly where each
+decode rank's heads belong: every (prefill TP, decode TP) pair, GQA and MQA, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.common.kv_layout import KvLayout, transfer_plan
+from splitserve.engine.kv_connectors.head_copies import copy_planned_heads, head_runs
+from splitserve.engine.worker.tensor_parallel import kv_heads_of_rank
+
+NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, NUM_LAYERS = 8, 4, 3, 2
+
+
+def layout(num_kv_heads: int, size: int) -> KvLayout:
+    ranks = [tuple(kv_heads_of_rank(num_kv_heads, size, r)) for r in range(size)] if size > 1 else []
+    return KvLayout(
+        num_layers=NUM_LAYERS,
+        num_kv_heads=len(ranks[0]) if ranks else num_kv_heads,
+        head_dim=HEAD_DIM,
+        block_size=BLOCK_SIZE,
+        dtype="float64",
+        model_id="m",
+        tensor_parallel_size=size,
+        rank_kv_heads=tuple(ranks),
+    )
+
+
+def rank_pools(full: torch.Tensor, lay: KvLayout) -> list[torch.Tensor]:
+    """Each rank's pool as the engine holds it: its heads of the full-head pool."""
+    return [full[..., list(lay.heads_of_rank(r)), :].clone() for r in range(lay.tensor_parallel_size)]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
+def test_every_decode_rank_gets_exactly_its_heads(num_kv_heads, prefill_tp, decode_tp):
+    torch.manual_seed(0)
+    full = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=torch.float64)
+    prefill, decode = layout(num_kv_heads, prefill_tp), layout(num_kv_heads, decode_tp)
+    sources = rank_pools(full, prefill)
+    targets = [torch.zeros(NUM_BLOCKS, *pool.shape[1:], dtype=torch.float64) for pool in rank_pools(full, decode)]
+    src_blocks, dst_blocks = [5, 1, 6], [0, 7, 2]
+    moved = copy_planned_heads(sources, src_blocks, targets, dst_blocks, transfer_plan(prefill, decode))
+    for rank, target in enumerate(targets):
+        heads = list(decode.heads_of_rank(rank))
+        assert torch.equal(target[dst_blocks], full[src_blocks][..., heads, :])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dst_blocks]
+        assert not target[untouched].any()  # nothing written outside the destination blocks
+    per_head = len(src_blocks) * NUM_LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 8
+    assert moved == per_head * decode.num_kv_heads * decode_tp
+
+
+def test_consecutive_heads_of_one_rank_copy_as_one_run():
+    plan = ((0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1))  # decode TP 1 from prefill TP 2
+    assert head_runs(plan) == [(0, 0, 0, 2), (2, 1, 0, 2)]
+    assert head_runs(((0, 1, 1), (1, 1, 0))) == [(0, 1, 1, 1), (1, 1, 0, 1)]  # reversed: not one slice
+
+
+def test_mismatched_block_lists_are_refused():
+    full = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, 2, HEAD_DIM)
+    plan = transfer_plan(layout(2, 1), layout(2, 1))
+    with pytest.raises(ValueError, match=r"^copy_planned_heads: 2 source blocks vs 1 destination blocks$"):
+        copy_planned_heads([full], [0, 1], [full.clone()], [0], plan)
