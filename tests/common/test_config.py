@@ -103,6 +103,11 @@ def test_config_is_frozen():
             "--tensor-parallel-size 2 needs --role both (a colocated worker or the offline LLM), not decode: KV "
             "hand-off between tensor-parallel prefill and decode ranks is not built yet",
         ),
+        (
+            ["--tensor-parallel-size", "2", "--async-scheduling"],
+            {},
+            "--async-scheduling is not supported with --tensor-parallel-size > 1 yet",
+        ),
     ],
 )
 def test_validation_errors_name_flag_value_and_range(argv, env, message):

@@ -147,6 +147,9 @@ class EngineConfig:
                 f"offline LLM), not {self.role}: KV hand-off between tensor-parallel prefill and decode ranks is not "
                 "built yet"
             )
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            # the ranks > 0 get each step's inputs from the host: a token must be read before it is an input
+            raise ConfigError("--async-scheduling is not supported with --tensor-parallel-size > 1 yet")
         if self.max_model_len is not None and self.num_kv_blocks is not None:
             if self.num_kv_blocks * self.block_size < 1:
                 raise ConfigError("--num-kv-blocks must hold at least one token")

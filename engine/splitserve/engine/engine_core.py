@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens
+from splitserve.common.config_fields import ConfigError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
@@ -87,10 +88,8 @@ def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, 
     check_shardable(
         model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, config.tensor_parallel_size
     )
-    if config.async_scheduling:
-        raise RequestError("--async-scheduling is not supported with --tensor-parallel-size > 1 yet")
     if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():
-        raise RequestError(
+        raise ConfigError(
             f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs GPUs {device.index}.."
             f"{device.index + config.tensor_parallel_size - 1}; {torch.cuda.device_count()} are visible"
         )
