@@ -155,9 +155,14 @@ class Engine:
         self.scheduler = SimpleNamespace(
             import_share=None, make_room=lambda n, share: self.rooms_made.append((n, share))
         )
+        self.dead_rank: Exception | None = None  # what check_ranks raises (a tensor-parallel rank that exited)
 
     def has_unfinished(self) -> bool:
         return self.has_work
+
+    def check_ranks(self) -> None:
+        if self.dead_rank is not None:
+            raise self.dead_rank
 
     def begin_import(self, *args, share=0):
         self.import_steps.append(self.steps)
@@ -249,6 +254,18 @@ def test_every_batch_in_the_pipe_is_taken_in_before_the_next_step():
     driver.stop()
     assert [driver.replies[i].value for i in (1, 2, 3)] == [{"steps": 0}] * 3
     assert driver.pipe.waits[:7] == [0, "recv", 0, "recv", 0, "recv", 0]  # the last: the pipe is empty now
+
+
+def test_a_tensor_parallel_rank_that_exits_ends_an_idle_loop():
+    from splitserve.engine.worker.tensor_parallel import TensorParallelError
+
+    driver, engine = fake_driver(Gate(opened=True), has_work=False)
+    driver.start()
+    driver.until(lambda: engine.pipe.waits, 10, "the loop never waited on the pipe")
+    engine.dead_rank = TensorParallelError("tensor-parallel rank 1 of 2 exited (exit code -9)")
+    wait_until(lambda: not driver.thread.is_alive(), 5, "an idle loop did not notice the dead rank")
+    assert [str(e) for e in driver.errors] == ["tensor-parallel rank 1 of 2 exited (exit code -9)"]
+    assert engine.steps == 0
 
 
 def test_idle_with_a_pull_in_flight_the_loop_waits_on_the_pipe_briefly_and_never_spins():

@@ -184,7 +184,10 @@ def test_a_rank_that_dies_fails_the_next_step_naming_it(model_dirs, prompts):
         rank1 = engine.tp_workers.processes[0]
         os.kill(rank1.pid, signal.SIGKILL)
         wait_until(lambda: rank1.exitcode is not None, 10, "rank 1 did not exit after SIGKILL")
-        with pytest.raises(TensorParallelError, match=r"^tensor-parallel rank 1 of 2 exited \(exit code -9\)$"):
+        dead = r"^tensor-parallel rank 1 of 2 exited \(exit code -9\)$"
+        with pytest.raises(TensorParallelError, match=dead):
+            engine.check_ranks()  # what the core loop asks every turn, idle or not
+        with pytest.raises(TensorParallelError, match=dead):
             engine.step()
     assert llm.engine is None  # closed, nothing left running
     assert rank1.exitcode == -9

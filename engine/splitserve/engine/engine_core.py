@@ -385,6 +385,14 @@ class EngineCore:
             return True
         return self.forks.drop(request_id)
 
+    def check_ranks(self) -> None:
+        """Raise TensorParallelError when a tensor-parallel rank has exited: the instance cannot step any more
+        (the core loop asks every turn, so an idle instance ends too, not only at its next step)."""
+        if self.tp_workers is not None:
+            dead = self.tp_workers.dead_rank()
+            if dead is not None:
+                raise dead
+
     def has_unfinished(self) -> bool:
         """Requests to run, or a launched step still to read."""
         return self.scheduler.num_unfinished > 0 or self._unread is not None

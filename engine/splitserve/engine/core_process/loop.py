@@ -64,6 +64,7 @@ class CoreLoop:
                 return False  # the service process is gone
         elif os.getppid() == 1:
             return False  # orphaned
+        self.engine.check_ranks()  # a tensor-parallel rank that exited ends the core, idle or not
         while not self.background_replies.empty():
             self.outbox.append(self.background_replies.get())
             self.num_background -= 1
