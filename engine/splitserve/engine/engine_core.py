@@ -228,7 +228,8 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_num_tokens = 0
         log.info(
-            "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB) max_model_len=%d role=%s",
+            "engine ready: model=%s device=%s dtype=%s blocks=%d (%d tokens, %.1f MiB per rank) max_model_len=%d "
+            "role=%s tensor_parallel_size=%d%s",
             self.info.model_id,
             device,
             dtype_name,
@@ -237,6 +238,8 @@ class EngineCore:
             num_blocks * self.layout.block_nbytes / 2**20,
             max_model_len,
             config.role,
+            config.tensor_parallel_size,
+            " (CUDA graphs and asynchronous scheduling off under TP)" if tp is not None else "",
         )
 
     def _freeze_collector(self) -> None:
