@@ -98,12 +98,6 @@ def test_config_is_frozen():
         ),
         (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size=0 is out of range; allowed [1, 64]"),
         (
-            ["--tensor-parallel-size", "2", "--role", "decode"],
-            {},
-            "--tensor-parallel-size 2 needs --role both (a colocated worker or the offline LLM), not decode: KV "
-            "hand-off between tensor-parallel prefill and decode ranks is not built yet",
-        ),
-        (
             ["--tensor-parallel-size", "2", "--async-scheduling"],
             {},
             "--async-scheduling is not supported with --tensor-parallel-size > 1 yet",

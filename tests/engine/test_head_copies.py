@@ -62,3 +62,17 @@ def test_mismatched_block_lists_are_refused():
     plan = transfer_plan(layout(2, 1), layout(2, 1))
     with pytest.raises(ValueError, match=r"^copy_planned_heads: 2 source blocks vs 1 destination blocks$"):
         copy_planned_heads([full], [0, 1], [full.clone()], [0], plan)
+
+
+def test_only_shm_moves_kv_of_tensor_parallel_instances():
+    from splitserve.engine.kv_connectors.factory import connector_class
+
+    tp2, tp1 = layout(2, 2), layout(2, 1)
+    nccl = connector_class("nccl")({"role": "decode"})
+    with pytest.raises(ValueError, match=r"^the nccl transport does not move KV of tensor-parallel instances"):
+        nccl.check_layout(tp2, tp2)
+    nccl.check_layout(tp1, tp1)
+    shm = connector_class("shm")({"role": "decode"})
+    shm.check_layout(tp2, tp1)  # a plan maps them
+    with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \["):
+        shm.check_layout(layout(2, 2), KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))

@@ -1,5 +1,6 @@
-"""A colocated worker with --tensor-parallel-size 2: its core is rank 0 and starts rank 1; tokens equal the
-in-process TP 1 engine's, and a rank that dies fails the in-flight requests naming it and ends the service."""
+"""Services with --tensor-parallel-size: a colocated worker at TP 2 (its core is rank 0 and starts rank 1) gives
+the in-process TP 1 engine's tokens, and a rank that dies fails the in-flight requests naming it and ends the
+service; prefills and decodes of TP 1 and 2 hand KV to each other over shm with the same tokens."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine import LLM
-from splitserve.protos import common_pb2, decode_pb2
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.model_factory import engine_reference, make_tiny_model_dir
-from tests.service_client import DecodeSession
-from tests.service_harness import ENGINE, start_service, wait_until
+from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
+from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 450, 480, 500], [42] * 13]
@@ -88,3 +89,82 @@ def test_tp2_worker_tokens_equal_tp1_and_a_dead_rank_ends_it(worker, model):
         "TensorParallelError: tensor-parallel rank 1 of 2 exited (exit code -9)"
     )
     assert proc.popen.wait(10) == 1
+
+
+@pytest.fixture()
+def pd_stack(tmp_path, model):
+    """Prefills at TP 1 and 2, decodes at TP 1 and 2, each decode peered with both prefills (shm)."""
+    procs = []
+    try:
+        prefills = {}
+        for size in (1, 2):
+            proc, address = start_service(
+                "prefill", model, tmp_path, f"prefill-tp{size}", service_args=_tp(size), **ENGINE
+            )
+            procs.append(proc)
+            prefills[size] = address
+        peers = ",".join(prefills.values())
+        decodes = {}
+        for size in (1, 2):
+            args = [*_tp(size), "--prefill-peers", peers]
+            proc, address = start_service("decode", model, tmp_path, f"decode-tp{size}", service_args=args, **ENGINE)
+            procs.append(proc)
+            decodes[size] = address
+        for proc in procs:
+            proc.wait_ready()
+        yield prefills, decodes
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _tp(size: int) -> list[str]:
+    return ["--kv-transport", "shm", "--tensor-parallel-size", str(size)]
+
+
+def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block(pd_stack, model):
+    """(prefill TP, decode TP) in (1, 1), (1, 2), (2, 1), (2, 2): each decode rank's heads come from the prefill
+    ranks that hold them (shm, a transfer plan per pair); tokens equal the colocated TP 1 engine's. Each pair's
+    prompts are its own, so every block is pulled (none is in the decode's prefix cache)."""
+    prefills, decodes = pd_stack
+    pairs = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    prompts = {pair: [[400 + 10 * pair[0] + pair[1], *prompt] for prompt in PROMPTS] for pair in pairs}
+    with LLM(model=str(model), device="cpu", **ENGINE) as llm:
+        flat, _ = engine_reference(llm, [p for pair in pairs for p in prompts[pair]], MAX_TOKENS, [])
+    expected = {pair: flat[3 * i : 3 * i + 3] for i, pair in enumerate(pairs)}
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def main():
+        got = {}
+        for (p_size, d_size), batch in prompts.items():
+            session = DecodeSession(decodes[d_size])
+            try:
+                stub = prefill_stub(prefills[p_size])
+                got[p_size, d_size] = [
+                    (await generate_disaggregated(stub, session, f"p{p_size}d{d_size}-{i}", prompt, greedy))[0]
+                    for i, prompt in enumerate(batch)
+                ]
+            finally:
+                await session.close()
+        last = []
+
+        async def settled():  # leases are released, and blocks freed, just after the last delta goes out
+            last[:] = [await describe(a) for a in prefills.values()]
+            last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
+            done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
+            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:2]) else None
+
+        described = await wait_until_async(settled, 10, lambda: f"not settled: {last}")
+        return got, described
+
+    got, described = asyncio.run(main())
+    assert got == expected
+    blocks_per_decode = 2 * sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS)  # from each of two prefills
+    for d in described[2:]:
+        assert d.counters["kv_blocks_pulled"] == blocks_per_decode
+        assert d.counters.get("kv_pull_failures", 0) == 0 and d.counters.get("kv_pull_recomputes", 0) == 0
+    for p in described[:2]:
+        assert p.counters["leases_released"] == 6 and p.counters.get("leases_active", 0) == 0
+    for d in described:  # every pool entirely free again
+        assert d.load.num_free_blocks == d.load.num_total_blocks
+    assert [d.layout.tensor_parallel_size for d in described] == [1, 2, 1, 2]

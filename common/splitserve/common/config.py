@@ -140,13 +140,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate_fields(self)
-        if self.tensor_parallel_size > 1 and self.role != "both":
-            # each rank holds its own KV heads; moving a request's KV between instances moves one rank's pool
-            raise ConfigError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} needs --role both (a colocated worker or the "
-                f"offline LLM), not {self.role}: KV hand-off between tensor-parallel prefill and decode ranks is not "
-                "built yet"
-            )
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             # the ranks > 0 get each step's inputs from the host: a token must be read before it is an input
             raise ConfigError("--async-scheduling is not supported with --tensor-parallel-size > 1 yet")

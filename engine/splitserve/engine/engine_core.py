@@ -149,9 +149,16 @@ class EngineCore:
     _frozen_open = 0  # engines not closed whose start froze the collector (CUDA); see close()
 
     def __init__(
-        self, config: EngineConfig, model=None, model_config=None, kv_cache_factory=None, offline: bool = False
+        self,
+        config: EngineConfig,
+        model=None,
+        model_config=None,
+        kv_cache_factory=None,
+        offline: bool = False,
+        rank_pool_openers=None,
     ) -> None:
-        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory);
+        """`kv_cache_factory(layout, num_blocks, device)` may supply the KV tensor (e.g. in shared memory), and
+        then `rank_pool_openers()` where the other tensor-parallel ranks find theirs (KvConnector's);
         `offline`: the offline LLM API owns this engine (a larger default token budget on large GPUs).
         With --tensor-parallel-size N > 1 this is rank 0: it starts ranks 1..N-1 (worker/tp_worker.py) first."""
         from splitserve.engine.worker.model_runner import ModelRunner
@@ -208,6 +215,9 @@ class EngineCore:
         )
         factory = kv_cache_factory or allocate_kv_cache
         kv_cache = factory(self.layout, num_blocks, device)
+        if self.tp_workers is not None:  # the other ranks wait for where their pools are (None: their own)
+            with self.tp_workers.guard():
+                tp.send_object(rank_pool_openers() if rank_pool_openers is not None else None)
         self.runner = ModelRunner(model, kv_cache, config.block_size, device, self.tp_workers)
         # n > 1: sequences sharing a prompt's KV (a partial block copied on every rank)
         self.forks = ParallelSampling(self.kv, self.scheduler, self.runner.copy_blocks)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.common.kv_layout import describe_layout_fields
+from splitserve.common.kv_layout import describe_layout_fields, transfer_plan
+from splitserve.common.wire import layout_from_proto
 from splitserve.gateway.decode_link import DecodeLink
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.runtime.grpc_server import OWN_CONNECTION, health_channel_options
@@ -79,6 +80,23 @@ def layout_mismatch(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> str | Non
     if a == b:
         return None
     return f"KV layouts differ: [{describe_layout(a)}] vs [{describe_layout(b)}]"
+
+
+def tp_layout_problem(prefill: common_pb2.KvLayout, decode: common_pb2.KvLayout, transports: set[str]) -> str | None:
+    """Where either side is tensor parallel: None when shm can move the prefill's heads to every decode rank
+    (a transfer plan maps the layouts), else why not (naming both); "" when neither is (compare them whole)."""
+    if max(prefill.tensor_parallel_size, decode.tensor_parallel_size) <= 1:
+        return ""
+    if "shm" not in transports:
+        return (
+            f"KV of tensor-parallel instances moves over shm only (common transports: {sorted(transports) or 'none'}): "
+            f"[{describe_layout(prefill)}] vs [{describe_layout(decode)}]"
+        )
+    try:
+        transfer_plan(layout_from_proto(prefill), layout_from_proto(decode))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass(eq=False)
@@ -285,11 +303,12 @@ class Registry:
         """Why `prefill` and `decode` may not be paired, or None when they may."""
         if prefill.describe is None or decode.describe is None:
             return "not described yet"
-        problem = layout_mismatch(prefill.describe.layout, decode.describe.layout)
-        if problem is None:
-            served, pulled = list(prefill.describe.transports), list(decode.describe.transports)
-            if served and pulled and not set(served) & set(pulled):
-                problem = f"no common KV transport: prefill serves {served}, decode pulls with {pulled}"
+        served, pulled = list(prefill.describe.transports), list(decode.describe.transports)
+        problem = tp_layout_problem(prefill.describe.layout, decode.describe.layout, set(served) & set(pulled))
+        if problem == "":
+            problem = layout_mismatch(prefill.describe.layout, decode.describe.layout)
+        if problem is None and served and pulled and not set(served) & set(pulled):
+            problem = f"no common KV transport: prefill serves {served}, decode pulls with {pulled}"
         return problem
 
     def compatible(self, prefill: Instance, decode: Instance) -> bool:

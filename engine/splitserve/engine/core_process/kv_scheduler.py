@@ -141,8 +141,7 @@ class KvScheduler:
         indices = list(range(num_local, len(spec.block_ids)))
         load = Load(request_id, spec, indices, dst_blocks[num_local:], self.engine.runner.kv_cache, self._ask_send)
         try:
-            if spec.layout != self.engine.layout:
-                raise ValueError(self.engine.layout.mismatch(spec.layout))
+            self.connector.check_layout(spec.layout, self.engine.layout)
             if indices:
                 self.connector.start_load(load)
         except Exception as exc:  # a pull that cannot start fails this request only

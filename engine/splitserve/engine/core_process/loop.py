@@ -307,7 +307,9 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
         from splitserve.engine.kv_connectors.factory import make_connector
 
         connector = make_connector(kv_options)  # the transport, chosen once
-        engine = EngineCore(config, kv_cache_factory=connector.kv_cache_factory)
+        engine = EngineCore(
+            config, kv_cache_factory=connector.kv_cache_factory, rank_pool_openers=connector.rank_pool_openers
+        )
         conn.send([m.Ready(engine.info, engine.layout, connector.endpoint)])
         CoreLoop(engine, conn, connector).run()
     except Exception:

@@ -153,6 +153,22 @@ class KvConnector:
     def place_pool(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         return allocate_kv_cache(layout, num_blocks, device)
 
+    def rank_pool_openers(self) -> list | None:
+        """Tensor parallel: per rank, a picklable `opener(layout, num_blocks, device) -> pool` that a rank > 0
+        calls for its pool where this transport placed it (None at rank 0), or None: each rank allocates its own."""
+        return None
+
+    def check_layout(self, source: KvLayout, own: KvLayout) -> None:
+        """Raise ValueError (naming both) when this transport cannot move `source`'s blocks into this pool: here,
+        unless the layouts are equal and neither is tensor parallel (this transport moves one pool per instance)."""
+        if source != own:
+            raise ValueError(own.mismatch(source))
+        if own.tensor_parallel_size > 1:
+            raise ValueError(
+                f"the {self.transport} transport does not move KV of tensor-parallel instances (only shm does): "
+                f"[{own.describe()}]"
+            )
+
     # -- worker side: the asynchronous interface (core thread) ------------------------------
     @property
     def num_in_flight(self) -> int:

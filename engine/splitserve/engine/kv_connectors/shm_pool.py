@@ -1,7 +1,8 @@
 """Shared-memory transport (same host, CPU): the prefill's whole KV pool lives in a named
 POSIX shared-memory segment; a decode maps it read-only by name and copies blocks out.
 
-Segment name: `splitserve-kv-<instance>-<start_epoch>-p<owner pid>`; a restarted instance gets a new
+Segment name: `splitserve-kv-<instance>-<start_epoch>-p<owner pid>`, and `-r<rank>` after it for the pools of
+a tensor-parallel instance's ranks > 0 (rank 0 creates and owns them all); a restarted instance gets a new
 name, and `unlink_stale` removes segments that earlier runs of the same instance left (owner gone).
 """
 
@@ -29,7 +30,7 @@ def unlink_stale(instance: str) -> list[str]:
     """Remove /dev/shm segments that earlier runs of this instance left (their owner process is gone); returns
     their names. A segment whose owner still runs is kept: another service of the same name on this host (test
     stacks run side by side) must not lose its pool."""
-    pattern = re.compile(rf"{re.escape(PREFIX + instance)}-\d+(?:-p(\d+))?")
+    pattern = re.compile(rf"{re.escape(PREFIX + instance)}-\d+(?:-p(\d+))?(?:-r\d+)?")
     removed = []
     for path in glob.glob(f"/dev/shm/{glob.escape(PREFIX + instance)}-*"):
         name = os.path.basename(path)
@@ -124,6 +125,18 @@ class SharedKvPool:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+_OPENED_BY_RANK: list[SharedKvPool] = []  # a rank > 0's mapping of its pool, kept for the process's life
+
+
+def open_rank_pool(name: str, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """A tensor-parallel rank > 0's pool: the segment its rank 0 created (the opener `ShmConnector` sends)."""
+    if device.type != "cpu":
+        raise ValueError(f"a shared-memory KV pool is on the CPU, not {device}")
+    pool = SharedKvPool.open(name, layout, num_blocks)
+    _OPENED_BY_RANK.append(pool)
+    return pool.tensor
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> int:

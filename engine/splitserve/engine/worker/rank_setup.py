@@ -90,4 +90,7 @@ def set_up_rank(config: EngineConfig, model_config: ModelConfig, dtype_name: str
     model, model_config = load_rank_model(config, tp.device, dtype_name, tp, model_config)
     layout = kv_layout_for(model, model_config, config, dtype_name, tp)
     num_blocks = tp.min_over_ranks(size_pool(config, layout, tp.device, max_model_len_of(config, model_config)))
-    return model, allocate_kv_cache(layout, num_blocks, tp.device)
+    openers = tp.recv_object()  # rank 0's KvConnector may have placed this rank's pool (shared memory)
+    if openers is None:
+        return model, allocate_kv_cache(layout, num_blocks, tp.device)
+    return model, openers[tp.rank](layout, num_blocks, tp.device)
