@@ -73,6 +73,12 @@ def test_an_unshardable_model_refuses_at_start_with_no_rank_left(tmp_path):
         LLM(model=str(path), dtype="float64", device="cpu", tensor_parallel_size=3, num_kv_blocks=8)
 
 
+def test_a_mixture_of_experts_model_refuses_tensor_parallelism(tmp_path):
+    path = make_tiny_model_dir(tmp_path, "qwen3_moe", num_kv_heads=2, moe_intermediate_size=24, intermediate_size=40)
+    with pytest.raises(ValueError, match=r"^mixture-of-experts models do not support --tensor-parallel-size > 1 yet"):
+        LLM(model=str(path), dtype="float64", device="cpu", tensor_parallel_size=2, num_kv_blocks=8)
+
+
 # -- engines against transformers ------------------------------------------------------------------
 # (model, tensor_parallel_size; TP 1 of the same models: test_engine_exact.py): GQA 2 sharded and
 # replicated, MHA (group 1) sharded 4 ways, MQA on 4 ranks, qkv biases sharded with their rows,

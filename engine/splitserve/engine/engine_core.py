@@ -88,6 +88,9 @@ def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, 
     check_shardable(
         model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, config.tensor_parallel_size
     )
+    if getattr(model_config, "moe", None) is not None:  # refused before any rank starts (the loader refuses too)
+        size = config.tensor_parallel_size
+        raise ConfigError(f"mixture-of-experts models do not support --tensor-parallel-size > 1 yet (got {size})")
     if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():
         raise ConfigError(
             f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs GPUs {device.index}.."

@@ -114,6 +114,8 @@ def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: Tp
         raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1 (got {tp.size})")
     if fp8:
         raise ValueError(f"fp8 weights do not support tensor_parallel_size > 1 yet (got {tp.size})")
+    if getattr(config, "moe", None) is not None:
+        raise ValueError(f"mixture-of-experts models do not support tensor_parallel_size > 1 yet (got {tp.size})")
     check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, tp.size)
     return cls(config, dtype, device, tp=tp)
 
