@@ -312,6 +312,7 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
         )
         conn.send([m.Ready(engine.info, engine.layout, connector.endpoint)])
         CoreLoop(engine, conn, connector).run()
+        engine.close()  # a tensor-parallel engine's ranks are told to stop (not left to find rank 0 gone)
     except Exception:
         try:
             conn.send([m.Fatal(traceback.format_exc())])
