@@ -10,7 +10,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 | pull_delay_ms=N | decode core | `KvConnector.pull` | sleeps N ms before every pull |
 | pull_drop=N | decode core | `KvConnector.pull` | the first N pulls raise |
 | send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
-| corrupt_epoch=N | decode service | `PullCoordinator._release` | the first N releases name a wrong lease epoch |
+| corrupt_epoch=N | decode service | `PullCoordinator._finish` | the first N ended pulls check a wrong epoch |
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def install(spec: str) -> None:
     if faults.get("corrupt_epoch"):
         from splitserve.decode_service.pulls import PullCoordinator
 
-        _wrap_release(PullCoordinator, faults["corrupt_epoch"])
+        _wrap_finish(PullCoordinator, faults["corrupt_epoch"])
     log.warning("test faults installed in pid %d: %s", os.getpid(), faults)
 
 
@@ -91,18 +91,19 @@ def _wrap_send(cls, kill_after_blocks: int) -> None:
     cls.send = send
 
 
-def _wrap_release(cls, corruptions: int) -> None:
-    original = cls._release
+def _wrap_finish(cls, corruptions: int) -> None:
+    original = cls._finish
     left = [corruptions]
 
     @functools.wraps(original)
-    async def release(self, handle):
-        if left[0] > 0:
+    async def finish(self, done):
+        pull = self.pending.get(done.request_id)
+        if pull is not None and left[0] > 0:
             left[0] -= 1
-            wrong = type(handle)()
-            wrong.CopyFrom(handle)
+            wrong = type(pull.handle)()
+            wrong.CopyFrom(pull.handle)
             wrong.lease.epoch += 1_000_000  # validated against an epoch the prefill never issued
-            handle = wrong
-        return await original(self, handle)
+            pull.handle = wrong
+        return await original(self, done)
 
-    cls._release = release
+    cls._finish = finish

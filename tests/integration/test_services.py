@@ -74,16 +74,22 @@ async def free_blocks(stack):
 
 
 async def wait_blocks_free(stack, timeout_s: float = 10.0):
-    """free_blocks(stack) once both pools are entirely free (a client has a request's last delta before
-    both instances report its blocks free)."""
+    """free_blocks(stack) once both pools are entirely free and the prefill holds no lease (a client has a
+    request's last delta before both instances report its blocks free, and a decode releases a lease after it
+    commits the copy)."""
     last = []
 
     async def all_free():
         last[:] = [await free_blocks(stack)]
         p_free, d_free, p, d = last[0]
-        return last[0] if (p_free, d_free) == (p.load.num_total_blocks, d.load.num_total_blocks) else None
+        free = (p_free, d_free) == (p.load.num_total_blocks, d.load.num_total_blocks)
+        return last[0] if free and p.counters.get("leases_active", 0) == 0 else None
 
-    return await wait_until_async(all_free, timeout_s, lambda: f"blocks held: free (prefill, decode) = {last[0][:2]}")
+    return await wait_until_async(
+        all_free,
+        timeout_s,
+        lambda: f"free (prefill, decode) = {last[0][:2]}, leases active {last[0][2].counters.get('leases_active')}",
+    )
 
 
 async def wait_peer_prepared(decode_address: str, transport: str, timeout_s: float = 30.0):
@@ -125,7 +131,7 @@ def test_concurrent_batch_equals_in_process_engine(stack, expected):
         await session.close()
         # one DecodeOut per step carried several requests' tokens
         assert session.num_messages < sum(len(r[0]) - 1 for r in results)
-        return [r[0] for r in results], await free_blocks(stack)
+        return [r[0] for r in results], await wait_blocks_free(stack)
 
     tokens, (p_free, d_free, p, d) = run(main())
     assert tokens[:16] == greedy

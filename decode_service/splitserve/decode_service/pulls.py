@@ -1,12 +1,14 @@
 """The decode side's control of KV pulls: one PendingPull per request waiting for its KV (the lease part of the
 connector's scheduler side; reaching the prefills per transport: decode_service/peers.py).
 
-    start(req) ─▶ core: ImportKv ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶ ImportDone
-               ─▶ Prefill.ReleaseKv ─▶ released: CommitImport(ok)
-                                      else / pull failed: policy recompute → local prefill,
-                                                          policy fail → error to the client
-An nccl pull also needs the prefill's SendKv to have answered ok: a receive that ended because its
-communicator was torn down is no transfer, and the sender is the side that knows.
+    start(req) ─▶ core: ImportKv ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶ ImportDone (the copy ended)
+               ─▶ is the copy valid?  shm, cuda_ipc: the lease's slot read now (engine_service/lease_slots.py)
+                                      nccl: SendKv answered that it sent (the sender checked its lease first)
+                                      no slot published: Prefill.ReleaseKv's answer, awaited
+               ─▶ valid: CommitImport(ok) at once, then Prefill.ReleaseKv on the side (never awaited)
+                  lost / pull failed: policy recompute → local prefill, policy fail → error to the client
+An nccl pull needs the prefill's SendKv to have answered ok: a receive that ended because its communicator was
+torn down is no transfer, and the sender is the side that knows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.client import EngineClient
 from splitserve.engine.kv_connectors.nccl import transfer_tag
 from splitserve.engine_service.config import ServiceConfig
+from splitserve.engine_service.lease_slots import LeaseSlotReader
 from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.grpc_server import InternalAuth, internal_channel
@@ -32,11 +35,11 @@ from splitserve.runtime.metrics import ServiceCounters
 
 log = logging.getLogger("splitserve.decode.pulls")
 
-# ReleaseKv's answer says whether a copy counts (once a lease lapses the prefill may reuse its blocks), so it is
-# worth waiting for while the lease could still hold: in a burst a prefill answers seconds late (its event loop
-# works through the queued Prefill calls first), and a 1 s limit threw valid copies away (docs/performance.md,
-# "Findings that set defaults": ReleaseKv waits until the lease expires). A prefill that is gone fails the call
-# at once (no wait_for_ready): a restarted one knows none of the old leases anyway.
+# Where no slot is published, ReleaseKv's answer says whether a copy counts (once a lease lapses the prefill may
+# reuse its blocks), so it is worth waiting for while the lease could still hold: in a burst a prefill answers
+# seconds late (its event loop works through the queued Prefill calls first), and a 1 s limit threw valid copies
+# away (docs/performance.md, "Findings that set defaults": ReleaseKv waits until the lease expires). A prefill
+# that is gone fails the call at once (no wait_for_ready): a restarted one knows none of the old leases anyway.
 MIN_RELEASE_TIMEOUT_S = 1.0
 
 
@@ -85,6 +88,7 @@ class PullCoordinator:
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.slots = LeaseSlotReader()  # the prefills' lease tables (shm, cuda_ipc), mapped on first use
         # how this decode reaches its prefills: chosen once, by transport (the stub looked up at each call)
         self.link = PEER_LINKS[config.kv_transport](client, config, instance, counters, lambda a: self.stub(a))
 
@@ -102,6 +106,12 @@ class PullCoordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def settle(self, timeout_s: float = 1.0) -> None:
+        """At stop: give the calls on their way (a ReleaseKv sent after a commit) up to `timeout_s` to end."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        self.slots.close()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, req, params) -> None:
@@ -193,6 +203,36 @@ class PullCoordinator:
         pull = self.pending.pop(done.request_id, None)
         if pull is None:
             return  # cancelled; its lease was released by cancel()
+        self._record_transfer(pull, done)
+        if done.ok and pull.send is not None:  # nccl: the receive ended; did the sender finish its send?
+            why = await pull.send
+            if why is not None:
+                done = replace(done, ok=False, error=why)
+        if not done.ok:  # the pull itself failed: on by the policy at once; its lease is released on the side
+            self._spawn(self._release(pull.handle))
+            self._pull_failed(pull, done)
+            return
+        valid = self._copy_valid(pull)
+        if valid is None:  # the prefill publishes no validity for this lease: its ReleaseKv answer decides
+            valid = await self._release(pull.handle)
+        elif valid:
+            # the request joins the next step first; the prefill unpins the blocks whenever it gets to it
+            self._commit(done)
+            self._spawn(self._release(pull.handle))
+            return
+        if valid:
+            self._commit(done)
+        else:
+            self._lease_lost(pull, done)
+
+    def _copy_valid(self, pull: PendingPull) -> bool | None:
+        """Whether the ended copy counts, known without a round trip; None when only ReleaseKv can tell.
+        Called after ImportDone: the copy (a device copy synchronized by its worker) is over."""
+        if pull.send is not None or pull.handle.transport == "nccl":
+            return True  # the prefill checked the lease before it sent (SendKv answered ok), or nothing was sent
+        return self.slots.check(pull.handle.prefill_instance, pull.handle.lease)
+
+    def _record_transfer(self, pull: PendingPull, done: m.ImportDone) -> None:
         end_ns = time.time_ns()
         tracing.record_span(
             "kv.transfer",
@@ -207,34 +247,28 @@ class PullCoordinator:
                 "kv.ok": done.ok,
             },
         )
-        if done.ok:
-            released = await self._release(pull.handle)
-        else:  # a failed pull goes on by the policy at once; its lease is released on the side
-            self._spawn(self._release(pull.handle))
-            released = False
-        if done.ok and pull.send is not None:  # nccl: the receive ended; did the sender finish its send?
-            why = await pull.send
-            if why is not None:
-                done = replace(done, ok=False, error=why)
-        if done.ok and released:
-            self.hooks.on_imported(done.request_id, done.num_cached_tokens, done.num_blocks_pulled)
-            self.counters.count("kv_blocks_pulled", done.num_blocks_pulled)
-            self.counters.count("kv_bytes_pulled", done.num_bytes)
-            self.counters.count("kv_transfer_ns", done.transfer_ns)
-            self.counters.count("kv_copy_device_ns", done.device_ns)
-            self.counters.observe_transfer(done.transfer_ns / 1e9)
-            self.client.send(m.CommitImport(done.request_id, ok=True))
-            return
-        reason = done.error or f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
-        if done.error is None:
-            # the copy happened but the lease may have lapsed meanwhile: discard it
-            self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute, error=reason))
-            if not self.recompute:
-                self.hooks.fail_request(done.request_id, reason)
-            else:
-                self.counters.count("kv_pull_recomputes")
-            return
-        # the pull itself failed: recompute locally or fail, by policy
+
+    def _commit(self, done: m.ImportDone) -> None:
+        self.hooks.on_imported(done.request_id, done.num_cached_tokens, done.num_blocks_pulled)
+        self.counters.count("kv_blocks_pulled", done.num_blocks_pulled)
+        self.counters.count("kv_bytes_pulled", done.num_bytes)
+        self.counters.count("kv_transfer_ns", done.transfer_ns)
+        self.counters.count("kv_copy_device_ns", done.device_ns)
+        self.counters.observe_transfer(done.transfer_ns / 1e9)
+        self.client.send(m.CommitImport(done.request_id, ok=True))
+
+    def _lease_lost(self, pull: PendingPull, done: m.ImportDone) -> None:
+        """The copy happened but the lease lapsed (or was released) meanwhile: discard it, by the policy."""
+        reason = f"KV lease {pull.handle.lease.lease_id} was no longer valid after the copy"
+        self.client.send(m.CommitImport(done.request_id, ok=False, recompute=self.recompute, error=reason))
+        if not self.recompute:
+            self.hooks.fail_request(done.request_id, reason)
+        else:
+            self.counters.count("kv_pull_recomputes")
+
+    def _pull_failed(self, pull: PendingPull, done: m.ImportDone) -> None:
+        """The pull itself failed: recompute locally or fail, by policy."""
+        reason = done.error or "the KV pull failed"
         self.link.pull_failed(pull.handle)
         self.counters.count("kv_pull_failures")
         log.warning("request_id=%s %s (policy %s)", done.request_id, reason, self.config.kv_load_failure_policy)

@@ -98,7 +98,11 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             except TimeoutError:
                 log.info("%s: still preparing prefill peers %s; serving meanwhile", self.name, ", ".join(peers))
 
+    async def on_stopping(self) -> None:
+        await self.pulls.settle()  # leases released on the way reach their prefills, rather than expire there
+
     # -- core → streams --------------------------------------------------------------------
+
     def on_core_message(self, msg) -> None:
         if isinstance(msg, m.StepBatch):
             self._route_outputs(msg)

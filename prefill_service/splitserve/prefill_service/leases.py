@@ -3,6 +3,10 @@
 A lease is (lease_id, epoch, expiry). The epoch increases with every lease this
 instance grants, so a handle from an earlier lease (or an earlier run: ids embed the
 start time) can never name blocks that were freed and reused.
+
+With a slot table (engine_service/lease_slots.py: shm, cuda_ipc), a lease's slot holds its epoch while it is
+active; `release` and `pop_expired` clear it before they return, so before the caller sends the core the
+message that frees the blocks.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass
+
+from splitserve.engine_service.lease_slots import LeaseSlots
+from splitserve.protos import common_pb2
 
 
 @dataclass
@@ -22,13 +29,15 @@ class Lease:
     block_hashes: list[bytes]
     num_tokens: int
     expires_unix_ns: int
+    slot: int = 0  # its slot in the table (0: none)
 
 
 class LeaseTable:
-    """Active leases of one prefill instance (owned by its server process)."""
+    """Active leases of one prefill instance (owned by its server process); `slots` publishes which hold."""
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, slots: LeaseSlots | None = None) -> None:
         self.lease_ns = int(lease_s * 1e9)
+        self.slots = slots
         self._epochs = itertools.count(1)
         self.active: dict[str, Lease] = {}
         self.num_granted = 0
@@ -46,9 +55,21 @@ class LeaseTable:
             num_tokens,
             time.time_ns() + duration,
         )
+        if self.slots is not None:
+            lease.slot = self.slots.take(lease.epoch)
         self.active[lease.lease_id] = lease
         self.num_granted += 1
         return lease
+
+    def to_proto(self, lease: Lease) -> common_pb2.Lease:
+        """The lease as a KV handle carries it: where its slot is, when it has one."""
+        return common_pb2.Lease(
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            expires_unix_ns=lease.expires_unix_ns,
+            slot=lease.slot,
+            slots_name=self.slots.name if lease.slot and self.slots is not None else "",
+        )
 
     def get(self, lease_id: str, epoch: int) -> Lease | None:
         lease = self.active.get(lease_id)
@@ -57,12 +78,17 @@ class LeaseTable:
     def release(self, lease_id: str, epoch: int) -> Lease | None:
         lease = self.get(lease_id, epoch)
         if lease is not None:
-            del self.active[lease_id]
+            self._end(lease)
         return lease
 
     def pop_expired(self, now_ns: int | None = None) -> list[Lease]:
         now_ns = time.time_ns() if now_ns is None else now_ns
         expired = [lease for lease in self.active.values() if lease.expires_unix_ns <= now_ns]
         for lease in expired:
-            del self.active[lease.lease_id]
+            self._end(lease)
         return expired
+
+    def _end(self, lease: Lease) -> None:
+        del self.active[lease.lease_id]
+        if self.slots is not None:
+            self.slots.clear(lease.slot)

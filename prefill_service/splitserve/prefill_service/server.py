@@ -2,10 +2,14 @@
 
 Prefill(request) ─▶ core: AddRequest ─▶ step(s) ─▶ first token + HeldKv
                  ◀─ PrefillResponse{first token, KvHandle(blocks, hashes, lease)}
-ReleaseKv(lease) ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
+ReleaseKv(lease) ─▶ lease slot cleared ─▶ core: ReleaseHeld   (blocks stay in the prefix cache)
 PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send side; with --decode-peers a
                     PairKv counts only once a listed decode confirms it: pair_check.py)
-every 50 ms: expired leases ─▶ ReleaseHeld, counted
+every 50 ms: expired leases ─▶ lease slot cleared ─▶ ReleaseHeld, counted
+
+shm and cuda_ipc: each lease's validity is published in a shared-memory slot table (engine_service/lease_slots.py)
+that decodes read after their copy instead of waiting for ReleaseKv's answer; a slot is cleared before the core
+hears that it may free the lease's blocks.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import grpc
 from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.grammar import check_spec
+from splitserve.engine.kv_connectors.factory import MAPPED_TRANSPORTS
 from splitserve.engine.kv_connectors.nccl import pair_name, transfer_tag
 from splitserve.engine_service.base import Refuse, ServiceBase, setup_logging
+from splitserve.engine_service.lease_slots import LeaseSlots
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.prefill_service.pair_check import DecodePeers, PairRefused
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -36,7 +42,9 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
 
     def __init__(self, engine_config, service_config) -> None:
         super().__init__(engine_config, service_config)
-        self.leases = LeaseTable(service_config.lease_s)
+        mapped = service_config.kv_transport in MAPPED_TRANSPORTS
+        self.slots = LeaseSlots(self.name, self.start_unix_ns) if mapped else None
+        self.leases = LeaseTable(service_config.lease_s, self.slots)
         self.held: dict[str, m.HeldKv] = {}
         self.decode_peers = DecodePeers(service_config.decode_peers, self.name, self.internal_auth)
 
@@ -57,6 +65,13 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
 
     async def on_started(self) -> None:
         self._expiry_task = asyncio.create_task(self._expire_leases())
+
+    async def on_stopping(self) -> None:
+        """Before the core stops (and its pool goes): no lease reads as valid any more."""
+        if self.slots is not None:
+            for lease in self.leases.active.values():
+                self.slots.clear(lease.slot)
+                lease.slot = 0
 
     async def _expire_leases(self) -> None:
         while True:
@@ -159,9 +174,7 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                 block_ids=held.block_ids,
                 block_hashes=held.block_hashes,
                 num_tokens=held.num_tokens,
-                lease=common_pb2.Lease(
-                    lease_id=lease.lease_id, epoch=lease.epoch, expires_unix_ns=lease.expires_unix_ns
-                ),
+                lease=self.leases.to_proto(lease),
                 transport=self.config.kv_transport,
                 layout=layout_to_proto(self.client.layout),
                 endpoint=self.client.endpoint,
@@ -255,4 +268,9 @@ def run(ns, configs) -> int:
     engine_config = configs["EngineConfig"]  # role prefill, set by the CLI
     service = PrefillService(engine_config, configs["ServiceConfig"])
     tracing.init_tracing("splitserve-prefill", service.name, endpoint=configs["ServiceConfig"].otlp_traces_endpoint)
-    return asyncio.run(service.serve(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)))
+    add = prefill_pb2_grpc.add_PrefillServicer_to_server
+    try:
+        return asyncio.run(service.serve(lambda server: add(service, server)))
+    finally:  # after the loop: no call can touch the table any more
+        if service.slots is not None:
+            service.slots.close()

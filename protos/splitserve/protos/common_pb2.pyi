@@ -148,14 +148,18 @@ class RankKvHeads(_message.Message):
     def __init__(self, heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "epoch", "expires_unix_ns")
+    __slots__ = ("lease_id", "epoch", "expires_unix_ns", "slot", "slots_name")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_NAME_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     epoch: int
     expires_unix_ns: int
-    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expires_unix_ns: _Optional[int] = ...) -> None: ...
+    slot: int
+    slots_name: str
+    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expires_unix_ns: _Optional[int] = ..., slot: _Optional[int] = ..., slots_name: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("prefill_instance", "prefill_address", "block_ids", "block_hashes", "num_tokens", "lease", "transport", "layout", "endpoint")

@@ -19,6 +19,8 @@ CONNECTORS: dict[str, tuple[str, str]] = {
     "nccl": ("splitserve.engine.kv_connectors.nccl", "NcclConnector"),
 }
 TRANSPORTS = tuple(CONNECTORS)
+# transports whose decode reads the prefill's pool itself, on the same host (the others: the prefill sends)
+MAPPED_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 def connector_class(transport: str) -> type[KvConnector]:

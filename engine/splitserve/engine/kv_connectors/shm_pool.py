@@ -21,18 +21,19 @@ from splitserve.engine.worker.kv_cache import as_bytes, torch_dtype
 PREFIX = "splitserve-kv-"
 
 
-def segment_name(instance: str, start_epoch: int, pid: int | None = None) -> str:
-    """The segment of one run of `instance`: its start epoch and the owning process (this one by default)."""
-    return f"{PREFIX}{instance}-{start_epoch}-p{os.getpid() if pid is None else pid}"
+def segment_name(instance: str, start_epoch: int, pid: int | None = None, prefix: str = PREFIX) -> str:
+    """The segment of one run of `instance`: its start epoch and the owning process (this one by default).
+    `prefix` says what the segment holds (the KV pool by default; the lease table: engine_service/lease_slots.py)."""
+    return f"{prefix}{instance}-{start_epoch}-p{os.getpid() if pid is None else pid}"
 
 
-def unlink_stale(instance: str) -> list[str]:
+def unlink_stale(instance: str, prefix: str = PREFIX) -> list[str]:
     """Remove /dev/shm segments that earlier runs of this instance left (their owner process is gone); returns
     their names. A segment whose owner still runs is kept: another service of the same name on this host (test
     stacks run side by side) must not lose its pool."""
-    pattern = re.compile(rf"{re.escape(PREFIX + instance)}-\d+(?:-p(\d+))?(?:-r\d+)?")
+    pattern = re.compile(rf"{re.escape(prefix + instance)}-\d+(?:-p(\d+))?(?:-r\d+)?")
     removed = []
-    for path in glob.glob(f"/dev/shm/{glob.escape(PREFIX + instance)}-*"):
+    for path in glob.glob(f"/dev/shm/{glob.escape(prefix + instance)}-*"):
         name = os.path.basename(path)
         match = pattern.fullmatch(name)
         if match is None or (match.group(1) and _alive(int(match.group(1)))):
