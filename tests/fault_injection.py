@@ -11,10 +11,12 @@ processes a test starts with `faults=`; production code has no branch for any of
 | pull_drop=N | decode core | `KvConnector.pull` | the first N pulls raise |
 | send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
 | corrupt_epoch=N | decode service | `PullCoordinator._finish` | the first N ended pulls check a wrong epoch |
+| release_hold=N | prefill service | `PrefillService.ReleaseKv` | the first N calls wait for SIGUSR1, then release |
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -22,7 +24,7 @@ import signal
 import time
 
 log = logging.getLogger("splitserve.test.faults")
-FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch")
+FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch", "release_hold")
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -57,6 +59,10 @@ def install(spec: str) -> None:
         from splitserve.decode_service.pulls import PullCoordinator
 
         _wrap_finish(PullCoordinator, faults["corrupt_epoch"])
+    if faults.get("release_hold"):
+        from splitserve.prefill_service.server import PrefillService
+
+        _wrap_release_kv(PrefillService, faults["release_hold"])
     log.warning("test faults installed in pid %d: %s", os.getpid(), faults)
 
 
@@ -107,3 +113,21 @@ def _wrap_finish(cls, corruptions: int) -> None:
         return await original(self, done)
 
     cls._finish = finish
+
+
+def _wrap_release_kv(cls, holds: int) -> None:
+    original = cls.ReleaseKv
+    left = [holds]
+    told = []  # set by SIGUSR1, whenever it comes (before or after the call it frees)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: told.append(signum))
+
+    @functools.wraps(original)
+    async def release_kv(self, request, context):
+        if left[0] > 0:
+            left[0] -= 1
+            log.warning("injected fault: ReleaseKv of lease %s held until SIGUSR1", request.lease_id)
+            while not told:
+                await asyncio.sleep(0.01)
+        return await original(self, request, context)
+
+    cls.ReleaseKv = release_kv

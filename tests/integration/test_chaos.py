@@ -6,6 +6,7 @@ and block accounting on the survivors returns to baseline.
 """
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -254,5 +255,29 @@ def test_kill_gateway_mid_stream_frees_everything_then_restart(reference, tmp_pa
         )
         stack.wait_ready()
         assert asyncio.run(generate(stack.grpc_port, prompts[2]))[0] == greedy[2]
+    finally:
+        stack.stop()
+
+
+def test_a_held_release_kv_holds_no_stream(reference, tmp_path):
+    """The prefill answers no ReleaseKv until told (SIGUSR1), as a prefill whose event loop works through a burst:
+    the request streams every token meanwhile, its lease still held there; once the held call goes through, the
+    lease is released (not expired) and both pools are back to baseline."""
+    prompts, greedy = reference
+    stack = Stack("shm", tmp_path, num_decode=1, prefill_faults="release_hold=1")
+    try:
+
+        async def main():
+            tokens, last = await generate(stack.grpc_port, prompts[0])
+            held = await describe(stack.prefill[1])
+            stack.procs["prefill"].popen.send_signal(signal.SIGUSR1)
+            loads = await wait_blocks_free(stack)
+            return tokens, last, held, loads, await describe(stack.prefill[1])
+
+        tokens, last, held, loads, after = asyncio.run(main())
+        assert tokens == greedy[0] and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert held.counters["leases_active"] == 1 and "leases_released" not in held.counters
+        assert all(f == t and leases == 0 for f, t, leases in loads.values()), loads
+        assert after.counters["leases_released"] == 1 and "leases_expired" not in after.counters
     finally:
         stack.stop()
