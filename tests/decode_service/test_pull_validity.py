@@ -18,6 +18,7 @@ from splitserve.engine_service.lease_slots import LeaseSlotReader, LeaseSlots
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.protos import common_pb2, prefill_pb2
 from tests.decode_service.test_decode_pulls import ENDPOINT, coordinator, wait_for
+from tests.service_harness import wait_until
 
 NUM_SLOTS = 8
 BLOCKS = [2, 3, 5]  # the lease's blocks in the prefill's pool
@@ -28,8 +29,9 @@ class Prefill:
     and a core that reuses a lease's blocks once told to free them. ReleaseKv releases (answering only once
     `go` is set, when `hold` is on), as the prefill service does."""
 
-    def __init__(self, hold: bool = False) -> None:
-        self.slots = LeaseSlots(f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}", time.time_ns(), NUM_SLOTS)
+    def __init__(self, hold: bool = False, heartbeat_s: float = 0.1) -> None:
+        name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.slots = LeaseSlots(name, time.time_ns(), NUM_SLOTS, heartbeat_s=heartbeat_s)
         self.table = LeaseTable(30.0, self.slots)
         self.pool = torch.arange(32, dtype=torch.float32).view(8, 4)
         self.go = asyncio.Event() if hold else None
@@ -182,6 +184,21 @@ def test_the_reader_asks_the_prefill_when_no_slot_says_and_refuses_lapsed_or_reu
         assert reader.check("p0", prefill.table.to_proto(full)) is None
     finally:
         reader.close()
+        prefill.close()
+
+
+def test_a_prefill_whose_heartbeat_stopped_tells_nothing():
+    """A prefill killed before it could clear its slots (its CUDA pool gone with it) beats no more: its slots
+    tell nothing once the heartbeat is older than the reader allows, and ReleaseKv decides."""
+    prefill = Prefill(heartbeat_s=3600.0)  # one beat, at start: then silent, as a killed one
+    lenient, strict = LeaseSlotReader(), LeaseSlotReader(stale_after_s=0.05)
+    try:
+        lease = prefill.table.to_proto(prefill.table.grant("a", [1], [], 4))
+        assert lenient.check("p0", lease) is True
+        wait_until(lambda: strict.check("p0", lease) is None, 2.0, "a silent prefill's slot should tell nothing")
+    finally:
+        lenient.close()
+        strict.close()
         prefill.close()
 
 

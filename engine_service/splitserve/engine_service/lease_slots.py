@@ -12,11 +12,13 @@ the lease's epoch).
 Why a read after the copy suffices: a lease's slot holds its epoch from its grant (before any decode hears of
 it) until the prefill clears it, and clearing comes before the core may free the blocks. Epochs only grow
 within a table and a table is named per instance, start and process, so a cleared slot never shows that epoch
-again: equal after the copy means equal during all of it, so no block was freed or reused under it. The
-expiry (the same host's clock) covers a prefill killed before it could clear its slots.
+again: equal after the copy means equal during all of it, so no block was freed or reused under it.
 
-Slot 0 is never granted: a handle with slot 0 (a full table, an nccl prefill) carries no validity here, and the
-decode asks the prefill (ReleaseKv) as before.
+A prefill killed (SIGKILL) clears nothing, and a CUDA pool dies with its process: slot 0 holds the owner's
+heartbeat (Unix ns, written by a thread of its own every HEARTBEAT_S, so a busy event loop does not stop it), and
+a table whose heartbeat is older than STALE_AFTER_S (the same host's clock) tells nothing. Nor does a slot 0 in a
+handle (a full table, an nccl prefill). Then the decode asks the prefill (ReleaseKv): a dead one fails the call,
+and the policy decides. The lease's expiry is checked too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -34,19 +37,32 @@ log = logging.getLogger("splitserve.leases")
 PREFIX = "splitserve-leases-"
 SLOT_BYTES = 8  # one uint64 epoch per slot; an aligned 8-byte store and load are single accesses on x86-64
 DEFAULT_NUM_SLOTS = 65536  # leases held at once; past it a lease gets slot 0 (validated by ReleaseKv)
+HEARTBEAT_S = 0.1
+STALE_AFTER_S = 1.0  # a heartbeat this old: the owner is gone or stopped (or starved past any use)
 
 
 class LeaseSlots:
     """The prefill's table (owner): one slot per active lease holding its epoch, 0 when free. Owned by the
     service process's event loop; the table's name goes to decodes in every lease (`Lease.slots_name`)."""
 
-    def __init__(self, instance: str, start_epoch: int, num_slots: int = DEFAULT_NUM_SLOTS) -> None:
+    def __init__(
+        self, instance: str, start_epoch: int, num_slots: int = DEFAULT_NUM_SLOTS, heartbeat_s: float = HEARTBEAT_S
+    ) -> None:
         for stale in unlink_stale(instance, prefix=PREFIX):
             log.info("unlinked stale lease table %s", stale)
         self.name = segment_name(instance, start_epoch, prefix=PREFIX)
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=num_slots * SLOT_BYTES)
         self._slots = self._shm.buf.cast("Q")  # zero-filled: every slot free
-        self._free = list(range(num_slots - 1, 0, -1))  # pop() hands out 1, 2, ...; slot 0 is never granted
+        self._free = list(range(num_slots - 1, 0, -1))  # pop() hands out 1, 2, ...; slot 0: the heartbeat
+        self._slots[0] = time.time_ns()
+        self._stopped = threading.Event()
+        self._beat = threading.Thread(target=self._beat_until_closed, args=(heartbeat_s,), daemon=True)
+        self._beat.name = "lease-heartbeat"
+        self._beat.start()
+
+    def _beat_until_closed(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s):
+            self._slots[0] = time.time_ns()
 
     @property
     def num_free(self) -> int:
@@ -67,6 +83,8 @@ class LeaseSlots:
             self._free.append(slot)
 
     def close(self) -> None:
+        self._stopped.set()
+        self._beat.join()
         self._slots.release()
         self._shm.close()
         try:
@@ -79,19 +97,25 @@ class LeaseSlotReader:
     """The decode's side: prefills' tables mapped read-only by name, one per prefill instance (a restarted
     prefill's new table replaces its old mapping)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
+        self.stale_after_ns = int(stale_after_s * 1e9)
         self._tables: dict[str, tuple[mmap.mmap, memoryview]] = {}  # name -> (mapping, its slots)
         self._by_instance: dict[str, str] = {}  # prefill instance -> its current table's name
 
     def check(self, prefill_instance: str, lease) -> bool | None:
         """Whether `lease` (common_pb2.Lease) still holds, read now: True / False, or None when its prefill
-        publishes no validity for it (slot 0, no table, a table that cannot be mapped): ask the prefill."""
+        publishes no validity for it (slot 0, no table, a table that cannot be mapped, a stale heartbeat): ask the
+        prefill."""
         if not lease.slot or not lease.slots_name:
             return None
         slots = self._slots(prefill_instance, lease.slots_name)
         if slots is None or lease.slot >= len(slots):
             return None
-        return slots[lease.slot] == lease.epoch and time.time_ns() < lease.expires_unix_ns
+        held = slots[lease.slot] == lease.epoch  # read before the heartbeat: a beat seen after it covers it
+        now_ns = time.time_ns()
+        if now_ns - slots[0] > self.stale_after_ns:
+            return None
+        return held and now_ns < lease.expires_unix_ns
 
     def _slots(self, prefill_instance: str, name: str) -> memoryview | None:
         table = self._tables.get(name)
