@@ -14,6 +14,7 @@ Shared by the model, loader and engine tests; no pytest fixtures here.
 
 from __future__ import annotations
 
+import json
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -111,7 +113,7 @@ def make_tiny_model_dir(
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):
                     param.copy_(1.0 + 0.2 * torch.randn_like(param))
-                elif param_name.endswith(".bias"):
+                elif param_name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, ...
                     param.copy_(0.1 * torch.randn_like(param))
     out = Path(tmp_path) / (name or f"tiny-{arch}")
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -120,7 +122,7 @@ def make_tiny_model_dir(
 
 
 def load_hf_reference(path: Path, dtype: torch.dtype = torch.float64):
-    """The transformers model of `path` in `dtype` (sdpa attention, eval mode).
+    """The transformers model of `path` in `dtype` (sdpa attention, eager for gpt-oss; eval mode).
 
     For float64, RMSNorm and rotary modules compute in float64 (per instance; the classes
     are untouched), matching engine.layers, and experts run eagerly; other dtypes run transformers unchanged.
@@ -129,12 +131,16 @@ def load_hf_reference(path: Path, dtype: torch.dtype = torch.float64):
 
     # transformers' default grouped-GEMM experts take no float64; its eager per-expert loop does
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **experts).eval()
+    # gpt-oss's attention sinks exist only in its eager attention (transformers refuses sdpa for it)
+    attn = "eager" if json.loads((Path(path) / "config.json").read_text())["model_type"] == "gpt_oss" else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, **experts).eval()
     if dtype == torch.float64:
         for module in model.modules():
             kind = type(module).__name__
             if kind.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
+            elif kind == "GptOssRotaryEmbedding":  # its cos/sin are (.., D/2): it rotates halves itself
+                module.forward = types.MethodType(_rotary_halves_float64, module)
             elif kind.endswith("RotaryEmbedding"):
                 module.forward = types.MethodType(_rotary_float64, module)
     return model
@@ -149,6 +155,11 @@ def _rotary_float64(self, x: torch.Tensor, position_ids: torch.Tensor):
     freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(x.device, torch.float64)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, L, D)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def _rotary_halves_float64(self, x: torch.Tensor, position_ids: torch.Tensor):
+    freqs = position_ids[..., None].to(torch.float64) * self.inv_freq.to(x.device, torch.float64)  # (B, L, D/2)
+    return (freqs.cos() * self.attention_scaling).to(x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype)
 
 
 def hf_greedy(

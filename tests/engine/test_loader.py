@@ -15,7 +15,8 @@ from splitserve.engine.worker.loader import load_model
 from tests.model_factory import hf_logits, load_hf_reference, make_tiny_model_dir
 
 SUPPORTED = (
-    "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+    "GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+    "Qwen3ForCausalLM, Qwen3MoeForCausalLM"
 )
 
 

@@ -118,7 +118,7 @@ def test_bfloat16_logits_are_float32(tmp_path):
 
 def test_registry_maps_every_architecture_to_the_one_decoder():
     dense = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-    sparse = ["MixtralForCausalLM", "Qwen3MoeForCausalLM"]  # subclasses naming their expert tensors
+    sparse = ["GptOssForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]  # subclasses: their expert tensors
     assert sorted(MODEL_REGISTRY) == sorted(dense + sparse)
     assert {MODEL_REGISTRY[name] for name in dense} == {DecoderForCausalLM}
     assert all(issubclass(MODEL_REGISTRY[name], DecoderForCausalLM) for name in sparse)
@@ -195,8 +195,8 @@ def test_config_reads_transformers4_style_rope_and_sliding_window(tmp_path):
 
 def test_unsupported_rope_type_and_activation():
     with pytest.raises(ValueError) as err:
-        ModelConfig.from_hf_config(tiny_hf_config("llama", rope_scaling={"rope_type": "yarn", "factor": 2.0}))
-    assert str(err.value) == "rope_type 'yarn' is not supported; supported: default, linear, llama3"
+        ModelConfig.from_hf_config(tiny_hf_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert str(err.value) == "rope_type 'dynamic' is not supported; supported: default, linear, llama3, yarn"
     with pytest.raises(ValueError) as err:
         ModelConfig.from_hf_config(tiny_hf_config("llama", hidden_act="gelu"))
     assert str(err.value) == "hidden_act 'gelu' is not supported; only 'silu'"

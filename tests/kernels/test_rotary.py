@@ -111,10 +111,10 @@ def test_llama3_bands():
 def test_unknown_rope_type_error():
     with pytest.raises(
         ValueError,
-        match=r"^build_cos_sin_cache: rope_type 'yarn' is not supported; choose one "
-        r"of \('default', 'linear', 'llama3'\)$",
+        match=r"^build_cos_sin_cache: rope_type 'dynamic' is not supported; choose one "
+        r"of \('default', 'linear', 'llama3', 'yarn'\)$",
     ):
-        build_cos_sin_cache(8, 4, 10000.0, {"rope_type": "yarn", "factor": 2.0}, torch.float32)
+        build_cos_sin_cache(8, 4, 10000.0, {"rope_type": "dynamic", "factor": 2.0}, torch.float32)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@
 
 which is HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`. The kernel computes in fp32
 and rounds once to x's dtype. `build_cos_sin_cache` makes the cache (rope scaling applied to the
-inverse frequencies: default, linear and llama3).
+inverse frequencies: default, linear, llama3 and yarn; yarn also scales cos/sin by its attention factor).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 from splitserve.kernels._common import next_pow2, use_triton
 from splitserve.kernels.pdl import pdl_launch, pdl_prologue
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @triton.jit
@@ -85,7 +85,8 @@ def _rotary_kernel(
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies (D/2,) fp32, with the rope scaling applied (also engine.worker.layers' cache)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base**exponents)  # (D/2,)
+    pos_freqs = base**exponents  # (D/2,)
+    inv_freq = 1.0 / pos_freqs
     rope_type = (
         "default" if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     )
@@ -95,7 +96,49 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torc
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(pos_freqs, head_dim, base, rope_scaling)
     return inv_freq
+
+
+def rope_attention_factor(rope_scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or 0.1 ln(factor) + 1, or the ratio of
+    two such terms with `mscale` / `mscale_all_dim`); 1.0 for every other rope type."""
+    if rope_scaling is None or rope_scaling.get("rope_type") != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = rope_scaling["factor"]
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, base: float, cfg: dict) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than `beta_slow` times over the original context are interpolated
+    (divided by `factor`), those turning more than `beta_fast` times kept, a linear ramp between (float32, as
+    transformers computes it; `truncate` rounds the ramp's ends outwards)."""
+    factor = cfg["factor"]
+    original_len = cfg["original_max_position_embeddings"]
+    beta_fast, beta_slow = cfg.get("beta_fast") or 32, cfg.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return (head_dim * math.log(original_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if cfg.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # (D/2,) the share of each dimension's original frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -131,7 +174,9 @@ def build_cos_sin_cache(
         raise ValueError(f"build_cos_sin_cache: head_dim must be even, got {head_dim}")
     inv_freq = rope_inv_freq(head_dim, base, rope_scaling)  # (D/2,)
     angles = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv_freq)  # (max_pos, D/2)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    factor = rope_attention_factor(rope_scaling)
+    return (cos_sin if factor == 1.0 else cos_sin * factor).to(device=device, dtype=dtype)
 
 
 def rotary_embedding_ref(

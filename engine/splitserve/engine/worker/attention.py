@@ -210,6 +210,48 @@ def attention_torch(
     return out
 
 
+def attention_sinks_window_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sinks: torch.Tensor | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Paged causal attention with gpt-oss's extras, one sequence at a time: q (T, Hq, D) -> (T, Hq, D).
+
+    `sinks` (Hq,): each head's learned logit, one more term of the softmax's denominator that weighs no value.
+    `sliding_window` W: the token at position p sees positions p - W + 1 .. p only. The softmax is
+    transformers' eager one (max subtracted over the keys and the sink), so float64 matches it.
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        k = _gather_context(k_cache, meta.block_tables[i], seq_len).to(q.dtype)  # (L, Hkv, D)
+        v = _gather_context(v_cache, meta.block_tables[i], seq_len).to(q.dtype)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # (Hq, L, D)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)
+        logits = torch.matmul(q[start:end].transpose(0, 1), k.transpose(1, 2)) * scale  # (Hq, q_len, L)
+        rows = torch.arange(end - start, device=q.device).unsqueeze(1) + (seq_len - (end - start))  # positions
+        cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        visible = cols <= rows
+        if sliding_window is not None:
+            visible &= cols > rows - sliding_window
+        logits = logits.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(q.dtype).view(num_heads, 1, 1).expand(num_heads, end - start, 1)
+            logits = torch.cat((logits, sink), dim=-1)  # (Hq, q_len, L + 1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits, dim=-1)[..., :seq_len]  # the sink's share weighs no value
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1)  # (q_len, Hq, D)
+    return out
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -220,12 +262,21 @@ def attention_forward(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D).
 
-    k_scale / v_scale: what an fp8 cache's values are multiplied by to be keys / values (1.0 else)."""
+    k_scale / v_scale: what an fp8 cache's values are multiplied by to be keys / values (1.0 else).
+    sinks (Hq,) / sliding_window: gpt-oss's (attention_sinks_window_torch; CPU only)."""
+    extras = sinks is not None or sliding_window is not None
+    if q.is_cuda and extras:
+        raise ValueError("attention sinks and sliding windows are implemented on CPU only")
     if q.is_cuda:
         out = _attention_cuda(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    elif extras:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = attention_sinks_window_torch(q, k_cache, v_cache, meta, scale * k_scale, sinks, sliding_window)
     else:
         ops = cpu_ops_for(k) if k_cache.dtype == k.dtype else None
         if ops is not None:

@@ -104,12 +104,15 @@ def build_cos_sin_cache(
     """(max_pos, head_dim) = cat(cos, sin) of position * inv_freq, stored in `dtype`.
 
     Frequencies are float32, as transformers computes them (kernels.rotary.rope_inv_freq: rope_scaling
-    None / {"rope_type": "default"}, "linear" or "llama3"); angles and cos/sin are in compute_dtype(dtype).
+    None / {"rope_type": "default"}, "linear", "llama3" or "yarn", whose attention factor scales cos/sin);
+    angles and cos/sin are in compute_dtype(dtype).
     """
-    from splitserve.kernels.rotary import rope_inv_freq  # lazily, as above: the kernels package imports Triton
+    from splitserve.kernels.rotary import rope_attention_factor, rope_inv_freq  # lazily: the package imports Triton
 
     inv_freq = rope_inv_freq(head_dim, base, rope_scaling)  # (D/2,) float32
     work = compute_dtype(dtype)
     inv_freq = inv_freq.to(device=device, dtype=work)
     angles = torch.arange(max_pos, dtype=work, device=device)[:, None] * inv_freq[None, :]  # (P, D/2)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)  # (P, D)
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (P, D)
+    factor = rope_attention_factor(rope_scaling)  # YaRN's; 1.0 for the other rope types
+    return (cos_sin if factor == 1.0 else cos_sin * factor).to(dtype)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common.kv_layout import KvLayout
-from splitserve.engine.worker.moe_config import MoeConfig, mixtral_config, qwen3_moe_config
+from splitserve.engine.worker.moe_config import MoeConfig, gpt_oss_config, mixtral_config, qwen3_moe_config
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _bias_from_config(hf: Any) -> tuple[bool, bool]:
@@ -40,6 +40,9 @@ class ArchTraits:
     sliding_window_flag: str | None = None
     # The sparse layers' experts and routing (engine.worker.moe_config); None: a dense model.
     moe_rule: Callable[[Any], MoeConfig | None] | None = None
+    # gpt-oss: a learned sink logit per head, and `sliding_window` applied in the layers `layer_types` names
+    # "sliding_attention" (the others attend to the whole context).
+    sinks_and_layer_types: bool = False
 
 
 ARCH_TRAITS: dict[str, ArchTraits] = {
@@ -53,6 +56,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
         "qwen3_moe", qk_norm=True, sliding_window_flag="use_sliding_window", moe_rule=qwen3_moe_config
     ),
     "MixtralForCausalLM": ArchTraits("mixtral", bias_rule=lambda hf: (False, False), moe_rule=mixtral_config),
+    "GptOssForCausalLM": ArchTraits("gpt_oss", moe_rule=gpt_oss_config, sinks_and_layer_types=True),
 }
 _ARCH_BY_MODEL_TYPE = {traits.model_type: name for name, traits in ARCH_TRAITS.items()}
 
@@ -87,11 +91,13 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over each q/k head before rotary (Qwen3)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    # Biases some HF variants also carry, and the sliding window
-    # (not implemented by our attention: contexts beyond it differ from transformers).
+    # Biases some HF variants also carry, and the sliding window (applied only in `sliding_layers`; a window
+    # without them is not implemented by our attention: contexts beyond it differ from transformers).
     o_proj_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # layers that attend to the last `sliding_window` positions only
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
     checkpoint_dtype: str | None = None  # the dtype config.json names, e.g. "bfloat16"
     moe: MoeConfig | None = None  # the mixture-of-experts layers; None: every layer's MLP is dense
 
@@ -128,6 +134,9 @@ class ModelConfig:
         window = getattr(hf, "sliding_window", None)
         if traits.sliding_window_flag is not None and not getattr(hf, traits.sliding_window_flag, False):
             window = None
+        sliding_layers = ()
+        if traits.sinks_and_layer_types and window is not None:
+            sliding_layers = tuple(i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention")
         return cls(
             model_id=model_id or Path(getattr(hf, "_name_or_path", "") or architecture).name,
             architecture=architecture,
@@ -150,6 +159,8 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
+            sliding_layers=sliding_layers,
+            attention_sinks=traits.sinks_and_layer_types,
             checkpoint_dtype=_dtype_name_of(hf),
             moe=None if traits.moe_rule is None else traits.moe_rule(hf),
         )

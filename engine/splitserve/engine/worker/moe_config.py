@@ -7,6 +7,9 @@ weights are renormalised to sum to one and in which dtype they reach the experts
     qwen3_moe   float32     when `norm_topk_prob`       the model dtype (cast after renormalising)
     mixtral     float32     always                      float32 (the product promotes, then is cast back)
 
+gpt-oss routes the other way round: top k of the router's logits (it has a bias), then a softmax over those k
+in the model dtype; its experts carry biases and a clamped SwiGLU (models/gpt_oss_moe.py).
+
 Which layers are sparse is also the family's rule (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`);
 the others keep the dense SwiGLU MLP of `intermediate_size`.
 """
@@ -28,6 +31,9 @@ class MoeConfig:
     renormalize: bool  # the top-k weights divided by their sum
     weights_in_model_dtype: bool  # False: the float32 weights multiply the experts' output (Mixtral)
     sparse_layers: tuple[int, ...]
+    # gpt-oss: (alpha, limit) of its clamped SwiGLU; the router and experts then carry biases, and the
+    # softmax runs over the top k logits (models/gpt_oss_moe.py). None: the plain SwiGLU experts above.
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 def _checked(num_experts: int, top_k: int, family: str) -> None:
@@ -67,4 +73,20 @@ def mixtral_config(hf: Any) -> MoeConfig:
         renormalize=True,
         weights_in_model_dtype=False,
         sparse_layers=tuple(range(hf.num_hidden_layers)),
+    )
+
+
+def gpt_oss_config(hf: Any) -> MoeConfig:
+    """gpt-oss: every layer sparse, experts of `intermediate_size`, the clamped SwiGLU of `swiglu_alpha` and
+    `swiglu_limit`."""
+    num_experts, top_k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
+    _checked(num_experts, top_k, "gpt_oss")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(hf.intermediate_size),
+        renormalize=True,  # the softmax over the k chosen logits sums to one
+        weights_in_model_dtype=True,
+        sparse_layers=tuple(range(hf.num_hidden_layers)),
+        clamped_swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)),
     )

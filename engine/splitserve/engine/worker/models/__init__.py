@@ -2,7 +2,8 @@
 
 Every supported architecture is the one Llama-family decoder; the differences are config
 flags (`engine.worker.model_config.ARCH_TRAITS`). Adding an architecture is one entry in each.
-The mixture-of-experts families subclass it only to name their checkpoints' expert tensors.
+The mixture-of-experts families subclass it only to name their checkpoints' expert tensors (gpt-oss also
+to refuse devices other than the CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from splitserve.engine.worker.model_config import ARCH_TRAITS, ModelConfig, unsupported_architecture
+from splitserve.engine.worker.models.gpt_oss import GptOssForCausalLM
 from splitserve.engine.worker.models.llama import DecoderForCausalLM
 from splitserve.engine.worker.models.mixtral import MixtralForCausalLM
 from splitserve.engine.worker.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -21,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(ARCH_TRAITS), "registry and ARCH_TRAITS must name the same architectures"
 

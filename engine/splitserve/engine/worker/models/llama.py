@@ -116,6 +116,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype, device)
         # a row-parallel bias is added once: rank 0 holds it
         self.o_proj = Linear(q_size, [config.hidden_size], config.o_proj_bias and rank == 0, dtype, device)
+        # gpt-oss: each head's learned sink logit, and the window of its sliding layers (engine.worker.attention)
+        self.sinks = _param((self.num_heads,), dtype, device) if config.attention_sinks else None
+        self.sliding_window = config.sliding_window if layer_idx in config.sliding_layers else None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
@@ -151,7 +154,9 @@ class Attention(nn.Module):
         if qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary_embedding(positions, q, k, cos_sin_cache)
-        out = attention_forward(q, k, v, k_cache, v_cache, meta, self.scale, *scales)  # (T, Hq, D)
+        out = attention_forward(
+            q, k, v, k_cache, v_cache, meta, self.scale, *scales, sinks=self.sinks, sliding_window=self.sliding_window
+        )  # (T, Hq, D)
         return self._reduced(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))  # (T, H)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.worker.model_config import ModelConfig
+from splitserve.engine.worker.models.gpt_oss_moe import GptOssMoeBlock
 from splitserve.engine.worker.moe_config import MoeConfig
 
 
@@ -91,10 +92,13 @@ class SparseMoeBlock(nn.Module):
         return targets
 
 
-def mlp_for_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device) -> SparseMoeBlock | None:
-    """The sparse MLP of layer `layer_idx`, or None where the layer keeps the dense MLP."""
+def mlp_for_layer(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device) -> nn.Module | None:
+    """The sparse MLP of layer `layer_idx` (gpt-oss's where its clamped SwiGLU is configured), or None where the
+    layer keeps the dense MLP."""
     if config.moe is None or layer_idx not in config.moe.sparse_layers:
         return None
+    if config.moe.clamped_swiglu is not None:
+        return GptOssMoeBlock(config, dtype, device)
     return SparseMoeBlock(config, dtype, device)
 
 

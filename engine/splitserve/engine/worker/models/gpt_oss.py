@@ -1,0 +1,37 @@
+"""gpt-oss (`GptOssForCausalLM`): the Llama-family decoder with biases on q/k/v/o, a learned attention sink per
+head, sliding-window attention in the layers `layer_types` names so, YaRN rotary, and a mixture of experts in
+every layer (models/gpt_oss_moe.py).
+
+Checkpoint names per layer i (besides the decoder's attention and norms):
+
+    model.layers.{i}.self_attn.sinks                          (Hq,) each head's sink logit
+    model.layers.{i}.mlp.router.{weight,bias}                 (E, H), (E,)
+    model.layers.{i}.mlp.experts.gate_up_proj{,_bias}         (E, H, 2F), (E, 2F); gate/up interleaved
+    model.layers.{i}.mlp.experts.down_proj{,_bias}            (E, F, H), (E, H)
+
+Released checkpoints hold the experts' weights in MXFP4 instead (`..._blocks` + `..._scales`); they are
+dequantized at load (engine.worker.mxfp4). Runs on CPU only: the Triton attention kernels take no sinks or
+sliding window and the fused MoE kernel no expert biases or clamped SwiGLU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.worker.model_config import ModelConfig
+from splitserve.engine.worker.models.llama import DecoderForCausalLM
+from splitserve.engine.worker.tensor_parallel import TpGroup
+
+CPU_ONLY = (
+    "GptOssForCausalLM runs on CPU only: the CUDA attention kernels do not implement attention sinks or sliding "
+    "windows, and the fused MoE kernel does not implement expert biases or the clamped SwiGLU"
+)
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    """The Llama-family decoder with gpt-oss's sinks, sliding layers and biased experts (CPU only)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TpGroup | None = None):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"{CPU_ONLY} (device {str(device)!r}); use device='cpu'")
+        super().__init__(config, dtype, device, tp)
