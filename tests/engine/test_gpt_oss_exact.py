@@ -1,6 +1,6 @@
 """gpt-oss: greedy tokens equal transformers `generate` in float64 through the offline LLM (prompts longer than the
-sliding window, prefix hits, preemption); its config traits; the refusal of CUDA. Blocks return to where they
-started in every run.
+sliding window, prefix hits, preemption); its config traits and YaRN; MXFP4 experts dequantized as transformers
+does; the refusal of CUDA. Blocks return to where they started in every run.
 """
 
 import math
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.worker.loader import load_model
 from splitserve.engine.worker.model_config import ModelConfig
 from splitserve.engine.worker.models.gpt_oss import GptOssForCausalLM
 from tests.engine.test_engine_exact import make_prompts
@@ -29,7 +30,7 @@ GPT_OSS = dict(
     arch="gpt_oss",
     num_kv_heads=2,
     rope_scaling=YARN,
-    intermediate_size=24,
+    intermediate_size=32,  # a multiple of 32: MXFP4 blocks hold 32 values
     num_local_experts=4,
     num_experts_per_tok=2,
     sliding_window=WINDOW,
@@ -83,7 +84,7 @@ def test_config_reads_sinks_sliding_layers_yarn_and_the_clamped_swiglu(model_dir
     assert (config.sliding_window, config.sliding_layers) == (WINDOW, (0,))
     assert (config.attention_bias, config.o_proj_bias) == (True, True)
     assert config.rope_scaling == YARN
-    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 24)
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (4, 2, 32)
     assert config.moe.clamped_swiglu == (1.702, 0.5)
     assert config.moe.sparse_layers == (0, 1)
 
@@ -105,6 +106,63 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate):
     cache = build_cos_sin_cache(16, 5, 1.5e5, scaling, torch.float32)
     angles = torch.arange(5).float()[:, None] * inv_freq
     assert torch.equal(cache, torch.cat((angles.cos(), angles.sin()), dim=-1) * factor)
+
+
+def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (*shape, K/32, 16) of random codes and scales (*shape, K/32) of exponents 2^-20 .. 2^9."""
+    gen = torch.Generator().manual_seed(seed)
+    *rows, k = shape
+    blocks = torch.randint(0, 256, (*rows, k // 32, 16), dtype=torch.uint8, generator=gen)
+    return blocks, torch.randint(107, 137, (*rows, k // 32), dtype=torch.uint8, generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_mxfp4_dequantization_equals_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from splitserve.engine.worker.mxfp4 import dequantize_mxfp4
+
+    blocks, scales = random_mxfp4((3, 6, 64), seed=1)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # (3, 64, 6): transformers' input-major layout
+    got = dequantize_mxfp4(blocks, scales, dtype)  # (3, 6, 64): the checkpoint's rows
+    assert got.dtype == dtype and torch.equal(got.transpose(1, 2), want)
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \(3, 6, 2, 16\) and scales \(3, 6\) do not pair"):
+        dequantize_mxfp4(blocks, scales[..., 0], dtype)
+
+
+def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(model_dir, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = shutil.copytree(model_dir, tmp_path / "mxfp4")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(path / "model.safetensors"))
+    packed = {}
+    for i in range(2):
+        for name, rows, k in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):  # output-major (E, rows, K)
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            packed[key] = random_mxfp4((4, rows, k), seed=10 * i + rows)
+            tensors[key + "_blocks"], tensors[key + "_scales"] = packed[key]
+    save_file(tensors, str(path / "model.safetensors"))
+    net, _ = load_model(path, dtype="float64", device="cpu")
+    for key, (blocks, scales) in packed.items():
+        got = net.get_parameter(key)
+        assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float64))
+    assert torch.equal(net.model.layers[1].mlp.router.bias, tensors["model.layers.1.mlp.router.bias"])
+
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        load_model(path, dtype="float64", device="cpu")
+    assert str(err.value) == (
+        f"checkpoint in {path} has MXFP4 'model.layers.1.mlp.experts.down_proj_blocks' but not its other part"
+    )
 
 
 def test_cuda_is_refused_naming_what_is_missing(model_dir):

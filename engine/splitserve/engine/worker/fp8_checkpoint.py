@@ -53,9 +53,10 @@ class Fp8Scheme:
 
 
 def read_fp8_scheme(model_dir: Path) -> Fp8Scheme | None:
-    """The FP8 scheme of a model directory's config.json; None when it has no quantization_config.
+    """The FP8 scheme of a model directory's config.json; None when it has no quantization_config, or an
+    MXFP4 one (gpt-oss's experts, dequantized as they load: engine.worker.mxfp4).
 
-    Any other quantization (int8, fp4, ...) is a ValueError naming the field and value.
+    Any other quantization (int8, nvfp4, ...) is a ValueError naming the field and value.
     """
     config_path = model_dir / "config.json"
     if not model_dir.is_dir() or not config_path.is_file():
@@ -68,9 +69,11 @@ def read_fp8_scheme(model_dir: Path) -> Fp8Scheme | None:
         return _vllm_fp8_scheme(qc)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc)
+    if method == "mxfp4":
+        return None  # the model's mxfp4_targets take the _blocks / _scales pairs; any other model refuses them
     raise ValueError(
         f"quantization_config.quant_method {method!r} in {config_path} is not supported; "
-        f"supported: {', '.join(SUPPORTED_METHODS)} (fp8 e4m3)"
+        f"supported: {', '.join(SUPPORTED_METHODS)} (fp8 e4m3), mxfp4 (gpt-oss experts)"
     )
 
 

@@ -15,8 +15,9 @@ ValueError naming the tensor; missing files are FileNotFoundError naming the pat
 
 FP8: a checkpoint whose config.json has an fp8 `quantization_config` loads its e4m3 weights and
 scales as they are (worker/fp8_checkpoint.py); `quantization="fp8"` quantizes an unquantized
-checkpoint after loading. KV cache scales found in the checkpoint are kept on the model as
-`checkpoint_kv_scales` (the engine applies them when the KV cache is fp8).
+checkpoint after loading. MXFP4 (gpt-oss's experts, X_blocks + X_scales): dequantized into the model dtype as
+they load, into the views the model's `mxfp4_targets` names (worker/mxfp4.py). KV cache scales found in the
+checkpoint are kept on the model as `checkpoint_kv_scales` (the engine applies them when the KV cache is fp8).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from splitserve.engine.worker.kv_cache import dtype_from_name
 from splitserve.engine.worker.model_config import ModelConfig
 from splitserve.engine.worker.models import model_class
 from splitserve.engine.worker.models.llama import FUSED_PARTS
+from splitserve.engine.worker.mxfp4 import load_mxfp4_pair, mxfp4_base_name
 from splitserve.engine.worker.tensor_parallel import TpGroup, TpShard, check_shardable
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -149,6 +151,8 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
 
     targets = net.checkpoint_targets()
     shards = net.checkpoint_shards() if hasattr(net, "checkpoint_shards") else {}
+    packed = net.mxfp4_targets() if hasattr(net, "mxfp4_targets") else {}  # name -> view its values fill
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's part read before its other part
     loaded: set[str] = set()
     kv_scales: dict[tuple[int, str], float] = {}
     progress = Progress("loading weights", sum(f.stat().st_size for f in files))
@@ -157,6 +161,11 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
             with safe_open(str(file), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     target = targets.get(name)
+                    split = mxfp4_base_name(name) if target is None else None
+                    if split is not None and split[0] in packed:
+                        if load_mxfp4_pair(pending, *split, reader.get_tensor(name), packed[split[0]]):
+                            loaded.add(split[0])
+                        continue
                     if target is None:
                         kv_scale = kv_scale_of(name)
                         if kv_scale is not None:
@@ -174,6 +183,8 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                     progress.advance(tensor.numel() * tensor.element_size())
     progress.close()
     net.checkpoint_kv_scales = _kv_scale_pairs(kv_scales, net.config.num_layers) if kv_scales else None
+    for base, parts in pending.items():
+        raise ValueError(f"checkpoint in {path} has MXFP4 {base + next(iter(parts))!r} but not its other part")
     missing = sorted(set(targets) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

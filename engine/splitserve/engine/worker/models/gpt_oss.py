@@ -35,3 +35,13 @@ class GptOssForCausalLM(DecoderForCausalLM):
         if torch.device(device).type != "cpu":
             raise ValueError(f"{CPU_ONLY} (device {str(device)!r}); use device='cpu'")
         super().__init__(config, dtype, device, tp)
+
+    def mxfp4_targets(self) -> dict[str, torch.Tensor]:
+        """MXFP4 checkpoint tensor -> the view its dequantized values fill: the experts' weights, stored
+        output-major in the checkpoint ((E, 2F, H) and (E, H, F)), so our input-major ones transposed."""
+        targets = {}
+        for i in range(self.config.num_layers):
+            experts = self.model.layers[i].mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                targets[f"model.layers.{i}.mlp.experts.{name}"] = getattr(experts, name).data.transpose(1, 2)
+        return targets
