@@ -18,6 +18,10 @@ with no host sync:
  3. down: those rows against the expert's w2, times the router weight of (t, j) in the epilogue, stored at
     row `flat` of (T*k, H); the k rows of a token are then summed (torch sums 16-bit values in float32).
 
+gpt-oss's experts (`w13_bias` (E, 2F), `w2_bias` (E, H), `clamped_swiglu` = (alpha, limit)): each projection adds
+its expert's bias in the epilogue (before the router weight), and the activation is
+(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) in place of silu(gate) * up.
+
 Blocks past `num_tokens_post_padded` return at once. The plain-torch reference loops over the experts hit,
 as transformers' eager experts do; it is the CPU path and the tests' ground truth.
 
@@ -54,10 +58,13 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    clamped_swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """The plain-torch MoE: per expert hit (ascending), its tokens through SwiGLU, times their weights
-    (in the weights' dtype, then cast to x's), added into the output (T, H). e4m3 experts are dequantized
-    (times their per-row scales, in x's dtype) first."""
+    """The plain-torch MoE: per expert hit (ascending), its tokens through SwiGLU (with the biases and the
+    clamped activation when given), times their weights (in the weights' dtype, then cast to x's), added into
+    the output (T, H). e4m3 experts are dequantized (times their per-row scales, in x's dtype) first."""
     if w13_scale is not None:
         w13 = (w13.to(torch.float32) * w13_scale[:, :, None]).to(x.dtype)  # (E, 2F, H)
         w2 = (w2.to(torch.float32) * w2_scale[:, :, None]).to(x.dtype)  # (E, H, F)
@@ -65,10 +72,18 @@ def fused_moe_ref(
     half = w13.shape[1] // 2
     for expert in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == expert)  # (n,) each
-        gate_up = F.linear(x[token], w13[expert])  # (n, 2F)
-        h = F.linear(F.silu(gate_up[:, :half]) * gate_up[:, half:], w2[expert])  # (n, H)
+        gate_up = F.linear(x[token], w13[expert], None if w13_bias is None else w13_bias[expert])  # (n, 2F)
+        gate, up = gate_up[:, :half], gate_up[:, half:]
+        act = F.silu(gate) * up if clamped_swiglu is None else clamped_swiglu_ref(gate, up, *clamped_swiglu)
+        h = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert])  # (n, H)
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
+
+
+def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def fused_moe(
@@ -80,15 +95,21 @@ def fused_moe(
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    clamped_swiglu: tuple[float, float] | None = None,
     impl: str = "auto",
     config: dict | None = None,
 ) -> torch.Tensor:
     """out (T, H) of the top-k experts (module docstring); `w13_scale` / `w2_scale`: the row scales of e4m3
-    experts; `config`: tiles (BLOCK_M/N/K, num_warps, num_stages), else the tuned table's or the default."""
+    experts; `w13_bias` / `w2_bias` / `clamped_swiglu` (alpha, limit): gpt-oss's experts; `config`: tiles
+    (BLOCK_M/N/K, num_warps, num_stages), else the tuned table's or the default."""
     _check(x, w13, w2, topk_weights, topk_ids)
     _check_scales(w13, w2, w13_scale, w2_scale)
+    _check_biases(w13, w2, w13_bias, w2_bias)
+    extras = dict(w13_bias=w13_bias, w2_bias=w2_bias, clamped_swiglu=clamped_swiglu)
     if not use_triton(impl, x, OP):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extras)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # the kernels assume unit last strides
     num_tokens, top_k = topk_ids.shape
     num_experts, two_f, hidden = w13.shape
@@ -99,9 +120,10 @@ def fused_moe(
         down_config = {**down_config, "BLOCK_M": block_m}
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     inter = torch.empty(num_tokens * top_k, two_f // 2, dtype=x.dtype, device=x.device)  # (T*k, F)
-    _grouped_gemm(x, w13, w13_scale, inter, sorted_ids, expert_ids, num_post, top_k, None, up_config)
+    align = (sorted_ids, expert_ids, num_post)
+    _grouped_gemm(x, w13, w13_scale, w13_bias, inter, *align, top_k, None, up_config, clamped_swiglu)
     down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # (T*k, H)
-    _grouped_gemm(inter, w2, w2_scale, down, sorted_ids, expert_ids, num_post, 1, topk_weights.reshape(-1), down_config)
+    _grouped_gemm(inter, w2, w2_scale, w2_bias, down, *align, 1, topk_weights.reshape(-1), down_config)
     return down.view(num_tokens, top_k, hidden).sum(1)  # (T, H), summed in float32 and rounded once
 
 
@@ -136,6 +158,12 @@ def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
             f"{OP}: scales must be w13_scale {tuple(w13.shape[:2])} and w2_scale {tuple(w2.shape[:2])}, got "
             f"{tuple(w13_scale.shape)} and {tuple(w2_scale.shape)}"
         )
+
+
+def _check_biases(w13, w2, w13_bias, w2_bias) -> None:
+    for name, bias, want in (("w13_bias", w13_bias, w13.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+        if bias is not None and tuple(bias.shape) != tuple(want):
+            raise ValueError(f"{OP}: {name} must be {tuple(want)} (E, rows of its weight), got {tuple(bias.shape)}")
 
 
 def _shape_of(t: torch.Tensor | None) -> str:
@@ -227,9 +255,12 @@ def _align_kernel(
         tl.store(expert_ids_ptr + block, expert)
 
 
-def _grouped_gemm(a, w, w_scale, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config) -> None:
-    """out[flat] = epilogue(a[flat // pairs_per_a_row] @ w[e]^T (* w_scale[e], e4m3 w)) for every sorted row:
-    SiLU-and-mul of the [gate | up] halves when row_scale is None, else times row_scale[flat]."""
+def _grouped_gemm(
+    a, w, w_scale, bias, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config, clamped=None
+) -> None:
+    """out[flat] = epilogue(a[flat // pairs_per_a_row] @ w[e]^T (* w_scale[e], e4m3 w) (+ bias[e])) for every
+    sorted row: SiLU-and-mul (or the clamped SwiGLU of `clamped` = (alpha, limit)) of the [gate | up] halves
+    when row_scale is None, else times row_scale[flat]."""
     silu_mul = row_scale is None
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
@@ -240,6 +271,7 @@ def _grouped_gemm(a, w, w_scale, out, sorted_ids, expert_ids, num_post, pairs_pe
         out,
         row_scale if row_scale is not None else out,
         w_scale if w_scale is not None else out,
+        bias if bias is not None else out,
         sorted_ids,
         expert_ids,
         num_post,
@@ -249,11 +281,16 @@ def _grouped_gemm(a, w, w_scale, out, sorted_ids, expert_ids, num_post, pairs_pe
         w.stride(1),
         out.stride(0),
         0 if w_scale is None else w_scale.stride(0),
+        0 if bias is None else bias.stride(0),
+        float(clamped[0]) if clamped else 0.0,
+        float(clamped[1]) if clamped else 0.0,
         PAIRS_PER_A_ROW=pairs_per_a_row,
         N=n_out,
         K=w.shape[2],
         SILU_MUL=silu_mul,
         W_FP8=w_scale is not None,
+        HAS_BIAS=bias is not None,
+        CLAMPED=clamped is not None,
         UPCAST=interpreting(a) and (a.dtype == torch.bfloat16 or w_scale is not None),
         PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m,
@@ -266,11 +303,11 @@ def _grouped_gemm(a, w, w_scale, out, sorted_ids, expert_ids, num_post, pairs_pe
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
-    stride_a, stride_we, stride_wn, stride_out, stride_se,
+    a_ptr, w_ptr, out_ptr, scale_ptr, w_scale_ptr, bias_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
+    stride_a, stride_we, stride_wn, stride_out, stride_se, stride_be, alpha, limit,
     PAIRS_PER_A_ROW: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SILU_MUL: tl.constexpr, W_FP8: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -302,8 +339,17 @@ def _grouped_gemm_kernel(
         acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
         if SILU_MUL:
             acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # this expert's bias of each output row, before the activation or the router weight
+        bias_base = bias_ptr + expert * stride_be
+        acc += tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
-    if SILU_MUL:  # as eager torch: each projection rounded to the dtype, then silu(gate) * up
+    if SILU_MUL and CLAMPED:  # gpt-oss: each projection rounded to the dtype, then the clamped SwiGLU in fp32
+        gate = tl.minimum(acc.to(out_ty).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(acc_up.to(out_ty).to(tl.float32), -limit), limit)
+        result = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    elif SILU_MUL:  # as eager torch: each projection rounded to the dtype, then silu(gate) * up
         result = _silu_mul(acc.to(out_ty), acc_up.to(out_ty))
     else:  # the router weight of this (token, slot), in float32
         result = acc * tl.load(scale_ptr + flat, mask=valid, other=0.0).to(tl.float32)[:, None]
