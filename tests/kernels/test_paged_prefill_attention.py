@@ -67,6 +67,40 @@ def test_tile_shapes_and_padding_rows(compare_with_dense, device, block_m, block
     )
 
 
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_sinks_and_sliding_window_match_the_engines_cpu_attention(make_paged_kv, device, block_m, block_n):
+    """The kernel with gpt-oss's sinks and a window of 7 against engine.worker.attention's per-sequence torch path
+    (float64, the one the gpt-oss model test holds equal to transformers): windows that start mid-tile, before
+    the tile's first row, and a context shorter than the window."""
+    from splitserve.engine.worker.attention import AttentionMetadata, attention_sinks_window_torch
+
+    seqs = [(37, 37), (23, 6), (9, 1), (5, 5), (40, 17)]
+    paged = make_paged_kv([n for n, _ in seqs], 2, 16, 4, torch.float32, device)
+    gen = torch.Generator().manual_seed(2)
+    qsl = [0]
+    for _, new in seqs:
+        qsl.append(qsl[-1] + new)
+    q = torch.randn(qsl[-1], 4, 16, generator=gen).to(device)
+    sinks = (2.0 * torch.randn(4, generator=gen)).to(device)  # some heads' sinks outweigh their keys
+    query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=device)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, query_start_loc, paged.seq_lens, 37, 0.25)
+    got = paged_prefill_attention_triton(*args, config=config, sinks=sinks, sliding_window=7)
+    meta = AttentionMetadata(
+        query_start_loc, paged.seq_lens, paged.block_tables, torch.empty(0), 37, 40, qsl, [n for n, _ in seqs]
+    )
+    want = attention_sinks_window_torch(
+        q.double().cpu(), paged.k_cache.double().cpu(), paged.v_cache.double().cpu(), meta, 0.25, sinks.cpu(), 7
+    )
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    ref = paged_prefill_attention(*args, impl="ref", sinks=sinks, sliding_window=7)
+    torch.testing.assert_close(ref.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    plain = paged_prefill_attention(*args, impl="ref")
+    assert not torch.allclose(plain, ref, atol=1e-2)  # the extras matter on these inputs
+    with pytest.raises(ValueError, match=r"^paged_prefill_attention: sinks must be \(4,\) \(one per query head\)"):
+        paged_prefill_attention(*args, sinks=sinks[:2])
+
+
 def test_cache_length_mismatch_error(device):
     q = torch.zeros(3, 2, 16, device=device)
     cache = torch.zeros(2, 4, 2, 16, device=device)

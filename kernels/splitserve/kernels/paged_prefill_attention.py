@@ -14,6 +14,10 @@ hit (ctx = cached prefix). One program takes BLOCK_M query rows of one head of o
 Keys before the tile's first row position are visible to every row and run without a mask; only
 the last BLOCK_M keys or so need the causal mask. Tiles are launched longest-first (the last
 query tile of a causal sequence has the most keys) to shorten the tail.
+
+gpt-oss's extras: `sinks` (Hq,) adds each head's learned logit to the softmax's denominator (a term that weighs
+no value), and `sliding_window` W hides keys more than W - 1 positions before a row (every tile then runs masked,
+starting at the first key the tile's first row sees).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def _attend_tile(
     MASKED: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    window,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One K/V tile of BLOCK_N tokens starting at n0: online-softmax update of (acc, l, m)."""
     n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -100,6 +106,8 @@ def _attend_tile(
     s = tl.dot(q, k, input_precision=PREC)  # (BLOCK_M, BLOCK_N) raw scores; * qk_scale -> log2 units
     if MASKED:
         visible = (n[None, :] <= offs_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > offs_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
     alpha = tl.exp2(m - m_new)
@@ -118,7 +126,9 @@ def _prefill_kernel(
     qsl_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
+    window,
     num_m_tiles,
     stride_qt,
     stride_qh,
@@ -145,6 +155,8 @@ def _prefill_kernel(
     PREC: tl.constexpr,
     SINGLE_LOOP: tl.constexpr,
     DOT_F16: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = num_m_tiles - 1 - tl.program_id(1)  # longest tiles first
@@ -176,11 +188,15 @@ def _prefill_kernel(
         full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
         if SINGLE_LOOP:  # every tile through the masked loop: one pipeline prologue (short sequences)
             full_end = 0
+        if HAS_WINDOW:  # every tile masked, from the tile holding the first key the tile's first row sees
+            full_end = tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
         causal_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         # unrolled at compile time: keys [0, full_end) without the causal mask, then [full_end, causal_end) with it
         for masked in tl.static_range(2):
             lo = full_end if masked else 0
             hi = causal_end if masked else full_end
+            if HAS_WINDOW:  # keys before full_end are outside every row's window: no unmasked pass
+                lo = full_end
             for n0 in range(lo, hi, BLOCK_N):
                 acc, l, m = _attend_tile(
                     acc,
@@ -210,7 +226,15 @@ def _prefill_kernel(
                     masked,
                     DOT_F32,
                     PREC,
+                    window,
+                    HAS_WINDOW,
                 )
+        if HAS_SINKS:  # the sink's logit (log2 units) joins the running max and the denominator
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m, sink)
+            rescale = tl.exp2(m - m_all)
+            acc = acc * rescale[:, None]
+            l = l * rescale + tl.exp2(sink - m_all)
         o = acc / l[:, None]
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -243,9 +267,10 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None
 
 
 def paged_prefill_attention_ref(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None
-):
-    """Plain-torch reference (fp32 math), one sequence at a time."""
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None, sinks=None,
+    sliding_window=None,
+):  # fmt: skip
+    """Plain-torch reference (fp32 math), one sequence at a time; `sinks` / `sliding_window` as the module says."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -258,16 +283,24 @@ def paged_prefill_attention_ref(
         qb = q[start:end].float().view(end - start, num_kv_heads, group, -1)  # (Lq, Hkv, G, D)
         scores = torch.einsum("qhgd,lhd->hgql", qb, k) * scale  # (Hkv, G, Lq, L)
         pos = torch.arange(end - start, device=q.device) + (seq_len - (end - start))  # (Lq,)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # (Lq, L)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        cols = torch.arange(seq_len, device=q.device)[None, :]
+        visible = cols <= pos[:, None]  # (Lq, L)
+        if sliding_window is not None:
+            visible &= cols > pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more logit per head, dropped after the softmax
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, end - start, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = scores.softmax(dim=-1)[..., :seq_len]
         o = torch.einsum("hgql,lhd->qhgd", probs, v)  # (Lq, Hkv, G, D)
         out[start:end] = o.reshape(end - start, num_q_heads, -1).to(out.dtype)
     return out
 
 
 def paged_prefill_attention_triton(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None, config=None
-):
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=None, config=None,
+    sinks=None, sliding_window=None,
+):  # fmt: skip
     """Triton kernel; `config` overrides prefill_config (benchmarks and tests only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -286,7 +319,9 @@ def paged_prefill_attention_triton(
         query_start_loc,
         seq_lens,
         out,
+        sinks if sinks is not None else out,
         scale * LOG2E,
+        sliding_window or 0,
         num_m_tiles,
         *q.stride(),
         *k_cache.stride(),
@@ -303,6 +338,8 @@ def paged_prefill_attention_triton(
         PREC=dot_precision(q.dtype),
         DOT_F16=fp8_dot_f16(q, k_cache),
         SINGLE_LOOP=cfg.get("SINGLE_LOOP", False),
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=sliding_window is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -320,17 +357,23 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     impl: str = "auto",
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q (T, Hq, D) over their sequences' caches -> (T, Hq, D).
 
     max_query_len: the longest q_len in the batch (sizes the grid; host int, no device sync).
-    Rows of q outside every sequence's range are left untouched in `out`.
+    Rows of q outside every sequence's range are left untouched in `out`. sinks (Hq,) / sliding_window: gpt-oss's.
     """
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    if use_triton(impl, q, "paged_prefill_attention"):
-        return paged_prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"paged_prefill_attention: sinks must be ({q.shape[1]},) (one per query head), got {tuple(sinks.shape)}"
         )
-    return paged_prefill_attention_ref(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
-    )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_prefill_attention: sliding_window must be at least 1, got {sliding_window}")
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale)
+    extras = dict(out=out, sinks=sinks, sliding_window=sliding_window)
+    if use_triton(impl, q, "paged_prefill_attention"):
+        return paged_prefill_attention_triton(*args, **extras)
+    return paged_prefill_attention_ref(*args, **extras)
