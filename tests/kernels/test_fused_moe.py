@@ -104,21 +104,33 @@ def test_fp8_experts_match_the_reference_on_their_dequantized_weights(dtype, dev
         fused_moe(x, w13_q, w2_q, weights, ids, w13_scale=w13_scale)
 
 
+def _interleaved(w13: torch.Tensor) -> torch.Tensor:
+    """[gate | up] halves along dim 1 -> rows g0, u0, g1, u1, ... (gpt-oss's order)."""
+    half = w13.shape[1] // 2
+    return torch.stack((w13[:, :half], w13[:, half:]), dim=2).reshape(w13.shape)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_biased_experts_with_the_clamped_swiglu_match_the_float64_reference(dtype, device):
+def test_biased_experts_with_the_clamped_swiglu_match_the_float64_reference(dtype, interleaved, device):
     x, w13, w2, weights, ids = _case(6, 64, 40, 8, 2, dtype, device, seed=5)
     gen = torch.Generator().manual_seed(6)
     b13 = (0.5 * torch.randn(8, 80, generator=gen)).to(dtype).to(device)
     b2 = (0.5 * torch.randn(8, 64, generator=gen)).to(dtype).to(device)
-    gpt_oss = dict(w13_bias=b13, w2_bias=b2, clamped_swiglu=(1.702, 0.6))  # |gate|, |up| often past 0.6
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
-    got = fused_moe(x, w13, w2, weights, ids, **gpt_oss, impl="triton", config=config)
     double = dict(w13_bias=b13.double(), w2_bias=b2.double(), clamped_swiglu=(1.702, 0.6))
     want = fused_moe_ref(*(t.double() for t in (x, w13, w2, weights)), ids, **double)
+    if interleaved:  # the same experts stored in gpt-oss's row order
+        w13, b13 = _interleaved(w13), _interleaved(b13.unsqueeze(-1)).squeeze(-1)
+    gpt_oss = dict(w13_bias=b13, w2_bias=b2, clamped_swiglu=(1.702, 0.6), interleaved=interleaved)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    got = fused_moe(x, w13, w2, weights, ids, **gpt_oss, impl="triton", config=config)
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    in_double = {**gpt_oss, "w13_bias": b13.double(), "w2_bias": b2.double()}
+    ref = fused_moe(*(t.double() for t in (x, w13, w2, weights)), ids, **in_double, impl="ref")
+    torch.testing.assert_close(ref, want, atol=1e-12, rtol=1e-12)
     gate_up = torch.einsum("th,efh->tef", x.double(), w13.double()) + b13.double()  # every expert's projections
     assert (gate_up.abs() > 0.6).float().mean() > 0.2  # the clamp bites
-    plain = fused_moe_ref(*(t.double() for t in (x, w13, w2, weights)), ids, w13_bias=b13.double(), w2_bias=b2.double())
+    plain = fused_moe(*(t.double() for t in (x, w13, w2, weights)), ids, **{**in_double, "clamped_swiglu": None})
     assert not torch.allclose(plain, want, atol=1e-2)  # the clamped activation is not SiLU's
     with pytest.raises(ValueError, match=r"^fused_moe: w2_bias must be \(8, 64\) \(E, rows of its weight\), got"):
         fused_moe(x, w13, w2, weights, ids, w2_bias=b2[:, :32])

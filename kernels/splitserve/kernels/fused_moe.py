@@ -20,7 +20,8 @@ with no host sync:
 
 gpt-oss's experts (`w13_bias` (E, 2F), `w2_bias` (E, H), `clamped_swiglu` = (alpha, limit)): each projection adds
 its expert's bias in the epilogue (before the router weight), and the activation is
-(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) in place of silu(gate) * up.
+(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) in place of silu(gate) * up;
+`interleaved` reads w13's rows (and w13_bias) in gpt-oss's order g0, u0, g1, u1, ... instead of halves.
 
 Blocks past `num_tokens_post_padded` return at once. The plain-torch reference loops over the experts hit,
 as transformers' eager experts do; it is the CPU path and the tests' ground truth.
@@ -61,6 +62,7 @@ def fused_moe_ref(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     clamped_swiglu: tuple[float, float] | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """The plain-torch MoE: per expert hit (ascending), its tokens through SwiGLU (with the biases and the
     clamped activation when given), times their weights (in the weights' dtype, then cast to x's), added into
@@ -73,7 +75,7 @@ def fused_moe_ref(
     for expert in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == expert)  # (n,) each
         gate_up = F.linear(x[token], w13[expert], None if w13_bias is None else w13_bias[expert])  # (n, 2F)
-        gate, up = gate_up[:, :half], gate_up[:, half:]
+        gate, up = (gate_up[:, 0::2], gate_up[:, 1::2]) if interleaved else (gate_up[:, :half], gate_up[:, half:])
         act = F.silu(gate) * up if clamped_swiglu is None else clamped_swiglu_ref(gate, up, *clamped_swiglu)
         h = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert])  # (n, H)
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
@@ -98,16 +100,18 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     clamped_swiglu: tuple[float, float] | None = None,
+    interleaved: bool = False,
     impl: str = "auto",
     config: dict | None = None,
 ) -> torch.Tensor:
     """out (T, H) of the top-k experts (module docstring); `w13_scale` / `w2_scale`: the row scales of e4m3
-    experts; `w13_bias` / `w2_bias` / `clamped_swiglu` (alpha, limit): gpt-oss's experts; `config`: tiles
+    experts; `w13_bias` / `w2_bias` / `clamped_swiglu` (alpha, limit) / `interleaved` (w13's rows g0, u0, g1, u1,
+    ...): gpt-oss's experts; `config`: tiles
     (BLOCK_M/N/K, num_warps, num_stages), else the tuned table's or the default."""
     _check(x, w13, w2, topk_weights, topk_ids)
     _check_scales(w13, w2, w13_scale, w2_scale)
     _check_biases(w13, w2, w13_bias, w2_bias)
-    extras = dict(w13_bias=w13_bias, w2_bias=w2_bias, clamped_swiglu=clamped_swiglu)
+    extras = dict(w13_bias=w13_bias, w2_bias=w2_bias, clamped_swiglu=clamped_swiglu, interleaved=interleaved)
     if not use_triton(impl, x, OP):
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, **extras)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # the kernels assume unit last strides
@@ -121,7 +125,7 @@ def fused_moe(
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
     inter = torch.empty(num_tokens * top_k, two_f // 2, dtype=x.dtype, device=x.device)  # (T*k, F)
     align = (sorted_ids, expert_ids, num_post)
-    _grouped_gemm(x, w13, w13_scale, w13_bias, inter, *align, top_k, None, up_config, clamped_swiglu)
+    _grouped_gemm(x, w13, w13_scale, w13_bias, inter, *align, top_k, None, up_config, clamped_swiglu, interleaved)
     down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)  # (T*k, H)
     _grouped_gemm(inter, w2, w2_scale, w2_bias, down, *align, 1, topk_weights.reshape(-1), down_config)
     return down.view(num_tokens, top_k, hidden).sum(1)  # (T, H), summed in float32 and rounded once
@@ -256,11 +260,12 @@ def _align_kernel(
 
 
 def _grouped_gemm(
-    a, w, w_scale, bias, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config, clamped=None
-) -> None:
+    a, w, w_scale, bias, out, sorted_ids, expert_ids, num_post, pairs_per_a_row, row_scale, config, clamped=None,
+    interleaved=False,
+) -> None:  # fmt: skip
     """out[flat] = epilogue(a[flat // pairs_per_a_row] @ w[e]^T (* w_scale[e], e4m3 w) (+ bias[e])) for every
     sorted row: SiLU-and-mul (or the clamped SwiGLU of `clamped` = (alpha, limit)) of the [gate | up] halves
-    when row_scale is None, else times row_scale[flat]."""
+    when row_scale is None (rows g0, u0, g1, u1, ... when `interleaved`), else times row_scale[flat]."""
     silu_mul = row_scale is None
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
@@ -291,6 +296,7 @@ def _grouped_gemm(
         W_FP8=w_scale is not None,
         HAS_BIAS=bias is not None,
         CLAMPED=clamped is not None,
+        INTERLEAVED=interleaved and silu_mul,
         UPCAST=interpreting(a) and (a.dtype == torch.bfloat16 or w_scale is not None),
         PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m,
@@ -306,8 +312,8 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, scale_ptr, w_scale_ptr, bias_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
     stride_a, stride_we, stride_wn, stride_out, stride_se, stride_be, alpha, limit,
     PAIRS_PER_A_ROW: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SILU_MUL: tl.constexpr, W_FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -318,6 +324,12 @@ def _grouped_gemm_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     col_ok = cols < N
+    if INTERLEAVED:  # w13 rows g0, u0, g1, u1, ... (gpt-oss's checkpoint order)
+        gate_rows = 2 * cols
+        up_rows = 2 * cols + 1
+    else:  # [gate | up] halves (or the down projection's plain rows)
+        gate_rows = cols
+        up_rows = cols + N
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -326,24 +338,24 @@ def _grouped_gemm_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # (BK, BN)
+        w = tl.load(w_base + gate_rows[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # (BK, BN)
         if UPCAST:
             a = a.to(tl.float32)
         w = w.to(a.dtype)  # e4m3 upcast in registers (a no-op for 16-bit weights)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_MUL:
-            w_up = tl.load(w_base + (cols[None, :] + N) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+            w_up = tl.load(w_base + up_rows[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=PRECISION)
     if W_FP8:  # the per-row scales of this expert's weight, after the sums
         scale_base = w_scale_ptr + expert * stride_se
-        acc = acc * tl.load(scale_base + cols, mask=col_ok, other=0.0)[None, :]
+        acc = acc * tl.load(scale_base + gate_rows, mask=col_ok, other=0.0)[None, :]
         if SILU_MUL:
-            acc_up = acc_up * tl.load(scale_base + N + cols, mask=col_ok, other=0.0)[None, :]
+            acc_up = acc_up * tl.load(scale_base + up_rows, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:  # this expert's bias of each output row, before the activation or the router weight
         bias_base = bias_ptr + expert * stride_be
-        acc += tl.load(bias_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_base + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
-            acc_up += tl.load(bias_base + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_base + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     if SILU_MUL and CLAMPED:  # gpt-oss: each projection rounded to the dtype, then the clamped SwiGLU in fp32
         gate = tl.minimum(acc.to(out_ty).to(tl.float32), limit)

@@ -10,8 +10,11 @@ Checkpoint names per layer i (besides the decoder's attention and norms):
     model.layers.{i}.mlp.experts.down_proj{,_bias}            (E, F, H), (E, H)
 
 Released checkpoints hold the experts' weights in MXFP4 instead (`..._blocks` + `..._scales`); they are
-dequantized at load (engine.worker.mxfp4). Runs on CPU only: the Triton attention kernels take no sinks or
-sliding window and the fused MoE kernel no expert biases or clamped SwiGLU.
+dequantized at load (engine.worker.mxfp4). The experts are stored output-major, as the fused MoE kernel reads
+them (models/gpt_oss_moe.py), so the checkpoint's input-major tensors load through transposed views.
+
+Runs on CPU only: the fused MoE kernel and the paged prefill attention kernel take gpt-oss's extras, but the
+paged decode and fresh-prefill attention kernels do not yet take sinks or sliding windows.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from splitserve.engine.worker.models.llama import DecoderForCausalLM
 from splitserve.engine.worker.tensor_parallel import TpGroup
 
 CPU_ONLY = (
-    "GptOssForCausalLM runs on CPU only: the CUDA attention kernels do not implement attention sinks or sliding "
-    "windows, and the fused MoE kernel does not implement expert biases or the clamped SwiGLU"
+    "GptOssForCausalLM runs on CPU only: the CUDA paged decode and fresh-prefill attention kernels do not "
+    "implement attention sinks or sliding windows"
 )
 
 
@@ -36,12 +39,19 @@ class GptOssForCausalLM(DecoderForCausalLM):
             raise ValueError(f"{CPU_ONLY} (device {str(device)!r}); use device='cpu'")
         super().__init__(config, dtype, device, tp)
 
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """The decoder's, with the experts' weights as the transposed views their input-major tensors fill."""
+        targets = super().checkpoint_targets()
+        for i, layer in enumerate(self.model.layers):
+            for leaf, view in layer.mlp.checkpoint_views().items():
+                targets[f"model.layers.{i}.mlp.{leaf}"] = view
+        return targets
+
     def mxfp4_targets(self) -> dict[str, torch.Tensor]:
-        """MXFP4 checkpoint tensor -> the view its dequantized values fill: the experts' weights, stored
-        output-major in the checkpoint ((E, 2F, H) and (E, H, F)), so our input-major ones transposed."""
+        """MXFP4 checkpoint tensor -> what its dequantized values fill: the experts' weights, output-major in
+        both the checkpoint's blocks ((E, 2F, H), (E, H, F)) and our parameters."""
         targets = {}
-        for i in range(self.config.num_layers):
-            experts = self.model.layers[i].mlp.experts
+        for i, layer in enumerate(self.model.layers):
             for name in ("gate_up_proj", "down_proj"):
-                targets[f"model.layers.{i}.mlp.experts.{name}"] = getattr(experts, name).data.transpose(1, 2)
+                targets[f"model.layers.{i}.mlp.experts.{name}"] = getattr(layer.mlp.experts, name).data
         return targets

@@ -6,10 +6,11 @@
               h = (up + 1) * gate * sigmoid(alpha * gate)          (T, F)
               y = h W_d[e] + b_d[e]                                (T, H)
 
-The weights keep the checkpoint's (and transformers') layout, input-major: `experts.gate_up_proj` (E, H, 2F) with
-gate and up interleaved in its columns, `experts.down_proj` (E, F, H); the biases (E, 2F) and (E, H). The forward
-is transformers' per-expert loop in plain torch (exact in float64): the fused Triton MoE kernel has no expert
-biases or clamped activation, so this block runs on CPU only (models/gpt_oss.py refuses other devices).
+The experts run as `kernels.fused_moe` with its gpt-oss options (biases, the clamped SwiGLU, interleaved rows):
+its torch reference on CPU, exact in float64. The weights are stored as the kernel reads them, output-major:
+`experts.gate_up_proj` (E, 2F, H) with rows g0, u0, g1, u1, ... and `experts.down_proj` (E, H, F); the biases
+(E, 2F), same order, and (E, H). The checkpoint's tensors are input-major ((E, H, 2F), (E, F, H)): they load
+through transposed views (models/gpt_oss.py), and its MXFP4 blocks, output-major, load straight in.
 """
 
 from __future__ import annotations
@@ -32,13 +33,6 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
     return F.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """(T, 2F) interleaved [g0, u0, g1, u1, ...] -> (up + 1) * gate * sigmoid(alpha * gate), both clamped."""
-    gate = gate_up[..., ::2].clamp(max=limit)
-    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 class GptOssMoeBlock(nn.Module):
     """A layer's `router` (weight (E, H), bias (E,)) and `experts`; forward(x (T, H)) -> (T, H)."""
 
@@ -52,20 +46,32 @@ class GptOssMoeBlock(nn.Module):
         self.router.weight = _param((num_experts, hidden), dtype, device)
         self.router.bias = _param((num_experts,), dtype, device)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = _param((num_experts, hidden, 2 * inter), dtype, device)
+        self.experts.gate_up_proj = _param((num_experts, 2 * inter, hidden), dtype, device)
         self.experts.gate_up_proj_bias = _param((num_experts, 2 * inter), dtype, device)
-        self.experts.down_proj = _param((num_experts, inter, hidden), dtype, device)
+        self.experts.down_proj = _param((num_experts, hidden, inter), dtype, device)
         self.experts.down_proj_bias = _param((num_experts, hidden), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from splitserve.kernels.fused_moe import fused_moe  # lazily: the kernels package imports Triton
+
         weights, ids = route_topk_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)  # (T, k)
         experts = self.experts
-        out = torch.zeros_like(x)  # (T, H)
-        # experts in increasing order, each adding into its tokens' rows: transformers' order of the sums
-        for expert in torch.unique(ids).tolist():
-            tokens, slot = torch.where(ids == expert)  # (n,) each
-            gate_up = x[tokens] @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert]  # (n, 2F)
-            y = clamped_swiglu(gate_up, self.alpha, self.limit) @ experts.down_proj[expert]  # (n, H)
-            y = (y + experts.down_proj_bias[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
-        return out
+        return fused_moe(
+            x,
+            experts.gate_up_proj,
+            experts.down_proj,
+            weights,
+            ids,
+            w13_bias=experts.gate_up_proj_bias,
+            w2_bias=experts.down_proj_bias,
+            clamped_swiglu=(self.alpha, self.limit),
+            interleaved=True,
+        )
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """Leaf name -> the view of our parameter that the checkpoint's (input-major) tensor fills."""
+        experts = self.experts
+        return {
+            "experts.gate_up_proj": experts.gate_up_proj.data.transpose(1, 2),  # (E, H, 2F)
+            "experts.down_proj": experts.down_proj.data.transpose(1, 2),  # (E, F, H)
+        }
