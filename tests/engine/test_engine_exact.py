@@ -31,10 +31,11 @@ def make_prompts(n=16, seed=0, vocab=503):
     return prompts
 
 
-def engine_greedy(model_dir, prompts, **kwargs):
+def engine_greedy(model_dir, prompts, max_new: int = MAX_NEW, **kwargs):
+    """The float64 CPU engine's greedy tokens (max_new each) and the engine; no block may leak."""
     llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=4, **kwargs)
     free_before = llm.engine.num_free_blocks
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert llm.engine.num_free_blocks == free_before  # nothing leaked
     assert all(o.finish_reason == "length" for o in outs)

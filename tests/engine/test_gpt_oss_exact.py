@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.worker.loader import load_model
 from splitserve.engine.worker.model_config import ModelConfig
 from splitserve.engine.worker.models.gpt_oss import GptOssForCausalLM
+from tests.engine.test_engine_exact import engine_greedy as exact_engine_greedy
 from tests.engine.test_engine_exact import make_prompts
 from tests.model_factory import hf_greedy, make_tiny_model_dir
 
@@ -56,13 +56,7 @@ def expected(model_dir, prompts):
 
 
 def engine_greedy(model_dir, prompts, **kwargs):
-    llm = LLM(model=str(model_dir), dtype="float64", device="cpu", block_size=4, **kwargs)
-    free_before = llm.engine.num_free_blocks
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert llm.engine.num_free_blocks == free_before  # nothing leaked
-    assert all(o.finish_reason == "length" for o in outs)
-    return [o.token_ids for o in outs], llm
+    return exact_engine_greedy(model_dir, prompts, MAX_NEW, **kwargs)
 
 
 def test_greedy_batch_equals_transformers_with_prefix_hits(model_dir, prompts, expected):
