@@ -117,17 +117,18 @@ def test_a_compile_past_its_budget_or_aborted_is_killed_while_others_are_served(
 
 
 def test_the_cache_holds_no_more_resident_memory_than_its_limit():
-    """Three distinct grammars of 27 to 35 MiB resident (the measure differs between machines, so the limit leaves
-    room for one and never two) through a 48 MiB cache: it keeps one, and the process's resident memory grows by
-    at most the limit and one compile's heap left behind (24 MiB). Three ~20 MiB grammars through xgrammar's own
-    cache at 40 MiB grew the process by 177 MiB while it counted 42 MiB: it counts less than its grammars hold,
-    and the compiles' freed pages stay with the process."""
+    """Six distinct grammars of 27 to 35 MiB resident each (the measure differs between machines, so the limit
+    leaves room for one and never two) through a 48 MiB cache: it keeps the newest, and the process's resident
+    memory grows by at most 2.5 times the limit (what it keeps and the heap the last compile left behind: 68-77
+    MiB on this machine), where keeping all six would take 162 MiB or more. Three ~20 MiB grammars through
+    xgrammar's own cache at 40 MiB grew the process by 177 MiB while it counted 42 MiB: it counts less than its
+    grammars hold, and the compiles' freed pages stay with the process."""
     from splitserve.common.default_model_path import default_model_path
 
     limit = 48 << 20
     limits = GrammarLimits(cache_bytes=limit, num_workers=0, max_spec_bytes=1 << 20)
     backend = GrammarBackend(str(default_model_path()), 8192, (0,), limits)
-    specs = [StructuredOutput(json=enum_schema(tag)) for tag in range(3)]
+    specs = [StructuredOutput(json=enum_schema(tag)) for tag in range(6)]
     backend.matcher(StructuredOutput(regex="a+"))  # the tokenizer and the compiler, loaded once
     trim_heap()
     start = rss_bytes()
@@ -135,8 +136,8 @@ def test_the_cache_holds_no_more_resident_memory_than_its_limit():
         backend.matcher(spec)
     growth = rss_bytes() - start
     assert backend.cache.total_bytes <= limit and len(backend.cache) == 1
-    assert growth <= limit + (24 << 20), f"resident memory grew {growth >> 20} MiB for a {limit >> 20} MiB cache"
-    kept = backend.cache.get(spec_key(specs[2]))  # the newest is the one kept
+    assert growth <= 5 * limit // 2, f"resident memory grew {growth >> 20} MiB for a {limit >> 20} MiB cache"
+    kept = backend.cache.get(spec_key(specs[5]))  # the newest is the one kept
     assert kept is not None and backend.cache.get(spec_key(specs[0])) is None
     backend.close()
 

@@ -273,6 +273,14 @@ RAW_CASES = [
         ),
     ),
     (
+        b'{"prompt": "hi", "": {"\\ud800": 1}}',  # a field without a name: the error names the body
+        error(
+            "body has a key that contains a lone UTF-16 surrogate (\\ud800 at character 0); strings must be valid "
+            "Unicode",
+            "body",
+        ),
+    ),
+    (
         b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}",
         error("prompt nests deeper than 32 levels; the request body may have at most 32", "prompt"),
     ),

@@ -41,7 +41,7 @@ def check_json_tree(body: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
                 _check_string(key, f"{field} has a key that", field)
-                stack.append((item, key if depth == 1 else field, depth + 1))
+                stack.append((item, (key or "body") if depth == 1 else field, depth + 1))  # "" names nothing
         elif isinstance(value, list):
             stack.extend((item, field, depth + 1) for item in value)
         elif isinstance(value, str):
