@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # A private CA and one certificate per splitserve service, for the internal mTLS that deploy/ turns on.
 #
-#   bash deploy/internal-certs.sh DIR NAME...
+#   bash deploy/internal-certs.sh DIR NAME[:SAN,SAN...]...
 #   e.g. compose:     bash deploy/internal-certs.sh deploy/pki gateway prefill decode-0 decode-1
-#        Kubernetes:  bash deploy/internal-certs.sh pki gateway prefill-0 decode-0 decode-1
-#                     (then one Secret per name: deploy/k8s/README.md, "Internal auth")
+#        Kubernetes:  one certificate per role, naming the role's pods through a wildcard on its pool's
+#                     headless Service (then one Secret per role: docs/deploy.md, "Internal mTLS"):
+#                     bash deploy/internal-certs.sh pki gateway \
+#                       'prefill:*.splitserve-prefill.llm.svc.cluster.local' \
+#                       'decode:*.splitserve-decode.llm.svc.cluster.local'
 #
 # Writes DIR/ca.pem and DIR/ca.key (the CA; an existing one in DIR is reused, so a service added
 # later gets a certificate of the same CA), and DIR/NAME.pem + DIR/NAME.key for each NAME: an EC P-256
-# key and a certificate signed by the CA for server and client use, whose subjectAltNames are NAME and
-# SERVER_NAME. Every splitserve process checks its peers' certificates against SERVER_NAME
+# key and a certificate signed by the CA for server and client use, whose subjectAltNames are NAME, the SANs
+# listed after it (DNS names; a leading "*." covers one label, e.g. every pod of a StatefulSet) and SERVER_NAME. Every splitserve process checks its peers' certificates against SERVER_NAME
 # (--internal-tls-server-name): peers dial each other by advertised addresses (pod IPs in Kubernetes),
 # which no certificate can list in advance, so what a server proves is that it holds a certificate of
 # this CA. Keep ca.key away from the services (they need ca.pem only).
@@ -19,7 +22,7 @@
 # KEY_MODE (default 0600).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 DIR NAME... (e.g. $0 deploy/pki gateway prefill decode-0 decode-1)" >&2
+  echo "usage: $0 DIR NAME[:SAN,SAN...]... (e.g. $0 deploy/pki gateway prefill decode-0 decode-1)" >&2
   exit 2
 fi
 dir=$1
@@ -37,12 +40,25 @@ if [ ! -f "$dir/ca.pem" ] || [ ! -f "$dir/ca.key" ]; then
   echo "CA: $dir/ca.pem"
 fi
 
-for name in "$@"; do
+dns_name() {  # a DNS name, or "*." and one: exits naming the bad one
+  case "${1#\*.}" in
+    *[!A-Za-z0-9.-]* | "") echo "$0: '$1' is not a DNS name (letters, digits, '.', '-'; a leading '*.')" >&2; exit 2 ;;
+  esac
+}
+
+for arg in "$@"; do
+  name=${arg%%:*}
   case "$name" in
     *[!A-Za-z0-9.-]* | "") echo "$0: '$name' is not a DNS name (letters, digits, '.', '-')" >&2; exit 2 ;;
   esac
+  sans="DNS:$name"
+  if [ "$arg" != "$name" ]; then
+    IFS=, read -r -a extra <<<"${arg#*:}"
+    for san in "${extra[@]}"; do dns_name "$san"; sans="$sans,DNS:$san"; done
+  fi
+  sans="$sans,DNS:$server_name"
   ext=$(mktemp)
-  printf '%s\n' "subjectAltName=DNS:$name,DNS:$server_name" "extendedKeyUsage=serverAuth,clientAuth" \
+  printf '%s\n' "subjectAltName=$sans" "extendedKeyUsage=serverAuth,clientAuth" \
     "keyUsage=critical,digitalSignature" "basicConstraints=critical,CA:FALSE" >"$ext"
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$dir/$name.key" \
     -out "$dir/$name.csr" -subj "/CN=$name" 2>/dev/null
@@ -52,6 +68,6 @@ for name in "$@"; do
   chmod 0644 "$dir/$name.pem"
   chmod "${KEY_MODE:-0600}" "$dir/$name.key"
   if [ -n "${OWNER:-}" ]; then chown "$OWNER" "$dir/$name.key" "$dir/$name.pem"; fi
-  echo "$name: $dir/$name.pem, $dir/$name.key (DNS:$name, DNS:$server_name)"
+  echo "$name: $dir/$name.pem, $dir/$name.key (${sans//,/, })"
 done
 chmod 0644 "$dir/ca.pem"

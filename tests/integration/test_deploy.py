@@ -245,6 +245,15 @@ def test_internal_certs_script_signs_one_certificate_per_name_with_the_shared_na
     assert make_certs(tmp_path, "decode-1").returncode == 0 and (tmp_path / "ca.pem").read_bytes() == ca
     refused = make_certs(tmp_path, "bad name")
     assert refused.returncode == 2 and "'bad name' is not a DNS name" in refused.stderr
+    # one certificate per pool: a wildcard over the pool's headless Service names every pod of it
+    pool = "*.splitserve-decode.llm.svc.cluster.local"
+    assert make_certs(tmp_path, f"decode:{pool},splitserve-decode.llm.svc.cluster.local").returncode == 0
+    text = openssl("x509", "-in", str(tmp_path / "decode.pem"), "-noout", "-ext", "subjectAltName")
+    assert text.split("\n")[1].strip() == (
+        f"DNS:decode, DNS:{pool}, DNS:splitserve-decode.llm.svc.cluster.local, DNS:splitserve-internal"
+    )
+    refused = make_certs(tmp_path, "decode:a.*.b")
+    assert refused.returncode == 2 and "'a.*.b' is not a DNS name" in refused.stderr
 
 
 @pytest.mark.slow
