@@ -440,3 +440,27 @@ def test_bad_values_fail_naming_the_key(values, message):
     with pytest.raises((helm_python.HelmValuesError, helm_python.HelmRenderError)) as info:
         render(values)
     assert message in str(info.value)
+
+
+def test_the_template_script_renders_as_helm_template_with_values_files_and_set():
+    import subprocess
+    import sys
+
+    import yaml
+
+    script = [sys.executable, str(REPO / "scripts/helm-template.py"), "rel", str(CHART), "-n", "ns"]
+    keda = str(CHART / "ci/keda-values.yaml")
+    done = subprocess.run([*script, "-f", keda, "--set", "decode.autoscaling.enabled=false,decode.replicas=5"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    objects = by_kind([doc for doc in yaml.safe_load_all(done.stdout) if doc])
+    assert objects == by_kind(
+        render({**load_values(CHART / "ci/keda-values.yaml"), "decode": {"replicas": 5}}, release="rel", namespace="ns")
+    )
+    assert objects[("StatefulSet", "rel-splitserve-decode")]["spec"]["replicas"] == 5
+    assert ("ScaledObject", "rel-splitserve-decode") not in objects and (
+        "ScaledObject",
+        "rel-splitserve-prefill",
+    ) in objects
+    refused = subprocess.run([*script, "--set", "gateway.replicas=-1"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "at '/gateway/replicas': minimum: got -1, want 0" in refused.stderr
