@@ -53,6 +53,14 @@ def render(values: dict[str, Any] | None = None, *, release: str = RELEASE, name
     return docs
 
 
+def lint(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`helm lint --strict -n NAMESPACE` of the chart with these values: {"messages": [...], "errors": [...]}."""
+    import helm_python
+
+    _chart()  # logging off
+    return helm_python.lint(str(CHART), values or {}, strict=True, namespace=NAMESPACE)
+
+
 def notes(values: dict[str, Any] | None = None) -> str:
     return _chart().render(values or {}, name=RELEASE, namespace=NAMESPACE)["splitserve/templates/NOTES.txt"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -16,6 +17,7 @@ from tests.deploy.chart import (
     by_kind,
     container,
     flag,
+    lint,
     load_values,
     notes,
     render,
@@ -80,6 +82,11 @@ BASE_OBJECTS = [
 def test_every_values_file_renders_objects_that_pass_their_schemas(path):
     docs = render(load_values(path))
     case = path.name.removesuffix("-values.yaml")
+    linted = lint(load_values(path))  # helm lint --strict: only its advice to add an icon (severity 1, info)
+    assert (linted["errors"], linted["messages"]) == (
+        [],
+        [{"severity": 1, "path": "Chart.yaml", "error": "icon is recommended"}],
+    )
     assert sorted(by_kind(docs)) == sorted(BASE_OBJECTS + EXPECTED_OBJECTS[case])
     assert [error for doc in docs for error in schema_errors(doc)] == []
     for doc in docs:
@@ -358,6 +365,9 @@ def test_hpa_reads_the_adapters_metrics_and_the_service_monitors_keep_the_dashbo
         (endpoint,) = monitor["spec"]["endpoints"]
         assert (endpoint["port"], endpoint["honorLabels"], endpoint["interval"]) == (port, honor, "10s")
     # the dashboard selects jobs splitserve-gateway|prefill|decode: the Services carry those names
+    panels = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])]
+    selected = {job for q in panels for value in re.findall(r'job=~?"([^"]+)"', q) for job in value.split("|")}
+    assert selected == {"splitserve-gateway", "splitserve-prefill", "splitserve-decode"}
     jobs = {
         name: doc["metadata"]["labels"].get("splitserve/job")
         for (kind, name), doc in objects.items()
