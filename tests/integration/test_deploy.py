@@ -512,15 +512,29 @@ def metrics_stack(tmp_path_factory):
             proc.log.close()
 
 
+# The labels a Kubernetes scrape (ServiceMonitor or pod annotations) attaches, as the Helm chart's release
+# "splitserve" in namespace "llm" names the pods: the autoscalers' queries select on them.
+POD_LABELS = {
+    "prefill:9100": {"namespace": "llm", "pod": "splitserve-prefill-0"},
+    "decode-0:9100": {"namespace": "llm", "pod": "splitserve-decode-0"},
+    "decode-1:9100": {"namespace": "llm", "pod": "splitserve-decode-1"},
+    "gateway:8000": {"namespace": "llm", "pod": "splitserve-gateway-7d9f8-x2x4q"},
+}
+
+
 def start_prometheus(tmp_path: Path, targets: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """deploy/prometheus.yml with compose names swapped for the stack's loopback addresses."""
+    """deploy/prometheus.yml with compose names swapped for the stack's loopback addresses, each target also
+    labelled with its pod's POD_LABELS."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", scrape_timeout="1s")
     swapped = set()
     for job in config["scrape_configs"]:
-        for static in job["static_configs"]:
-            static["targets"] = [targets[t] for t in static["targets"]]
-            swapped.update(static["targets"])
+        job["static_configs"] = [
+            {"targets": [targets[t]], "labels": {**static.get("labels", {}), **POD_LABELS[t]}}
+            for static in job["static_configs"]
+            for t in static["targets"]
+        ]
+        swapped.update(t for static in job["static_configs"] for t in static["targets"])
     assert swapped == set(targets.values())  # the shipped targets are exactly the stack's processes
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -623,9 +637,32 @@ def test_prometheus_scrapes_the_stack(metrics_stack, tmp_path):
         metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", variable).groups()
         values = httpx.get(f"{prom}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=5).json()
         assert values == {"status": "success", "data": ["default_model"]}
+        check_autoscaler_queries(prom)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def check_autoscaler_queries(prom: str) -> None:
+    """The Helm chart's KEDA queries, evaluated on the idle stack after its requests: each selects exactly its
+    pool's pods' series, and reads the state the engines report (nothing running or waiting; a queue time from
+    the prompts that ran)."""
+    from tests.deploy.chart import by_kind, render
+
+    queries = {}
+    for metrics in ({"prefill": "queueTime", "decode": "requests"}, {"prefill": "waiting", "decode": "kvUsage"}):
+        values = {"autoscaling": {"kind": "keda"}}
+        values |= {role: {"autoscaling": {"enabled": True, "metric": m, "target": "1"}} for role, m in metrics.items()}
+        for role, metric in metrics.items():
+            (trigger,) = by_kind(render(values))[("ScaledObject", f"splitserve-{role}")]["spec"]["triggers"]
+            queries[metric] = trigger["metadata"]["query"]
+    for metric, series in (("requests", 4), ("waiting", 1), ("kvUsage", 2)):  # running + waiting of 2 decodes
+        assert queries[metric].startswith("sum("), queries[metric]
+        assert scalar(prom, "count(" + queries[metric].removeprefix("sum(")) == series, queries[metric]
+    assert scalar(prom, queries["requests"]) == 0 and scalar(prom, queries["waiting"]) == 0
+    assert 0 <= scalar(prom, queries["kvUsage"]) <= 2
+    queue_p90 = scalar(prom, queries["queueTime"])  # four prompts ran at the prefill within the 2-minute window
+    assert queue_p90 is not None and 0 < queue_p90 <= 80, queries["queueTime"]
 
 
 @pytest.mark.slow
