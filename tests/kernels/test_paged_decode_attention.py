@@ -137,3 +137,107 @@ def test_gpu_large(compare_with_dense, dtype, num_splits, block_size, num_q_head
         dtype=dtype,
         num_splits=num_splits,
     )
+
+
+EXTRAS_LENS = [1, 7, 37, 18]
+
+
+def _sinks_window_case(make_paged_kv, device, dtype=torch.float32):
+    """A decode batch over EXTRAS_LENS (2 KV heads, 4 query heads, block size 4), q, and sinks some of which
+    outweigh every key."""
+    paged = make_paged_kv(EXTRAS_LENS, 2, 16, 4, dtype, device)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(EXTRAS_LENS), 4, 16, generator=gen).to(device)
+    sinks = (2.0 * torch.randn(4, generator=gen)).to(device)
+    return paged, q, sinks
+
+
+def _engine_cpu_attention(q, paged, sinks, window, scale):
+    """engine.worker.attention's float64 torch path (the one the gpt-oss model test holds equal to transformers)
+    for one new token per sequence."""
+    from splitserve.engine.worker.attention import AttentionMetadata, attention_sinks_window_torch
+
+    batch = q.shape[0]
+    qsl = list(range(batch + 1))
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32),
+        paged.seq_lens.cpu(),
+        paged.block_tables.cpu(),
+        torch.empty(0),
+        1,
+        max(EXTRAS_LENS),
+        qsl,
+        paged.seq_lens.tolist(),
+    )
+    k, v = paged.k_cache.double().cpu(), paged.v_cache.double().cpu()
+    return attention_sinks_window_torch(q.double().cpu(), k, v, meta, scale, sinks, window)
+
+
+# sinks alone; windows shorter than some contexts (5: shorter than 7, 18 and 37), starting mid-block and
+# mid-tile (20), longer than every context (64); windows with sinks
+@pytest.mark.parametrize("with_sinks,window", [(True, None), (False, 5), (False, 20), (True, 20), (True, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sinks_and_window_match_the_engines_cpu_attention(make_paged_kv, device, with_sinks, window, num_splits):
+    """16-token tiles, so three splits of a window share it (37 tokens, window 20: [17, 33), [33, 37), none)."""
+    from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    paged, q, sinks = _sinks_window_case(make_paged_kv, device)
+    sinks = sinks if with_sinks else None
+    want = _engine_cpu_attention(q, paged, None if sinks is None else sinks.double().cpu(), window, 0.25)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.25)
+    config = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, config=config, sinks=sinks, sliding_window=window)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    ref = paged_decode_attention(*args, impl="ref", sinks=sinks, sliding_window=window)
+    torch.testing.assert_close(ref.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    plain = paged_decode_attention(*args, impl="ref")
+    assert not torch.allclose(plain, ref, atol=1e-2)  # the extras matter on these inputs
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_keys_outside_the_window_are_never_read(make_paged_kv, device, num_splits):
+    """NaN in every key and value before each sequence's window (blocks wholly outside it, and the head of the
+    block where it starts) leaves the output finite and equal to the clean cache's: those blocks are skipped,
+    not masked (a masked score still multiplies its NaN value by zero)."""
+    from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    paged, q, sinks = _sinks_window_case(make_paged_kv, device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.25)
+    extras = dict(num_splits=num_splits, sinks=sinks, sliding_window=6)
+    want = paged_decode_attention_triton(*args, **extras)
+    for b, seq_len in enumerate(EXTRAS_LENS):
+        for pos in range(max(seq_len - 6, 0)):
+            block = paged.block_tables[b, pos // 4]
+            paged.k_cache[block, pos % 4] = float("nan")
+            paged.v_cache[block, pos % 4] = float("nan")
+    got = paged_decode_attention_triton(*args, **extras)
+    assert torch.equal(got, want)
+
+
+def test_sinks_and_window_over_an_fp8_cache(device):
+    """An e4m3 cache takes the extras in the upcast kernel (the fp8 variants take none): equal to the reference
+    on the same e4m3 values, split or not; a variant named with them is refused."""
+    from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+    from tests.kernels.conftest import PagedKv
+
+    paged = PagedKv(EXTRAS_LENS, 2, 16, 4, torch.float8_e4m3fn, device)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(EXTRAS_LENS), 4, 16, generator=gen).to(device)
+    sinks = torch.randn(4, generator=gen).to(device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.25)
+    want = paged_decode_attention(*args, impl="ref", sinks=sinks, sliding_window=9)
+    for num_splits in (1, 2):
+        got = paged_decode_attention_triton(*args, num_splits=num_splits, sinks=sinks, sliding_window=9)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"^paged_decode_attention: sinks and sliding windows run in VARIANT "):
+        paged_decode_attention_triton(*args, config=dict(VARIANT="rows"), sinks=sinks)
+
+
+def test_sinks_and_window_refusals(device):
+    q = torch.zeros(1, 4, 16, device=device)
+    cache = torch.zeros(2, 4, 2, 16, device=device)
+    args = (q, cache, cache, torch.zeros(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^paged_decode_attention: sinks must be \(4,\) \(one per query head\), "):
+        paged_decode_attention(*args, 1.0, sinks=torch.zeros(2, device=device))
+    with pytest.raises(ValueError, match=r"^paged_decode_attention: sliding_window must be at least 1, got 0$"):
+        paged_decode_attention(*args, 1.0, sliding_window=0)

@@ -75,6 +75,14 @@ def check_paged_attention_shapes(op_name: str, q_dims: str, q, k_cache, v_cache)
         raise ValueError(f"{op_name}: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
 
 
+def check_sinks_window(op_name: str, num_q_heads: int, sinks, sliding_window: int | None) -> None:
+    """gpt-oss's extras: sinks one logit per query head, a window of at least one position."""
+    if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"{op_name}: sinks must be ({num_q_heads},) (one per query head), got {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{op_name}: sliding_window must be at least 1, got {sliding_window}")
+
+
 def gather_sequence_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,13 @@ contiguous ranges processed in parallel; a second kernel merges the partial soft
 
 Scores are kept in log2 units (x = q.k * scale * log2(e)) so the kernel uses exp2.
 A sequence with seq_len 0 (batch padding) gets a zero output.
+
+gpt-oss's extras. `sinks` (Hq,): each head's learned logit joins the softmax's denominator only (it weighs no
+value); it enters once, where the partials meet: after the loop without split-K, in the merge with it
+(M = max(M, sink), denominator + 2^(sink - M)). `sliding_window` W: the query at position p = seq_len - 1 sees
+keys in (p - W, p], so the splits cut [max(seq_len - W, 0), seq_len) instead of [0, seq_len): blocks wholly
+outside the window are never read, and every key a split reads is visible (no mask beyond the tail).
+Both run only in the upcast kernel (any cache dtype, fp8 included); the fp8 variants take neither.
 The caches may be float8_e4m3fn (half the bytes): tiles are upcast after loading, to float16 with
 q cast to float16 too (DOT_F16: one packed e4m3 -> f16 convert per two values; bf16 would need a
 second convert for each); any cache scale is the caller's (fold k's into `scale`, multiply the
@@ -31,6 +38,7 @@ import triton.language as tl
 from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
 from splitserve.kernels._common import (
     check_paged_attention_shapes,
+    check_sinks_window,
     dot_precision,
     fp8_dot_f16,
     gather_sequence_kv,
@@ -59,7 +67,9 @@ def _decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    sinks_ptr,
     qk_scale,
+    window,
     num_splits,
     stride_qb,
     stride_qh,
@@ -87,14 +97,19 @@ def _decode_kernel(
     PREC: tl.constexpr,
     DOT_F16: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    first = 0  # the first key the query sees
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -153,6 +168,12 @@ def _decode_kernel(
         tl.store(part_ml_ptr + row.to(tl.int64) * 2, m, mask=g_mask)
         tl.store(part_ml_ptr + row.to(tl.int64) * 2 + 1, l, mask=g_mask)
     else:
+        if HAS_SINKS:  # the sink's logit (log2 units) joins the running max and the denominator
+            sink = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m, sink)
+            rescale = tl.exp2(m - m_all)
+            acc = acc * rescale[:, None]
+            l = l * rescale + tl.exp2(sink - m_all)
         l = tl.where(l == 0.0, 1.0, l)
         o = acc / l[:, None]
         tl.store(
@@ -167,6 +188,7 @@ def _merge_splits_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_ob,
     stride_oh,
@@ -176,6 +198,7 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -189,8 +212,14 @@ def _merge_splits_kernel(
     acc = tl.load(
         part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0
     )  # (BLOCK_S, BLOCK_D)
-    w = tl.exp2(m - tl.max(m, axis=0))  # (BLOCK_S,)
+    m_max = tl.max(m, axis=0)
+    if HAS_SINKS:  # the one place the sink enters: a term of the denominator, no value
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp2(m - m_max)  # (BLOCK_S,)
     denom = tl.sum(w * l, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_max)
     denom = tl.where(denom == 0.0, 1.0, denom)
     o = tl.sum(acc * w[:, None], axis=0) / denom  # (BLOCK_D,)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -251,8 +280,10 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         )
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
-    """Plain-torch reference (fp32 math), one sequence at a time."""
+def paged_decode_attention_ref(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sinks=None, sliding_window=None
+):
+    """Plain-torch reference (fp32 math), one sequence at a time; `sinks` / `sliding_window` as the module says."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -263,13 +294,21 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)  # (L, Hkv, D) fp32
         qb = q[b].float().view(num_kv_heads, group, -1)  # (Hkv, G, D)
         scores = torch.einsum("hgd,lhd->hgl", qb, k) * scale  # (Hkv, G, L)
-        probs = scores.softmax(dim=-1)
+        if sliding_window is not None:  # the query at seq_len - 1 sees the last `sliding_window` keys
+            scores[..., : max(seq_len - sliding_window, 0)] = float("-inf")
+        if sinks is not None:  # one more logit per head, dropped after the softmax
+            scores = torch.cat((scores, sinks.float().view(num_kv_heads, group, 1)), dim=-1)
+        probs = scores.softmax(dim=-1)[..., :seq_len]
         out[b] = torch.einsum("hgl,lhd->hgd", probs, v).reshape(num_q_heads, -1).to(out.dtype)
     return out
 
 
-def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu):
-    """`_decode_kernel`: any cache dtype; an fp8 cache's tiles upcast after loading (VARIANT "upcast")."""
+def _launch_upcast(
+    q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu, extras
+):
+    """`_decode_kernel`: any cache dtype; an fp8 cache's tiles upcast after loading (VARIANT "upcast").
+    extras: (sinks or None, sliding_window or None)."""
+    sinks, window = extras
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -282,7 +321,9 @@ def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         out,
         part_acc,
         part_ml,
+        out if sinks is None else sinks,
         scale * LOG2E,
+        window or 0,
         num_splits,
         *q.stride(),
         *k_cache.stride(),
@@ -300,17 +341,22 @@ def _launch_upcast(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
         PREC=dot_precision(q.dtype),
         DOT_F16=cfg.get("DOT_F16", fp8_dot_f16(q, k_cache)),
         **pdl_launch(q),
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=window is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
 
-def _launch_triton(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu):
+def _launch_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu,
+    extras=(None, None),
+):  # fmt: skip
     """The Triton kernel `cfg` names: the upcast kernel, or one of paged_decode_attention_fp8's variants."""
     variant = cfg.get("VARIANT", "upcast")
     if variant == "upcast":
         _launch_upcast(
-            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu
+            q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, num_splits, cfg, on_cpu, extras
         )
         return
     check_fp8_variant(variant, k_cache, v_cache, q.shape[2])
@@ -321,13 +367,15 @@ def _launch_triton(q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, p
 
 
 def paged_decode_attention_triton(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None
-):
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, config=None, sinks=None,
+    sliding_window=None,
+):  # fmt: skip
     """Triton kernels, or for an e4m3 cache on a GPU of capability >= 8.9 the CUDA kernel of
     paged_decode_attention_fp8_mma (VARIANT "mma", the default there when it takes the operands). `config`
     overrides the choice (benchmarks and tests only): VARIANT "mma", "upcast" or one of
     paged_decode_attention_fp8.FP8_VARIANTS, with their options (decode_config's default for an fp8 cache the
-    mma kernel cannot take: "rows"; resolve_config says what an override gives)."""
+    mma kernel cannot take: "rows"; resolve_config says what an override gives). With `sinks` or
+    `sliding_window` the upcast kernel runs, whatever the cache (module docstring)."""
     batch, num_q_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
@@ -336,10 +384,15 @@ def paged_decode_attention_triton(
     on_cpu = interpreting(q)
     sms = 4 if on_cpu else num_sms(q.device.index or 0)
     max_context = block_tables.shape[1] * block_size  # the table's width: an upper bound on every length
+    if sliding_window is not None:  # a window bounds the keys any split reads
+        max_context = min(max_context, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
     mma_operands = (q, k_cache, v_cache, out, block_tables, seq_lens)
-    if config is not None:
+    extras = (sinks, sliding_window)
+    if sinks is not None or sliding_window is not None:
+        cfg = _extras_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
+    elif config is not None:
         cfg = resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache, config)
         if cfg.get("VARIANT") == "mma":  # asked for by name: what it cannot run is named
             why = fp8_mma.supports(*mma_operands) or (None if fp8_mma.available(q.device) else "no e4m3 mma here")
@@ -371,12 +424,13 @@ def paged_decode_attention_triton(
                 *launch, scale, num_splits, resolve_config(head_dim, q.dtype, on_cpu, k_cache, v_cache), on_cpu
             )
     else:
-        _launch_triton(*launch, scale, num_splits, cfg, on_cpu)
+        _launch_triton(*launch, scale, num_splits, cfg, on_cpu, extras)
     if is_split:
         _merge_splits_kernel[(batch, num_q_heads)](
             part_acc,
             part_ml,
             out,
+            out if sinks is None else sinks,
             num_splits,
             *out.stride(),
             NUM_HEADS=num_q_heads,
@@ -384,9 +438,23 @@ def paged_decode_attention_triton(
             BLOCK_D=block_d,
             BLOCK_S=max(2, next_pow2(num_splits)),
             **pdl_launch(out),
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out
+
+
+def _extras_config(head_dim, dtype, on_cpu, k_cache, v_cache, config) -> dict:
+    """The upcast kernel's tiles for a call with sinks or a window (an fp8 cache: its upcast tile); `config` over
+    them, which may name no other VARIANT."""
+    if config is not None and config.get("VARIANT", "upcast") != "upcast":
+        raise ValueError(
+            f"paged_decode_attention: sinks and sliding windows run in VARIANT 'upcast' only, got {config['VARIANT']!r}"
+        )
+    base = decode_config(head_dim, dtype, on_cpu)  # q's dtype: the 16-bit tile, no fp8 variant
+    if k_cache.dtype == torch.float8_e4m3fn and not on_cpu:
+        base = dict(FP8_UPCAST_TILE)
+    return dict(base, **(config or {}), VARIANT="upcast")
 
 
 def paged_decode_attention(
@@ -399,15 +467,19 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     impl: str = "auto",
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q (B, Hq, D) over each sequence's first seq_lens[b] cached tokens -> (B, Hq, D).
 
     num_splits: split-K factor (None: choose_num_splits); ignored by the reference.
+    sinks (Hq,) / sliding_window: gpt-oss's (module docstring).
     Math in fp32, output in q's dtype (or written into `out`).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens)
+    check_sinks_window("paged_decode_attention", q.shape[1], sinks, sliding_window)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, scale)
+    extras = dict(out=out, sinks=sinks, sliding_window=sliding_window)
     if use_triton(impl, q, "paged_decode_attention"):
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits
-        )
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+        return paged_decode_attention_triton(*args, num_splits=num_splits, **extras)
+    return paged_decode_attention_ref(*args, **extras)

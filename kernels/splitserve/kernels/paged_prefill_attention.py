@@ -28,6 +28,7 @@ import triton.language as tl
 
 from splitserve.kernels._common import (
     check_paged_attention_shapes,
+    check_sinks_window,
     dot_precision,
     fp8_dot_f16,
     gather_sequence_kv,
@@ -366,12 +367,7 @@ def paged_prefill_attention(
     Rows of q outside every sequence's range are left untouched in `out`. sinks (Hq,) / sliding_window: gpt-oss's.
     """
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(
-            f"paged_prefill_attention: sinks must be ({q.shape[1]},) (one per query head), got {tuple(sinks.shape)}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"paged_prefill_attention: sliding_window must be at least 1, got {sliding_window}")
+    check_sinks_window("paged_prefill_attention", q.shape[1], sinks, sliding_window)
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale)
     extras = dict(out=out, sinks=sinks, sliding_window=sliding_window)
     if use_triton(impl, q, "paged_prefill_attention"):
