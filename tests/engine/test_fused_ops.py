@@ -20,7 +20,15 @@ from tests.model_factory import SeqSpec, build_meta, make_tiny_model_dir, step_p
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("arch,kwargs", [("llama", dict(num_kv_heads=2)), ("qwen2", dict(num_kv_heads=1))])
+GPT_OSS_SMALL = dict(
+    num_kv_heads=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5
+)  # a window shorter than both sequences: dropping it (or the sinks) on the fused path changes the logits
+
+
+@pytest.mark.parametrize(
+    "arch,kwargs",
+    [("llama", dict(num_kv_heads=2)), ("qwen2", dict(num_kv_heads=1)), ("gpt_oss", GPT_OSS_SMALL)],
+)
 def test_fused_layers_equal_unfused(tmp_path, monkeypatch, arch, kwargs):
     path = make_tiny_model_dir(tmp_path, arch, vocab_size=503, dtype=torch.float32, **kwargs)
     net, config = load_model(path, dtype=torch.float32, device="cpu")
@@ -132,13 +140,18 @@ FP8_STEPS = [
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu]), "cpu"])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
-def test_fp8_cache_fused_rotary_write_equals_the_unfused_ops(device, k_scale, v_scale):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_fp8_cache_fused_rotary_write_equals_the_unfused_ops(device, k_scale, v_scale, gpt_oss):
     """Into an fp8 cache with per-layer scales, over three steps: the fused path (rotary_kv_write, then paged
     attention with the scales folded in) leaves the cache bytes and rotated q the unfused ops (rotary_embedding,
     attention_forward) leave; q, k and the output equal theirs bit for bit on a GPU (the same kernels and folding;
-    rope_write_attend routes there), within float32 rounding on CPU (kernel references against the CPU path)."""
+    rope_write_attend routes there), within float32 rounding on CPU (kernel references against the CPU path).
+    `gpt_oss`: with attention sinks and a window of 5 positions, which both paths pass to the attention."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     heads, kv_heads, dim, bs = 4, 2, 32, 4
+    extras = {}
+    if gpt_oss:
+        extras = dict(sinks=torch.linspace(-1.0, 2.0, heads, device=device, dtype=dtype), sliding_window=5)
     kv = torch.full((12, 2, 2, bs, kv_heads, dim), 7.0, dtype=torch.float8_e4m3fn, device=device)
     want_kv = kv.clone()
     cos_sin = build_cos_sin_cache(dim, 64, 10000.0, None, dtype, device=device)
@@ -153,12 +166,12 @@ def test_fp8_cache_fused_rotary_write_equals_the_unfused_ops(device, k_scale, v_
         args = (k, v, cos_sin, kv[:, 1, 0], kv[:, 1, 1], meta, dim**-0.5, k_scale, v_scale)
         if device == "cuda":
             assert fused_ops.fused_write_applies(q, k, kv)
-            out = fused_ops.rope_write_attend(positions, q, *args)
+            out = fused_ops.rope_write_attend(positions, q, *args, **extras)
         else:
-            out = fused_ops.rope_write_attend_fused(positions, q, *args)
+            out = fused_ops.rope_write_attend_fused(positions, q, *args, **extras)
         rotary_embedding(positions, want_q, want_k, cos_sin)
         want = attention_forward(
-            want_q, want_k, v, want_kv[:, 1, 0], want_kv[:, 1, 1], meta, dim**-0.5, k_scale, v_scale
+            want_q, want_k, v, want_kv[:, 1, 0], want_kv[:, 1, 1], meta, dim**-0.5, k_scale, v_scale, **extras
         )
         assert torch.equal(kv.view(torch.uint8), want_kv.view(torch.uint8))
         for got, expected in ((q, want_q), (k, want_k), (out, want)):

@@ -1,6 +1,6 @@
 """gpt-oss: greedy tokens equal transformers `generate` in float64 through the offline LLM (prompts longer than the
 sliding window, prefix hits, preemption); its config traits and YaRN; MXFP4 experts dequantized as transformers
-does; the refusal of CUDA. Blocks return to where they started in every run.
+does; the CUDA path's dispatch of sinks and windows. Blocks return to where they started in every run.
 """
 
 import math
@@ -10,10 +10,9 @@ import torch
 
 from splitserve.engine.worker.loader import load_model
 from splitserve.engine.worker.model_config import ModelConfig
-from splitserve.engine.worker.models.gpt_oss import GptOssForCausalLM
 from tests.engine.test_engine_exact import engine_greedy as exact_engine_greedy
 from tests.engine.test_engine_exact import make_prompts
-from tests.model_factory import hf_greedy, make_tiny_model_dir
+from tests.model_factory import SeqSpec, build_meta, hf_greedy, make_tiny_model_dir
 
 MAX_NEW = 5
 WINDOW = 8
@@ -159,11 +158,35 @@ def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(model_dir, tmp_path):
     )
 
 
-def test_cuda_is_refused_naming_what_is_missing(model_dir):
-    config = ModelConfig.from_pretrained(model_dir)
-    with pytest.raises(ValueError) as err:
-        GptOssForCausalLM(config, torch.float32, "cuda")
-    assert str(err.value) == (
-        "GptOssForCausalLM runs on CPU only: the CUDA paged decode and fresh-prefill attention kernels do not "
-        "implement attention sinks or sliding windows (device 'cuda'); use device='cpu'"
-    )
+# a step of fresh prompts, a decode beside a chunk after a cached prefix, a decode-only step (block size 4)
+ROUTED_STEPS = [
+    [SeqSpec(0, 11, (3, 1, 6)), SeqSpec(0, 3, (5,))],
+    [SeqSpec(11, 1, (3, 1, 6)), SeqSpec(3, 10, (5, 7, 2, 4))],
+    [SeqSpec(12, 1, (3, 1, 6, 0)), SeqSpec(13, 1, (5, 7, 2, 4))],
+]
+
+
+def test_the_cuda_route_passes_sinks_and_windows_to_the_paged_kernels(monkeypatch):
+    """paged_attention_cuda, the CUDA path's dispatch (on CPU tensors the kernels' references run), with sinks and a
+    window of 5 equals attention_sinks_window_torch over fresh, mixed and decode-only steps; fresh prompts go
+    through paged prefill even where the fresh-prompt kernel would take them (it has neither extra)."""
+    from splitserve.engine.worker.attention import attention_sinks_window_torch, paged_attention_cuda, write_kv
+    from splitserve.kernels import fresh_prefill_attention as fresh
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the fresh-prompt kernel ran with sinks or a window")
+
+    monkeypatch.setattr(fresh, "fresh_supported", lambda *args: True)
+    monkeypatch.setattr(fresh, "fresh_prefill_attention", refused)
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.zeros(8, 2, 4, 2, 16, dtype=torch.float64)  # (blocks, k|v, block size, Hkv, D)
+    sinks = 2.0 * torch.randn(4, generator=gen, dtype=torch.float64)
+    for specs in ROUTED_STEPS:
+        meta = build_meta(specs, 4)
+        q, k, v = (torch.randn(len(meta.slot_mapping), h, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        write_kv(k, v, kv[:, 0], kv[:, 1], meta.slot_mapping)
+        got = paged_attention_cuda(q, kv[:, 0], kv[:, 1], meta, 0.25, k, v, sinks=sinks, sliding_window=5)
+        want = attention_sinks_window_torch(q, kv[:, 0], kv[:, 1], meta, 0.25, sinks, 5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the references compute in float32
+        plain = attention_sinks_window_torch(q, kv[:, 0], kv[:, 1], meta, 0.25, None, None)
+        assert not torch.allclose(plain, want, atol=1e-2)

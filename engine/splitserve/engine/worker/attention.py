@@ -12,7 +12,10 @@ q_len_i = query_start_loc[i+1] - query_start_loc[i] are new:
 `attention_forward` first writes the new keys/values into their slots
 (slot_mapping; negative slots are padding and skipped), then attends reading
 everything from the cache. On CUDA it dispatches to the Triton kernels in
-`kernels/`; elsewhere it runs the torch path below.
+`kernels/`; elsewhere it runs the torch path below. gpt-oss's sinks and sliding windows: on CUDA the paged
+decode and paged prefill kernels take them (a fresh prompt goes through paged prefill: the fresh-prompt
+kernel takes neither); elsewhere `attention_sinks_window_torch`. Both are per-layer constants, so a decode
+step with them still captures into a CUDA graph.
 
 An fp8 cache holds k / k_scale and v / v_scale (per-layer scales): the write divides, and the
 readers fold the scales in instead of multiplying every element back:
@@ -268,12 +271,11 @@ def attention_forward(
     """Write this step's k/v (T, Hkv, D) into the cache, then attend: q (T, Hq, D) -> (T, Hq, D).
 
     k_scale / v_scale: what an fp8 cache's values are multiplied by to be keys / values (1.0 else).
-    sinks (Hq,) / sliding_window: gpt-oss's (attention_sinks_window_torch; CPU only)."""
+    sinks (Hq,) / sliding_window: gpt-oss's (attention_sinks_window_torch says what they mean)."""
     extras = sinks is not None or sliding_window is not None
-    if q.is_cuda and extras:
-        raise ValueError("attention sinks and sliding windows are implemented on CPU only")
     if q.is_cuda:
-        out = _attention_cuda(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        scales = (k_scale, v_scale)
+        out = _attention_cuda(q, k, v, k_cache, v_cache, meta, scale, scales, sinks, sliding_window)
     elif extras:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = attention_sinks_window_torch(q, k_cache, v_cache, meta, scale * k_scale, sinks, sliding_window)
@@ -288,12 +290,14 @@ def attention_forward(
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
-def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, k_scale, v_scale) -> torch.Tensor:
-    """The Triton kernels: KV write, then paged decode (all one-token) or paged prefill attention."""
+def _attention_cuda(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, scales, sinks, window):
+    """The Triton kernels: KV write (k / k_scale, v / v_scale of `scales`), then paged decode (all one-token) or
+    paged prefill attention; the caller multiplies the output by v_scale."""
     from splitserve import kernels
 
+    k_scale, v_scale = scales
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    return paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale)
+    return paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale, sinks=sinks, sliding_window=window)
 
 
 def all_fresh(meta: AttentionMetadata) -> bool:
@@ -306,19 +310,26 @@ def all_fresh(meta: AttentionMetadata) -> bool:
     return fresh
 
 
-def paged_attention_cuda(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None, v_new=None):
+def paged_attention_cuda(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None, v_new=None, sinks=None,
+    sliding_window=None,
+):  # fmt: skip
     """Attention over keys/values already in the cache (Triton): paged decode when every sequence has
     one new token; when none has cached tokens and the step's own k_new/v_new (T, Hkv, D) are given,
-    the fresh-prompt kernel reading those (TMA); else paged prefill. q (T, Hq, D) -> (T, Hq, D)."""
+    the fresh-prompt kernel reading those (TMA); else paged prefill. q (T, Hq, D) -> (T, Hq, D).
+    sinks / sliding_window (attention_sinks_window_torch): paged decode or paged prefill, never the fresh kernel."""
     from splitserve import kernels
 
-    if not meta.is_decode_only and k_new is not None and all_fresh(meta):
+    extras = dict(sinks=sinks, sliding_window=sliding_window)
+    plain = sinks is None and sliding_window is None
+    if plain and not meta.is_decode_only and k_new is not None and all_fresh(meta):
         from splitserve.kernels.fresh_prefill_attention import fresh_prefill_attention, fresh_supported
 
         if fresh_supported(q, k_new, v_new):
             return fresh_prefill_attention(q, k_new, v_new, meta.query_start_loc, meta.max_query_len, scale)
     if meta.is_decode_only:
-        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, **extras)
     return kernels.paged_prefill_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
-    )
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
+        **extras,
+    )  # fmt: skip

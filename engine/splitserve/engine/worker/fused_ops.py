@@ -5,7 +5,8 @@
     rope_write_attend  rotary + KV write, then attention             two launches instead of three (seven
                     with Qwen3's q/k norms, whose two norms and two reshape copies it takes in);
                     a step of fresh prompts reads its own k/v (kernels.fresh_prefill_attention);
-                    into a 16-bit cache of k's dtype or an fp8 one (k_scale / v_scale)
+                    into a 16-bit cache of k's dtype or an fp8 one (k_scale / v_scale); gpt-oss's
+                    sinks and sliding window passed on to the paged kernels
 
 Why: at batch 1 an 8B decode step is ~350 small launches beyond its GEMMs; each fusion here removes
 launches or a round trip of the activations (docs/performance.md, "Findings that set defaults"). Few-row
@@ -110,19 +111,22 @@ def rope_write_attend(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     qk_norm=None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """(Normalize q/k per head: `qk_norm`, Qwen3's (q_norm, k_norm) RMSNorm modules,) rotate q/k, write k/v into
     the cache, attend: q (T, Hq, D) -> (T, Hq, D). When `fused_write_applies` the norms, the rotation and the
     write are one kernel (`kernels.rotary_kv_write`), then `rope_write_attend_fused`; elsewhere the unfused ops.
-    An fp8 cache stores k / k_scale, v / v_scale (engine.worker.attention)."""
+    An fp8 cache stores k / k_scale, v / v_scale; sinks / sliding_window: gpt-oss's (engine.worker.attention)."""
+    extras = dict(sinks=sinks, sliding_window=sliding_window)
     if fused_write_applies(q, k, k_cache):
         return rope_write_attend_fused(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale, k_scale, v_scale, qk_norm
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, scale, k_scale, v_scale, qk_norm, **extras
         )
     if qk_norm is not None:
         q, k = qk_norm[0](q), qk_norm[1](k)
     rotary_embedding(positions, q, k, cos_sin_cache)
-    return attention_forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return attention_forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, **extras)
 
 
 def rope_write_attend_fused(
@@ -138,6 +142,8 @@ def rope_write_attend_fused(
     k_scale=1.0,
     v_scale=1.0,
     qk_norm=None,
+    sinks=None,
+    sliding_window=None,
 ) -> torch.Tensor:
     """The fused path of rope_write_attend (its kernels' torch references on CPU tensors). The scales fold in
     as attention_forward's CUDA path folds them (scale * k_scale, the output times v_scale), so its result
@@ -163,5 +169,6 @@ def rope_write_attend_fused(
         **norms,
     )
     own_kv = (k, v) if k_cache.dtype == k.dtype else ()
-    out = paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale, *own_kv)
+    extras = dict(sinks=sinks, sliding_window=sliding_window)
+    out = paged_attention_cuda(q, k_cache, v_cache, meta, scale * k_scale, *own_kv, **extras)
     return out if v_scale == 1.0 else out.mul_(v_scale)

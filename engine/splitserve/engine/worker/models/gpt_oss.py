@@ -13,31 +13,19 @@ Released checkpoints hold the experts' weights in MXFP4 instead (`..._blocks` + 
 dequantized at load (engine.worker.mxfp4). The experts are stored output-major, as the fused MoE kernel reads
 them (models/gpt_oss_moe.py), so the checkpoint's input-major tensors load through transposed views.
 
-Runs on CPU only: the fused MoE kernel and the paged prefill attention kernel take gpt-oss's extras, but the
-paged decode and fresh-prefill attention kernels do not yet take sinks or sliding windows.
+On CUDA the fused MoE kernel and the paged decode and prefill attention kernels take gpt-oss's extras (fresh
+prompts attend through paged prefill; engine.worker.attention); on CPU their torch references, exact in float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.worker.model_config import ModelConfig
 from splitserve.engine.worker.models.llama import DecoderForCausalLM
-from splitserve.engine.worker.tensor_parallel import TpGroup
-
-CPU_ONLY = (
-    "GptOssForCausalLM runs on CPU only: the CUDA paged decode and fresh-prefill attention kernels do not "
-    "implement attention sinks or sliding windows"
-)
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
-    """The Llama-family decoder with gpt-oss's sinks, sliding layers and biased experts (CPU only)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TpGroup | None = None):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"{CPU_ONLY} (device {str(device)!r}); use device='cpu'")
-        super().__init__(config, dtype, device, tp)
+    """The Llama-family decoder with gpt-oss's sinks, sliding layers and biased experts."""
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """The decoder's, with the experts' weights as the transposed views their input-major tensors fill."""

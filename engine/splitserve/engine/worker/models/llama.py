@@ -146,17 +146,16 @@ class Attention(nn.Module):
         k_cache, v_cache = layer_kv(kv_cache, self.layer_idx)
         scales = (self.k_scale, self.v_scale)
         qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        extras = dict(sinks=self.sinks, sliding_window=self.sliding_window)
         if fused:  # the norms (Qwen3), rotary and the KV write in one launch where it applies
             out = rope_write_attend(
-                positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale, *scales, qk_norm
+                positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta, self.scale, *scales, qk_norm, **extras
             )
             return self._reduced(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))  # (T, H)
         if qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary_embedding(positions, q, k, cos_sin_cache)
-        out = attention_forward(
-            q, k, v, k_cache, v_cache, meta, self.scale, *scales, sinks=self.sinks, sliding_window=self.sliding_window
-        )  # (T, Hq, D)
+        out = attention_forward(q, k, v, k_cache, v_cache, meta, self.scale, *scales, **extras)  # (T, Hq, D)
         return self._reduced(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))  # (T, H)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
