@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from splitserve.engine.worker.loader import load_model
 from splitserve.engine.worker.model_config import ModelConfig
@@ -190,3 +191,36 @@ def test_the_cuda_route_passes_sinks_and_windows_to_the_paged_kernels(monkeypatc
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the references compute in float32
         plain = attention_sinks_window_torch(q, kv[:, 0], kv[:, 1], meta, 0.25, None, None)
         assert not torch.allclose(plain, want, atol=1e-2)
+
+
+def test_fp8_quantization_makes_the_experts_e4m3_and_the_cpu_path_their_dequantized_moe(model_dir):
+    """--quantization fp8: both experts' weights e4m3 with a scale per expert and (interleaved) output row; the
+    router and the biases stay float64; the block equals the float64 MoE on the dequantized weights exactly."""
+    from splitserve.engine.worker.models.gpt_oss_moe import route_topk_softmax
+    from splitserve.kernels.fused_moe import fused_moe_ref
+
+    plain, _ = load_model(model_dir, dtype="float64", device="cpu")
+    net, _ = load_model(model_dir, dtype="float64", device="cpu", quantization="fp8")
+    block, before = net.model.layers[1].mlp, plain.model.layers[1].mlp
+    experts = block.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_scale.shape == (4, 64) and experts.down_scale.shape == (4, 64)
+    assert block.router.weight.dtype == experts.gate_up_proj_bias.dtype == experts.down_proj_bias.dtype == torch.float64
+    dequantized = {}
+    for name, scale in (("gate_up_proj", experts.gate_up_scale), ("down_proj", experts.down_scale)):
+        original = getattr(before.experts, name)
+        dequantized[name] = (getattr(experts, name).float() * scale[:, :, None]).double()
+        # e4m3 keeps 3 mantissa bits: within 2^-4 of each value, or 2^-9 of the row's scale near zero
+        assert ((dequantized[name] - original).abs() <= original.abs() / 16 + scale[:, :, None] / 512).all()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    weights, ids = route_topk_softmax(F.linear(x, block.router.weight, block.router.bias), 2)
+    extras = dict(
+        w13_bias=experts.gate_up_proj_bias,
+        w2_bias=experts.down_proj_bias,
+        clamped_swiglu=(block.alpha, block.limit),
+        interleaved=True,
+    )
+    want = fused_moe_ref(x, dequantized["gate_up_proj"], dequantized["down_proj"], weights, ids, **extras)
+    assert torch.equal(block(x), want)
+    unquantized = fused_moe_ref(x, before.experts.gate_up_proj, before.experts.down_proj, weights, ids, **extras)
+    assert not torch.equal(want, unquantized)

@@ -136,6 +136,28 @@ def test_biased_experts_with_the_clamped_swiglu_match_the_float64_reference(dtyp
         fused_moe(x, w13, w2, weights, ids, w2_bias=b2[:, :32])
 
 
+def test_fp8_gpt_oss_experts_match_the_reference_on_their_dequantized_weights(device):
+    """gpt-oss's experts under --quantization fp8: interleaved e4m3 rows with their row scales, biases and the
+    clamped SwiGLU in one launch each, against the float64 reference on the dequantized weights."""
+    dtype = torch.bfloat16
+    x, w13, w2, weights, ids = _case(4, 32, 16, 4, 2, dtype, device, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    b13 = (0.5 * torch.randn(4, 32, generator=gen)).to(dtype).to(device)
+    b2 = (0.5 * torch.randn(4, 32, generator=gen)).to(dtype).to(device)
+    (w13_q, w13_scale), (w2_q, w2_scale) = _quantized(_interleaved(w13)), _quantized(w2)
+    gpt_oss = dict(w13_bias=b13, w2_bias=b2, clamped_swiglu=(1.702, 0.6), interleaved=True)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    got = fused_moe(x, w13_q, w2_q, weights, ids, **scales, **gpt_oss, impl="triton", config=config)
+    w13_d = w13_q.double() * w13_scale.double()[:, :, None]
+    w2_d = w2_q.double() * w2_scale.double()[:, :, None]
+    in_double = {**gpt_oss, "w13_bias": b13.double(), "w2_bias": b2.double()}
+    want = fused_moe_ref(x.double(), w13_d, w2_d, weights.double(), ids, **in_double)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    ref = fused_moe(x, w13_q, w2_q, weights, ids, **scales, **gpt_oss, impl="ref")
+    torch.testing.assert_close(ref.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_captured_graph_replays_new_routing_without_host_syncs():

@@ -94,6 +94,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return to_fp8(w / scale[:, None]), scale
 
 
+def quantize_experts(experts: nn.Module) -> None:
+    """A mixture of experts' stacked weights `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F) to e4m3 in place,
+    with one float32 scale per expert and output row as `gate_up_scale` (E, 2F) and `down_scale` (E, H) (W8A16 in
+    kernels.fused_moe: activations stay 16-bit); biases, where a family has them, stay in the model dtype."""
+    for name, scale_name in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
+        weight = getattr(experts, name)
+        num_experts, rows, cols = weight.shape
+        w_q, scale = quantize_per_channel(weight.data.reshape(num_experts * rows, cols))
+        setattr(experts, name, nn.Parameter(w_q.view(num_experts, rows, cols), requires_grad=False))
+        setattr(experts, scale_name, nn.Parameter(scale.view(num_experts, rows), requires_grad=False))
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, K) -> (x_q (T, K) e4m3, scale (T, 1) fp32), one scale per row (token)."""
     if x.is_cuda:

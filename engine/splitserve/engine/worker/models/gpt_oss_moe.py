@@ -7,7 +7,9 @@
               y = h W_d[e] + b_d[e]                                (T, H)
 
 The experts run as `kernels.fused_moe` with its gpt-oss options (biases, the clamped SwiGLU, interleaved rows):
-its torch reference on CPU, exact in float64. The weights are stored as the kernel reads them, output-major:
+its torch reference on CPU, exact in float64. `--quantization fp8` makes both experts' weights e4m3 with a scale
+per expert and output row (W8A16; the router and the biases stay in the model dtype).
+The weights are stored as the kernel reads them, output-major:
 `experts.gate_up_proj` (E, 2F, H) with rows g0, u0, g1, u1, ... and `experts.down_proj` (E, H, F); the biases
 (E, 2F), same order, and (E, H). The checkpoint's tensors are input-major ((E, H, 2F), (E, F, H)): they load
 through transposed views (models/gpt_oss.py), and its MXFP4 blocks, output-major, load straight in.
@@ -50,6 +52,7 @@ class GptOssMoeBlock(nn.Module):
         self.experts.gate_up_proj_bias = _param((num_experts, 2 * inter), dtype, device)
         self.experts.down_proj = _param((num_experts, hidden, inter), dtype, device)
         self.experts.down_proj_bias = _param((num_experts, hidden), dtype, device)
+        self.experts.gate_up_scale = self.experts.down_scale = None  # (E, 2F), (E, H) once quantized to fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from splitserve.kernels.fused_moe import fused_moe  # lazily: the kernels package imports Triton
@@ -62,11 +65,20 @@ class GptOssMoeBlock(nn.Module):
             experts.down_proj,
             weights,
             ids,
+            w13_scale=experts.gate_up_scale,
+            w2_scale=experts.down_scale,
             w13_bias=experts.gate_up_proj_bias,
             w2_bias=experts.down_proj_bias,
             clamped_swiglu=(self.alpha, self.limit),
             interleaved=True,
         )
+
+    def quantize_fp8(self) -> None:
+        """The experts' weights to e4m3 (engine.worker.fp8.quantize_experts: rows in their interleaved order, each
+        with its scale); the router and the biases stay in the model dtype, as in vLLM's fp8."""
+        from splitserve.engine.worker.fp8 import quantize_experts
+
+        quantize_experts(self.experts)
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Leaf name -> the view of our parameter that the checkpoint's (input-major) tensor fills."""

@@ -69,15 +69,9 @@ class SparseMoeBlock(nn.Module):
     def quantize_fp8(self) -> None:
         """The experts' weights to e4m3 with one float32 scale per expert and output row (W8A16: activations
         stay 16-bit); the router stays in the model dtype, as in vLLM's fp8."""
-        from splitserve.engine.worker.fp8 import quantize_per_channel
+        from splitserve.engine.worker.fp8 import quantize_experts
 
-        experts = self.experts
-        for name, scale_name in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
-            weight = getattr(experts, name)
-            num_experts, rows, cols = weight.shape
-            w_q, scale = quantize_per_channel(weight.data.reshape(num_experts * rows, cols))
-            setattr(experts, name, nn.Parameter(w_q.view(num_experts, rows, cols), requires_grad=False))
-            setattr(experts, scale_name, nn.Parameter(scale.view(num_experts, rows), requires_grad=False))
+        quantize_experts(self.experts)
 
     def expert_targets(self, prefix: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the slice it fills, for per-expert tensors named
