@@ -241,3 +241,23 @@ def test_sinks_and_window_refusals(device):
         paged_decode_attention(*args, 1.0, sinks=torch.zeros(2, device=device))
     with pytest.raises(ValueError, match=r"^paged_decode_attention: sliding_window must be at least 1, got 0$"):
         paged_decode_attention(*args, 1.0, sliding_window=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpu_gpt_oss_shape_with_sinks(make_paged_kv, cache_dtype, num_splits, window):
+    """gpt-oss-120b's attention shape (64 query heads, 8 KV heads, head_dim 64, block 16) with sinks, over
+    contexts from 1 to 3000 tokens, against the reference."""
+    seq_lens = [3000, 1, 517, 2048, 33, 130]
+    paged = make_paged_kv(seq_lens, 8, 64, 16, cache_dtype, "cuda")
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(len(seq_lens), 64, 64, generator=gen).to("cuda", torch.bfloat16)
+    sinks = torch.randn(64, generator=gen).to("cuda", torch.bfloat16)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, 0.125)
+    extras = dict(sinks=sinks, sliding_window=window)
+    got = paged_decode_attention(*args, num_splits=num_splits, **extras)
+    want = paged_decode_attention(*args, impl="ref", **extras)
+    torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
