@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from fp8_linear import bench_fp8_linear, print_fp8_linear
 
 from splitserve.kernels import rms_norm, rotary_embedding, silu_and_mul, write_kv
-from splitserve.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_triton
+from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+from splitserve.kernels.paged_decode_config import choose_num_splits
 from splitserve.kernels.paged_prefill_attention import paged_prefill_attention_triton
 from splitserve.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
 

@@ -8,7 +8,8 @@ import torch
 from splitserve.engine.worker.attention import attention_forward
 from splitserve.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from splitserve.kernels.fp8_quant import quantize_per_token
-from splitserve.kernels.paged_decode_attention import decode_config, paged_decode_attention_triton, resolve_config
+from splitserve.kernels.paged_decode_attention import paged_decode_attention_triton
+from splitserve.kernels.paged_decode_config import decode_config, resolve_config
 from tests.kernels.conftest import PagedKv, dense_attention
 from tests.model_factory import SeqSpec, build_meta
 

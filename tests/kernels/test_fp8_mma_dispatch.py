@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from splitserve.kernels import paged_decode_attention_fp8_mma as fp8_mma
+from splitserve.kernels.paged_decode_config import decode_config
 
 pda = importlib.import_module("splitserve.kernels.paged_decode_attention")  # the module (the package exports the op)
 RUNS = fp8_mma.runs
@@ -68,7 +69,7 @@ def test_mma_from_one_program_an_sm_of_512_tokens(launches, monkeypatch, num_seq
     if kernel == "mma":
         assert launches[0][1] == dict(VARIANT="mma")  # its options from the work: choose_warps, AHEAD on
     else:
-        assert launches[0][1] == pda.decode_config(128, torch.bfloat16, False, FP8)
+        assert launches[0][1] == decode_config(128, torch.bfloat16, False, FP8)
 
 
 def test_a_given_config_is_run_as_given(launches):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from splitserve.kernels import paged_decode_attention
-from splitserve.kernels.paged_decode_attention import choose_num_splits
+from splitserve.kernels.paged_decode_config import choose_num_splits
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
