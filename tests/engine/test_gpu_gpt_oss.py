@@ -44,17 +44,35 @@ def test_fp32_greedy_equals_transformers(fp32_dir, eager):
 
 
 def test_fp8_experts_run_the_triton_kernel_as_the_cpu_path_computes_them(tmp_path):
-    """--quantization fp8 on CUDA: a layer's e4m3 experts through the fused Triton kernel equal the same block's
-    CPU path (the torch reference on the dequantized weights) within bf16 rounding."""
+    """--quantization fp8 on CUDA: a layer's e4m3 experts through the fused Triton kernel (the block's forward)
+    equal the CPU path (the torch reference on the dequantized weights) on the same routing, within bf16
+    rounding (the routing is taken from the GPU's: a near-tie could pick other experts on the CPU)."""
+    import torch.nn.functional as F
+
     from splitserve.engine.worker.loader import load_model
+    from splitserve.engine.worker.models.gpt_oss_moe import route_topk_softmax
+    from splitserve.kernels.fused_moe import fused_moe
 
     path = make_tiny_model_dir(tmp_path, dtype=torch.bfloat16, **GPT_OSS)
     net, _ = load_model(path, dtype="bfloat16", device="cuda", quantization="fp8")
     block = net.model.layers[0].mlp
-    assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    experts = block.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    weights, ids = route_topk_softmax(F.linear(x, block.router.weight, block.router.bias), block.top_k)
+    tensors = (experts.gate_up_proj, experts.down_proj, weights, ids)
+    options = dict(
+        w13_scale=experts.gate_up_scale,
+        w2_scale=experts.down_scale,
+        w13_bias=experts.gate_up_proj_bias,
+        w2_bias=experts.down_proj_bias,
+        clamped_swiglu=(block.alpha, block.limit),
+        interleaved=True,
+    )
     got = block(x)
-    want = block.cpu()(x.cpu())
+    assert torch.equal(got, fused_moe(x, *tensors, **options, impl="triton"))
+    on_cpu = {name: value.cpu() if torch.is_tensor(value) else value for name, value in options.items()}
+    want = fused_moe(x.cpu(), *(t.cpu() for t in tensors), **on_cpu, impl="ref")
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
