@@ -46,8 +46,24 @@ class GatewayConfig:
     served_model_name: str = option(
         "", "names clients may give the model, comma-separated, as vLLM's --served-model-name; empty = the model id"
     )
-    prefill: str = option("", "comma-separated host:port of prefill instances")
-    decode: str = option("", "comma-separated host:port of decode instances (or colocated workers, role both)")
+    prefill: str = option(
+        "",
+        "prefill instances, comma-separated: host:port, or dns:///host:port for every address the name resolves "
+        "to (a headless Service's pods), re-resolved every --discovery-interval-s",
+    )
+    decode: str = option(
+        "",
+        "decode instances (or colocated workers, role both), comma-separated: host:port, or dns:///host:port for "
+        "every address the name resolves to, re-resolved every --discovery-interval-s",
+    )
+    discovery_interval_s: float = option(
+        5.0,
+        "seconds between lookups of the dns:/// names of --prefill and --decode: a new address is routed to once "
+        "its Describe answers, one no longer listed gets no new requests and its running ones finish; a failed "
+        "lookup keeps the last answer",
+        min=0.01,
+        max=3600.0,
+    )
     health_interval_s: float = option(0.5, "seconds between Describe calls to every instance", min=0.01, max=3600.0)
     health_timeout_s: float = option(
         0.0,
@@ -172,6 +188,12 @@ class GatewayConfig:
         "", "how the model writes tool calls (vLLM's parser names)", choices=("", *sorted(TOOL_PARSERS))
     )
 
+    def __post_init__(self) -> None:
+        from splitserve.gateway.discovery import parse_pool
+
+        parse_pool("prefill", self.prefill_addresses)  # ConfigError naming the flag and the entry
+        parse_pool("decode", self.decode_addresses)
+
     @property
     def prefill_addresses(self) -> tuple[str, ...]:
         return split_addresses(self.prefill)
@@ -256,6 +278,7 @@ UP_SETS_ITSELF = frozenset(
         "model_id",
         "prefill",
         "decode",
+        "discovery_interval_s",
         "internal_tls_cert",
         "internal_tls_key",
         "internal_tls_ca",

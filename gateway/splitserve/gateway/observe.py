@@ -16,6 +16,8 @@ runtime/metric_families.py):
     prompt_tokens_total / generation_tokens_total / request_success_total{finished_reason}
                                    per request that produced a message (tokens the client got)
     num_requests_running           requests in flight at the gateway
+    pool_members{pool,state}       members of the prefill and decode pools: up (routed to), draining (left
+                                   the pool or draining, requests finishing), down (not ready or failing)
 
 A request refused before its first message (4xx, 429, 503) only counts in requests_total.
 """
@@ -55,6 +57,11 @@ class GatewayMetrics:
 
     def set_running(self, num_running: int) -> None:
         self.metrics.lab(self.metrics.gw_running).set(num_running)
+
+    def set_pool_members(self, counts: dict[tuple[str, str], int]) -> None:
+        """Members per (pool, state), as Members.counts() gives them."""
+        for (pool, state), n in counts.items():
+            self.metrics.lab(self.metrics.gw_pool_members, pool=pool, state=state).set(n)
 
     def run(self, arrival_s: float) -> RunObserver:
         """An observer for one admitted request that arrived at `arrival_s` (time.monotonic())."""

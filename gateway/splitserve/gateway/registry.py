@@ -12,6 +12,13 @@ is starting, draining or lost its engine core says so). A Describe that times ou
 many in a row: under overload (3,000 streams) an instance's event loop answers late while its gRPC core
 still answers pings. The last DescribeResponse is kept (layout, load, role, instance_id, max_model_len).
 
+Pools (`--prefill`, `--decode`) hold fixed addresses and DNS names (discovery.py), re-resolved every
+`discovery_interval_s` off the event loop. A new member is Described at once and routed to once that
+answers (as any instance: `up`). A member the DNS no longer lists leaves routing at once and is drained: it
+moves to `leaving`, still Described (a leaving decode that dies fails its streams as any other), and is
+closed once no request of this gateway runs there; if the name lists it again first, the same instance
+(its link and its running streams) rejoins, so a flapping member never loses or repeats a request.
+
 A prefill and a decode may be paired only when their KvLayouts are equal (and they share
 a KV transport); a mismatched pair is refused and logged once with both layouts. The
 gateway is ready when a full path exists: a compatible up prefill/decode pair, or an up
@@ -23,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
 from splitserve.common.kv_layout import describe_layout_fields, transfer_plan
 from splitserve.common.wire import layout_from_proto
 from splitserve.gateway.decode_link import DecodeLink
+from splitserve.gateway.discovery import Member, PoolDiscovery, Resolver, SystemResolver, parse_pool
+from splitserve.gateway.members import POOL_ROLES, Instance, Members, close_instance, num_running
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.runtime.grpc_server import OWN_CONNECTION, health_channel_options
 
@@ -64,7 +72,6 @@ _LAYOUT_FIELDS = (
     "tensor_parallel_size",
     "rank_kv_heads",
 )
-_POOL_ROLES = {"prefill": ("prefill", "both"), "decode": ("decode", "both")}
 
 
 def describe_layout(layout: common_pb2.KvLayout) -> str:
@@ -99,54 +106,6 @@ def tp_layout_problem(prefill: common_pb2.KvLayout, decode: common_pb2.KvLayout,
     return None
 
 
-@dataclass(eq=False)
-class Instance:
-    """One configured address and what its last Describe said.
-
-    `pool` is the flag that listed it ("prefill" or "decode"). `in_flight` counts this
-    gateway's requests on it; `pending_*` count work assigned since its last Describe
-    (which that Describe could not reflect yet) so a burst spreads before the next one.
-    """
-
-    address: str
-    pool: str
-    channel: grpc.aio.Channel
-    health_channel: grpc.aio.Channel | None = None  # Describe only; None: `channel`
-    health_address: str = ""  # where health_channel goes when not `address`: the instance's health server
-    describe: common_pb2.DescribeResponse | None = None
-    reachable: bool = False
-    error: str = "not contacted yet"
-    num_describe_failures: int = 0
-    num_slow_describes: int = 0
-    link: DecodeLink | None = None
-    in_flight: int = 0
-    pending_requests: int = 0
-    pending_tokens: int = 0
-    pending_blocks: int = 0
-    num_describes: int = 0  # Describe answers so far: pending_* count what was assigned since the last one
-    prefill_stub: prefill_pb2_grpc.PrefillStub | None = field(default=None, repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.describe.instance_id if self.describe and self.describe.instance_id else self.address
-
-    @property
-    def role(self) -> str:
-        return self.describe.role if self.describe else ""
-
-    @property
-    def up(self) -> bool:
-        """Describe answers, the role fits the pool, and (decode) the stream is open."""
-        if not self.reachable or self.describe is None or self.role not in _POOL_ROLES[self.pool]:
-            return False
-        return self.pool == "prefill" or (self.link is not None and self.link.alive)
-
-    @property
-    def affinity_key(self) -> tuple[str, int]:
-        """Identity of this process's cache: a restart (new start time) starts cold."""
-        return (self.address, self.describe.start_unix_ns if self.describe else 0)
-
-
 class Registry:
     """Owns the instances, their channels and decode links, and the health loop."""
 
@@ -159,47 +118,66 @@ class Registry:
         health_timeout_s: float = 0.0,
         ping_timeout_s: float = 10.0,
         model_id: str = "",
-        channel_factory: Callable[[str, tuple], grpc.aio.Channel] | None = None,
+        channel_factory: Callable[[str, tuple, str], grpc.aio.Channel] | None = None,
+        discovery_interval_s: float = 5.0,
+        resolver: Resolver | None = None,
     ) -> None:
-        """`channel_factory(address, extra_options)` makes a channel; the health channel asks for a
+        """`prefill` / `decode`: each pool's entries (host:port or dns:///host:port; ConfigError when one is
+        malformed). `channel_factory(address, extra_options, server_name)` makes a channel (`server_name`: what
+        the peer's certificate is checked against, "" = the dialed host); the health channel asks for a
         connection of its own (OWN_CONNECTION) that pings (health_channel_options(ping_timeout_s)).
-        `health_timeout_s` bounds one Describe (0: max(2, 4 x health_interval_s))."""
+        `health_timeout_s` bounds one Describe (0: max(2, 4 x health_interval_s)). `resolver` answers the DNS
+        names (default: getaddrinfo), every `discovery_interval_s`."""
         factory = channel_factory or (
-            lambda addr, extra: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + tuple(extra))
+            lambda addr, extra, server_name: grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + tuple(extra))
         )
-        self._factory = factory
-        self._health_options = OWN_CONNECTION + health_channel_options(ping_timeout_s)
-        self.instances = [
-            Instance(a, pool, factory(a, ()), factory(a, self._health_options))
-            for pool, addresses in (("prefill", prefill), ("decode", decode))
-            for a in addresses
-        ]
-        for inst in self.instances:
-            if inst.pool == "prefill":
-                inst.prefill_stub = prefill_pb2_grpc.PrefillStub(inst.channel)
+        self.members = Members(factory, OWN_CONNECTION + health_channel_options(ping_timeout_s))
+        specs = [parse_pool("prefill", prefill), parse_pool("decode", decode)]
+        self._discovery = PoolDiscovery(specs, resolver or SystemResolver())
+        self._discovery_interval_s = discovery_interval_s
+        for spec in specs:
+            for address in spec.fixed:
+                self.members.add(spec.pool, Member(address))
         self._health_interval_s = health_interval_s
         self._describe_timeout_s = health_timeout_s or max(2.0, 4 * health_interval_s)
         self._configured_model_id = model_id
         self._mismatches: dict[tuple[str, str], str] = {}
         self._task: asyncio.Task | None = None
+        self._discovery_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()
         self.listeners: list[Callable[[bool], None]] = []  # called with ready() after each refresh
+
+    @property
+    def instances(self) -> list[Instance]:
+        """Every pool's members (members.py): routed to once up."""
+        return self.members.instances
+
+    @instances.setter
+    def instances(self, instances: list[Instance]) -> None:
+        self.members.instances = instances
+
+    @property
+    def leaving(self) -> list[Instance]:
+        """Members that left their pool, drained: still Described, never routed to."""
+        return self.members.leaving
 
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Describe every instance once, then keep doing it in the background."""
+        """Resolve the pools' names, Describe every instance once, then keep doing both in the background."""
+        if self._discovery.has_names:
+            await self.discover()
         await self.refresh()
         self._task = asyncio.create_task(self._health_loop(), name="gateway-health")
+        if self._discovery.has_names:
+            self._discovery_task = asyncio.create_task(self._discovery_loop(), name="gateway-discovery")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for inst in self.instances:
-            if inst.link is not None:
-                await inst.link.close()
-        channels = [c for inst in self.instances for c in (inst.channel, inst.health_channel) if c is not None]
-        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+        tasks = [t for t in (self._task, self._discovery_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, *self._closing, return_exceptions=True)
+        await asyncio.gather(*(close_instance(inst) for inst in self.instances + self.leaving), return_exceptions=True)
 
     async def _health_loop(self) -> None:
         while True:
@@ -209,13 +187,40 @@ class Registry:
             except Exception:  # never let one bad round stop health checking
                 log.exception("health round failed")
 
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._discovery_interval_s)
+            try:
+                await self.discover()
+            except Exception:  # never let one bad round stop discovery
+                log.exception("discovery round failed")
+
     async def refresh(self) -> None:
-        """One health round: Describe all instances concurrently, update links and pairs."""
-        await asyncio.gather(*(self._describe(inst) for inst in self.instances))
+        """One health round: Describe all instances (leaving ones too) concurrently, update links and pairs,
+        close the leaving instances nothing runs on any more."""
+        await asyncio.gather(*(self._describe(inst) for inst in self.instances + self.leaving))
+        for inst in self.members.retire_idle():
+            task = asyncio.get_running_loop().create_task(close_instance(inst))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self._changed()
+
+    def _changed(self) -> None:
         self.update_pairs()
         ready = self.ready()
         for listener in self.listeners:
             listener(ready)
+
+    # -- membership -----------------------------------------------------------------------
+
+    async def discover(self) -> None:
+        """One discovery round: resolve the names, apply each pool's members, Describe the new ones at once
+        (so a ready member is routed to within this round)."""
+        added = []
+        for pool, members in (await self._discovery.members()).items():
+            added += self.members.apply(pool, members)
+        await asyncio.gather(*(self._describe(inst) for inst in added))
+        self._changed()
 
     async def _describe(self, inst: Instance) -> None:
         channel = inst.health_channel or inst.channel
@@ -245,10 +250,10 @@ class Registry:
         inst.num_describe_failures = 0
         inst.pending_requests = inst.pending_tokens = inst.pending_blocks = 0
         inst.num_describes += 1
-        if resp.role not in _POOL_ROLES[inst.pool]:
+        if resp.role not in POOL_ROLES[inst.pool]:
             inst.error = (
                 f"listed under --{inst.pool} but its role is {resp.role!r} "
-                f"(expected one of {', '.join(_POOL_ROLES[inst.pool])})"
+                f"(expected one of {', '.join(POOL_ROLES[inst.pool])})"
             )
         elif inst.pool == "decode" and (inst.link is None or not inst.link.alive):
             inst.link = DecodeLink(
@@ -274,7 +279,7 @@ class Registry:
         main address), on a connection of its own."""
         old = inst.health_channel
         inst.health_address = address
-        inst.health_channel = self._factory(address or inst.address, self._health_options)
+        inst.health_channel = self.members.health_channel(inst, address or inst.address)
         if old is not None:
             task = asyncio.get_running_loop().create_task(old.close())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed close is ignored
@@ -363,6 +368,9 @@ class Registry:
                 }
                 for i in self.instances
             ],
+            "leaving": [  # left the pool (DNS); drained: requests still running there finish
+                {"address": i.address, "pool": i.pool, "running": num_running(i)} for i in self.leaving
+            ],
             "refused_pairs": self.describe_mismatches(),
         }
 
@@ -376,6 +384,10 @@ class Registry:
         parts = ["no prefill/decode pair with equal KV layouts and no colocated worker is up"]
         if not self.instances:
             parts.append("no instances are configured (use --prefill and --decode)")
+        for spec in self._discovery.specs:
+            for name in spec.names:
+                if not any(i.server_name == name.host and i.pool == spec.pool for i in self.instances):
+                    parts.append(f"{spec.pool} {name.target} lists no address (yet)")
         parts += down + self.describe_mismatches()
         return "; ".join(parts)
 

@@ -618,3 +618,7 @@ async def _release_kv(prefill: Instance, kv: common_pb2.KvHandle) -> None:
         log.info(
             "ReleaseKv of lease %s on %s failed (it will expire): %s", kv.lease.lease_id, prefill.name, exc.details()
         )
+    except grpc.aio.UsageError:  # the prefill left its pool and its channel is closed (members.py)
+        log.info(
+            "ReleaseKv of lease %s on %s skipped: it left the pool (the lease expires)", kv.lease.lease_id, prefill.name
+        )

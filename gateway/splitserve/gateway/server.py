@@ -23,6 +23,7 @@ import grpc
 
 from splitserve.gateway.auth import ApiKeys, load_api_keys
 from splitserve.gateway.config import GatewayConfig
+from splitserve.gateway.discovery import Resolver
 from splitserve.gateway.grpc_api import HealthReporter, add_services
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import GatewayMetrics
@@ -149,7 +150,8 @@ class _EmbeddedUvicorn:
 class GatewayServer:
     """Owns the registry, router, service, metrics and the servers of one gateway process.
 
-    `env` (default os.environ) is where SPLITSERVE_API_KEYS is read.
+    `env` (default os.environ) is where SPLITSERVE_API_KEYS is read; `resolver` answers the dns:/// names of
+    --prefill and --decode (default: the system's, getaddrinfo).
     """
 
     def __init__(
@@ -159,8 +161,10 @@ class GatewayServer:
         tokenizer: Any = None,
         http_socket: socket.socket | None = None,
         env: Mapping[str, str] | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.config = config
+        self._resolver = resolver
         self._tokenizer = tokenizer
         self._http_socket = http_socket
         self._env = env
@@ -192,7 +196,9 @@ class GatewayServer:
             health_timeout_s=config.health_timeout_s,
             ping_timeout_s=config.health_ping_timeout_s,
             model_id=config.model_id,
-            channel_factory=lambda address, extra: internal_channel(address, internal_auth, extra),
+            channel_factory=lambda address, extra, name: internal_channel(address, internal_auth, extra, name),
+            discovery_interval_s=config.discovery_interval_s,
+            resolver=self._resolver,
         )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
         # the public API takes no message larger than a REST body: sizes are capped before tokenizing
@@ -230,6 +236,7 @@ class GatewayServer:
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
         self.registry.listeners.append(self._learn_model)
+        self.registry.listeners.append(lambda ready: self.metrics.set_pool_members(self.registry.members.counts()))
         self.request_log = RequestLog(config.enable_log_requests)
         add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics, self.request_log)
         await self._grpc_server.start()

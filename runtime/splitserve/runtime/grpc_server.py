@@ -130,9 +130,11 @@ class InternalTls:
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
         )
 
-    def channel_options(self) -> list[tuple[str, str]]:
-        """Check the server's certificate against `server_name` instead of the dialed host."""
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def channel_options(self, fallback_name: str = "") -> list[tuple[str, str]]:
+        """Check the server's certificate against `server_name` (else `fallback_name`) instead of the dialed
+        host."""
+        name = self.server_name or fallback_name
+        return [("grpc.ssl_target_name_override", name)] if name else []
 
 
 TOKEN_KEY = "x-splitserve-internal-token"
@@ -228,15 +230,19 @@ def _token_interceptors(token: str) -> list:
     return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
 
 
-def internal_channel(address: str, auth: InternalAuth | None, extra_options: tuple = ()) -> grpc.aio.Channel:
+def internal_channel(
+    address: str, auth: InternalAuth | None, extra_options: tuple = (), server_name: str = ""
+) -> grpc.aio.Channel:
     """A channel to an internal peer: mTLS when configured, else plaintext (loopback/private network);
-    every call carries the shared secret when one is set."""
+    every call carries the shared secret when one is set. With mTLS the peer's certificate is checked against
+    --internal-tls-server-name when set, else `server_name` (the DNS name a pool member was found under while
+    it is dialed by IP), else the dialed host."""
     auth = auth or InternalAuth()
     options = [*CHANNEL_OPTIONS, *extra_options]
     interceptors = _token_interceptors(auth.token) if auth.token else None
     if auth.tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    options += auth.tls.channel_options()
+    options += auth.tls.channel_options(server_name)
     return grpc.aio.secure_channel(address, auth.tls.channel_credentials(), options=options, interceptors=interceptors)
 
 

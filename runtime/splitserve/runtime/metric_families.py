@@ -22,6 +22,8 @@ from dataclasses import dataclass
 ENGINE_ROLES = frozenset({"prefill", "decode", "both"})
 ROLES = ENGINE_ROLES | {"gateway"}
 FINISH_REASONS = ("stop", "length", "abort", "error")
+POOLS = ("prefill", "decode")
+POOL_MEMBER_STATES = ("up", "draining", "down")  # gateway/members.py MEMBER_STATES
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same.
 VLLM_TTFT_BUCKETS_S = (
@@ -78,6 +80,8 @@ class Family:
             return tuple({"finished_reason": r} for r in FINISH_REASONS)
         if self.extra_labels == ("route", "status"):  # the calls most clients make
             return tuple({"route": route, "status": status} for route, status in ZERO_ROUTES)
+        if self.extra_labels == ("pool", "state"):
+            return tuple({"pool": pool, "state": state} for pool in POOLS for state in POOL_MEMBER_STATES)
         return ()  # cache_config_info: set once, with its values
 
 
@@ -288,6 +292,15 @@ FAMILIES = (
     ),
     _f(
         "gw_running", "splitserve:gateway_num_requests_running", "gauge", "Requests in flight at the gateway.", _GATEWAY
+    ),
+    _f(
+        "gw_pool_members",
+        "splitserve:gateway_pool_members",
+        "gauge",
+        "Members of the prefill and decode pools by state: up, draining, down.",
+        _GATEWAY,
+        (),
+        ("pool", "state"),
     ),
     _f(
         "gw_requests",
