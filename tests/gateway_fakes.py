@@ -15,6 +15,7 @@ synchronous openai / grpc / httpx clients from the test thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import threading
 import time
@@ -335,6 +336,7 @@ class FakeServer:
     servicer: Any
     port: int = 0
     server: Any = None
+    credentials: Any = None  # grpc.ServerCredentials: serve TLS
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=SERVER_PING_OPTIONS)  # as a service's: the gateway pings it
@@ -342,7 +344,11 @@ class FakeServer:
             prefill_pb2_grpc.add_PrefillServicer_to_server(self.servicer, self.server)
         else:
             decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        address = f"127.0.0.1:{self.port}"
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(address, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         self.servicer.address = self.address
         await self.server.start()
 
@@ -364,13 +370,15 @@ class Stack:
     overrides: dict = field(default_factory=dict)
     rest: bool = True  # serve the REST shim (on a pre-bound loopback socket)
     env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
+    resolver: Any = None  # answers the gateway's dns:/// names (FakeResolver)
+    credentials: Any = None  # the fakes serve TLS with these (grpc.ServerCredentials)
 
     def start(self) -> Stack:
         from splitserve.gateway.config import GatewayConfig
         from splitserve.gateway.server import GatewayServer
 
         self.loop = LoopThread()
-        self.servers = {s.name: FakeServer(s) for s in self.prefills + self.decodes}
+        self.servers = {s.name: FakeServer(s, credentials=self.credentials) for s in self.prefills + self.decodes}
         for server in self.servers.values():
             self.loop.run(server.start())
         http = None
@@ -387,7 +395,7 @@ class Stack:
         )
         values.update(self.overrides)
         values.setdefault("http_port", 0)
-        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http, env=self.env)
+        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http, env=self.env, resolver=self.resolver)
         self.loop.run(self.gateway.start())
         self.grpc_target = f"127.0.0.1:{self.gateway.grpc_port}"
         scheme = "https" if values.get("tls_cert") else "http"
@@ -411,6 +419,23 @@ class Stack:
         from tests.service_harness import wait_until
 
         wait_until(lambda: self.loop.call(predicate), timeout_s, f"waiting for {what}")
+
+
+class FakeResolver:
+    """A DNS the test controls: `answers` maps a host to its members (fake servicers, answered with the
+    address they are served at, or "ip:port" strings) or to an OSError to raise; an unknown host fails as
+    getaddrinfo does. `lookups` counts the lookups of each host (called from the gateway's worker threads)."""
+
+    def __init__(self, answers: dict | None = None) -> None:
+        self.answers: dict[str, Any] = dict(answers or {})
+        self.lookups: collections.Counter = collections.Counter()
+
+    def resolve(self, host: str, port: int) -> list[str]:
+        self.lookups[host] += 1
+        answer = self.answers.get(host, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+        if isinstance(answer, Exception):
+            raise answer
+        return [m if isinstance(m, str) else m.address for m in answer]
 
 
 def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:

@@ -55,6 +55,8 @@ class Instance:
     pending_tokens: int = 0
     pending_blocks: int = 0
     num_describes: int = 0  # Describe answers so far: pending_* count what was assigned since the last one
+    leaving: bool = False  # left its pool: drained, no new link or request
+    closed: bool = False  # drained and closed: a Describe still in flight is ignored
     prefill_stub: prefill_pb2_grpc.PrefillStub | None = field(default=None, repr=False)
 
     @property
@@ -121,6 +123,7 @@ class Members:
             if back is not None:
                 self.leaving.remove(back)
                 self.instances.append(back)
+                back.leaving = False
                 log.info("%s instance %s at %s is listed again: routed to again", pool, back.name, address)
             else:
                 added.append(self.add(pool, member))
@@ -129,6 +132,7 @@ class Members:
             if address not in wanted:
                 self.instances.remove(inst)
                 self.leaving.append(inst)
+                inst.leaving = True
                 log.info(
                     "%s instance %s at %s left the pool: no new requests; %d running finish there",
                     pool,
@@ -144,6 +148,7 @@ class Members:
         idle = [i for i in self.leaving if num_running(i) == 0]
         for inst in idle:
             self.leaving.remove(inst)
+            inst.closed = True
             log.info("%s instance %s at %s drained and closed", inst.pool, inst.name, inst.address)
         return idle
 

@@ -199,13 +199,14 @@ class Registry:
         """One health round: Describe all instances (leaving ones too) concurrently, update links and pairs,
         close the leaving instances nothing runs on any more."""
         await asyncio.gather(*(self._describe(inst) for inst in self.instances + self.leaving))
+        self._changed()
+
+    def _changed(self) -> None:
+        """After a health or discovery round: close what drained, recompute pairs, tell the listeners."""
         for inst in self.members.retire_idle():
             task = asyncio.get_running_loop().create_task(close_instance(inst))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        self._changed()
-
-    def _changed(self) -> None:
         self.update_pairs()
         ready = self.ready()
         for listener in self.listeners:
@@ -227,7 +228,11 @@ class Registry:
         stub = (prefill_pb2_grpc.PrefillStub if inst.pool == "prefill" else decode_pb2_grpc.DecodeStub)(channel)
         try:
             resp = await stub.Describe(common_pb2.DescribeRequest(), timeout=self._describe_timeout_s)
+        except grpc.aio.UsageError:  # closed meanwhile: it drained after leaving its pool
+            return
         except grpc.aio.AioRpcError as exc:
+            if inst.closed:
+                return
             reason = f"Describe failed: {exc.code().name}: {exc.details()}"
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and inst.reachable:
                 state = channel.get_state()
@@ -240,6 +245,8 @@ class Registry:
             if inst.health_address and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._use_health_server(inst, "")  # gone (a restart moves it): ask the main address again
             self._describe_failed(inst, reason)
+            return
+        if inst.closed:
             return
         inst.num_slow_describes = 0
         if resp.health_address != inst.health_address:
@@ -255,7 +262,7 @@ class Registry:
                 f"listed under --{inst.pool} but its role is {resp.role!r} "
                 f"(expected one of {', '.join(POOL_ROLES[inst.pool])})"
             )
-        elif inst.pool == "decode" and (inst.link is None or not inst.link.alive):
+        elif inst.pool == "decode" and not inst.leaving and (inst.link is None or not inst.link.alive):
             inst.link = DecodeLink(
                 inst.name, inst.channel, on_broken=lambda link, why, i=inst: self._link_broken(i, link, why)
             )
