@@ -8,18 +8,25 @@
 #                     bash deploy/internal-certs.sh pki gateway \
 #                       'prefill:*.splitserve-prefill.llm.svc.cluster.local' \
 #                       'decode:*.splitserve-decode.llm.svc.cluster.local'
+#        pools, short: POOL_NAMESPACE=llm bash deploy/internal-certs.sh pki gateway splitserve-prefill \
+#                       splitserve-decode   (each NAME a pool's headless Service in namespace llm)
 #
 # Writes DIR/ca.pem and DIR/ca.key (the CA; an existing one in DIR is reused, so a service added
 # later gets a certificate of the same CA), and DIR/NAME.pem + DIR/NAME.key for each NAME: an EC P-256
 # key and a certificate signed by the CA for server and client use, whose subjectAltNames are NAME, the SANs
-# listed after it (DNS names; a leading "*." covers one label, e.g. every pod of a StatefulSet) and SERVER_NAME. Every splitserve process checks its peers' certificates against SERVER_NAME
+# listed after it (DNS names; a leading "*." covers one label, e.g. every pod of a StatefulSet) and SERVER_NAME.
+# With POOL_NAMESPACE, NAME is a pool's headless Service and its certificate also names NAME.NS, NAME.NS.svc,
+# NAME.NS.svc.CLUSTER_DOMAIN and *.NAME.NS.svc.CLUSTER_DOMAIN: the name the gateway checks a member it found
+# through --prefill/--decode dns:///NAME...:PORT against (it dials the pod's IP) when
+# --internal-tls-server-name is empty, and the pods' own names.
+# Every splitserve process checks its peers' certificates against SERVER_NAME
 # (--internal-tls-server-name): peers dial each other by advertised addresses (pod IPs in Kubernetes),
 # which no certificate can list in advance, so what a server proves is that it holds a certificate of
 # this CA. Keep ca.key away from the services (they need ca.pem only).
 #
-# Environment: SERVER_NAME (default splitserve-internal), DAYS (validity, default 365), OWNER (uid:gid
-# to chown the keys to, e.g. 10001:10001, the containers' user, for a compose bind mount; needs root),
-# KEY_MODE (default 0600).
+# Environment: SERVER_NAME (default splitserve-internal), POOL_NAMESPACE (off by default), CLUSTER_DOMAIN
+# (default cluster.local), DAYS (validity, default 365), OWNER (uid:gid to chown the keys to, e.g.
+# 10001:10001, the containers' user, for a compose bind mount; needs root), KEY_MODE (default 0600).
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 DIR NAME[:SAN,SAN...]... (e.g. $0 deploy/pki gateway prefill decode-0 decode-1)" >&2
@@ -52,6 +59,12 @@ for arg in "$@"; do
     *[!A-Za-z0-9.-]* | "") echo "$0: '$name' is not a DNS name (letters, digits, '.', '-')" >&2; exit 2 ;;
   esac
   sans="DNS:$name"
+  if [ -n "${POOL_NAMESPACE:-}" ]; then
+    dns_name "$POOL_NAMESPACE"
+    pool="$name.$POOL_NAMESPACE.svc"
+    fqdn="$pool.${CLUSTER_DOMAIN:-cluster.local}"
+    sans="$sans,DNS:$name.$POOL_NAMESPACE,DNS:$pool,DNS:$fqdn,DNS:*.$fqdn"
+  fi
   if [ "$arg" != "$name" ]; then
     IFS=, read -r -a extra <<<"${arg#*:}"
     for san in "${extra[@]}"; do dns_name "$san"; sans="$sans,DNS:$san"; done

@@ -371,14 +371,16 @@ class Stack:
     rest: bool = True  # serve the REST shim (on a pre-bound loopback socket)
     env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
     resolver: Any = None  # answers the gateway's dns:/// names (FakeResolver)
-    credentials: Any = None  # the fakes serve TLS with these (grpc.ServerCredentials)
+    credentials: dict = field(default_factory=dict)  # fake's name -> grpc.ServerCredentials: it serves TLS
 
     def start(self) -> Stack:
         from splitserve.gateway.config import GatewayConfig
         from splitserve.gateway.server import GatewayServer
 
         self.loop = LoopThread()
-        self.servers = {s.name: FakeServer(s, credentials=self.credentials) for s in self.prefills + self.decodes}
+        self.servers = {
+            s.name: FakeServer(s, credentials=self.credentials.get(s.name)) for s in self.prefills + self.decodes
+        }
         for server in self.servers.values():
             self.loop.run(server.start())
         http = None
