@@ -452,10 +452,18 @@ def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
+class _EchoPrefill(FakePrefill):
+    """A FakePrefill that prints one line per Prefill call (run as a script: `up` echoes its children's lines)."""
+
+    async def Prefill(self, request, context):
+        print(f"Prefill {request.request_id}", flush=True)
+        return await super().Prefill(request, context)
+
+
 async def _serve_forever(kind: str, port: int, name: str) -> None:
     import signal
 
-    servicer = FakePrefill(name) if kind == "prefill" else FakeDecode(name)
+    servicer = _EchoPrefill(name) if kind == "prefill" else FakeDecode(name)
     server = FakeServer(servicer, port)
     await server.start()
     stop = asyncio.Event()

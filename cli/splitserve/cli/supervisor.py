@@ -1,8 +1,8 @@
-"""`splitserve up`: one prefill, N decodes and the gateway on loopback, until Ctrl-C.
+"""`splitserve up`: N prefills (--num-prefill), M decodes (--num-decode) and the gateway on loopback, until Ctrl-C.
 
 Placement (`place`): no GPU (or --device cpu) -> every process on the CPU, KV over shm; one GPU ->
-the prefill and the decodes share cuda:0, each allowed an equal part of --kv-cache-memory-fraction,
-KV over cuda_ipc; several GPUs -> the prefill on cuda:0, the decodes on the others, cuda_ipc.
+the prefills and the decodes share cuda:0, each allowed an equal part of --kv-cache-memory-fraction,
+KV over cuda_ipc; several GPUs -> the prefills on cuda:0, the decodes on the others, cuda_ipc.
 --prefill-device / --decode-device and --kv-transport override it; a transport the placement
 cannot run is refused before anything starts.
 
@@ -69,21 +69,21 @@ def config_flags(config: Any, skip: frozenset[str] | set[str] = frozenset()) -> 
 
 def check_ports(up: UpConfig) -> str | None:
     """An error naming two roles that would share a port, or None."""
-    ports = {
-        "gateway --grpc-port": up.grpc_port,
-        "gateway --http-port": up.http_port,
-        "prefill --prefill-port": up.prefill_port,
-    }
+    ports = {"gateway --grpc-port": up.grpc_port, "gateway --http-port": up.http_port}
+    ports.update({f"prefill-{i} (--prefill-port + {i})": up.prefill_port + i for i in range(up.num_prefill)})
     ports.update({f"decode-{i} (--decode-port + {i})": up.decode_port + i for i in range(up.num_decode)})
     if up.metrics_ports:
-        ports["prefill metrics (--metrics-ports)"] = up.metrics_ports
         ports.update(
-            {f"decode-{i} metrics (--metrics-ports + {1 + i})": up.metrics_ports + 1 + i for i in range(up.num_decode)}
+            {f"prefill-{i} metrics (--metrics-ports + {i})": up.metrics_ports + i for i in range(up.num_prefill)}
+        )
+        first = up.metrics_ports + up.num_prefill
+        ports.update(
+            {f"decode-{i} metrics (--metrics-ports + {up.num_prefill + i})": first + i for i in range(up.num_decode)}
         )
     seen: dict[int, str] = {}
     for name, port in ports.items():
         if port > 65535:
-            return f"{name} would be port {port}, above 65535; lower --decode-port"
+            return f"{name} would be port {port}, above 65535; lower its base port"
         if port in seen:
             return f"{seen[port]} and {name} would both use port {port}; choose distinct ports"
         seen[port] = name
@@ -98,14 +98,20 @@ class Placement:
     decode_devices: tuple[str, ...]
     kv_transport: str
     memory_fraction: dict[str, float]  # CUDA device -> each of its processes' --kv-cache-memory-fraction
+    num_prefill: int = 1  # prefill instances, all on prefill_device
 
     def fraction_of(self, device: str) -> float | None:
         return self.memory_fraction.get(device)
 
+    @property
+    def engine_devices(self) -> list[str]:
+        """The device of every engine process: the prefills', then the decodes'."""
+        return [self.prefill_device] * self.num_prefill + list(self.decode_devices)
+
     def describe(self) -> list[str]:
         """One line per engine process, for the banner."""
         lines = []
-        for name, device in [("prefill-0", self.prefill_device)] + [
+        for name, device in [(f"prefill-{i}", self.prefill_device) for i in range(self.num_prefill)] + [
             (f"decode-{i}", d) for i, d in enumerate(self.decode_devices)
         ]:
             share = self.fraction_of(device)
@@ -163,8 +169,9 @@ def place(device: str, fraction: float, up: UpConfig, num_gpus: int) -> Placemen
         raise ValueError("--kv-transport cuda_ipc needs the prefill and every decode on CUDA devices")
     if transport == "nccl" and len({_is_cuda(d) for d in [prefill, *decodes]}) > 1:
         raise ValueError("--kv-transport nccl needs the prefill and the decodes all on CUDA or all on the CPU")
-    counts = Counter(d for d in [prefill, *decodes] if _is_cuda(d))
-    return Placement(prefill, tuple(decodes), transport, {d: round(fraction / n, 4) for d, n in counts.items()})
+    counts = Counter(d for d in [prefill] * up.num_prefill + decodes if _is_cuda(d))
+    shares = {d: round(fraction / n, 4) for d, n in counts.items()}
+    return Placement(prefill, tuple(decodes), transport, shares, up.num_prefill)
 
 
 def usable_cpus() -> int:
@@ -177,7 +184,7 @@ def cpu_threads_per_engine(placement: Placement, num_cpus: int) -> int:
     runs on the CPU. Why not torch's default (every core in each process): the prefill's and the decodes' OpenMP
     pools then outnumber the cores, and a pool waits for a thread the kernel has given to the other process
     (spinning meanwhile; docs/performance.md, "Findings that set defaults": CPU engine threads)."""
-    num_cpu_engines = [placement.prefill_device, *placement.decode_devices].count("cpu")
+    num_cpu_engines = placement.engine_devices.count("cpu")
     return max(1, num_cpus // num_cpu_engines) if num_cpu_engines else 0
 
 
@@ -188,7 +195,7 @@ def stack_commands(
     placement: Placement | None = None,
     num_cpus: int | None = None,
 ) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every child, in start order: prefill, decodes, gateway (with the non-default
+    """(name, argv) of every child, in start order: prefills, decodes, gateway (with the non-default
     UpGatewayConfig options: API keys, TLS, limits). Without a placement: as on a machine without GPUs.
     Engines on the CPU without --num-threads get cpu_threads_per_engine of `num_cpus` (default: usable_cpus())."""
     if placement is None:
@@ -196,7 +203,8 @@ def stack_commands(
     cpu_threads = 0 if engine.num_threads else cpu_threads_per_engine(placement, num_cpus or usable_cpus())
     cli = [sys.executable, "-m", "splitserve.cli"]
     eflags = config_flags(engine, _NOT_FORWARDED)
-    prefill_address = f"{HOST}:{up.prefill_port}"
+    prefills = ",".join(f"{HOST}:{up.prefill_port + i}" for i in range(up.num_prefill))
+    decodes = ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode))
 
     def service(role: str, name: str, port: int, device: str, metrics_port: int = 0) -> list[str]:
         argv = cli + [
@@ -211,9 +219,9 @@ def stack_commands(
             placement.kv_transport,
         ]
         if role == "decode":
-            argv += ["--prefill-peers", prefill_address]
-        else:  # the prefill pairs (nccl) only with the decodes it starts, each confirming its own pairing
-            argv += ["--decode-peers", ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode))]
+            argv += ["--prefill-peers", prefills]
+        else:  # a prefill pairs (nccl) only with the decodes `up` starts, each confirming its own pairing
+            argv += ["--decode-peers", decodes]
         argv += ["--device", device]
         if metrics_port:
             argv += ["--metrics-port", str(metrics_port)]
@@ -224,10 +232,19 @@ def stack_commands(
             argv += ["--num-threads", str(cpu_threads)]
         return argv + eflags
 
-    metrics = up.metrics_ports
-    commands = [("prefill-0", service("prefill", "prefill-0", up.prefill_port, placement.prefill_device, metrics))]
+    metrics, num_prefill = up.metrics_ports, up.num_prefill
+    commands = [
+        (
+            f"prefill-{i}",
+            service("prefill", f"prefill-{i}", up.prefill_port + i, placement.prefill_device, metrics and metrics + i),
+        )
+        for i in range(num_prefill)
+    ]
     commands += [
-        (f"decode-{i}", service("decode", f"decode-{i}", up.decode_port + i, device, metrics and metrics + 1 + i))
+        (
+            f"decode-{i}",
+            service("decode", f"decode-{i}", up.decode_port + i, device, metrics and metrics + num_prefill + i),
+        )
         for i, device in enumerate(placement.decode_devices)
     ]
     gateway = cli + [
@@ -239,9 +256,9 @@ def stack_commands(
         "--http-port",
         str(up.http_port),
         "--prefill",
-        prefill_address,
+        prefills,
         "--decode",
-        ",".join(f"{HOST}:{up.decode_port + i}" for i in range(up.num_decode)),
+        decodes,
     ]
     if engine.model:
         gateway += ["--model", engine.model]  # a config.json (dummy weights): the gateway uses its directory
@@ -457,7 +474,7 @@ def banner(
 ) -> str:
     """URLs, where each process runs, where traces go (tracing.destination), and a ready-to-paste request (with
     the CA and API key options it needs)."""
-    placement = placement or Placement("cpu", ("cpu",) * up.num_decode, "shm", {})
+    placement = placement or Placement("cpu", ("cpu",) * up.num_decode, "shm", {}, up.num_prefill)
     base = base_url(up, gateway_options)
     body = json.dumps({"model": model_id, "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
     curl = f"curl -s {base}/v1/completions"
@@ -466,7 +483,8 @@ def banner(
     if keys_required:
         curl += ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"'
     lines = [
-        f"splitserve is up: model {model_id!r}, 1 prefill + {up.num_decode} decode, KV over {placement.kv_transport}",
+        f"splitserve is up: model {model_id!r}, {up.num_prefill} prefill + {up.num_decode} decode, "
+        f"KV over {placement.kv_transport}",
         *placement.describe(),
         f"  OpenAI REST  {base}/v1",
         f"  gRPC         {public_host(up)}:{up.grpc_port}  "
@@ -475,7 +493,7 @@ def banner(
         *(
             [
                 f"  metrics      {base}/metrics (gateway), http://{HOST}:{up.metrics_ports}/metrics (prefill-0), "
-                f"ports {up.metrics_ports + 1}.. (decodes)"
+                f"ports {up.metrics_ports + up.num_prefill}.. (decodes)"
             ]
             if up.metrics_ports
             else []

@@ -207,7 +207,9 @@ class GatewayConfig:
 class UpConfig:
     """Ports and shape of the loopback stack that `splitserve up` starts."""
 
-    prefill_port: int = option(50061, "gRPC port of the prefill instance", min=1, max=65535)
+    prefill_port: int = option(
+        50061, "gRPC port of prefill instance 0 (instance i uses prefill_port + i)", min=1, max=65535
+    )
     decode_port: int = option(
         50071, "gRPC port of decode instance 0 (instance i uses decode_port + i)", min=1, max=65535
     )
@@ -224,16 +226,17 @@ class UpConfig:
         "on CPU, cuda_ipc when it runs on a GPU)",
         choices=("auto", *KV_TRANSPORTS),
     )
+    num_prefill: int = option(1, "prefill instances, all given to the gateway", min=1, max=64)
     num_decode: int = option(1, "decode instances", min=1, max=64)
     metrics_ports: int = option(
         9100,
-        "Prometheus /metrics of the prefill on this port and of decode i on port + 1 + i (0 = off; the "
+        "Prometheus /metrics of prefill i on port + i and of decode i on port + num_prefill + i (0 = off; the "
         "gateway's are on its REST port, or --metrics-port)",
         min=0,
         max=65535,
     )
     prefill_device: str = option(
-        "", "device of the prefill (cpu, cuda:N); empty = placed from --device and the GPUs this machine has"
+        "", "device of the prefills (cpu, cuda:N); empty = placed from --device and the GPUs this machine has"
     )
     decode_device: str = option(
         "",
