@@ -55,7 +55,7 @@ def test_each_role_declares_only_the_families_it_owns():
     assert names["decode"] - names["prefill"] == per_token
     assert names["prefill"] - names["decode"] == {"splitserve:kv_leases_expired"}
     assert names["decode"] - names["both"] == transfer
-    assert len(names["gateway"]) == 9 and len(names["prefill"]) == 25 and len(names["decode"]) == 27
+    assert len(names["gateway"]) == 10 and len(names["prefill"]) == 25 and len(names["decode"]) == 27
     for missing in (
         "request_prompt_tokens",
         "request_generation_tokens",
