@@ -111,11 +111,11 @@ class Members:
         return self._factory(address, self._health_options, inst.server_name)
 
     def apply(self, pool: str, members: Sequence[Member]) -> list[Instance]:
-        """Make `pool`'s instances the `members`: new addresses are added (or rejoin from `leaving`), absent
-        ones move to `leaving`. Returns the instances created."""
+        """Make `pool`'s instances the `members`: new addresses are joined (or rejoin from `leaving`), absent
+        ones move to `leaving`. Returns the instances that joined or rejoined (to be Described at once)."""
         wanted = {m.address: m for m in members}
         current = {i.address: i for i in self.instances if i.pool == pool}
-        added = []
+        joined = []
         for address, member in wanted.items():
             if address in current:
                 continue
@@ -124,9 +124,10 @@ class Members:
                 self.leaving.remove(back)
                 self.instances.append(back)
                 back.leaving = False
+                joined.append(back)
                 log.info("%s instance %s at %s is listed again: routed to again", pool, back.name, address)
             else:
-                added.append(self.add(pool, member))
+                joined.append(self.add(pool, member))
                 log.info("%s pool: %s joined (%s)", pool, address, member.server_name or "fixed")
         for address, inst in current.items():
             if address not in wanted:
@@ -140,7 +141,7 @@ class Members:
                     address,
                     num_running(inst),
                 )
-        return added
+        return joined
 
     def retire_idle(self) -> list[Instance]:
         """Take out of `leaving` the instances no request of this gateway uses any more (for the caller to

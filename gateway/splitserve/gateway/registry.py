@@ -215,12 +215,12 @@ class Registry:
     # -- membership -----------------------------------------------------------------------
 
     async def discover(self) -> None:
-        """One discovery round: resolve the names, apply each pool's members, Describe the new ones at once
-        (so a ready member is routed to within this round)."""
-        added = []
+        """One discovery round: resolve the names, apply each pool's members, Describe the ones that joined or
+        rejoined at once (so a ready member is routed to within this round)."""
+        joined = []
         for pool, members in (await self._discovery.members()).items():
-            added += self.members.apply(pool, members)
-        await asyncio.gather(*(self._describe(inst) for inst in added))
+            joined += self.members.apply(pool, members)
+        await asyncio.gather(*(self._describe(inst) for inst in joined))
         self._changed()
 
     async def _describe(self, inst: Instance) -> None:
