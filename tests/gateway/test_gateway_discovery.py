@@ -258,3 +258,27 @@ def test_a_name_that_never_resolved_is_named_in_the_readiness_answer(tokenizer_d
         assert tokens(generate(stack)) == [21, 22, 23]
     finally:
         stack.stop()
+
+
+def test_a_leaving_decode_that_dies_fails_its_stream_with_an_error_and_is_closed(tokenizer_dir):
+    p, d0, d1 = FakePrefill(), FakeDecode("decode-0"), FakeDecode("decode-1", free_blocks=100)
+    stack, resolver = start(tokenizer_dir, [p], [d0, d1], {PREFILL_NAME: [p], DECODE_NAME: [d0, d1]})
+    try:
+        registry = stack.gateway.registry
+        d0.hold = True
+        running = generate(stack, "w20", max_tokens=4)
+        assert list(next(running).token_ids) == [21]
+        stack.wait_for(lambda: len(d0.requests) == 1, what="the request on decode-0")
+        resolver.answers[DECODE_NAME] = [d1]
+        after_next_lookups(stack, resolver, DECODE_NAME)
+        stack.loop.run(stack.servers["decode-0"].stop())
+        (last,) = list(running)
+        assert (last.finish_reason, last.error.startswith("decode instance decode-0 failed: ")) == (
+            common_pb2.FINISH_REASON_ERROR,
+            True,
+        )
+        stack.wait_for(lambda: not registry.leaving, what="decode-0 closed")
+        assert tokens(generate(stack, "w40")) == [41, 42, 43] and len(d1.requests) == 1
+        assert stack.loop.call(lambda: stack.gateway.service.num_active) == 0
+    finally:
+        stack.stop()
