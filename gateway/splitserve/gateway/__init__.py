@@ -6,7 +6,9 @@ to a colocated worker), and streams detokenized text back with stop strings appl
 relies only on the wire contract in `protos/`.
 
     config.py    GatewayConfig, UpConfig
-    registry.py  instances, Describe health loop, layout compatibility, readiness
+    registry.py  instances, Describe health loop, discovery rounds, layout compatibility, readiness
+    discovery.py pool entries (host:port, dns:///host:port) and the resolver that answers the names
+    members.py   each pool's instances: joining, leaving (drained, then closed), rejoining
     decode_link.py  the one bidirectional Decode.Generate stream per decode instance
     router.py    prefill / decode choice (load, prefix affinity)
     service.py   the request path shared by gRPC and REST
