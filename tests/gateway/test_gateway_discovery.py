@@ -14,7 +14,8 @@ import pytest
 
 from splitserve.common.config_fields import ConfigError
 from splitserve.gateway.config import GatewayConfig
-from splitserve.gateway.discovery import DnsName, PoolSpec, SystemResolver, parse_pool
+from splitserve.gateway.discovery import DnsName, Member, PoolSpec, SystemResolver, parse_pool
+from splitserve.gateway.members import Members
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, FakeResolver, Stack, make_tokenizer_dir, parse_metrics
 
@@ -282,3 +283,22 @@ def test_a_leaving_decode_that_dies_fails_its_stream_with_an_error_and_is_closed
         assert stack.loop.call(lambda: stack.gateway.service.num_active) == 0
     finally:
         stack.stop()
+
+
+def test_members_join_leave_rejoin_and_retire_only_when_idle():
+    made = []
+    members = Members(lambda address, options, server_name: made.append((address, server_name)) or object(), ())
+    a, b = Member("10.0.0.1:50071", DECODE_NAME), Member("10.0.0.2:50071", DECODE_NAME)
+    (first,) = members.apply("decode", [a])
+    (second,) = members.apply("decode", [a, b])
+    assert members.instances == [first, second] and addresses(members.instances) == [a.address, b.address]
+    assert made == [(a.address, DECODE_NAME)] * 2 + [(b.address, DECODE_NAME)] * 2  # a request and a health channel
+    first.in_flight = 1
+    assert members.apply("decode", [b]) == [] and (members.leaving, first.leaving) == ([first], True)
+    assert members.retire_idle() == []  # a request still runs there
+    assert members.apply("decode", [a, b]) == [first] and (members.leaving, first.leaving) == ([], False)
+    assert addresses(members.instances) == [b.address, a.address] and len(made) == 4  # the same instance rejoined
+    members.apply("decode", [b])
+    first.in_flight = 0
+    assert members.retire_idle() == [first] and first.closed and members.leaving == []
+    assert members.counts()[("decode", "down")] == 1  # b: never Described
