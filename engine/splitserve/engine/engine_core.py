@@ -23,6 +23,7 @@ A transfer runs off the core thread while the engine steps on: its blocks stay p
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import random
@@ -85,12 +86,14 @@ def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, 
     from splitserve.engine.worker.tensor_parallel import check_shardable
     from splitserve.engine.worker.tp_worker import TpWorkers
 
+    moe = getattr(model_config, "moe", None)
     check_shardable(
-        model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size, config.tensor_parallel_size
+        model_config.num_heads,
+        model_config.num_kv_heads,
+        model_config.intermediate_size,
+        config.tensor_parallel_size,
+        moe.intermediate_size if moe is not None else 0,
     )
-    if getattr(model_config, "moe", None) is not None:  # refused before any rank starts (the loader refuses too)
-        size = config.tensor_parallel_size
-        raise ConfigError(f"mixture-of-experts models do not support --tensor-parallel-size > 1 yet (got {size})")
     if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():
         raise ConfigError(
             f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs GPUs {device.index}.."
@@ -179,8 +182,9 @@ class EngineCore:
             self.tp_workers = _start_tp_workers(config, model_config, device, dtype_name)
             tp = self.tp_workers.group
         try:
-            if model is None:
-                model, model_config = load_rank_model(config, device, dtype_name, tp, model_config)
+            if model is None:  # under TP, fp8 quantization reduces split rows' scales over the ranks
+                with self.tp_workers.guard() if tp is not None else contextlib.nullcontext():
+                    model, model_config = load_rank_model(config, device, dtype_name, tp, model_config)
             self.model_config = model_config
             self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name, tp)
             max_model_len = max_model_len_of(config, model_config)

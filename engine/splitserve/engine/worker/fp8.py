@@ -87,21 +87,28 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight (N, K) -> (w_q (N, K) e4m3, scale (N,) fp32), one scale per output row."""
+def quantize_per_channel(weight: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) -> (w_q (N, K) e4m3, scale (N,) fp32), one scale per output row. `row_max`: a callable
+    taking each row's amax (N,) and returning the whole row's, for a row-parallel shard whose other columns
+    are on other ranks (`TpGroup.all_reduce_max`), so every rank scales a row as the unsharded weight does."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)  # (N,)
+    amax = w.abs().amax(dim=1)  # (N,)
+    if row_max is not None:
+        amax = row_max(amax)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)  # (N,)
     return to_fp8(w / scale[:, None]), scale
 
 
-def quantize_experts(experts: nn.Module) -> None:
+def quantize_experts(experts: nn.Module, down_row_max=None) -> None:
     """A mixture of experts' stacked weights `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F) to e4m3 in place,
     with one float32 scale per expert and output row as `gate_up_scale` (E, 2F) and `down_scale` (E, H) (W8A16 in
-    kernels.fused_moe: activations stay 16-bit); biases, where a family has them, stay in the model dtype."""
+    kernels.fused_moe: activations stay 16-bit); biases, where a family has them, stay in the model dtype.
+    `down_row_max`: tensor parallel, where down's rows are split by columns (`quantize_per_channel`'s row_max)."""
     for name, scale_name in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
         weight = getattr(experts, name)
         num_experts, rows, cols = weight.shape
-        w_q, scale = quantize_per_channel(weight.data.reshape(num_experts * rows, cols))
+        row_max = down_row_max if name == "down_proj" else None
+        w_q, scale = quantize_per_channel(weight.data.reshape(num_experts * rows, cols), row_max)
         setattr(experts, name, nn.Parameter(w_q.view(num_experts, rows, cols), requires_grad=False))
         setattr(experts, scale_name, nn.Parameter(scale.view(num_experts, rows), requires_grad=False))
 
@@ -264,12 +271,13 @@ class Fp8Linear(nn.Module):
         self._static_scale = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, w8a16_max_rows: int = 0) -> Fp8Linear:
-        """Quantize an unquantized linear (models.llama.Linear) per output channel; finalize(w8a16_max_rows)."""
+    def from_linear(cls, linear: nn.Module, w8a16_max_rows: int = 0, row_max=None) -> Fp8Linear:
+        """Quantize an unquantized linear (models.llama.Linear) per output channel (`row_max`: a row-parallel
+        shard's, `quantize_per_channel`); finalize(w8a16_max_rows)."""
         weight = linear.weight.data
         bias = linear.bias is not None
         layer = cls(weight.shape[1], list(linear.output_sizes), bias, weight.dtype, weight.device)
-        w_q, scale = quantize_per_channel(weight)
+        w_q, scale = quantize_per_channel(weight, row_max)
         layer.weight.data.copy_(w_q)
         layer.weight_scale.data.copy_(scale)
         if bias:

@@ -162,6 +162,10 @@ def is_ignored(name: str, ignore: tuple[str, ...]) -> bool:
     return False
 
 
+# projections whose input (and so each weight row) is split over tensor-parallel ranks (models/llama.py)
+ROW_PARALLEL = (".o_proj", ".down_proj")
+
+
 def _linears(net: nn.Module):
     """(module path, module) of every unquantized projection (models.llama.Linear) in `net`."""
     from splitserve.engine.worker.models.llama import Linear
@@ -225,10 +229,17 @@ def quantize_model(net: nn.Module, w8a16_max_rows: int = 0) -> int:
 
     Embeddings, the LM head and MoE routers stay in the model's dtype (as vLLM's fp8 does); MoE experts become
     e4m3 with per-row scales. Returns the count of projections and expert blocks quantized.
+
+    Tensor parallel (`net.tp`): a row-parallel projection's rows are split by columns over the ranks, so each
+    row's scale is the whole row's (the ranks' amax reduced), and every rank holds exactly the unsharded model's
+    e4m3 values and scales. A column-parallel one holds whole rows already.
     """
+    tp = getattr(net, "tp", None)
+    row_max = tp.all_reduce_max if tp is not None else None
     linears = _linears(net)
     for path, linear in linears:
-        _replace(net, path, Fp8Linear.from_linear(linear, w8a16_max_rows))
+        split_rows = path.endswith(ROW_PARALLEL)
+        _replace(net, path, Fp8Linear.from_linear(linear, w8a16_max_rows, row_max if split_rows else None))
     experts = [module for module in net.modules() if hasattr(module, "quantize_fp8")]
     for module in experts:  # a mixture of experts' stacked experts (models/moe.py)
         module.quantize_fp8()

@@ -7,7 +7,8 @@
       model.safetensors.index.json    ("weight_map": tensor name -> shard file)
 
 Tensor parallel (`tp`): each rank reads only its slices of each tensor (`safe_open`'s `get_slice`), as
-the model's `checkpoint_shards` names them; fp8 does not shard yet and is refused.
+the model's `checkpoint_shards` names them; `quantization="fp8"` then quantizes each rank's shard (row-parallel
+rows scaled as whole rows: fp8_checkpoint.quantize_model). fp8 checkpoints do not shard yet and are refused.
 
 Every checkpoint tensor must map to a parameter of the model (fused q|k|v and gate|up
 rows included) with the same shape; every parameter must be filled. Any violation is a
@@ -91,7 +92,7 @@ def load_model(
     config = model_config or ModelConfig.from_pretrained(path, model_id=model_id)
     torch_dtype = resolve_dtype(dtype, config)
     scheme = read_fp8_scheme(path) if load_format == "auto" else None
-    net = _build(config, torch_dtype, torch.device(device), tp, fp8=scheme is not None or quantization == "fp8")
+    net = _build(config, torch_dtype, torch.device(device), tp, fp8_checkpoint=scheme is not None)
     if scheme is not None:
         prepare_fp8_model(net, scheme, FUSED_PARTS)
     if load_format == "dummy":
@@ -107,18 +108,23 @@ def load_model(
     return net.eval(), config
 
 
-def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TpGroup | None, fp8: bool) -> nn.Module:
+def _build(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TpGroup | None, fp8_checkpoint: bool
+) -> nn.Module:
     """The model's module, this rank's slices only under tensor parallelism (refusals name the field)."""
     cls = model_class(config)
     if tp is None or tp.size == 1:
         return cls(config, dtype, device)
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1 (got {tp.size})")
-    if fp8:
-        raise ValueError(f"fp8 weights do not support tensor_parallel_size > 1 yet (got {tp.size})")
-    if getattr(config, "moe", None) is not None:
-        raise ValueError(f"mixture-of-experts models do not support tensor_parallel_size > 1 yet (got {tp.size})")
-    check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, tp.size)
+    if fp8_checkpoint:
+        raise ValueError(
+            f"fp8 checkpoints do not support tensor_parallel_size > 1 yet (got {tp.size}); load the 16-bit "
+            "checkpoint with --quantization fp8, which quantizes each rank's shard"
+        )
+    moe = getattr(config, "moe", None)
+    experts = moe.intermediate_size if moe is not None else 0
+    check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, tp.size, experts)
     return cls(config, dtype, device, tp=tp)
 
 
@@ -152,6 +158,7 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
     targets = net.checkpoint_targets()
     shards = net.checkpoint_shards() if hasattr(net, "checkpoint_shards") else {}
     packed = net.mxfp4_targets() if hasattr(net, "mxfp4_targets") else {}  # name -> view its values fill
+    packed_shards = net.mxfp4_shards() if hasattr(net, "mxfp4_shards") else {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's part read before its other part
     loaded: set[str] = set()
     kv_scales: dict[tuple[int, str], float] = {}
@@ -163,7 +170,8 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                     target = targets.get(name)
                     split = mxfp4_base_name(name) if target is None else None
                     if split is not None and split[0] in packed:
-                        if load_mxfp4_pair(pending, *split, reader.get_tensor(name), packed[split[0]]):
+                        part = reader.get_tensor(name)
+                        if load_mxfp4_pair(pending, *split, part, packed[split[0]], packed_shards.get(split[0])):
                             loaded.add(split[0])
                         continue
                     if target is None:
@@ -193,11 +201,8 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
 
 def _read_shard(reader, name: str, shard: TpShard) -> torch.Tensor:
     """Only `shard`'s piece of tensor `name` (the rest is never read from the file)."""
-    piece = reader.get_slice(name)
-    stop = shard.start + shard.size
-    if shard.dim == 0:
-        return piece[shard.start : stop]
-    return piece[:, shard.start : stop]
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+    return reader.get_slice(name)[index]
 
 
 def _fitted(tensor: torch.Tensor, target: torch.Tensor, name: str, file_name: str) -> torch.Tensor:

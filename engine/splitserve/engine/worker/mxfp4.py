@@ -44,16 +44,24 @@ def mxfp4_base_name(name: str) -> tuple[str, str] | None:
 
 
 def load_mxfp4_pair(
-    pending: dict[str, dict[str, torch.Tensor]], base: str, part: str, tensor: torch.Tensor, target: torch.Tensor
+    pending: dict[str, dict[str, torch.Tensor]],
+    base: str,
+    part: str,
+    tensor: torch.Tensor,
+    target: torch.Tensor,
+    shard=None,
 ) -> bool:
     """Keep `tensor` (part `part` of checkpoint tensor `base`) until its other part arrives, then fill `target`
-    (the values' shape) with the dequantized values; returns whether `base` is now loaded."""
+    (the values' shape) with the dequantized values, or (tensor parallel) their `shard` (a `TpShard`: `size`
+    entries from `start` along `dim`); returns whether `base` is now loaded."""
     parts = pending.setdefault(base, {})
     parts[part] = tensor
     if len(parts) < len(PARTS):
         return False
     del pending[base]
     values = dequantize_mxfp4(parts["_blocks"], parts["_scales"], target.dtype)
+    if shard is not None:
+        values = values.narrow(shard.dim, shard.start, shard.size)
     if tuple(values.shape) != tuple(target.shape):
         raise ValueError(
             f"MXFP4 tensor {base!r} dequantizes to shape {tuple(values.shape)}, expected {tuple(target.shape)}"

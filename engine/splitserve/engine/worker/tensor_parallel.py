@@ -8,6 +8,7 @@ N ranks (`--tensor-parallel-size N`), one process each; rank r holds:
     o_proj        the columns of its q heads                     row-parallel: all-reduce after
     gate|up       rows [r F/N, (r+1) F/N) of each                column-parallel
     down_proj     the columns of those rows                      row-parallel: all-reduce after
+    experts       every expert, its rows / columns as gate|up and down; the router whole (models/moe.py)
     vocab         rows [r ceil(V/N), ...) of the embedding and the LM head, the last rank's padded
                   with zero rows; the embedding sums over ranks, the logits are gathered
 
@@ -47,8 +48,11 @@ class TpShard:
     size: int
 
 
-def check_shardable(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    """ValueError naming the model field and the size when `size` ranks cannot split the model."""
+def check_shardable(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, expert_intermediate_size: int = 0
+) -> None:
+    """ValueError naming the model field and the size when `size` ranks cannot split the model
+    (`expert_intermediate_size`: a mixture of experts' rows per expert, split as the MLP's)."""
     if size == 1:
         return
     if num_heads % size:
@@ -59,6 +63,10 @@ def check_shardable(num_heads: int, num_kv_heads: int, intermediate_size: int, s
         )
     if intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide intermediate_size {intermediate_size}")
+    if expert_intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the experts' intermediate size {expert_intermediate_size}"
+        )
 
 
 def kv_heads_of_rank(num_kv_heads: int, size: int, rank: int) -> range:
@@ -122,6 +130,15 @@ class TpGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks, in place; returns it."""
         self.device_group.allreduce([x]).wait()
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of `x` over ranks, in place; returns it (fp8 row scales of split rows, at load)."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.device_group.allreduce([x], opts).wait()
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:

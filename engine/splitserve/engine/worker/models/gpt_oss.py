@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.worker.models.llama import DecoderForCausalLM
+from splitserve.engine.worker.tensor_parallel import TpShard
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
@@ -43,3 +44,18 @@ class GptOssForCausalLM(DecoderForCausalLM):
             for name in ("gate_up_proj", "down_proj"):
                 targets[f"model.layers.{i}.mlp.experts.{name}"] = getattr(layer.mlp.experts, name).data
         return targets
+
+    def mxfp4_shards(self) -> dict[str, TpShard]:
+        """Tensor parallel: MXFP4 checkpoint tensor -> the piece of its dequantized values this rank keeps."""
+        if self.tp is None:
+            return {}
+        shards = {}
+        for i, layer in enumerate(self.model.layers):
+            for name, shard in layer.mlp.mxfp4_shards().items():
+                shards[f"model.layers.{i}.mlp.experts.{name}"] = shard
+        return shards
+
+    def is_ignored_checkpoint_tensor(self, name: str) -> bool:
+        if self.tp is not None and self.tp.rank > 0 and name.endswith(".mlp.experts.down_proj_bias"):
+            return True  # the experts' down bias is added once: rank 0 holds it
+        return super().is_ignored_checkpoint_tensor(name)

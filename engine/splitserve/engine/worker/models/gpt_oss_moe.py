@@ -13,6 +13,13 @@ The weights are stored as the kernel reads them, output-major:
 `experts.gate_up_proj` (E, 2F, H) with rows g0, u0, g1, u1, ... and `experts.down_proj` (E, H, F); the biases
 (E, 2F), same order, and (E, H). The checkpoint's tensors are input-major ((E, H, 2F), (E, F, H)): they load
 through transposed views (models/gpt_oss.py), and its MXFP4 blocks, output-major, load straight in.
+
+Tensor parallel (N ranks): rank r holds intermediate rows [r F/N, (r+1) F/N) of every expert, which are the
+interleaved rows [2 r F/N, 2 (r+1) F/N) of gate_up (one contiguous run) with their biases, and those columns of
+down. The clamped SwiGLU is elementwise per (gate, up) pair, so each rank's h is exact; down's bias is added on
+rank 0 only, and the all-reduce after the block sums the ranks' weighted shares:
+
+    sum_r sum_e w_e (h_e[rows_r] W_d[e][:, rows_r] + [r == 0] b_d[e]) = sum_e w_e (h_e W_d[e] + b_d[e])
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.worker.model_config import ModelConfig
+from splitserve.engine.worker.tensor_parallel import TpGroup, TpShard
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -36,14 +44,18 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
 
 
 class GptOssMoeBlock(nn.Module):
-    """A layer's `router` (weight (E, H), bias (E,)) and `experts`; forward(x (T, H)) -> (T, H)."""
+    """A layer's `router` (weight (E, H), bias (E,)) and `experts`; forward(x (T, H)) -> (T, H). Under tensor
+    parallelism F/N rows of every expert (module docstring); `experts.down_proj_bias` only on rank 0."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device, tp: TpGroup | None = None):
         super().__init__()
         moe = config.moe
         self.top_k = moe.top_k
         self.alpha, self.limit = moe.clamped_swiglu
-        num_experts, hidden, inter = moe.num_experts, config.hidden_size, moe.intermediate_size
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        rank, size = (tp.rank, tp.size) if self.tp is not None else (0, 1)
+        num_experts, hidden, inter = moe.num_experts, config.hidden_size, moe.intermediate_size // size
+        self.row_start = rank * inter
         self.router = nn.Module()
         self.router.weight = _param((num_experts, hidden), dtype, device)
         self.router.bias = _param((num_experts,), dtype, device)
@@ -51,7 +63,7 @@ class GptOssMoeBlock(nn.Module):
         self.experts.gate_up_proj = _param((num_experts, 2 * inter, hidden), dtype, device)
         self.experts.gate_up_proj_bias = _param((num_experts, 2 * inter), dtype, device)
         self.experts.down_proj = _param((num_experts, hidden, inter), dtype, device)
-        self.experts.down_proj_bias = _param((num_experts, hidden), dtype, device)
+        self.experts.down_proj_bias = _param((num_experts, hidden), dtype, device) if rank == 0 else None
         self.experts.gate_up_scale = self.experts.down_scale = None  # (E, 2F), (E, H) once quantized to fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +71,7 @@ class GptOssMoeBlock(nn.Module):
 
         weights, ids = route_topk_softmax(F.linear(x, self.router.weight, self.router.bias), self.top_k)  # (T, k)
         experts = self.experts
-        return fused_moe(
+        out = fused_moe(
             x,
             experts.gate_up_proj,
             experts.down_proj,
@@ -71,14 +83,16 @@ class GptOssMoeBlock(nn.Module):
             w2_bias=experts.down_proj_bias,
             clamped_swiglu=(self.alpha, self.limit),
             interleaved=True,
-        )
+        )  # (T, H): this rank's rows' share under tensor parallelism
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def quantize_fp8(self) -> None:
         """The experts' weights to e4m3 (engine.worker.fp8.quantize_experts: rows in their interleaved order, each
-        with its scale); the router and the biases stay in the model dtype, as in vLLM's fp8."""
+        with its scale; under tensor parallelism a down row's scale is the whole row's); the router and the biases
+        stay in the model dtype, as in vLLM's fp8."""
         from splitserve.engine.worker.fp8 import quantize_experts
 
-        quantize_experts(self.experts)
+        quantize_experts(self.experts, self.tp.all_reduce_max if self.tp is not None else None)
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Leaf name -> the view of our parameter that the checkpoint's (input-major) tensor fills."""
@@ -86,4 +100,22 @@ class GptOssMoeBlock(nn.Module):
         return {
             "experts.gate_up_proj": experts.gate_up_proj.data.transpose(1, 2),  # (E, H, 2F)
             "experts.down_proj": experts.down_proj.data.transpose(1, 2),  # (E, F, H)
+        }
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, TpShard]:
+        """The pieces of the checkpoint's (input-major) expert tensors this rank reads (the router: whole)."""
+        inter = self.experts.down_proj.shape[2]
+        rows = TpShard(2, 2 * self.row_start, 2 * inter)  # interleaved gate/up columns of (E, H, 2F)
+        return {
+            f"{prefix}.experts.gate_up_proj": rows,
+            f"{prefix}.experts.gate_up_proj_bias": TpShard(1, rows.start, rows.size),  # (E, 2F)
+            f"{prefix}.experts.down_proj": TpShard(1, self.row_start, inter),  # (E, F, H)
+        }
+
+    def mxfp4_shards(self) -> dict[str, TpShard]:
+        """Leaf -> the piece of an MXFP4 tensor's dequantized (output-major) values this rank keeps."""
+        inter = self.experts.down_proj.shape[2]
+        return {
+            "gate_up_proj": TpShard(1, 2 * self.row_start, 2 * inter),
+            "down_proj": TpShard(2, self.row_start, inter),
         }

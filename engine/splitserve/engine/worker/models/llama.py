@@ -168,6 +168,8 @@ class Attention(nn.Module):
         q = TpShard(0, self.q_head_start * d, self.num_heads * d)
         kv = TpShard(0, self.kv_head_start * d, self.num_kv_heads * d)
         shards = {f"{prefix}.o_proj.weight": TpShard(1, q.start, q.size)}
+        if self.sinks is not None:  # one sink logit per q head
+            shards[f"{prefix}.sinks"] = TpShard(0, self.q_head_start, self.num_heads)
         for part, shard in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shards[f"{prefix}.{part}.weight"] = shards[f"{prefix}.{part}.bias"] = shard
         return shards
@@ -210,7 +212,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.self_attn = Attention(config, layer_idx, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        sparse = mlp_for_layer(config, layer_idx, dtype, device)  # a mixture of experts (models/moe.py)
+        sparse = mlp_for_layer(config, layer_idx, dtype, device, tp)  # a mixture of experts (models/moe.py)
         self.mlp = MLP(config, dtype, device, tp) if sparse is None else sparse
 
     def forward(self, positions, x, residual, cos_sin_cache, kv_cache, meta, fused: bool = False):

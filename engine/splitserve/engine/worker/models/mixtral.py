@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.worker.models.llama import DecoderForCausalLM
-from splitserve.engine.worker.models.moe import replace_expert_targets
+from splitserve.engine.worker.models.moe import replace_expert_shards, replace_expert_targets
+from splitserve.engine.worker.tensor_parallel import TpShard
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
@@ -22,4 +23,9 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         return replace_expert_targets(
             super().checkpoint_targets(), self.model.layers, "block_sparse_moe", ("w1", "w3", "w2")
+        )
+
+    def checkpoint_shards(self) -> dict[str, TpShard]:
+        return replace_expert_shards(
+            super().checkpoint_shards(), self.model.layers, "block_sparse_moe", ("w1", "w3", "w2")
         )

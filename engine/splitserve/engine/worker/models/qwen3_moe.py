@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.worker.models.llama import DecoderForCausalLM
-from splitserve.engine.worker.models.moe import replace_expert_targets
+from splitserve.engine.worker.models.moe import replace_expert_shards, replace_expert_targets
+from splitserve.engine.worker.tensor_parallel import TpShard
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -20,4 +21,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         return replace_expert_targets(
             super().checkpoint_targets(), self.model.layers, "mlp", ("gate_proj", "up_proj", "down_proj")
+        )
+
+    def checkpoint_shards(self) -> dict[str, TpShard]:
+        return replace_expert_shards(
+            super().checkpoint_shards(), self.model.layers, "mlp", ("gate_proj", "up_proj", "down_proj")
         )
