@@ -1,25 +1,27 @@
 """Services with --tensor-parallel-size: a colocated worker at TP 2 (its core is rank 0 and starts rank 1) gives
 the in-process TP 1 engine's tokens, and a rank that dies fails the in-flight requests naming it and ends the
-service; prefills and decodes of TP 1 and 2 hand KV to each other over shm with the same tokens."""
+service; prefills and decodes of TP 1, 2 and 4 hand KV to each other over shm with the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from splitserve.engine import LLM
-from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
+from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.model_factory import engine_reference, make_tiny_model_dir
-from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
+from tests.service_client import DecodeSession, decode_request, describe, generate_disaggregated, prefill_stub
 from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 450, 480, 500], [42] * 13]
 MAX_TOKENS = 8
+LONG = common_pb2.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)  # aborted before its end
 
 
 def children(pid: int) -> list[int]:
@@ -91,80 +93,105 @@ def test_tp2_worker_tokens_equal_tp1_and_a_dead_rank_ends_it(worker, model):
     assert proc.popen.wait(10) == 1
 
 
+SIZES = (1, 2, 4)  # every (prefill TP, decode TP) pair of these: 4 ranks replicate the model's 2 KV heads
+
+
 @pytest.fixture()
 def pd_stack(tmp_path, model):
-    """Prefills at TP 1 and 2, decodes at TP 1 and 2, each decode peered with both prefills (shm)."""
+    """Prefills and decodes at TP 1, 2 and 4, each decode peered with every prefill (shm). The prefills start
+    together, then the decodes: all 14 ranks at once on two cores took longer than a start may take."""
     procs = []
     try:
         prefills = {}
-        for size in (1, 2):
-            proc, address = start_service(
+        for size in SIZES:
+            proc, prefills[size] = start_service(
                 "prefill", model, tmp_path, f"prefill-tp{size}", service_args=_tp(size), **ENGINE
             )
             procs.append(proc)
-            prefills[size] = address
+        for proc in procs:
+            proc.wait_ready()
         peers = ",".join(prefills.values())
         decodes = {}
-        for size in (1, 2):
+        for size in SIZES:
             args = [*_tp(size), "--prefill-peers", peers]
-            proc, address = start_service("decode", model, tmp_path, f"decode-tp{size}", service_args=args, **ENGINE)
+            proc, decodes[size] = start_service(
+                "decode", model, tmp_path, f"decode-tp{size}", service_args=args, **ENGINE
+            )
             procs.append(proc)
-            decodes[size] = address
-        for proc in procs:
+        for proc in procs[len(SIZES) :]:
             proc.wait_ready()
         yield prefills, decodes
     finally:
-        for proc in procs:
-            proc.stop()
+        with ThreadPoolExecutor(len(procs) or 1) as pool:  # each waits for its drain: stop them side by side
+            list(pool.map(lambda proc: proc.stop(), procs))
 
 
 def _tp(size: int) -> list[str]:
     return ["--kv-transport", "shm", "--tensor-parallel-size", str(size)]
 
 
+async def _run_pair(prefill: str, decode: str, name: str, batch: list[list[int]], doomed: list[int]):
+    """`batch` through `prefill` and `decode` at once (greedy, MAX_TOKENS each), and `doomed` aborted on the
+    decode after its first decoded delta; returns (the batch's tokens, the aborted request's last delta)."""
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    session = DecodeSession(decode)
+    try:
+        stub = prefill_stub(prefill)
+        first = await stub.Prefill(
+            prefill_pb2.PrefillRequest(request_id=f"{name}-abort", prompt_token_ids=doomed, sampling=LONG), timeout=60
+        )
+        queue = session.submit(decode_request(first, f"{name}-abort", doomed, LONG))
+        runs = [generate_disaggregated(stub, session, f"{name}-{i}", p, greedy) for i, p in enumerate(batch)]
+        await asyncio.wait_for(queue.get(), 30)  # a decoded delta: its KV was pulled and it runs
+        session.abort(f"{name}-abort")
+        _, deltas = await session.collect(f"{name}-abort")
+        return [tokens for tokens, _, _ in await asyncio.gather(*runs)], deltas[-1]
+    finally:
+        await session.close()
+
+
 def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block(pd_stack, model):
-    """(prefill TP, decode TP) in (1, 1), (1, 2), (2, 1), (2, 2): each decode rank's heads come from the prefill
-    ranks that hold them (shm, a transfer plan per pair); tokens equal the colocated TP 1 engine's. Each pair's
-    prompts are its own, so every block is pulled (none is in the decode's prefix cache)."""
+    """(prefill TP, decode TP) for every pair of 1, 2 and 4, among them (1, 2), (2, 1), (4, 2) and (2, 4): each
+    decode rank's heads come from the prefill ranks that hold them (shm, a transfer plan per pair); tokens
+    equal the colocated TP 1 engine's, and a request aborted mid-decode frees its blocks. Each pair's prompts
+    are its own, so every block is pulled (none is in the decode's prefix cache)."""
     prefills, decodes = pd_stack
-    pairs = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    pairs = [(p, d) for p in SIZES for d in SIZES]
     prompts = {pair: [[400 + 10 * pair[0] + pair[1], *prompt] for prompt in PROMPTS] for pair in pairs}
     with LLM(model=str(model), device="cpu", **ENGINE) as llm:
         flat, _ = engine_reference(llm, [p for pair in pairs for p in prompts[pair]], MAX_TOKENS, [])
     expected = {pair: flat[3 * i : 3 * i + 3] for i, pair in enumerate(pairs)}
-    greedy = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     async def main():
-        got = {}
-        for (p_size, d_size), batch in prompts.items():
-            session = DecodeSession(decodes[d_size])
-            try:
-                stub = prefill_stub(prefills[p_size])
-                got[p_size, d_size] = [
-                    (await generate_disaggregated(stub, session, f"p{p_size}d{d_size}-{i}", prompt, greedy))[0]
-                    for i, prompt in enumerate(batch)
-                ]
-            finally:
-                await session.close()
+        got, aborted = {}, {}
+        for p_size, d_size in pairs:
+            doomed = [300 + 10 * p_size + d_size, 1, 2, 3, 4, 5]  # 6 tokens: 2 blocks
+            got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
+                prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
+            )
         last = []
 
         async def settled():  # leases are released, and blocks freed, just after the last delta goes out
             last[:] = [await describe(a) for a in prefills.values()]
             last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
             done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
-            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:2]) else None
+            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:3]) else None
 
         described = await wait_until_async(settled, 10, lambda: f"not settled: {last}")
-        return got, described
+        return got, aborted, described
 
-    got, described = asyncio.run(main())
+    got, aborted, described = asyncio.run(main())
     assert got == expected
-    blocks_per_decode = 2 * sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS)  # from each of two prefills
-    for d in described[2:]:
+    assert {pair: last.finish_reason for pair, last in aborted.items()} == dict.fromkeys(
+        pairs, common_pb2.FINISH_REASON_ABORT
+    )
+    # from each of three prefills: the batch's blocks and the aborted request's two
+    blocks_per_decode = 3 * (sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2)
+    for d in described[3:]:
         assert d.counters["kv_blocks_pulled"] == blocks_per_decode
         assert d.counters.get("kv_pull_failures", 0) == 0 and d.counters.get("kv_pull_recomputes", 0) == 0
-    for p in described[:2]:
-        assert p.counters["leases_released"] == 6 and p.counters.get("leases_active", 0) == 0
+    for p in described[:3]:  # three decodes, four requests each
+        assert p.counters["leases_released"] == 12 and p.counters.get("leases_active", 0) == 0
     for d in described:  # every pool entirely free again
         assert d.load.num_free_blocks == d.load.num_total_blocks
-    assert [d.layout.tensor_parallel_size for d in described] == [1, 2, 1, 2]
+    assert [d.layout.tensor_parallel_size for d in described] == [*SIZES, *SIZES]

@@ -248,7 +248,9 @@ class CoreLoop:
     def on_map_peer(self, msg: m.MapPeer) -> None:
         try:
             if msg.layout != self.engine.layout:
-                raise ValueError(self.engine.layout.mismatch(msg.layout))
+                self.connector.check_layout(msg.layout, self.engine.layout)  # raises unless a transfer plan maps them
+                self.outbox.append(m.Reply(msg.call_id, True))  # pools of another TP size: mapped at the first pull
+                return
             pool = self.connector.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
             import torch
 
