@@ -3,6 +3,8 @@ decode rank's heads belong: every (prefill TP, decode TP) pair, GQA and MQA, flo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,7 +66,7 @@ def test_mismatched_block_lists_are_refused():
         copy_planned_heads([full], [0, 1], [full.clone()], [0], plan)
 
 
-def test_only_shm_moves_kv_of_tensor_parallel_instances():
+def test_only_the_mapped_pool_transports_move_kv_of_tensor_parallel_instances():
     from splitserve.engine.kv_connectors.factory import connector_class
 
     tp2, tp1 = layout(2, 2), layout(2, 1)
@@ -72,7 +74,39 @@ def test_only_shm_moves_kv_of_tensor_parallel_instances():
     with pytest.raises(ValueError, match=r"^the nccl transport does not move KV of tensor-parallel instances"):
         nccl.check_layout(tp2, tp2)
     nccl.check_layout(tp1, tp1)
-    shm = connector_class("shm")({"role": "decode"})
-    shm.check_layout(tp2, tp1)  # a plan maps them
-    with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \["):
-        shm.check_layout(layout(2, 2), KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))
+    for transport in ("shm", "cuda_ipc"):
+        mapped = connector_class(transport)({"role": "decode"})
+        mapped.check_layout(tp2, tp1)  # a plan maps them
+        with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \["):
+            mapped.check_layout(layout(2, 2), KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_a_cuda_ipc_pull_between_tp_sizes_follows_the_plan(prefill_tp, decode_tp):
+    """The cuda_ipc connector's tensor-parallel pull on CPU tensors standing in for the GPUs' pools (no GPU
+    here): a prefill endpoint's per-rank handles become one mapping each, in rank order, and the pull writes every
+    decode rank's pool (its rank 0 holds them all) with exactly its heads."""
+    from splitserve.engine.kv_connectors.base import PullTarget
+    from splitserve.engine.kv_connectors.cuda_ipc import CudaIpcConnector
+
+    torch.manual_seed(1)
+    full = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, 2, HEAD_DIM, dtype=torch.float64)
+    prefill, decode = layout(2, prefill_tp), layout(2, decode_tp)
+    connector = CudaIpcConnector({"role": "decode"})
+    connector.layout = decode
+    targets = [torch.zeros(NUM_BLOCKS, *pool.shape[1:], dtype=torch.float64) for pool in rank_pools(full, decode)]
+    connector._rank_tensors = targets if decode_tp > 1 else []
+    handles = [f"h{rank}" for rank in range(prefill_tp)]
+    endpoint = {"cuda_ipc": "h0", "num_blocks": str(NUM_BLOCKS), "device": "0"}
+    if prefill_tp > 1:
+        endpoint["cuda_ipc_ranks"] = ",".join(handles)
+        assert connector._rank_endpoints(endpoint) == [{"cuda_ipc": h, "num_blocks": str(NUM_BLOCKS)} for h in handles]
+    else:
+        assert connector._rank_endpoints(endpoint) is None
+    spec = SimpleNamespace(block_ids=[5, 1, 6, 3], layout=prefill)
+    target = PullTarget(targets[0], None, rank_pools(full, prefill) if prefill_tp > 1 else full.clone())
+    moved = connector.pull(spec, [0, 2, 3], [0, 7, 2], target)
+    for rank, pool in enumerate(targets):
+        assert torch.equal(pool[[0, 7, 2]], full[[5, 6, 3]][..., list(decode.heads_of_rank(rank)), :])
+        assert not pool[[1, 3, 4, 5, 6]].any()
+    assert moved.num_bytes == 3 * NUM_LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 8 * decode.num_kv_heads * decode_tp

@@ -165,8 +165,8 @@ class KvConnector:
             raise ValueError(own.mismatch(source))
         if own.tensor_parallel_size > 1:
             raise ValueError(
-                f"the {self.transport} transport does not move KV of tensor-parallel instances (only shm does): "
-                f"[{own.describe()}]"
+                f"the {self.transport} transport does not move KV of tensor-parallel instances (shm and cuda_ipc "
+                f"do): [{own.describe()}]"
             )
 
     # -- worker side: the asynchronous interface (core thread) ------------------------------

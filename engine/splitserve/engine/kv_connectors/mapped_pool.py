@@ -4,6 +4,11 @@ prefill does nothing per pull.
 
 Pool mappings change on the core thread only (`map_source`, `prepare_pull`); a worker keeps its own reference
 to the source, so a restarted prefill's new pool replacing the mapping leaves a running copy's source in place.
+
+Tensor parallel: an instance's rank 0 places every rank's pool where the other process can reach it (a shared
+segment, a CUDA IPC handle), the endpoint names them all (`_rank_endpoints`), and the decode's rank 0 copies each
+of its ranks' heads from the prefill rank holding them (`common.kv_layout.transfer_plan`,
+`head_copies.copy_planned_heads`): prefill and decode may differ in TP size.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import logging
 
 import torch
 
-from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_layout import KvLayout, transfer_plan
 from splitserve.engine.kv_connectors.base import KvConnector, Moved, PullTarget
 from splitserve.engine.kv_connectors.block_copies import copy_block_runs
+from splitserve.engine.kv_connectors.head_copies import copy_planned_heads
 from splitserve.engine.kv_connectors.shm_pool import SharedKvPool
+from splitserve.engine.worker.kv_cache import as_bytes
 
 log = logging.getLogger("splitserve.kv")
 
@@ -27,6 +34,8 @@ class MappedPoolConnector(KvConnector):
         super().__init__(options)
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
         self._mapped_by_instance: dict[str, str] = {}  # prefill instance -> its current pool key
+        self.layout: KvLayout | None = None  # this instance's (one rank's pool), set by place_pool
+        self._rank_tensors: list[torch.Tensor] = []  # tensor parallel: every rank's pool, rank 0's first
 
     def map_source(self, prefill_instance: str, transport: str, endpoint: dict, layout: KvLayout) -> torch.Tensor:
         """The prefill's KV pool, mapped once per pool; a restarted prefill's new pool replaces its old mapping."""
@@ -48,12 +57,29 @@ class MappedPoolConnector(KvConnector):
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
 
-    def prepare_pull(self, spec) -> torch.Tensor:
-        return self.map_source(spec.prefill_instance, spec.transport, spec.endpoint, spec.layout)
+    def check_layout(self, source: KvLayout, own: KvLayout) -> None:
+        """Equal layouts, or ones a transfer plan maps (ValueError naming both otherwise)."""
+        if source == own:
+            return
+        if source.tensor_parallel_size == 1 and own.tensor_parallel_size == 1:
+            raise ValueError(own.mismatch(source))
+        transfer_plan(source, own)
+
+    def prepare_pull(self, spec) -> torch.Tensor | list[torch.Tensor]:
+        """The prefill's pool mapped here, or (tensor parallel) every rank's, in rank order."""
+        endpoints = self._rank_endpoints(spec.endpoint)
+        if endpoints is None:
+            return self.map_source(spec.prefill_instance, spec.transport, spec.endpoint, spec.layout)
+        return [
+            self.map_source(f"{spec.prefill_instance}#r{rank}", spec.transport, endpoint, spec.layout)
+            for rank, endpoint in enumerate(endpoints)
+        ]
 
     def pull(self, spec, indices: list[int], dst_blocks: list[int], target: PullTarget) -> Moved:
         if not indices:
             return Moved(0)
+        if spec.layout.tensor_parallel_size > 1 or self._own_tp_size() > 1:
+            return self._pull_planned(spec, indices, dst_blocks, target)
         kv_cache, src = target.kv_cache, target.source
         if src is None:
             raise ValueError(f"a {self.transport} pull needs the source pool prepare_pull maps")
@@ -73,7 +99,27 @@ class MappedPoolConnector(KvConnector):
         events[1].synchronize()  # this worker waits; the core's stream runs on
         return Moved(num_bytes, int(events[0].elapsed_time(events[1]) * 1e6))
 
+    def _pull_planned(self, spec, indices: list[int], dst_blocks: list[int], target: PullTarget) -> Moved:
+        """Tensor parallel: every decode rank's heads from the prefill ranks holding them, as the plan says."""
+        sources = target.source if isinstance(target.source, list) else [target.source]
+        targets = self._rank_tensors if self._own_tp_size() > 1 else [target.kv_cache]
+        src_ids = [spec.block_ids[i] for i in indices]
+        plan = transfer_plan(spec.layout, self.layout)
+        with self._side_stream(target.kv_cache) as stream:
+            # pools as bytes: CPU index_copy_ has no fp8 kernel
+            num_bytes = copy_planned_heads(
+                [as_bytes(s) for s in sources], src_ids, [as_bytes(t) for t in targets], dst_blocks, plan
+            )
+        if stream is not None:  # copies that land on other ranks' GPUs run on those devices' streams: wait for all
+            for device in {t.device for t in targets} | {target.kv_cache.device}:
+                torch.cuda.synchronize(device)
+        return Moved(num_bytes)
+
+    def _own_tp_size(self) -> int:
+        return self.layout.tensor_parallel_size if self.layout is not None else 1
+
     def release_transport(self) -> None:
+        self._rank_tensors = []
         for pool in self._mapped.values():
             if isinstance(pool, SharedKvPool):
                 pool.close()
@@ -84,4 +130,8 @@ class MappedPoolConnector(KvConnector):
         raise NotImplementedError
 
     def _open(self, endpoint: dict, layout: KvLayout, num_blocks: int) -> torch.Tensor | SharedKvPool:
+        raise NotImplementedError
+
+    def _rank_endpoints(self, endpoint: dict) -> list[dict] | None:
+        """A tensor-parallel prefill's endpoint as one endpoint per rank (each `_open`s alone); None: one pool."""
         raise NotImplementedError
