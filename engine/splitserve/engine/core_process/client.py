@@ -18,6 +18,10 @@ from splitserve.engine.core_process.loop import core_main
 
 log = logging.getLogger("splitserve.core")
 
+# How long a core whose pipe closed may take to exit before its death is reported without an exit code (a TP
+# core closes its ranks first; on a loaded two-core machine that took over a second)
+EXIT_WAIT_S = 10.0
+
 
 class EngineClient:
     """The service side: starts the core process, batches commands, routes outputs.
@@ -79,6 +83,9 @@ class EngineClient:
             try:
                 batch = self._conn.recv()
             except (EOFError, OSError):
+                # the pipe closed: the process is exiting (closing its ranks first, under TP); wait for its exit code
+                # here, off the event loop, as long as a loaded machine may take
+                self.process.join(EXIT_WAIT_S)
                 self.loop.call_soon_threadsafe(self._core_died)
                 return
             self.last_heard = time.monotonic()
@@ -90,8 +97,7 @@ class EngineClient:
         if self.dead:
             return
         self.dead = True
-        self.process.join(1.0)  # the pipe closed: the process is exiting; its code says how
-        code = self.process.exitcode
+        code = self.process.exitcode  # the reader waited for it
         why = f"engine core process exited (exit code {code})" if code is not None else "engine core process exited"
         if self.fatal:  # the error it raised (e.g. a tensor-parallel rank that exited), named for the clients
             why += f": {self.fatal}"
