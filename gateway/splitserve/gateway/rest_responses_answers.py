@@ -95,7 +95,7 @@ class ResponsesAnswer:
         content, calls = text, []
         if self.tools is not None:
             chat_message, _ = self.tools.message(text, finish)
-            content, calls = chat_message["content"], chat_message["tool_calls"]
+            content, calls = chat_message["content"], chat_message.get("tool_calls", [])
         status = "incomplete" if finish == "length" else "completed"
         if content or not calls:
             self.output.append(self._message_item(content or "", status))

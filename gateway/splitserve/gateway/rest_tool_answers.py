@@ -59,9 +59,9 @@ class ToolAnswer:
             return {"role": "assistant", "content": "", "tool_calls": [call]}, finish
         extracted = self.parser.extract(text)
         calls = extracted.calls if self.plan.parallel else extracted.calls[:1]
-        if not calls:
+        if not calls:  # no call read: no tool_calls field at all, as vLLM's message drops an empty list
             content = extracted.content if extracted.content else text
-            return {"role": "assistant", "content": content, "tool_calls": []}, finish
+            return {"role": "assistant", "content": content}, finish
         tool_calls = [_call_dict(self.parser.new_call_id(), c.name, c.arguments) for c in calls]
         message = {"role": "assistant", "content": extracted.content, "tool_calls": tool_calls}
         return message, self.finish_reason(finish, True)
