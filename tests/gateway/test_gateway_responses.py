@@ -68,6 +68,8 @@ def test_text_response(client):
         "none",
         [],
     )
+    # the values applied, as vLLM echoes them: sampling defaults, no background, the default tier
+    assert (r.temperature, r.top_p, r.background, r.service_tier) == (1.0, 1.0, False, "auto")
 
 
 def test_instructions_messages_and_a_finished_answer(client, stack):
@@ -109,10 +111,27 @@ def test_streamed_events(client):
     )
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("store", True), ("previous_response_id", "resp_abc"), ("background", True), ("reasoning", {"effort": "low"})],
-)
+def test_store_true_is_served_and_nothing_kept(client):
+    """vLLM ignores store=true while its store is off (clients send OpenAI's default): so do we."""
+    r = client.responses.create(model=MODEL, input="hello w30", max_output_tokens=3, store=True)
+    assert (r.status, r.output_text, r.store) == ("incomplete", " hello world w8", False)
+
+
+def test_a_previous_response_is_not_found(client):
+    """Nothing is kept, so every previous_response_id is unknown: 404 with param response_id, as vLLM answers
+    an id its store lacks."""
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model=MODEL, input="hello", previous_response_id="resp_abc")
+    assert info.value.body == {
+        "message": "Response with id 'resp_abc' not found: this server keeps no responses (stateless); send the "
+        "whole conversation as input",
+        "type": "invalid_request_error",
+        "param": "response_id",
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize("field, value", [("background", True), ("reasoning", {"effort": "low"})])
 def test_state_is_refused_naming_the_field(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="hello", **{field: value})
@@ -165,7 +184,7 @@ def test_responses_are_counted_under_their_route(stack):
 
     before = count("200"), count("400")
     httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})
-    httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "store": True})
+    httpx.post(stack.base_url + "/v1/responses", json={"model": MODEL, "input": "hi", "background": True})
     assert (count("200"), count("400")) == (before[0] + 1, before[1] + 1)
 
 

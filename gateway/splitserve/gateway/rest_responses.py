@@ -8,10 +8,11 @@
     text.format            {"type": "text" | "json_object" | "json_schema", "name", "schema"}: structured output
     stream                 the semantic server-sent events (gateway/rest_responses_answers.py)
 
-The service is stateless: `store` is false by default, and a request with `store: true` or
-`previous_response_id` is refused (400 naming the field), as is any other field that needs stored state
-or a built-in tool. The body becomes a chat body and goes through the chat path, so every check and
-error of chat applies; an error about a chat field is reported under the Responses field it came from.
+The service is stateless, as vLLM's is by default: `store: true` is served and nothing is kept (the
+response says store false), a `previous_response_id` is not found (404, param response_id, as vLLM answers),
+and any other field that needs stored state or a built-in tool is refused (400 naming the field). The body
+becomes a chat body and goes through the chat path, so every check and error of chat applies; an error about
+a chat field is reported under the Responses field it came from.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from splitserve.gateway.rest_tools import ToolSettings
 log = logging.getLogger("splitserve.gateway")
 
 # fields of the Responses API this stateless server refuses -> the values that change nothing
+# (`store` is not among them: true is ignored, as vLLM ignores it while its store is off, since clients send
+# OpenAI's default store=true without meaning to keep anything; a `previous_response_id` is answered 404)
 _REFUSED = {
-    "store": (False,),
-    "previous_response_id": (),
     "conversation": (),
     "background": (False,),
     "prompt": (),
@@ -74,6 +75,8 @@ _KNOWN = {
     "safety_identifier",
     "prompt_cache_key",
     *_REFUSED,
+    "store",
+    "previous_response_id",
 }
 # chat field -> the Responses field it came from (errors name the client's field)
 _FIELD_NAMES = {
@@ -106,6 +109,14 @@ def parse_responses(
                 f"one or continue one; remove {name}",
                 name,
             )
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        raise GatewayError(
+            "not_found",
+            f"Response with id '{str(previous)[:200]}' not found: this server keeps no responses (stateless); "
+            "send the whole conversation as input",
+            param="response_id",
+        )
     chat: dict[str, Any] = {"messages": _messages(body.get("input"), body.get("instructions"))}
     for name in ("model", "temperature", "top_p", "user", *_VLLM_SAMPLING):
         if body.get(name) is not None:
@@ -239,10 +250,17 @@ def _text_format(text: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": spec["name"], "schema": spec["schema"]}}
 
 
+def _given(body: dict, name: str, default: float) -> Any:
+    """A sampling value as the request gave it, else the default the engine applies (as vLLM echoes it)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
 def _echo(body: dict) -> dict[str, Any]:
     """The request's values the response object repeats (OpenAI's Response fields)."""
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     return {
+        "background": False,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata"),
@@ -250,11 +268,12 @@ def _echo(body: dict) -> dict[str, Any]:
         "previous_response_id": None,
         "reasoning": None,
         "store": False,
-        "temperature": body.get("temperature"),
+        "service_tier": "auto",
+        "temperature": _given(body, "temperature", 1.0),
         "text": {"format": text.get("format") or {"type": "text"}},
         "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
         "tools": body.get("tools") or [],
-        "top_p": body.get("top_p"),
+        "top_p": _given(body, "top_p", 1.0),
         "truncation": body.get("truncation") or "disabled",
         "user": body.get("user"),
     }
