@@ -138,6 +138,17 @@ def test_nccl_decodes_pair_with_the_prefill_and_model_goes_to_the_gateway():
     assert commands["gateway"][-4:] == ["--model", "/models/x", "--model-id", "x"]
 
 
+def test_served_model_name_labels_every_engines_metrics():
+    """vLLM labels metrics with its first --served-model-name: `up` gives the name to the engines too (their
+    metrics' model_name label), not only to the gateway."""
+    commands = dict(stack_commands(EngineConfig(), UpConfig(), UpGatewayConfig(served_model_name="m,alias")))
+    for name in ("prefill-0", "decode-0"):
+        at = commands[name].index("--served-model-name")
+        assert commands[name][at + 1] == "m,alias"
+        parse_args(commands[name][3:])
+    assert commands["gateway"][-2:] == ["--served-model-name", "m,alias"]
+
+
 def test_gateway_options_go_to_the_gateway_only():
     options = UpGatewayConfig(api_keys_file="/etc/keys", tls_cert="/c.pem", tls_key="/k.pem", rate_limit_rps=5.0)
     commands = dict(stack_commands(EngineConfig(), UpConfig(), options))

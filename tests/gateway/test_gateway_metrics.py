@@ -5,6 +5,7 @@ token ids [40, 41] are 2; the fakes generate exactly max_tokens tokens (finish "
 """
 
 import json
+import re
 
 import grpc
 import httpx
@@ -197,3 +198,16 @@ def test_metric_children_follow_a_label_change():
     # the zero series made before the name was known go; the new name's are there from the change
     assert 'splitserve:gateway_num_requests_running{instance="gw-test",model_name=""}' not in text
     assert 'splitserve:gateway_num_requests_running{instance="gw-test",model_name="late-model"} 0.0' in text
+
+
+def test_model_name_label_is_the_first_served_name(tokenizer_dir):
+    """vLLM labels its metrics with its first --served-model-name (the name clients send, that dashboards
+    filter on), not the model's id."""
+    stack = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()], {"served_model_name": "alias-a, tiny-fake"}).start()
+    try:
+        assert post(stack, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2}).status_code == 200
+        text, m = scrape(stack.base_url + "/metrics")
+        assert m[("splitserve:gateway_request_success_total", (("finished_reason", "length"),))] == 1
+        assert set(re.findall(r'model_name="([^"]*)"', text)) == {"alias-a"}
+    finally:
+        stack.stop()

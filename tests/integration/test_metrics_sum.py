@@ -3,6 +3,7 @@ processes), the sum of every process's /metrics holds exactly N finished request
 generated tokens the clients were told of, in vLLM's families and in the gateway's own; no fact twice."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -11,17 +12,20 @@ from tests.gateway_fakes import parse_metrics
 from tests.service_harness import Stack, free_port
 
 pytestmark = pytest.mark.slow
+SERVED = "served-first"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     prefill_port, decode_port = free_port(), free_port()
+    served = ["--served-model-name", f"{SERVED},default_model"]  # requests name the model by its second name
     s = Stack(
         "shm",
         tmp_path_factory.mktemp("metrics-sum"),
         num_decode=1,
-        prefill_args=["--metrics-port", str(prefill_port)],
-        decode_args=["--metrics-port", str(decode_port)],
+        prefill_args=["--metrics-port", str(prefill_port), *served],
+        decode_args=["--metrics-port", str(decode_port), *served],
+        gateway_more=served,
     )
     s.metrics_urls = [
         f"http://127.0.0.1:{s.http_port}/metrics",
@@ -80,3 +84,6 @@ def test_every_process_summed_counts_each_request_and_token_once(stack):
     assert after["splitserve:gateway_prompt_tokens_total"] == prompt_tokens
     assert after["splitserve:gateway_generation_tokens_total"] == generated
     assert after["vllm:iteration_tokens_total_sum"] >= prompt_tokens + generated - n  # recomputes only add
+    # every process labels its metrics with the first served name, as vLLM does
+    texts = [httpx.get(url, timeout=5).text for url in stack.metrics_urls]
+    assert [set(re.findall(r'model_name="([^"]*)"', text)) for text in texts] == [{SERVED}] * 3

@@ -230,6 +230,8 @@ def stack_commands(
             argv += ["--kv-cache-memory-fraction", f"{share:g}"]
         if device == "cpu" and cpu_threads:
             argv += ["--num-threads", str(cpu_threads)]
+        if gateway_options is not None and gateway_options.served_model_name:  # their metrics' model_name label
+            argv += ["--served-model-name", gateway_options.served_model_name]
         return argv + eflags
 
     metrics, num_prefill = up.metrics_ports, up.num_prefill

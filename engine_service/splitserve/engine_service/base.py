@@ -181,7 +181,7 @@ class ServiceBase:
             raise
 
     async def _serve(self, add_servicers) -> int:
-        from splitserve.runtime.metrics import Metrics, serve_http
+        from splitserve.runtime.metrics import Metrics, model_label, serve_http
 
         info, config = self.client.info, self.engine_config
         cache_info = {
@@ -191,7 +191,13 @@ class ServiceBase:
             "gpu_memory_utilization": config.kv_cache_memory_fraction,
             "num_gpu_blocks": info.num_kv_blocks,
         }
-        self.metrics = Metrics(info.model_id, self.name, self.role, info.max_model_len, cache_info)
+        self.metrics = Metrics(
+            model_label(self.config.served_model_name, info.model_id),
+            self.name,
+            self.role,
+            info.max_model_len,
+            cache_info,
+        )
         self.counters.attach(self.metrics)
         if self.config.metrics_port:
             bound = serve_http(self.metrics.registry, self.config.host, self.config.metrics_port).server_address[1]

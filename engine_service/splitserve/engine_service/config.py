@@ -37,6 +37,11 @@ class ServiceConfig:
         max=65535,
     )
     instance_name: str = option("", "instance name; empty = <role>-<port>")
+    served_model_name: str = option(
+        "",
+        "the model_name label of this instance's metrics: the first of these comma-separated names, as vLLM labels "
+        "its metrics with the first --served-model-name; empty = the model id",
+    )
     kv_transport: str = option(
         "shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS
     )

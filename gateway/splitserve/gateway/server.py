@@ -178,7 +178,7 @@ class GatewayServer:
 
     async def start(self) -> None:
         """Build everything, listen on the ports, then register instances (first Describe round)."""
-        from splitserve.runtime.metrics import Metrics
+        from splitserve.runtime.metrics import Metrics, model_label
 
         config = self.config
         tls = load_tls(config)
@@ -215,7 +215,9 @@ class GatewayServer:
             if tls
             else self._grpc_server.add_insecure_port(address)
         )
-        self.metrics = GatewayMetrics(Metrics(config.model_id, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
+        # vLLM labels metrics with the first served name: a dashboard filters on the name clients send
+        model_name = model_label(config.served_model_name, config.model_id)
+        self.metrics = GatewayMetrics(Metrics(model_name, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
         limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min)
         self.service = GatewayService(
             self.registry,
@@ -258,7 +260,7 @@ class GatewayServer:
         )
 
     def _learn_model(self, ready: bool) -> None:
-        if not self.config.model_id and self.registry.model_id:
+        if not (self.config.model_id or self.config.served_model_name) and self.registry.model_id:
             self.metrics.set_model(self.registry.model_id)
 
     def _start_metrics_port(self) -> None:

@@ -35,6 +35,13 @@ disable_created_metrics()
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
+def model_label(served_model_name: str, model_id: str) -> str:
+    """The model_name label: the first of the comma-separated served names (vLLM labels its metrics with its
+    first --served-model-name, the name clients send), else the model id."""
+    names = [name.strip() for name in served_model_name.split(",") if name.strip()]
+    return names[0] if names else model_id
+
+
 class Metrics:
     """The families one process owns (metric_families.py), on its own registry, every label set at 0 from
     the start so that each dashboard panel has a value at the first scrape. A family the role does not own
