@@ -167,7 +167,15 @@ def test_auto_needs_the_flags(tokenizer_dir):
 
 def test_required_and_named_choices_send_their_grammar(stack, client):
     """required and named choices reach the engine as vLLM's JSON-schema constraint (the fakes ignore it: their
-    answer is then no JSON array, and comes back as content, with no call)."""
+    answer is then no JSON array, and comes back as content, with no call).
+
+    Two differences from vLLM on purpose. (1) Whitespace: only json.dumps' separators (disable_any_whitespace),
+    where vLLM's grammar admits any: a weak model (the default one) then spent its whole max_tokens on spaces
+    and its arguments never parsed. (2) vLLM 0.32, with a parser that has an xgrammar structural tag (hermes,
+    among others) and VLLM_ENFORCE_STRICT_TOOL_CALLING on (its default), forces only the parser's envelope
+    (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`) and leaves the arguments free unless a tool says
+    strict: true; the default model then answers arguments "get_foré()". Ours always constrains the arguments
+    to the tool's schema (vLLM's JSON-schema route, which it takes with that variable off)."""
     body = {"model": "tiny-fake", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
     r = client.chat.completions.with_raw_response.create(**body, tool_choice="required", parallel_tool_calls=False)
     answer = json.loads(r.text)
