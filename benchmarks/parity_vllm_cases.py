@@ -133,7 +133,7 @@ _RESPONSE_FIELDS = (
     r"(output\[\d+\]\.status|\.item\.status|logprobs|\.(body|folded|response)\.(text|store)\b|_penalty|_per_turn"
     r"|tool_output_tokens)"
 )
-_FORCED_TOOLS = r"^tools, (tool_choice required|required, parallel|tool_choice named).* \| \S*(arguments|_tokens|kinds)"
+_FORCED_TOOLS = r"^tools, (tool_choice required|required, parallel|tool_choice named).* \| "
 # a pattern searched in "KIND | PATH: OURS != VLLM" -> why ours differs, and the test that asserts ours
 KNOWN: dict[str, str] = {
     r"\.system_fingerprint: <absent>": "vLLM's names its build; we have none to give: "
@@ -153,7 +153,8 @@ KNOWN: dict[str, str] = {
     "OpenAI's response.incomplete event (vLLM: response.completed): "
     "tests/gateway/test_gateway_responses.py::test_streamed_events",
     _FORCED_TOOLS: "arguments forced to the schema, json.dumps spacing (vLLM 0.32 + hermes: the <tool_call> "
-    "envelope only, arguments free): "
+    "envelope only, arguments free; with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 its schema admits any whitespace and "
+    "the default model spends max_tokens on it), so the texts differ: "
     "tests/gateway/test_gateway_tools.py::test_required_and_named_choices_send_their_grammar",
     r"^/metrics \| vllm:\w+: <absent> != ": "vLLM 0.32 families not exported (list and why): "
     "tests/runtime/test_metric_families.py::test_vllm_families_and_labels_differ_from_vllm_032_as_listed",
