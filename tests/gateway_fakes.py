@@ -372,6 +372,7 @@ class Stack:
     env: dict = field(default_factory=dict)  # the gateway's environment (SPLITSERVE_API_KEYS)
     resolver: Any = None  # answers the gateway's dns:/// names (FakeResolver)
     credentials: dict = field(default_factory=dict)  # fake's name -> grpc.ServerCredentials: it serves TLS
+    counts: Any = None  # the gateway's admission counts (gateway/admission.py); None: its own
 
     def start(self) -> Stack:
         from splitserve.gateway.config import GatewayConfig
@@ -397,7 +398,9 @@ class Stack:
         )
         values.update(self.overrides)
         values.setdefault("http_port", 0)
-        self.gateway = GatewayServer(GatewayConfig(**values), http_socket=http, env=self.env, resolver=self.resolver)
+        self.gateway = GatewayServer(
+            GatewayConfig(**values), http_socket=http, env=self.env, resolver=self.resolver, counts=self.counts
+        )
         self.loop.run(self.gateway.start())
         self.grpc_target = f"127.0.0.1:{self.gateway.grpc_port}"
         scheme = "https" if values.get("tls_cert") else "http"

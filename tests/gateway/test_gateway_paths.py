@@ -324,7 +324,7 @@ def check_shares(stack, prefill, decode, with_keys):
     stack.loop.call(prefill.gate.set)
     assert [len([m for m in call if m.finish_reason]) for call in calls] == [1, 3, 1, 2]
     assert {r.request_id.split("@")[0]: r.share for r in decode.requests} == shares
-    stack.wait_for(lambda: stack.gateway.service._sequences_of == {}, what="no sequence in flight")
+    stack.wait_for(lambda: stack.gateway.service.counts.num_callers() == 0, what="no sequence in flight")
 
 
 def test_stop_string_across_tokens_ends_with_stop_and_aborts_the_decode(make_stack):

@@ -125,6 +125,13 @@ class GatewayConfig:
         min=1,
         max=1024,
     )
+    api_server_count: int = option(
+        1,
+        "gateway processes sharing the REST and gRPC ports (vLLM's --api-server-count; SO_REUSEPORT): each "
+        "runs the request path on its own core; admission, rate limits and /metrics stay gateway-wide",
+        min=1,
+        max=64,
+    )
     drain_grace_s: float = option(30.0, "on SIGTERM: how long in-flight requests may finish", min=0.0, max=3600.0)
     max_waiting_per_decode: int = option(
         256,

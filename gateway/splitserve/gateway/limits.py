@@ -15,31 +15,41 @@ import math
 import time
 from collections.abc import Callable
 
+from splitserve.gateway.admission import LocalBucket, LocalCounts
 from splitserve.gateway.errors import GatewayError
 
 
 class TokenBucket:
-    """`capacity` units, refilled at `rate_per_s`; starts full. Times from `clock` (seconds)."""
+    """`capacity` units, refilled at `rate_per_s`; starts full. Times from `clock` (seconds).
 
-    def __init__(self, capacity: float, rate_per_s: float, clock: Callable[[], float]) -> None:
+    `state` holds the level and its time stamp: this bucket's own (the default), or a record that every
+    process of the gateway shares (gateway/admission.py), read and updated under its lock."""
+
+    def __init__(
+        self, capacity: float, rate_per_s: float, clock: Callable[[], float], state: LocalBucket | None = None
+    ) -> None:
         self.capacity = capacity
         self.rate_per_s = rate_per_s
         self._clock = clock
-        self._level = capacity
-        self._stamp = clock()
+        self._state = state if state is not None else LocalBucket()
+
+    def _refill(self) -> float:
+        state, now = self._state, self._clock()
+        level = min(self.capacity, state.level + (now - state.stamp) * self.rate_per_s) if state.used else self.capacity
+        state.level, state.stamp, state.used = level, now, True
+        return level
 
     def level(self) -> float:
-        now = self._clock()
-        self._level = min(self.capacity, self._level + (now - self._stamp) * self.rate_per_s)
-        self._stamp = now
-        return self._level
+        with self._state.locked():
+            return self._refill()
 
     def take(self, units: float) -> int:
         """Take `units` and return 0, or take nothing and return the seconds to wait (>= 1)."""
-        level = self.level()
-        if level >= units:
-            self._level = level - units
-            return 0
+        with self._state.locked():
+            level = self._refill()
+            if level >= units:
+                self._state.level = level - units
+                return 0
         return max(1, math.ceil((units - level) / self.rate_per_s))
 
 
@@ -47,16 +57,23 @@ class RateLimiter:
     """The buckets of every client id (created on first use, bounded by the configured keys).
 
     rps: requests per second (0 = off), burst: request bucket size (0 = max(1, ceil(rps))),
-    tokens_per_min: token bucket size and refill per minute (0 = off).
+    tokens_per_min: token bucket size and refill per minute (0 = off). `counts` (gateway/admission.py) holds
+    every bucket's state: this process's, or the one every process of the gateway shares.
     """
 
     def __init__(
-        self, rps: float = 0.0, burst: int = 0, tokens_per_min: int = 0, clock: Callable[[], float] = time.monotonic
+        self,
+        rps: float = 0.0,
+        burst: int = 0,
+        tokens_per_min: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        counts: LocalCounts | None = None,
     ) -> None:
         self.rps = rps
         self.burst = burst or max(1, math.ceil(rps))
         self.tokens_per_min = tokens_per_min
         self._clock = clock
+        self._counts = counts if counts is not None else LocalCounts()
         self._requests: dict[str, TokenBucket] = {}
         self._tokens: dict[str, TokenBucket] = {}
 
@@ -66,7 +83,9 @@ class RateLimiter:
             return
         bucket = self._requests.get(client_id)
         if bucket is None:
-            bucket = self._requests[client_id] = TokenBucket(self.burst, self.rps, self._clock)
+            bucket = self._requests[client_id] = TokenBucket(
+                self.burst, self.rps, self._clock, self._counts.bucket("requests", client_id)
+            )
         wait_s = bucket.take(1)
         if wait_s:
             raise GatewayError(
@@ -92,7 +111,9 @@ class RateLimiter:
             )
         bucket = self._tokens.get(client_id)
         if bucket is None:
-            bucket = self._tokens[client_id] = TokenBucket(self.tokens_per_min, self.tokens_per_min / 60.0, self._clock)
+            bucket = self._tokens[client_id] = TokenBucket(
+                self.tokens_per_min, self.tokens_per_min / 60.0, self._clock, self._counts.bucket("tokens", client_id)
+            )
         wait_s = bucket.take(cost)
         if wait_s:
             raise GatewayError(

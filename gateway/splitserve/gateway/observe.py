@@ -25,6 +25,7 @@ A request refused before its first message (4xx, 429, 503) only counts in reques
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from splitserve.protos import common_pb2, generation_pb2
 from splitserve.runtime.metrics import Metrics
@@ -38,14 +39,16 @@ FINISH_REASON_NAMES = {
 
 
 class GatewayMetrics:
-    """The gateway's view of `Metrics`; `model_name` may be learnt after start (set_model)."""
+    """The gateway's view of `Metrics`; `model_name` may be learnt after start (set_model). `registry` is what
+    /metrics shows: this process's metrics, or `exposed` (every gateway process's, summed) when given."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, exposed: Any = None) -> None:
         self.metrics = metrics
+        self._exposed = exposed
 
     @property
     def registry(self):
-        return self.metrics.registry
+        return self._exposed if self._exposed is not None else self.metrics.registry
 
     def set_model(self, model_name: str) -> None:
         """Label later observations with `model_name` (the served model, once Describe told it)."""

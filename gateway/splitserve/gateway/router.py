@@ -102,7 +102,7 @@ class Router:
         waiting there, how many a request would wait behind (the decode runs lower shares first), so that a caller
         with little in flight is not refused because another one filled the queue."""
         waiting = self.num_waiting(d)
-        if ahead is not None:
+        if ahead is not None and waiting >= self.max_waiting_per_decode:  # asked only when it can matter
             waiting = min(waiting, ahead(waiting))
         return not d.describe.draining and waiting < self.max_waiting_per_decode
 

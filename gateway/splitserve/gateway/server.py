@@ -21,12 +21,14 @@ from typing import Any
 
 import grpc
 
+from splitserve.gateway.admission import LocalCounts
 from splitserve.gateway.auth import ApiKeys, load_api_keys
 from splitserve.gateway.config import GatewayConfig
 from splitserve.gateway.discovery import Resolver
 from splitserve.gateway.grpc_api import HealthReporter, add_services
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.processes import ProcessShare, Supervisor, follow_parent, reuseport_listener
 from splitserve.gateway.registry import Registry
 from splitserve.gateway.request_log import RequestLog
 from splitserve.gateway.rest_tools import ToolSettings
@@ -151,7 +153,9 @@ class GatewayServer:
     """Owns the registry, router, service, metrics and the servers of one gateway process.
 
     `env` (default os.environ) is where SPLITSERVE_API_KEYS is read; `resolver` answers the dns:/// names of
-    --prefill and --decode (default: the system's, getaddrinfo).
+    --prefill and --decode (default: the system's, getaddrinfo). `process`: this process's place among
+    several of one gateway (--api-server-count, gateway/processes.py): the ports are shared, the admission
+    counts and /metrics gateway-wide. `counts`: the admission counts to use (default: as `process` says).
     """
 
     def __init__(
@@ -162,9 +166,13 @@ class GatewayServer:
         http_socket: socket.socket | None = None,
         env: Mapping[str, str] | None = None,
         resolver: Resolver | None = None,
+        process: ProcessShare | None = None,
+        counts: LocalCounts | None = None,
     ) -> None:
         self.config = config
         self._resolver = resolver
+        self._process = process
+        self._counts = counts
         self._tokenizer = tokenizer
         self._http_socket = http_socket
         self._env = env
@@ -207,6 +215,7 @@ class GatewayServer:
                 ("grpc.max_receive_message_length", config.max_body_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
                 *SERVER_QUEUE_OPTIONS,  # a burst of streams reaches the handlers (and their named limits)
+                *([("grpc.so_reuseport", 1)] if self._process is not None else []),  # the port's other processes
             ]
         )
         address = f"{config.host}:{config.grpc_port}"
@@ -217,8 +226,19 @@ class GatewayServer:
         )
         # vLLM labels metrics with the first served name: a dashboard filters on the name clients send
         model_name = model_label(config.served_model_name, config.model_id)
-        self.metrics = GatewayMetrics(Metrics(model_name, f"gateway@{config.host}:{self.grpc_port}", "gateway"))
-        limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min)
+        metrics = Metrics(model_name, f"gateway@{config.host}:{self.grpc_port}", "gateway")
+        exposed = None
+        if self._process is not None:  # /metrics shows every process's, summed
+            from splitserve.runtime.metrics import multiprocess_registry
+
+            exposed = multiprocess_registry(self._process.metrics_dir, metrics.labels)
+        self.metrics = GatewayMetrics(metrics, exposed)
+        counts = self._counts
+        if counts is None:
+            counts = self._process.open_counts() if self._process is not None else LocalCounts()
+        limiter = RateLimiter(
+            config.rate_limit_rps, config.rate_limit_burst, config.rate_limit_tokens_per_min, counts=counts
+        )
         self.service = GatewayService(
             self.registry,
             self.router,
@@ -233,6 +253,7 @@ class GatewayServer:
             served_model_names=[n.strip() for n in config.served_model_name.split(",") if n.strip()],
             stream_interval=config.stream_interval,
             chat_template=chat_template,
+            counts=counts,
         )
         self.health = HealthReporter()
         await self.health.set_ready(False)
@@ -242,9 +263,11 @@ class GatewayServer:
         self.request_log = RequestLog(config.enable_log_requests)
         add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics, self.request_log)
         await self._grpc_server.start()
+        if self._process is not None and config.http_port and self._http_socket is None:
+            self._http_socket = reuseport_listener(config.host, config.http_port)
         if config.http_port or self._http_socket is not None:
             await self._start_rest()
-        if config.metrics_port:
+        if config.metrics_port and (self._process is None or self._process.index == 0):
             self._start_metrics_port()
         await self.registry.start()
         log.info(
@@ -326,9 +349,9 @@ class GatewayServer:
         await self.registry.close()
 
 
-async def serve(config: GatewayConfig) -> int:
+async def serve(config: GatewayConfig, process: ProcessShare | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain; 0 on a clean exit, 1 when start-up failed."""
-    server = GatewayServer(config)
+    server = GatewayServer(config, process=process)
     try:
         await server.start()
     except (OSError, ValueError, RuntimeError) as exc:
@@ -352,19 +375,49 @@ async def serve(config: GatewayConfig) -> int:
     return 0
 
 
-def run(ns: Any, configs: dict[str, Any]) -> int:
-    """Entry point of `splitserve gateway` (see splitserve.cli)."""
+def _checked(config: GatewayConfig) -> str:
+    """What is wrong with the files the flags name (TLS, chat template, API keys), or "": checked once by the
+    supervisor of several gateway processes, so a mistake is told once."""
+    try:
+        load_tls(config)
+        read_chat_template(config.chat_template)
+        load_api_keys(config.api_keys_file)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def run_process(config: GatewayConfig, process: ProcessShare) -> None:
+    """One of several gateway processes (gateway/processes.py): the gateway on the shared ports until drained."""
+    follow_parent(process)
+    sys.exit(_run(config, process))
+
+
+def _run(config: GatewayConfig, process: ProcessShare | None) -> int:
     from splitserve.runtime import tracing
     from splitserve.runtime.logs import setup_logging
 
     setup_logging()
-
-    config = configs["GatewayConfig"]
-    tracing.init_tracing(
-        "splitserve-gateway", f"gateway@{config.host}:{config.grpc_port}", endpoint=config.otlp_traces_endpoint
-    )
+    instance = f"gateway@{config.host}:{config.grpc_port}" + (f"/{process.index}" if process is not None else "")
+    tracing.init_tracing("splitserve-gateway", instance, endpoint=config.otlp_traces_endpoint)
     log.info("traces: %s", tracing.destination(endpoint=config.otlp_traces_endpoint))
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, process))
     finally:
         tracing.shutdown()
+
+
+def run(ns: Any, configs: dict[str, Any]) -> int:
+    """Entry point of `splitserve gateway` (see splitserve.cli): one gateway process, or with
+    --api-server-count N a supervisor of N (gateway/processes.py)."""
+    config = configs["GatewayConfig"]
+    if config.api_server_count == 1:
+        return _run(config, None)
+    from splitserve.runtime.logs import setup_logging
+
+    setup_logging()
+    problem = _checked(config)
+    if problem:
+        print(f"splitserve gateway: error: {problem}", file=sys.stderr)
+        return 1
+    return Supervisor(config, run_process).run()

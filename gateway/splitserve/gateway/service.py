@@ -27,6 +27,7 @@ from typing import Any
 from splitserve.common import wire
 from splitserve.common.sampling_params import MAX_SEED, MAX_SEQUENCES, SamplingParams
 from splitserve.gateway import request_log
+from splitserve.gateway.admission import LocalCounts
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.limits import RateLimiter
@@ -206,6 +207,7 @@ class GatewayService:
         served_model_names: Sequence[str] = (),
         stream_interval: int = 1,
         chat_template: str | None = None,
+        counts: LocalCounts | None = None,
     ) -> None:
         self.registry = registry
         self.chat_template = chat_template  # --chat-template: every chat is rendered with it
@@ -220,9 +222,10 @@ class GatewayService:
         self.limiter = limiter or RateLimiter()
         self.metrics = metrics
         self.vocab_size = len(tokenizer)
-        self.num_active = 0
-        self._active_ids: set[str] = set()  # request ids now running (ids share decode streams)
-        self._sequences_of: dict[str, int] = {}  # caller -> its sequences in flight (the fair share)
+        self.num_active = 0  # this process's (gateway/admission.py counts the whole gateway's)
+        self._active_ids: set[str] = set()  # request ids now running here (ids share decode streams)
+        # requests and each caller's sequences in flight, for the whole gateway (all its processes)
+        self.counts = counts if counts is not None else LocalCounts()
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._run_deps = RunDeps(
@@ -231,7 +234,7 @@ class GatewayService:
             tokenizer=tokenizer,
             spawn=self.spawn,
             stream_interval=stream_interval,
-            waiting_ahead=self._waiting_ahead,
+            waiting_ahead=self.counts.waiting_ahead,
         )
         # suffix of the ids this gateway gives its requests on internal hops: two gateways in front of the same
         # services may both run a caller's "req-1"; the services must see two requests
@@ -380,16 +383,32 @@ class GatewayService:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, request_id: str) -> str:
+        """Take a place among the gateway's requests in flight (every process's) for the request; its id."""
         if self.draining:
             raise GatewayError("unavailable", "the gateway is shutting down; retry on another gateway", retry_after_s=1)
-        if self.num_active >= self.max_concurrent_requests:
+        num_running = self.counts.try_admit(self.max_concurrent_requests)
+        if num_running >= 0:
             raise GatewayError(
                 "resource_exhausted",
-                f"the gateway already runs {self.num_active} requests "
+                f"the gateway already runs {num_running} requests "
                 f"(max_concurrent_requests={self.max_concurrent_requests}); retry later",
                 retry_after_s=1,
             )
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            if len(request_id) > MAX_REQUEST_ID_CHARS:
+                raise invalid(
+                    f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}", "request_id"
+                )
+            if request_id in self._active_ids:  # this process's: internal ids carry its instance tag
+                raise invalid(
+                    f"request_id {request_id!r} is already running on this gateway; use a unique id", "request_id"
+                )
+        except GatewayError:
+            self.counts.release()
+            raise
+        return request_id
 
     def check_request_limits(self, inp: GenerationInput, num_prompt_tokens: int) -> None:
         """Values the wire, the vocabulary or the context cannot hold: top_k, stop_token_ids, logit_bias, max_tokens."""
@@ -463,16 +482,7 @@ class GatewayService:
         if record is not None:
             record.add_request(inp.request_id, 0)  # named also when refused below
         self.limiter.take_request(client_id)
-        self._admit()
-        request_id = inp.request_id or f"req-{uuid.uuid4().hex}"
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise invalid(
-                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}", "request_id"
-            )
-        if request_id in self._active_ids:
-            raise invalid(
-                f"request_id {request_id!r} is already running on this gateway; use a unique id", "request_id"
-            )
+        request_id = self._admit(inp.request_id)
         self._enter(request_id, +1)
         observer = self.metrics.run(arrival_ns / 1e9) if self.metrics is not None else None
         if record is not None:
@@ -481,7 +491,7 @@ class GatewayService:
         closed_early = False
         num_sequences = inp.best_of or inp.n
         caller = client_id if client_id != ANONYMOUS else connection or ANONYMOUS
-        share = self._share(caller, num_sequences)
+        share = self.counts.add_sequences(caller, num_sequences)
         try:
             prompt_ids, params = await self._prepare(inp, client_id, num_sequences)
             if record is not None:
@@ -523,27 +533,10 @@ class GatewayService:
             raise
         finally:
             self._enter(request_id, -1)
-            self._share(caller, -num_sequences)
+            self.counts.add_sequences(caller, -num_sequences)
+            self.counts.release()
             if observer is not None:
                 observer.end(len(prompt_ids), closed_early)
-
-    def _share(self, caller: str, num_sequences: int) -> int:
-        """Count `num_sequences` more (or fewer) in flight for `caller`; its count now, the share its new request
-        carries to the engines (protos PrefillRequest.share): lower shares run first when they are saturated."""
-        count = self._sequences_of.get(caller, 0) + num_sequences
-        if count:
-            self._sequences_of[caller] = count
-        else:
-            del self._sequences_of[caller]
-        return count
-
-    def _waiting_ahead(self, share: int, num_waiting: int) -> int:
-        """Of `num_waiting` requests waiting at a decode, at most how many a request of `share` waits behind: each
-        caller's here up to that share (the decodes run lower shares first, and one caller's in order), and every
-        one this gateway does not account for (another gateway's, of any share)."""
-        counts = self._sequences_of.values()
-        unknown = max(num_waiting - sum(counts), 0)
-        return sum(min(count, share) for count in counts) + unknown
 
     def _sequences(
         self,

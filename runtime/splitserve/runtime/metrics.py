@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -75,6 +76,10 @@ class Metrics:
         if family.kind == "histogram":
             buckets = family.buckets
             kwargs["buckets"] = buckets_1_2_5(max_model_len) if buckets == BY_MAX_MODEL_LEN else buckets
+        elif family.kind == "gauge":
+            # read only where one role runs as several processes (the gateway's --api-server-count, see
+            # `multiprocess_registry`): a gauge of such a role counts things each process holds, so they add up
+            kwargs["multiprocess_mode"] = "livesum"
         return _KINDS[family.kind](family.name, family.doc, labels, registry=self.registry, **kwargs)
 
     def zero(self) -> None:
@@ -89,10 +94,12 @@ class Metrics:
         old = self.labels["model_name"]
         if old == model_name:
             return
-        for family in self.families:
-            if not family.extra_labels:
-                with contextlib.suppress(KeyError):
-                    getattr(self, family.attr).remove(old, self.labels["instance"])
+        with warnings.catch_warnings():  # multi-process mode keeps the old series in its files (_SeriesOfModel)
+            warnings.filterwarnings("ignore", "Removal of labels", UserWarning)
+            for family in self.families:
+                if not family.extra_labels:
+                    with contextlib.suppress(KeyError):
+                        getattr(self, family.attr).remove(old, self.labels["instance"])
         self._children = {k: v for k, v in self._children.items() if old not in k[1:2]}
         self.labels["model_name"] = model_name
         self.zero()
@@ -204,6 +211,33 @@ class ServiceCounters:
         metric = getattr(self._metrics, PROMETHEUS_COUNTER_OF.get(name, ""), None)
         if metric is not None and n:  # None: a Describe-only fact, or a family this role does not declare
             self._metrics.lab(metric).inc(n)
+
+
+class _SeriesOfModel:
+    """prometheus_client's multi-process collector, less the series of a model name other than `labels`'s
+    current one: a process that learnt the model's name dropped its zero series of the old name (relabel_model),
+    but the files every process writes keep them."""
+
+    def __init__(self, path: str, labels: dict[str, str]) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self._collector = MultiProcessCollector(None, path)
+        self._labels = labels
+
+    def collect(self):
+        model_name = self._labels["model_name"]
+        for family in self._collector.collect():
+            family.samples = [s for s in family.samples if s.labels.get("model_name", model_name) == model_name]
+            yield family
+
+
+def multiprocess_registry(path: str, labels: dict[str, str]) -> CollectorRegistry:
+    """A registry whose /metrics is the sum over every process of a role that writes its metrics to `path`
+    (PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported there): counters and histograms
+    added up, gauges too (`livesum`). `labels`: a Metrics' labels, read at each scrape."""
+    registry = CollectorRegistry()
+    registry.register(_SeriesOfModel(path, labels))
+    return registry
 
 
 def serve_http(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
