@@ -33,6 +33,8 @@ VLLM_FLAGS = [
     "--max-model-len",
     "512",
     "--enable-log-requests",
+    "--api-server-count",
+    "2",
 ]
 
 
@@ -61,6 +63,7 @@ def test_vllms_flags_parse_into_ups_configs():
     assert option(commands["gateway"], "--host") == "0.0.0.0"  # the public ports on every interface
     assert option(commands["gateway"], "--http-port") == "9000"
     assert option(commands["gateway"], "--chat-template") == "{{ messages[0].content }}"
+    assert option(commands["gateway"], "--api-server-count") == "2"  # vLLM's flag, to the gateway
     assert "k1" not in " ".join(commands["gateway"])  # keys go by environment, never on a command line
     assert option(commands["prefill-0"], "--host") == option(commands["decode-0"], "--host") == "127.0.0.1"
     one_gpu = dict(stack_commands(engine, up, gateway, place(engine.device, engine.kv_cache_memory_fraction, up, 1)))

@@ -9,24 +9,35 @@ import httpx
 import pytest
 
 from tests.gateway_fakes import parse_metrics
-from tests.service_harness import Stack, free_port
+from tests.service_harness import Stack, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 SERVED = "served-first"
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-gateway-process", "api-server-count-2"])
+def stack(tmp_path_factory, request):
+    """With --api-server-count 2 the gateway's /metrics, whichever process answers, holds both processes'."""
     prefill_port, decode_port = free_port(), free_port()
     served = ["--served-model-name", f"{SERVED},default_model"]  # requests name the model by its second name
+    count = request.param
     s = Stack(
         "shm",
         tmp_path_factory.mktemp("metrics-sum"),
         num_decode=1,
         prefill_args=["--metrics-port", str(prefill_port), *served],
         decode_args=["--metrics-port", str(decode_port), *served],
-        gateway_more=served,
+        gateway_more=[*served, *(["--api-server-count", str(count)] if count > 1 else [])],
     )
+    if count > 1:  # /ready answered by one process: wait until each has found both instances up
+        log = s.procs["gateway"].log_path
+        wait_until(
+            lambda: (
+                log.read_text().count("gateway up:") == count and log.read_text().count(" is up (role ") == 2 * count
+            ),
+            60,
+            lambda: f"{count} gateway processes up; log:\n{log.read_text()[-3000:]}",
+        )
     s.metrics_urls = [
         f"http://127.0.0.1:{s.http_port}/metrics",
         f"http://127.0.0.1:{prefill_port}/metrics",
