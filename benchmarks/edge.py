@@ -30,10 +30,12 @@ from splitserve.bench.serve_stats import Slo, describe, summarize
 KV_MEMORY = 0.85  # of the device, for the KV caches of the engines on it
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_s(pid: int, seen: dict[int, float]) -> float:
+    """User + system CPU seconds so far of a process and its descendants (a gateway with --api-server-count N
+    is a supervisor and N gateway processes)."""
+    from host_load import tree_cpu_s  # beside this script
+
+    return tree_cpu_s(pid, seen)
 
 
 def lengths(args) -> tuple[LengthDist, LengthDist]:
@@ -98,7 +100,8 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
             args.num_requests, prompts, outputs, args.vocab_size, target.max_model_len, args.seed, salt
         )
         gateway = stack.procs["gateway"].pid
-        cpu0, wall0 = cpu_s(gateway), time.perf_counter()
+        seen: dict[int, float] = {}
+        cpu0, wall0 = cpu_s(gateway, seen), time.perf_counter()
         records, duration = await run_load(
             specs,
             arrival_times(len(specs), float("inf"), args.seed),
@@ -107,7 +110,7 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
             max_seconds=600,
             progress=Progress(len(specs), f"{api} x{in_flight}", enabled=False),
         )
-        gateway_load = (cpu_s(gateway) - cpu0) / (time.perf_counter() - wall0)
+        gateway_load = (cpu_s(gateway, seen) - cpu0) / (time.perf_counter() - wall0)
     summary = summarize(records, duration, Slo(None, None, None))
     if summary["num_completed"] != len(specs):
         raise RuntimeError(

@@ -7,7 +7,10 @@ fixed step, TPOT).
     python benchmarks/gateway_cost.py --rate 20 --num-requests 200 --output-len 256 --json out.json
 
 One core at C us/token streams at most 1e6/C tokens/s: the rate at which the gateway, not the GPUs, sets
-the inter-token latency.
+the inter-token latency. The ceiling itself: every request at once (`--rate inf`), a fast fake step, and the
+gateway's processes side by side in one run (`--api-server-count 1,2 --rounds 2`: alternating runs); each row
+reports the output tokens/s the client got, the gateway's CPU (all its processes) and the share of the
+machine's cores other programs used meanwhile (host_load.py).
 """
 
 from __future__ import annotations
@@ -88,7 +91,9 @@ def wait_ready(http_port: int, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"the gateway was not ready after {timeout_s:g} s")
 
 
-def measure(args) -> dict:
+def measure(args, api_server_count: int, others) -> dict:
+    from host_load import tree_cpu_s  # beside this script; not importable in its --role fakes child (PYTHONSAFEPATH)
+
     me = [sys.executable, str(Path(__file__).with_name("gateway_cost.py"))]
     with tempfile.TemporaryDirectory() as tmp:
         tok = os.path.join(tmp, "tokenizer")
@@ -120,6 +125,8 @@ def measure(args) -> dict:
                     tok,
                     "--stream-interval",
                     str(args.stream_interval),
+                    "--api-server-count",
+                    str(api_server_count),
                 ],
                 env=CHILD_ENV,
                 stdout=subprocess.DEVNULL,
@@ -165,10 +172,11 @@ def measure(args) -> dict:
                     stdout=subprocess.DEVNULL,
                 )
 
-            load(50.0, 10)  # warm-up (and the gateway sees both instances up), outside the measurement
-            g0, f0 = cpu_s(gateway.pid), cpu_s(fakes.pid)
+            load(50.0, 10 * api_server_count)  # warm-up (every process sees both instances up), not measured
+            seen: dict[int, float] = {}  # the gateway's processes (a supervisor and its gateway processes)
+            t0, g0, f0 = time.time(), tree_cpu_s(gateway.pid, seen), cpu_s(fakes.pid)
             load(args.rate, args.num_requests)
-            g1, f1 = cpu_s(gateway.pid), cpu_s(fakes.pid)
+            t1, g1, f1 = time.time(), tree_cpu_s(gateway.pid, seen), cpu_s(fakes.pid)
             summary = json.loads(Path(out_json).read_text())["runs"][0]["summary"]
             if summary["num_completed"] != args.num_requests:
                 raise RuntimeError(
@@ -187,7 +195,10 @@ def measure(args) -> dict:
         "output_len": args.output_len,
         "step_ms": args.step_ms,
         "stream_interval": args.stream_interval,
+        "api_server_count": api_server_count,
         "tokens": tokens,
+        "output_tokens_per_s": summary["output_token_throughput"],
+        "others_share": others.share(t0, t1),
         "gateway_cpu_s": g1 - g0,
         "fakes_cpu_s": f1 - f0,
         "gateway_us_per_token": (g1 - g0) / tokens * 1e6,
@@ -198,33 +209,45 @@ def measure(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson; inf: all at once)")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=15.0, help="the fake decode's step")
     ap.add_argument("--api", choices=("grpc", "rest"), default="grpc", help="the gateway API the client streams from")
     ap.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
+    ap.add_argument("--api-server-count", default="1", help="the gateway's --api-server-count; several: 1,2")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each --api-server-count, alternating")
     ap.add_argument("--json", default="")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "fakes":
         return run_fakes(args.step_ms / 1000, args.tokenizer_dir)
-    r = measure(args)
+    counts = [int(c) for c in args.api_server_count.split(",")]
     print(
-        f"{r['tokens']} tokens over {r['api']} ({r['num_requests']} requests x {r['output_len']}, {r['rate']:g} req/s, "
-        f"fake decode step {r['step_ms']:g} ms)"
+        f"{args.api}: {args.num_requests} requests x {args.output_len} tokens, {args.rate:g} req/s, "
+        f"fake decode step {args.step_ms:g} ms, stream interval {args.stream_interval}"
     )
     print(
-        f"{'gateway CPU us/token':>22} {'gateway CPU s':>14} {'fakes CPU s':>12} {'ITL p50 ms':>11} "
-        f"{'ITL p99 ms':>11} {'TPOT p50 ms':>12}"
+        f"{'processes':>9} {'output tok/s':>12} {'gw CPU s':>9} {'gw CPU us/tok':>13} {'fakes CPU s':>11} "
+        f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'TPOT p50':>9} {'others':>7}"
     )
-    print(
-        f"{r['gateway_us_per_token']:>22.1f} {r['gateway_cpu_s']:>14.2f} {r['fakes_cpu_s']:>12.2f} "
-        f"{r['itl_ms']['p50']:>11.1f} {r['itl_ms']['p99']:>11.1f} {r['tpot_ms']['p50']:>12.1f}"
-    )
+    from host_load import OthersLoad
+
+    results = []
+    with OthersLoad() as others:
+        for _ in range(args.rounds):
+            for count in counts:
+                r = measure(args, count, others)
+                results.append(r)
+                print(
+                    f"{count:>9} {r['output_tokens_per_s']:>12.0f} {r['gateway_cpu_s']:>9.2f} "
+                    f"{r['gateway_us_per_token']:>13.1f} {r['fakes_cpu_s']:>11.2f} {r['itl_ms']['p50']:>10.1f} "
+                    f"{r['itl_ms']['p99']:>10.1f} {r['tpot_ms']['p50']:>9.1f} {r['others_share']:>7.0%}",
+                    flush=True,
+                )
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 SIGTERM / SIGINT drains: readiness and health turn NOT_SERVING, new requests are refused
 (UNAVAILABLE / 503), in-flight requests may finish for up to drain_grace_s, then the
 servers stop and the process exits 0. A second signal exits at once.
+
+With --api-server-count N > 1 the command's process supervises N such gateway processes on the same
+ports instead (gateway/processes.py); `GatewayServer` then runs with their shared counts and metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -31,6 +33,7 @@ from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.processes import ProcessShare, Supervisor, follow_parent, reuseport_listener
 from splitserve.gateway.registry import Registry
 from splitserve.gateway.request_log import RequestLog
+from splitserve.gateway.rest_server import embedded_uvicorn
 from splitserve.gateway.rest_tools import ToolSettings
 from splitserve.gateway.router import Router
 from splitserve.gateway.service import GatewayService
@@ -97,56 +100,6 @@ def load_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
             f"PEM certificate and key: {exc}"
         ) from None
     return pems[0], pems[1]
-
-
-def _protocol_with_header_timeout(timeout_s: float) -> type:
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
-    `timeout_s` (uvicorn times out idle connections only after a response: 3,000 connections that
-    never sent a byte stayed open)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
-
-        def connection_lost(self, exc) -> None:
-            self._head_timer.cancel()
-            super().connection_lost(exc)
-
-        def _head_timed_out(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
-
-
-class _EmbeddedUvicorn:
-    """uvicorn.Server that leaves signal handling to the gateway."""
-
-    @staticmethod
-    def make(app: Any, config: GatewayConfig, grace_s: float) -> Any:
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            def capture_signals(self):  # the gateway owns SIGINT/SIGTERM
-                return contextlib.nullcontext()
-
-        tls = dict(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key) if config.tls_cert else {}
-        uv_config = uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.http_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=max(grace_s, 0.1),
-            http=_protocol_with_header_timeout(config.http_header_timeout_s),
-            limit_concurrency=config.max_connections,
-            timeout_keep_alive=config.http_keep_alive_s,
-            **tls,
-        )
-        return Server(uv_config)
 
 
 class GatewayServer:
@@ -309,7 +262,7 @@ class GatewayServer:
             tool_settings=self.tool_settings,
             request_log=self.request_log,
         )
-        self._uvicorn = _EmbeddedUvicorn.make(app, self.config, self.config.drain_grace_s)
+        self._uvicorn = embedded_uvicorn(app, self.config, self.config.drain_grace_s)
         sockets = None
         if self._http_socket is not None:
             # asyncio sets TCP_NODELAY on accepted sockets only when the listener's proto is TCP;
