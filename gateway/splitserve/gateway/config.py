@@ -82,7 +82,8 @@ class GatewayConfig:
     request_timeout_s: float = option(600.0, "longest a request may run end to end", min=0.01, max=86400.0)
     max_connections: int = option(
         4096,
-        "most open REST connections; more are answered 503 and closed (uvicorn's limit_concurrency)",
+        "most open REST connections; more are answered 503 and closed (uvicorn's limit_concurrency; with "
+        "--api-server-count N each process takes max_connections // N)",
         min=1,
         max=1 << 20,
     )

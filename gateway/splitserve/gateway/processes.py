@@ -21,6 +21,15 @@ while a process restarts; it removes the folder at the end, and it is the one pr
 (or systemd, or a container runtime) sees and signals. Why separate ports are not used: clients and
 load balancers know one address.
 
+What holds for the whole gateway: --max-concurrent-requests, the rate limits and each caller's fair share
+are counted once, in the shared file, exactly as one process counts them. --max-connections is uvicorn's own
+count, which cannot be shared: each process takes max_connections // N of it (at least 1), so the gateway
+never holds more than the flag says, though one process may refuse a connection while another has room (the
+kernel spreads connections by their addresses' hash, not by load). max_waiting_per_decode is checked as two
+gateways in front of the same decodes check it: the decode's Describe count plus the requests this process
+sent it since. A caller's request id must be unique among its requests in flight on the process that runs
+it (the internal hops carry each process's own tag, so two processes never mix their requests).
+
 Signals: SIGTERM / SIGINT are passed to every process, which drains as one gateway does (refuses new
 requests, lets in-flight ones finish for up to --drain-grace-s); the supervisor exits 0 once all have
 exited cleanly. A second signal is passed on too (the processes exit at once). A process that exits by
@@ -98,8 +107,12 @@ def reuseport_listener(host: str, port: int, backlog: int = 2048) -> socket.sock
 
 def reserve_port(host: str, port: int, flag: str) -> socket.socket:
     """Hold host:port for the gateway processes: first bound alone (without SO_REUSEPORT, so a port someone
-    listens on is refused here, naming `flag`), then by a bound socket with SO_REUSEPORT that never listens
-    (no connection reaches it) and lives until the supervisor exits. Port 0: a free port is picked."""
+    listens on is refused here, naming `flag`), then by a socket with SO_REUSEPORT that never listens (no
+    connection reaches it) and lives until the supervisor exits. Port 0: a free port is picked.
+
+    The holder leaves SO_REUSEADDR off where it can, so no other program may even bind the port, while the
+    gateway processes (SO_REUSEPORT, same user) still may; connections of an earlier run in TIME_WAIT on the
+    port forbid that, and then it sets SO_REUSEADDR (another program may bind, but not listen beside ours)."""
     family, sockaddr = _address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT connections of an earlier run
@@ -108,15 +121,17 @@ def reserve_port(host: str, port: int, flag: str) -> socket.socket:
         except OSError as exc:
             raise PortTaken(f"{flag} {port} cannot be bound on {host}: {exc.strerror} (another process holds it?)")
         sockaddr = probe.getsockname()
-    holder = socket.socket(family, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        holder.bind(sockaddr)
-    except OSError as exc:
-        holder.close()
-        raise PortTaken(f"{flag} {sockaddr[1]} cannot be bound on {host}: {exc.strerror}") from None
-    return holder
+    for reuse_address in (0, 1):
+        holder = socket.socket(family, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse_address)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            holder.bind(sockaddr)
+            return holder
+        except OSError as exc:
+            holder.close()
+            error = exc
+    raise PortTaken(f"{flag} {sockaddr[1]} cannot be bound on {host}: {error.strerror}")
 
 
 def follow_parent(share: ProcessShare) -> None:
@@ -140,15 +155,19 @@ class Supervisor:
         self._folder = ""
 
     def _reserve(self) -> GatewayConfig:
-        """The ports held; the config the processes get (port 0 replaced by the port picked)."""
+        """The ports held; the config the processes get (port 0 replaced by the port picked, each process's
+        part of --max-connections)."""
         config = self.config
         grpc = reserve_port(config.host, config.grpc_port, "--grpc-port")
         self._holders.append(grpc)
-        ports = {"grpc_port": grpc.getsockname()[1]}
+        values = {
+            "grpc_port": grpc.getsockname()[1],
+            "max_connections": max(1, config.max_connections // config.api_server_count),
+        }
         if config.http_port:
             self._holders.append(reserve_port(config.host, config.http_port, "--http-port"))
-            ports["http_port"] = self._holders[-1].getsockname()[1]
-        return dataclasses.replace(config, **ports)
+            values["http_port"] = self._holders[-1].getsockname()[1]
+        return dataclasses.replace(config, **values)
 
     def _shares(self) -> list[ProcessShare]:
         self._folder = tempfile.mkdtemp(prefix="splitserve-gateway-")
