@@ -127,6 +127,7 @@ def measure(args, api_server_count: int, others) -> dict:
                     str(args.stream_interval),
                     "--api-server-count",
                     str(api_server_count),
+                    *args.gateway_args.split(),
                 ],
                 env=CHILD_ENV,
                 stdout=subprocess.DEVNULL,
@@ -179,8 +180,11 @@ def measure(args, api_server_count: int, others) -> dict:
             t1, g1, f1 = time.time(), tree_cpu_s(gateway.pid, seen), cpu_s(fakes.pid)
             summary = json.loads(Path(out_json).read_text())["runs"][0]["summary"]
             if summary["num_completed"] != args.num_requests:
+                log = Path(tmp, "gateway.log").read_text().splitlines()
+                log = [line for line in log if " INFO " not in line or "status=200" not in line]
                 raise RuntimeError(
-                    f"only {summary['num_completed']} of {args.num_requests} requests completed: {summary['errors']}"
+                    f"only {summary['num_completed']} of {args.num_requests} requests completed: {summary['errors']}; "
+                    "the gateway's log but its INFO lines of answered requests:\n" + "\n".join(log[-40:])
                 )
         finally:
             for proc in (gateway, fakes):
@@ -217,6 +221,7 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     ap.add_argument("--api-server-count", default="1", help="the gateway's --api-server-count; several: 1,2")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each --api-server-count, alternating")
+    ap.add_argument("--gateway-args", default="", help="more flags for the gateway, e.g. '--http-keep-alive-s 60'")
     ap.add_argument("--json", default="")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", default="", help=argparse.SUPPRESS)

@@ -139,15 +139,13 @@ class GatewayServer:
 
     async def start(self) -> None:
         """Build everything, listen on the ports, then register instances (first Describe round)."""
-        from splitserve.runtime.metrics import Metrics, model_label
-
         config = self.config
         tls = load_tls(config)
         self.tool_settings = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         chat_template = read_chat_template(config.chat_template)  # refused before anything listens
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file, self._env))
         tokenizer = self._tokenizer if self._tokenizer is not None else load_gateway_tokenizer(config.model)
-        from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS, InternalAuth, internal_channel
+        from splitserve.runtime.grpc_server import InternalAuth, internal_channel
 
         internal_auth = InternalAuth.from_config(config)
         self.registry = Registry(
@@ -162,30 +160,8 @@ class GatewayServer:
             resolver=self._resolver,
         )
         self.router = Router(self.registry, max_waiting_per_decode=config.max_waiting_per_decode)
-        # the public API takes no message larger than a REST body: sizes are capped before tokenizing
-        self._grpc_server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", config.max_body_bytes),
-                ("grpc.max_send_message_length", MAX_SEND_BYTES),
-                *SERVER_QUEUE_OPTIONS,  # a burst of streams reaches the handlers (and their named limits)
-                *([("grpc.so_reuseport", 1)] if self._process is not None else []),  # the port's other processes
-            ]
-        )
-        address = f"{config.host}:{config.grpc_port}"
-        self.grpc_port = (
-            self._grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-            if tls
-            else self._grpc_server.add_insecure_port(address)
-        )
-        # vLLM labels metrics with the first served name: a dashboard filters on the name clients send
-        model_name = model_label(config.served_model_name, config.model_id)
-        metrics = Metrics(model_name, f"gateway@{config.host}:{self.grpc_port}", "gateway")
-        exposed = None
-        if self._process is not None:  # /metrics shows every process's, summed
-            from splitserve.runtime.metrics import multiprocess_registry
-
-            exposed = multiprocess_registry(self._process.metrics_dir, metrics.labels)
-        self.metrics = GatewayMetrics(metrics, exposed)
+        self._grpc_server, self.grpc_port = self._public_grpc_server(tls)
+        self.metrics = self._gateway_metrics()
         counts = self._counts
         if counts is None:
             counts = self._process.open_counts() if self._process is not None else LocalCounts()
@@ -234,6 +210,37 @@ class GatewayServer:
             f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
             self.registry.ready(),
         )
+
+    def _public_grpc_server(self, tls: tuple[bytes, bytes] | None) -> tuple[grpc.aio.Server, int]:
+        """The Generation API's server, bound to its port (shared with the other gateway processes, if any)."""
+        from splitserve.runtime.grpc_server import SERVER_QUEUE_OPTIONS
+
+        config = self.config
+        # the public API takes no message larger than a REST body: sizes are capped before tokenizing
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", config.max_body_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
+                *SERVER_QUEUE_OPTIONS,  # a burst of streams reaches the handlers (and their named limits)
+                *([("grpc.so_reuseport", 1)] if self._process is not None else []),  # the port's other processes
+            ]
+        )
+        address = f"{config.host}:{config.grpc_port}"
+        if tls:
+            return server, server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+        return server, server.add_insecure_port(address)
+
+    def _gateway_metrics(self) -> GatewayMetrics:
+        """This process's metrics; /metrics shows every gateway process's, summed, when there are several."""
+        from splitserve.runtime.metrics import Metrics, model_label, multiprocess_registry
+
+        config = self.config
+        # vLLM labels metrics with the first served name: a dashboard filters on the name clients send
+        model_name = model_label(config.served_model_name, config.model_id)
+        metrics = Metrics(model_name, f"gateway@{config.host}:{self.grpc_port}", "gateway")
+        if self._process is None:
+            return GatewayMetrics(metrics)
+        return GatewayMetrics(metrics, multiprocess_registry(self._process.metrics_dir, metrics.labels))
 
     def _learn_model(self, ready: bool) -> None:
         if not (self.config.model_id or self.config.served_model_name) and self.registry.model_id:
