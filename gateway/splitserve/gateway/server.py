@@ -191,14 +191,14 @@ class GatewayServer:
         self.registry.listeners.append(lambda ready: self.metrics.set_pool_members(self.registry.members.counts()))
         self.request_log = RequestLog(config.enable_log_requests)
         add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics, self.request_log)
-        await self._grpc_server.start()
-        if self._process is not None and config.http_port and self._http_socket is None:
-            self._http_socket = reuseport_listener(config.host, config.http_port)
-        if config.http_port or self._http_socket is not None:
-            await self._start_rest()
-        if config.metrics_port and (self._process is None or self._process.index == 0):
-            self._start_metrics_port()
-        await self.registry.start()
+        # One process of several takes connections only once it has described the instances: a client that
+        # another process already told "ready" must not land on one that refuses for not knowing them yet.
+        # Alone, the gateway answers readiness probes (not ready) while it describes them.
+        if self._process is not None:
+            await self.registry.start()
+        await self._listen()
+        if self._process is None:
+            await self.registry.start()
         log.info(
             "gateway up: gRPC %s:%d, REST %s, metrics port %s; TLS %s, API keys %d, rate limits %s; ready=%s",
             config.host,
@@ -210,6 +210,18 @@ class GatewayServer:
             f"{config.rate_limit_rps:g} rps, {config.rate_limit_tokens_per_min} tokens/min",
             self.registry.ready(),
         )
+
+    async def _listen(self) -> None:
+        """Serve the gRPC port, the REST port (this process's socket, when it is one of several) and, in one
+        process only, the metrics port."""
+        config = self.config
+        await self._grpc_server.start()
+        if self._process is not None and config.http_port and self._http_socket is None:
+            self._http_socket = reuseport_listener(config.host, config.http_port)
+        if config.http_port or self._http_socket is not None:
+            await self._start_rest()
+        if config.metrics_port and (self._process is None or self._process.index == 0):
+            self._start_metrics_port()
 
     def _public_grpc_server(self, tls: tuple[bytes, bytes] | None) -> tuple[grpc.aio.Server, int]:
         """The Generation API's server, bound to its port (shared with the other gateway processes, if any)."""
