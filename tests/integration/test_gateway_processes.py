@@ -148,6 +148,8 @@ def test_rest_and_grpc_requests_land_on_both_processes_and_add_up_exactly(gatewa
     assert totals[("splitserve:gateway_generation_tokens_total", ())] == 2 * num * 3
     assert totals[("splitserve:gateway_request_success_total", (("finished_reason", "length"),))] == 2 * num
     assert totals[("splitserve:gateway_e2e_request_latency_seconds_count", ())] == 2 * num
+    for pool in ("prefill", "decode"):  # what both processes see of one pool, once (not added up)
+        assert totals[("splitserve:gateway_pool_members", (("pool", pool), ("state", "up")))] == 1
 
 
 def test_max_concurrent_requests_holds_for_the_whole_gateway(gateway, fakes):

@@ -71,6 +71,10 @@ class Family:
     owners: frozenset[str]
     buckets: tuple | str = ()
     extra_labels: tuple[str, ...] = ()
+    # how a gauge's values in several processes of one role (the gateway's --api-server-count) make one:
+    # prometheus_client's multiprocess_mode; livesum for what each process holds (its requests), livemostrecent
+    # for what each one sees of the same thing (the pools)
+    across_processes: str = "livesum"
 
     def zero_label_sets(self) -> tuple[dict[str, str], ...]:
         """The label sets (besides model_name and instance) created at 0 when the process starts."""
@@ -85,8 +89,8 @@ class Family:
         return ()  # cache_config_info: set once, with its values
 
 
-def _f(attr, name, kind, doc, owners, buckets=(), extra=()) -> Family:
-    return Family(attr, name, kind, doc, frozenset(owners), buckets, tuple(extra))
+def _f(attr, name, kind, doc, owners, buckets=(), extra=(), across_processes="livesum") -> Family:
+    return Family(attr, name, kind, doc, frozenset(owners), buckets, tuple(extra), across_processes)
 
 
 _ENGINE, _DECODING, _GATEWAY = ENGINE_ROLES, {"decode", "both"}, {"gateway"}
@@ -301,6 +305,7 @@ FAMILIES = (
         _GATEWAY,
         (),
         ("pool", "state"),
+        across_processes="livemostrecent",
     ),
     _f(
         "gw_requests",

@@ -76,10 +76,8 @@ class Metrics:
         if family.kind == "histogram":
             buckets = family.buckets
             kwargs["buckets"] = buckets_1_2_5(max_model_len) if buckets == BY_MAX_MODEL_LEN else buckets
-        elif family.kind == "gauge":
-            # read only where one role runs as several processes (the gateway's --api-server-count, see
-            # `multiprocess_registry`): a gauge of such a role counts things each process holds, so they add up
-            kwargs["multiprocess_mode"] = "livesum"
+        elif family.kind == "gauge":  # read only where one role runs as several processes (multiprocess_registry)
+            kwargs["multiprocess_mode"] = family.across_processes
         return _KINDS[family.kind](family.name, family.doc, labels, registry=self.registry, **kwargs)
 
     def zero(self) -> None:
@@ -234,7 +232,8 @@ class _SeriesOfModel:
 def multiprocess_registry(path: str, labels: dict[str, str]) -> CollectorRegistry:
     """A registry whose /metrics is the sum over every process of a role that writes its metrics to `path`
     (PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported there): counters and histograms
-    added up, gauges too (`livesum`). `labels`: a Metrics' labels, read at each scrape."""
+    added up, gauges as their family says (Family.across_processes). `labels`: a Metrics' labels, read at each
+    scrape."""
     registry = CollectorRegistry()
     registry.register(_SeriesOfModel(path, labels))
     return registry
