@@ -12,8 +12,11 @@ relies only on the wire contract in `protos/`.
     decode_link.py  the one bidirectional Decode.Generate stream per decode instance
     router.py    prefill / decode choice (load, prefix affinity)
     service.py   the request path shared by gRPC and REST
+    admission.py requests and callers' sequences in flight, rate buckets: per process or shared by all
     grpc_api.py  Generation servicer, grpc.health.v1, reflection
     rest.py      FastAPI shim (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, ...)
+    rest_server.py  uvicorn inside the gateway's loop
     rest_tools.py, tool_parsers/   tool calling (tools, tool_choice, vLLM's --tool-call-parser formats)
     server.py    `splitserve gateway`
+    processes.py `--api-server-count N`: a supervisor and N gateway processes sharing the ports
 """
