@@ -202,18 +202,23 @@ def test_sigterm_drains_every_process_then_stops_them_all(fakes, tmp_path):
     pids, folder = g.pids(), g.metrics_folder()
     prefill.gate = asyncio.Event()
     try:
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(g.complete, "")
-            wait_until(lambda: g.metrics()[("splitserve:gateway_num_requests_running", ())] == 1, 20, "1 in flight")
-            os.kill(g.proc.popen.pid, signal.SIGTERM)
-            wait_until(lambda: g.log().count("SIGTERM: draining") == 2, 20, lambda: f"both draining:\n{g.log()}")
-            # the idle process is gone (a connection left in its listener's queue as it closes would be reset)
-            wait_until(lambda: sum(Path(f"/proc/{p}").exists() for p in pids) == 1, 20, "the idle process gone")
-            refused = [g.complete("") for _ in range(6)]
-            loop.call(prefill.gate.set)
-            answer = pending.result(30)
+        check_drain(g, loop, prefill, pids, folder)
     finally:
         prefill.gate = None
+        g.proc.stop()  # no process outlives a failed check
+
+
+def check_drain(g: Gateway, loop, prefill, pids: list[int], folder: str) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(g.complete, "")
+        wait_until(lambda: g.metrics()[("splitserve:gateway_num_requests_running", ())] == 1, 20, "1 in flight")
+        os.kill(g.proc.popen.pid, signal.SIGTERM)
+        wait_until(lambda: g.log().count("SIGTERM: draining") == 2, 20, lambda: f"both draining:\n{g.log()}")
+        # the idle process is gone (a connection left in its listener's queue as it closes would be reset)
+        wait_until(lambda: sum(Path(f"/proc/{p}").exists() for p in pids) == 1, 20, "the idle process gone")
+        refused = [g.complete("") for _ in range(6)]
+        loop.call(prefill.gate.set)
+        answer = pending.result(30)
     assert {r.status_code for r in refused} == {503}
     assert refused[0].json()["error"]["message"] == "the gateway is shutting down; retry on another gateway"
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " w21 w22 w23"
@@ -229,6 +234,9 @@ def test_a_taken_port_is_one_clear_error(fakes, tmp_path, flag):
         taken.listen()
         port = taken.getsockname()[1]
         g = Gateway(fakes, tmp_path, flag, str(port), wait=False)
-        assert g.proc.popen.wait(30) == 1
+        try:
+            assert g.proc.popen.wait(30) == 1
+        finally:
+            g.proc.stop()
     assert f"error: {flag} {port} cannot be bound on 127.0.0.1: Address already in use" in g.log()
     assert "gateway up" not in g.log() and "processes on gRPC" not in g.log()

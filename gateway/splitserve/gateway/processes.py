@@ -228,7 +228,9 @@ class Supervisor:
     def _watch(self, wake: socket.socket) -> int:
         failed = None
         while any(p.exitcode is None for p in self._procs):
-            ready = wait([wake, *(p.sentinel for p in self._procs if p.exitcode is None)])
+            # bounded: the exits are checked every second even if no wake-up came (one supervisor once slept on
+            # in poll after its processes had exited)
+            ready = wait([wake, *(p.sentinel for p in self._procs if p.exitcode is None)], timeout=1.0)
             if wake in ready:
                 with contextlib.suppress(BlockingIOError):
                     wake.recv(4096)
