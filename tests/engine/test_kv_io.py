@@ -48,8 +48,13 @@ def test_each_transport_has_one_connector_chosen_by_name():
     from splitserve.engine.kv_connectors.factory import TRANSPORTS
 
     chosen = {t: type(make_connector({"transport": t})).__name__ for t in TRANSPORTS}
-    assert chosen == {"shm": "ShmConnector", "cuda_ipc": "CudaIpcConnector", "nccl": "NcclConnector"}
-    with pytest.raises(ValueError, match=r"^unknown KV transport 'rdma'; known: shm, cuda_ipc, nccl$"):
+    assert chosen == {
+        "shm": "ShmConnector",
+        "cuda_ipc": "CudaIpcConnector",
+        "nccl": "NcclConnector",
+        "nixl": "NixlConnector",
+    }
+    with pytest.raises(ValueError, match=r"^unknown KV transport 'rdma'; known: shm, cuda_ipc, nccl, nixl$"):
         make_connector({"transport": "rdma"})
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.config_fields import flag_name
+from splitserve.common.nixl_package import nixl_missing
 from splitserve.gateway.config import UpConfig
 
 HOST = "127.0.0.1"
@@ -169,6 +170,8 @@ def place(device: str, fraction: float, up: UpConfig, num_gpus: int) -> Placemen
         raise ValueError("--kv-transport cuda_ipc needs the prefill and every decode on CUDA devices")
     if transport == "nccl" and len({_is_cuda(d) for d in [prefill, *decodes]}) > 1:
         raise ValueError("--kv-transport nccl needs the prefill and the decodes all on CUDA or all on the CPU")
+    if transport == "nixl" and (missing := nixl_missing()):
+        raise ValueError(missing)
     counts = Counter(d for d in [prefill] * up.num_prefill + decodes if _is_cuda(d))
     shares = {d: round(fraction / n, 4) for d, n in counts.items()}
     return Placement(prefill, tuple(decodes), transport, shares, up.num_prefill)

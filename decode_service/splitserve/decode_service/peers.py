@@ -5,6 +5,7 @@ side (the core's connector moves the bytes; engine/kv_connectors/base.py). Chose
     transport       at start (--prefill-peers)         before each pull                      after a failed pull
     shm, cuda_ipc   map the pool it reports (MapPeer)  the pool endpoint from its own Describe  -
     nccl            pair (patient: waits for a peer)   pair once; the handle's endpoint          drop the pair (rebuilt)
+    nixl            load its agent, connect (MapPeer)  its agent's metadata, from its Describe   (the core drops it)
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class PeerLink:
 
 
 class MappedPools(PeerLink):
-    """shm, cuda_ipc: the decode maps the prefill's pool, only ever from the endpoint the prefill reports in its own
-    Describe (mapping hands its fields to the shared-memory and CUDA drivers), never a handle's copy."""
+    """shm, cuda_ipc, nixl: the decode maps the prefill's pool (nixl: loads its agent), only ever from the endpoint
+    the prefill reports in its own Describe (mapping hands its fields to the shared-memory and CUDA drivers, loading
+    hands them to UCX), never a handle's copy."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -184,4 +186,10 @@ class Pairs(PeerLink):
         log.info("paired with %s over %s", prefill_instance, backend)
 
 
-PEER_LINKS: dict[str, type[PeerLink]] = {"shm": MappedPools, "cuda_ipc": MappedPools, "nccl": Pairs}
+# nixl: like a mapped pool, the prefill's agent metadata is only ever taken from its own Describe
+PEER_LINKS: dict[str, type[PeerLink]] = {
+    "shm": MappedPools,
+    "cuda_ipc": MappedPools,
+    "nccl": Pairs,
+    "nixl": MappedPools,
+}

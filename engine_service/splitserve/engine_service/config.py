@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.config_fields import ConfigError, internal_token_option, option, validate_fields
+from splitserve.common.nixl_package import nixl_missing
 from splitserve.engine.kv_connectors.factory import TRANSPORTS
 from splitserve.engine.kv_connectors.link_keepalive import MIN_PERIOD_MS
 
@@ -43,7 +44,10 @@ class ServiceConfig:
         "its metrics with the first --served-model-name; empty = the model id",
     )
     kv_transport: str = option(
-        "shm", "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU)", choices=TRANSPORTS
+        "shm",
+        "KV transport: shm (CPU, same host), cuda_ipc (same-host GPUs), nccl (gloo on CPU), nixl (one-sided reads "
+        "over UCX: RDMA across hosts; needs the splitserve-engine[nixl] extra)",
+        choices=TRANSPORTS,
     )
     kv_transfer_timeout_s: float = option(10.0, "timeout of one KV transfer", min=0.1, max=600.0)
     lease_s: float = option(30.0, "prefill: how long an unclaimed KV handle stays valid", min=0.05, max=3600.0)
@@ -100,3 +104,5 @@ class ServiceConfig:
                 f"--kv-link-keepalive-ms={self.kv_link_keepalive_ms} is out of range; "
                 f"allowed 0 (off) or [{MIN_PERIOD_MS}, 1000.0]"
             )
+        if self.kv_transport == "nixl" and (missing := nixl_missing()):
+            raise ConfigError(missing)

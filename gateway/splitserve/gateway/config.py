@@ -12,7 +12,7 @@ from splitserve.gateway.tool_parsers import TOOL_PARSERS
 
 # engine.kv_connectors.factory.TRANSPORTS, repeated here so the gateway never imports torch
 # (tests/cli/test_supervisor.py checks that the two agree).
-KV_TRANSPORTS = ("shm", "cuda_ipc", "nccl")
+KV_TRANSPORTS = ("shm", "cuda_ipc", "nccl", "nixl")
 
 
 def split_addresses(value: str) -> tuple[str, ...]:

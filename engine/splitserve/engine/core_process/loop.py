@@ -252,13 +252,14 @@ class CoreLoop:
                 self.outbox.append(m.Reply(msg.call_id, True))  # pools of another TP size: mapped at the first pull
                 return
             pool = self.connector.map_source(msg.prefill_instance, msg.transport, msg.endpoint, msg.layout)
-            import torch
+            if pool is not None:  # a mapped pool (nixl maps none: it loaded the peer's agent and connected)
+                import torch
 
-            # one element copied now sets up the path a pull takes (peer access between the devices)
-            kv_cache = self.engine.runner.kv_cache
-            torch.empty(1, dtype=kv_cache.dtype, device=kv_cache.device).copy_(pool.view(-1)[:1])
-            if kv_cache.is_cuda:
-                torch.cuda.synchronize(kv_cache.device)
+                # one element copied now sets up the path a pull takes (peer access between the devices)
+                kv_cache = self.engine.runner.kv_cache
+                torch.empty(1, dtype=kv_cache.dtype, device=kv_cache.device).copy_(pool.view(-1)[:1])
+                if kv_cache.is_cuda:
+                    torch.cuda.synchronize(kv_cache.device)
             self.outbox.append(m.Reply(msg.call_id, True))
         except Exception as exc:
             self.outbox.append(m.Reply(msg.call_id, error=f"mapping {msg.prefill_instance}'s KV pool failed: {exc}"))

@@ -4,6 +4,7 @@
     shm         shm.ShmConnector                    shared memory         copies out of the mapped segment
     cuda_ipc    cuda_ipc.CudaIpcConnector           CUDA IPC export       copies from the mapped pool
     nccl        nccl.NcclConnector (gloo on CPU)    its own               receives what the prefill sends
+    nixl        nixl.NixlConnector                  registered with NIXL  a one-sided READ over UCX
 
 The transport is chosen once (`factory.make_connector`); the core loop and its scheduler side
 (core_process/kv_scheduler.py) talk to this interface only, in vLLM v1's spirit; a connector reports through

@@ -17,6 +17,7 @@ CONNECTORS: dict[str, tuple[str, str]] = {
     "shm": ("splitserve.engine.kv_connectors.shm", "ShmConnector"),
     "cuda_ipc": ("splitserve.engine.kv_connectors.cuda_ipc", "CudaIpcConnector"),
     "nccl": ("splitserve.engine.kv_connectors.nccl", "NcclConnector"),
+    "nixl": ("splitserve.engine.kv_connectors.nixl", "NixlConnector"),
 }
 TRANSPORTS = tuple(CONNECTORS)
 # transports whose decode reads the prefill's pool itself, on the same host (the others: the prefill sends)
