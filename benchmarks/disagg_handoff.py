@@ -14,6 +14,19 @@ to wake on its next copy (docs/performance.md, "Answered questions"), and `--pac
 every pull; `--pacing overlapped` sends the next prompt while the previous one decodes.
 `--variants plain,keeper:2,keepalive:2` runs every transport again with traffic that keeps the link
 awake: from a separate process (keeper) or the decode's `--kv-link-keepalive-ms` (keepalive).
+
+nixl (one-sided READs over UCX; on one host UCX picks cuda_ipc between VRAM pools) needs the NIXL wheel on the GPU
+machine: benchmarks/gpu_nixl.sh says how it travels. Its rows have no device time (UCX moves the bytes, no CUDA
+events around them): compare the pull columns. One GPU (nccl refuses two ranks on one device), Qwen3-0.6B's shape,
+a 2,048-token and a 32k-token prompt:
+
+    python benchmarks/disagg_handoff.py --config benchmarks/configs/qwen3-0.6b.json --prefill-device cuda:0 \
+        --decode-device cuda:0 --transports cuda_ipc,nixl --prompt-len 2048 --json nixl-2k.json
+    python benchmarks/disagg_handoff.py --config benchmarks/configs/qwen3-0.6b.json --prefill-device cuda:0 \
+        --decode-device cuda:0 --transports cuda_ipc,nixl --prompt-len 32768 --max-model-len 33024 \
+        --num-kv-blocks 4200 --json nixl-32k.json
+
+and on two GPUs (`--decode-device cuda:1`) with `--transports cuda_ipc,nccl,nixl`.
 """
 
 from __future__ import annotations
@@ -418,10 +431,10 @@ def main(argv=None) -> int:
     print("moved = data movement on the device, CUDA events around the copy (cuda_ipc: the pull's copy;")
     print("        nccl: the prefill's send, the decode's receive already posted);")
     print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
-    print("send = prefill core's wall time, gather + send (nccl only)")
+    print("send = prefill core's wall time, gather + send (nccl only); nixl: no device time (UCX moves the bytes)")
     print(
         f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
-        f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'handoff ms':>11}"
+        f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'pull ms':>9}{'handoff ms':>11}"
     )
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
@@ -430,12 +443,14 @@ def main(argv=None) -> int:
         moved = [r["device_gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["device_gb_s"]]
         t["median_gb_s"], t["median_handoff_ms"] = statistics.median(rates), statistics.median(handoffs)
         t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
+        pulls = [r["transfer_ms"] for r in t["requests"][1:]] or [t["requests"][0]["transfer_ms"]]
+        t["median_pull_ms"] = statistics.median(pulls)
         copy = report["copy_gb_s"]
         print(
             f"{t['transport']:<26}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
             f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
             f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
-            f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_handoff_ms']:>11.2f}"
+            f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_pull_ms']:>9.2f}{t['median_handoff_ms']:>11.2f}"
         )
     for failed in report["failed"]:
         print(f"{failed['transport']} {failed['variant']}: FAILED ({failed['error'][:200]})")

@@ -3,7 +3,8 @@
 # installs them there). Versions match the GPU image: Python 3.12, grpcio 1.84.0. fastapi itself needs
 # opentelemetry-api (its telemetry module), so that comes along; the SDK and exporter do not (tracing is off).
 # xgrammar (structured output) needs apache-tvm-ffi; its other requirements (torch, transformers, pydantic,
-# numpy, typing-extensions) are in the image or in this list.
+# numpy, typing-extensions) are in the image or in this list. The NIXL wheel (--kv-transport nixl) is too large to
+# travel with the others: gpu_nixl.sh splits it into two parts carried by runs of their own (its header says how).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree: ask git where its exclude is
@@ -18,3 +19,4 @@ for pkg in fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$pkg"
 done
 ls .whl
+bash benchmarks/gpu_nixl.sh split

@@ -135,6 +135,48 @@ def test_prefill_killed_mid_send_over_nccl(reference, tmp_path):
         stack.stop()
 
 
+async def first_token_then_rest(port, prompt, on_first):
+    """(token ids, last message) of one streamed request; `on_first()` runs once its first token has arrived."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
+        messages = []
+        async for message in stub.Generate(request, timeout=60):
+            if not messages:
+                on_first()
+            messages.append(message)
+    return [t for m in messages for t in m.token_ids], messages[-1]
+
+
+def test_prefill_killed_mid_pull_over_nixl(reference, tmp_path):
+    """The prefill dies once it has handed out the KV (its first token is out), while the decode's one-sided READ
+    is on its way (held back 1.5 s): the READ fails (UCX sees the peer gone), the decode recomputes the same tokens
+    and frees its blocks; a restarted prefill (a new NIXL agent) serves disaggregated again."""
+    prompts, greedy = reference
+    stack = Stack("nixl", tmp_path, num_decode=1, decode_faults="pull_delay_ms=1500")
+    try:
+        prefill = stack.procs["prefill"]
+        tokens, last = asyncio.run(first_token_then_rest(stack.grpc_port, prompts[0], prefill.kill))
+        assert prefill.popen.wait(5) == -9
+        assert (tokens, last.finish_reason) == (greedy[0], common_pb2.FINISH_REASON_LENGTH)  # recomputed locally
+        loads = asyncio.run(wait_blocks_free(stack, skip=("prefill",)))
+        assert all(f == t for f, t, _ in loads.values())
+        d = asyncio.run(describe(stack.decodes[0], decode_pb2_grpc.DecodeStub))
+        assert (d.counters["kv_pull_failures"], d.counters["kv_pull_recomputes"]) == (1, 1)
+        stack.restart_prefill()
+        stack.wait_ready()
+        assert asyncio.run(generate(stack.grpc_port, prompts[1]))[0] == greedy[1]
+        d = asyncio.run(describe(stack.decodes[0], decode_pb2_grpc.DecodeStub))
+        assert d.counters["kv_pull_failures"] == 1 and d.counters["kv_blocks_pulled"] > 0  # pulled from the new one
+        loads = asyncio.run(wait_blocks_free(stack))
+        assert all(f == t and leases == 0 for f, t, leases in loads.values()), loads
+    finally:
+        stack.stop()
+
+
 def test_kill_prefill_and_decode_mid_stream_then_restart(reference, tmp_path):
     prompts, greedy = reference
     # handles given to the decode that dies are never claimed: their leases expire (1 s here)

@@ -1,5 +1,5 @@
 """Prefill and decode services as real processes on loopback (no gateway): exact tokens over
-shm and nccl-over-gloo, prefix reuse across turns, leases, cancellation, failed pulls."""
+shm, nccl-over-gloo and nixl (UCX over loopback), prefix reuse across turns, leases, cancellation, failed pulls."""
 
 import asyncio
 import time
@@ -30,7 +30,7 @@ def expected(model_dir):
     return prompts, *engine_reference(llm, prompts, MAX_TOKENS, seeded)
 
 
-@pytest.fixture(scope="module", params=["shm", "nccl"])
+@pytest.fixture(scope="module", params=["shm", "nccl", "nixl"])
 def stack(request, model_dir, tmp_path_factory):
     transport = request.param
     logs = tmp_path_factory.mktemp(f"logs-{transport}")
@@ -106,9 +106,10 @@ async def wait_peer_prepared(decode_address: str, transport: str, timeout_s: flo
 
 
 def test_decode_prepares_its_prefill_at_start(stack):
-    """--prefill-peers: the decode maps the prefill's pool (shm) or pairs with it (nccl) once, at start."""
+    """--prefill-peers: the decode maps the prefill's pool (shm), loads its agent (nixl) or pairs with it (nccl)
+    once, at start."""
     d = run(wait_peer_prepared(stack["decode"], stack["transport"]))
-    if stack["transport"] == "shm":
+    if stack["transport"] in ("shm", "nixl"):
         assert d.counters["peers_mapped"] == 1 and "pairs_created" not in d.counters
     else:
         assert d.counters["pairs_created"] == 1 and "peers_mapped" not in d.counters
@@ -142,8 +143,8 @@ def test_concurrent_batch_equals_in_process_engine(stack, expected):
 
 def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
     """The decode maps only the pool its prefill reports in Describe: a handle whose endpoint names another
-    segment (here one full of random KV) is pulled from the prefill's own pool, so the tokens stay exact
-    (nccl maps no pool: its handles' endpoints are ignored alike)."""
+    segment (here one full of random KV) or, for nixl, another address (one block on) is pulled from the prefill's
+    own pool, so the tokens stay exact (nccl maps no pool: its handles' endpoints are ignored alike)."""
     import torch
 
     from splitserve.common.wire import layout_from_proto
@@ -167,6 +168,9 @@ def test_a_handle_naming_another_pool_is_never_mapped(stack, expected):
         try:
             decoy.tensor.copy_(torch.randn_like(decoy.tensor) * 100)
             first.kv.endpoint["shm_name"] = decoy.shm.name
+            if "nixl_pool_addr" in first.kv.endpoint:
+                block_nbytes = decoy.tensor[0].numel() * decoy.tensor.element_size()
+                first.kv.endpoint["nixl_pool_addr"] = str(int(first.kv.endpoint["nixl_pool_addr"]) + block_nbytes)
             session.submit(decode_request(first, "forged", prompts[3], sampling()))
             tokens, _ = await session.collect("forged")
         finally:
@@ -247,7 +251,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(stack):
     assert p_free == p.load.num_total_blocks and d_free == d.load.num_total_blocks
 
 
-@pytest.mark.parametrize("transport, policy", [("shm", "recompute"), ("nccl", "fail")])
+@pytest.mark.parametrize("transport, policy", [("shm", "recompute"), ("nccl", "fail"), ("nixl", "fail")])
 def test_prefill_killed_before_the_pull(transport, policy, model_dir, expected, tmp_path):
     prompts, greedy, _ = expected
     prefill, p_addr = start_service(
