@@ -42,6 +42,20 @@ def test_explicit_devices_and_transport_win():
     assert listed.decode_devices == ("cuda:1", "cuda:0")
 
 
+def test_nixl_runs_on_any_placement_and_is_refused_without_its_package(monkeypatch):
+    from splitserve.common import nixl_package
+
+    mixed = place("auto", 0.9, UpConfig(prefill_device="cpu", kv_transport="nixl"), num_gpus=1)
+    assert mixed == Placement("cpu", ("cuda:0",), "nixl", {"cuda:0": 0.9})  # DRAM to VRAM: UCX moves it
+    monkeypatch.setattr(nixl_package.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError) as info:
+        place("auto", 0.9, UpConfig(kv_transport="nixl"), num_gpus=0)
+    assert str(info.value) == (
+        "--kv-transport nixl needs the NIXL package, which is not installed: install the extra "
+        "(pip install 'splitserve-engine[nixl]', or scripts/install.sh VENV --dev from the lock)"
+    )
+
+
 @pytest.mark.parametrize(
     "device, config, num_gpus, message",
     [

@@ -218,9 +218,8 @@ def test_every_transport_has_a_way_to_its_prefills():
     from splitserve.decode_service.peers import PEER_LINKS, MappedPools, Pairs
     from splitserve.engine.kv_connectors.factory import TRANSPORTS
 
-    assert PEER_LINKS == {"shm": MappedPools, "cuda_ipc": MappedPools, "nccl": Pairs} and set(TRANSPORTS) == set(
-        PEER_LINKS
-    )
+    assert PEER_LINKS == {"shm": MappedPools, "cuda_ipc": MappedPools, "nccl": Pairs, "nixl": MappedPools}
+    assert set(TRANSPORTS) == set(PEER_LINKS)
 
 
 class ExpiredLeasePrefill:
