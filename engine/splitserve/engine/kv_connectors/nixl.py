@@ -35,7 +35,11 @@ from splitserve.engine.worker.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("splitserve.kv")
 
-POLL_S = 100e-6  # how often a READ in progress is checked
+POLL_S = 100e-6  # how often a READ in progress is checked (each check also drives the decode's UCX worker)
+# NIXL's own progress thread polls without pause: ~0.5 of a core per idle agent on the 2-core CPU machine, and
+# slower READs there (the cores it takes). A decode's agent needs none (its READs' polling drives it); a prefill's
+# answers peers (connection set-up, TCP and shared-memory reads) from a thread of ours that drives it this often.
+PROGRESS_S = 1e-3
 ENDPOINT_KEYS = ("nixl_agent", "nixl_metadata", "nixl_pool_addr", "nixl_mem", "nixl_device", "num_blocks")
 
 
@@ -84,13 +88,17 @@ class NixlConnector(KvConnector):
         self._block_bytes = 0
         self._lock = threading.Lock()  # guards the remote-agent maps (core thread and lane workers)
         self._remotes: dict[str, str] = {}  # prefill instance -> the remote agent name loaded for it
+        self._stopped = threading.Event()
+        self._progress: threading.Thread | None = None
 
     def place_pool(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         kv_cache = allocate_kv_cache(layout, num_blocks, device)  # (N, L, 2, bs, Hkv, D), contiguous
         api = self._api
         name = f"{self.instance}-{self.start_epoch}-{os.getpid()}"
-        # several threads use the agent (the core thread loads peers, one lane worker per prefill reads)
-        config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # several threads use the agent (the core thread loads peers, lane workers read, the progress thread)
+        config = api.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
         self._agent = api.nixl_agent(name, config)
         self._mem = "VRAM" if device.type == "cuda" else "DRAM"
         self._device_id = (device.index or 0) if device.type == "cuda" else 0
@@ -107,8 +115,18 @@ class NixlConnector(KvConnector):
                 "nixl_device": str(self._device_id),
                 "num_blocks": str(num_blocks),
             }
+            self._progress = threading.Thread(target=self._drive_progress, name="nixl-progress", daemon=True)
+            self._progress.start()
         log.info("NIXL agent %s: %d blocks of %d bytes registered (%s)", name, num_blocks, self._block_bytes, self._mem)
         return kv_cache
+
+    def _drive_progress(self) -> None:
+        """The prefill's agent answers its peers: its UCX worker driven every PROGRESS_S until close."""
+        while not self._stopped.wait(PROGRESS_S):
+            try:
+                self._agent.get_new_notifs()
+            except Exception as exc:  # never fatal: a peer's fault shows in its own READ
+                log.warning("driving the NIXL agent failed: %s", exc)
 
     # -- peers ------------------------------------------------------------------------------
     def map_source(self, prefill_instance: str, transport: str, endpoint: dict, layout: KvLayout) -> None:
@@ -231,6 +249,9 @@ class NixlConnector(KvConnector):
     def release_transport(self) -> None:
         if self._agent is None:
             return
+        self._stopped.set()
+        if self._progress is not None:
+            self._progress.join()
         with self._lock:
             for name in self._remotes.values():
                 self._drop_remote(name)
