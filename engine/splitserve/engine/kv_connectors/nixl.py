@@ -45,6 +45,11 @@ ENDPOINT_KEYS = ("nixl_agent", "nixl_metadata", "nixl_pool_addr", "nixl_mem", "n
 
 def load_nixl_api():
     """NIXL's `_api` module (nixl_agent, nixl_agent_config, ...): the meta package's, else a CUDA build's."""
+    # UCX's memory hooks (registration-cache invalidation on every mmap/munmap) slowed the torch allocations of a
+    # CPU engine's steps: a 2,048-token hand-off took 143-155 ms with them, 22-28 ms without (docs/performance.md).
+    # Every pool NIXL moves is registered explicitly, once, for the process's life, so UCX needs no such tracking.
+    # Set before UCX loads; a deployment's own value wins.
+    os.environ.setdefault("UCX_MEM_EVENTS", "no")
     for name in NIXL_MODULES:
         try:
             api = importlib.import_module(f"{name}._api")
@@ -122,11 +127,14 @@ class NixlConnector(KvConnector):
 
     def _drive_progress(self) -> None:
         """The prefill's agent answers its peers: its UCX worker driven every PROGRESS_S until close."""
+        warned = False
         while not self._stopped.wait(PROGRESS_S):
             try:
                 self._agent.get_new_notifs()
-            except Exception as exc:  # never fatal: a peer's fault shows in its own READ
-                log.warning("driving the NIXL agent failed: %s", exc)
+            except Exception as exc:  # never fatal: a peer's fault shows in its own READ; said once, not per ms
+                if not warned:
+                    log.warning("driving the NIXL agent failed (said once): %s", exc)
+                    warned = True
 
     # -- peers ------------------------------------------------------------------------------
     def map_source(self, prefill_instance: str, transport: str, endpoint: dict, layout: KvLayout) -> None:
