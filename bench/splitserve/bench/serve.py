@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-decode", type=int, default=1, help="disaggregated: decode processes")
     s.add_argument("--num-workers", type=int, default=2, help="colocated: worker processes")
     s.add_argument(
-        "--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl"), help="disaggregated KV transport"
+        "--kv-transport", default="shm", choices=("shm", "cuda_ipc", "nccl", "nixl"), help="disaggregated KV transport"
     )
     s.add_argument("--log-dir", default="", help="children's logs (default: a new temp dir)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0, help="how long the stack may take to start")
