@@ -34,7 +34,7 @@ class SlowPrefill:
         self.released: list[str] = []
         self.described = 0
 
-    async def Describe(self, request, timeout=None):
+    async def Describe(self, request, timeout=None, wait_for_ready=None):
         self.described += 1
         await self.go.wait()
         return common_pb2.DescribeResponse(kv_endpoint=ENDPOINT)
@@ -105,7 +105,7 @@ class PairingPrefill:
         self.gpu_uuid = gpu_uuid
         self.described = 0
 
-    async def Describe(self, request, timeout=None):
+    async def Describe(self, request, timeout=None, wait_for_ready=None):
         self.described += 1
         return common_pb2.DescribeResponse(kv_endpoint={"gpu_uuid": self.gpu_uuid} if self.gpu_uuid else {})
 
@@ -150,7 +150,7 @@ def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_wit
     assert msg.peer_gpu_uuid == ""
 
     class Mute(PairingPrefill):
-        async def Describe(self, request, timeout=None):
+        async def Describe(self, request, timeout=None, wait_for_ready=None):
             raise ConnectionError("no answer")
 
     (msg,) = pair_messages(2.0, Mute("GPU-1234"))  # a Describe that fails costs the keep-alive, not the pair

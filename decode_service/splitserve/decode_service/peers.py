@@ -95,9 +95,9 @@ class MappedPools(PeerLink):
         known = self._endpoints.get(address)
         if known == claimed:
             return known
-        try:
+        try:  # the handle came from a live prefill: a channel still backing off from its restart may reconnect
             info = await self.stub(address).Describe(
-                common_pb2.DescribeRequest(), timeout=self.config.kv_transfer_timeout_s
+                common_pb2.DescribeRequest(), timeout=self.config.kv_transfer_timeout_s, wait_for_ready=True
             )
         except Exception as exc:
             return {"error": f"cannot ask {address} for its KV pool: {exc}"}
