@@ -30,7 +30,9 @@ def rss_mb(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def start_stack(tmp: str, step_ms: float, max_answer_entries: int) -> tuple[subprocess.Popen, subprocess.Popen, int]:
+def start_stack(
+    tmp: str, step_ms: float, max_answer_entries: int, max_request_tokens: int
+) -> tuple[subprocess.Popen, subprocess.Popen, int]:
     tok = os.path.join(tmp, "tokenizer")
     fakes = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("gateway_cost.py")), "--role", "fakes"]
@@ -44,7 +46,7 @@ def start_stack(tmp: str, step_ms: float, max_answer_entries: int) -> tuple[subp
     gateway = subprocess.Popen(
         [sys.executable, "-m", "splitserve.cli", "gateway", "--grpc-port", str(free_port())]
         + ["--http-port", str(http_port), "--prefill", prefill, "--decode", decode, "--model", tok]
-        + ["--max-answer-entries", str(max_answer_entries)],
+        + ["--max-answer-entries", str(max_answer_entries), "--max-request-tokens", str(max_request_tokens)],
         env=CHILD_ENV,
         stdout=subprocess.DEVNULL,
         stderr=open(os.path.join(tmp, "gateway.log"), "w"),
@@ -106,7 +108,8 @@ def main() -> None:
     }
     entries = args.prompts * args.n * (args.max_tokens + 8) * (1 + args.logprobs)
     with tempfile.TemporaryDirectory() as tmp:
-        fakes, gateway, http_port = start_stack(tmp, args.step_ms, max(entries * 2, 1 << 20))
+        tokens = args.prompts * args.n * (args.max_tokens + 64)
+        fakes, gateway, http_port = start_stack(tmp, args.step_ms, max(entries * 2, 1 << 20), max(tokens, 1 << 17))
         try:
             import httpx
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.gateway.rest_answers import FINISH_NAMES, Shape, _add_usage, complete, server_error
+from splitserve.gateway import rest_answer_parts
+from splitserve.gateway.rest_answer_parts import complete
+from splitserve.gateway.rest_answers import FINISH_NAMES, Shape, _add_usage, server_error
 from splitserve.protos import common_pb2, generation_pb2
 
 
@@ -76,12 +78,12 @@ def reference(shapes: list[Shape], sequences: list[list]) -> JSONResponse:
 
 
 async def written(response) -> bytes:
-    if isinstance(response, JSONResponse):
-        return response.body
-    assert isinstance(response, StreamingResponse)
-    return b"".join([part async for part in response.body_iterator])
+    if isinstance(response, StreamingResponse):
+        return b"".join([part async for part in response.body_iterator])
+    return response.body
 
 
+@pytest.mark.parametrize("in_chunks", [False, True])
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize(
     "top, echo, prompt_logprobs, finishes",
@@ -92,7 +94,15 @@ async def written(response) -> bytes:
         (None, False, True, ["length", "error"]),
     ],
 )
-def test_the_answer_written_in_parts_equals_the_whole_answer_byte_for_byte(chat, top, echo, prompt_logprobs, finishes):
+def test_the_answer_written_in_parts_equals_the_whole_answer_byte_for_byte(
+    monkeypatch, in_chunks, chat, top, echo, prompt_logprobs, finishes
+):
+    """Small answers go whole with their Content-Length; large ones (here: every answer, in_chunks) in chunks of
+    a few bytes, encoded as they are written; the same bytes either way."""
+    if in_chunks:
+        monkeypatch.setattr(rest_answer_parts, "WHOLE_BELOW_BYTES", 0)
+        monkeypatch.setattr(rest_answer_parts, "CHUNK_BYTES", 7)
+        monkeypatch.setattr(rest_answer_parts, "LIST_SLICE", 2)
     codes = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP}
     codes["error"] = common_pb2.FINISH_REASON_ERROR
     sequences = [
@@ -115,6 +125,8 @@ def test_the_answer_written_in_parts_equals_the_whole_answer_byte_for_byte(chat,
 
     expected, got, body = asyncio.run(both())
     assert (got.status_code, body) == (expected.status_code, expected.body)
-    if got.status_code == 200:
-        assert isinstance(got, StreamingResponse) and got.headers["content-length"] == str(len(body))
-        assert got.headers["content-type"] == expected.headers["content-type"]
+    if got.status_code == 200 and in_chunks:  # chunked transfer encoding: no length known before the first byte
+        assert isinstance(got, StreamingResponse) and "content-length" not in got.headers
+    elif got.status_code == 200:
+        assert type(got) is Response and got.headers["content-length"] == str(len(body))
+    assert got.headers["content-type"] == expected.headers["content-type"]

@@ -46,7 +46,8 @@ from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.observe import GatewayMetrics
 from splitserve.gateway.request_log import RequestLog
 from splitserve.gateway.request_log import current as current_record
-from splitserve.gateway.rest_answers import Shape, complete, server_error, sse
+from splitserve.gateway.rest_answer_parts import complete
+from splitserve.gateway.rest_answers import Shape, server_error, sse
 from splitserve.gateway.rest_guard import CLIENT_ID_KEY, SPAN_KEY, GuardMiddleware, error_response
 from splitserve.gateway.rest_params import MAX_JSON_DEPTH, RestRequest, check_json_tree, parse_chat, parse_completion
 from splitserve.gateway.rest_responses import parse_responses

@@ -5,15 +5,10 @@ its choice; usage is the batch's sum)."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
-
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.gateway.rest_params import RestRequest
 from splitserve.gateway.rest_tool_answers import ToolAnswer
@@ -28,7 +23,6 @@ FINISH_NAMES = {
 }
 
 
-TRIM_AFTER_BYTES = 8 << 20  # after an answer this large, freed heap pages go back to the system
 LOWEST_LOGPROB = -9999.0  # what -inf is answered as (JSON has no infinity; OpenAI and vLLM do the same)
 
 
@@ -164,47 +158,6 @@ def server_error(message: str) -> dict:
     return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
-def trim_heap() -> None:
-    """Hand freed heap pages back to the system: glibc keeps them otherwise, and the gateway's resident memory
-    would stay at its peak after one large answer."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
-
-
-def dumps(value: Any) -> str:
-    """`value` as JSONResponse renders it (compact, UTF-8 text, no NaN or infinity)."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
-
-
-_LOGPROB_KEYS = {True: ("content",), False: ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-_SLOT = "\x00logprobs\x00"  # where a choice's logprobs go: its first string value (stop_reason comes later)
-
-
-class _LogprobsText:
-    """A choice's logprobs as JSON text, message by message: each message's entries of each list become one string
-    as they come, so a long answer holds neither dicts nor millions of small strings (whose freed memory the
-    process would keep). `text()` equals dumps() of the merged dict."""
-
-    def __init__(self, shape: Shape) -> None:
-        self.shape = shape
-        self.keys = _LOGPROB_KEYS[shape.chat]
-        self.items: dict[str, list[str]] = {key: [] for key in self.keys}
-
-    def add(self, message: generation_pb2.GenerateResponse) -> None:
-        part = self.shape.logprobs(message)
-        if part is not None:
-            for key in self.keys:
-                if part[key]:
-                    self.items[key].append(dumps(part[key])[1:-1])  # the entries, comma-separated
-
-    def text(self) -> str:
-        if self.shape.top is None:
-            return "null"
-        return "{" + ",".join(f"{dumps(key)}:[{','.join(self.items[key])}]" for key in self.keys) + "}"
-
-
 def _add_usage(total: dict | None, usage: common_pb2.Usage, with_prompt: bool = True) -> dict:
     """`usage_dict(usage)` added into `total` (the usage of a batch of prompts); `with_prompt` false for a
     prompt's sequences after its first (n > 1: the prompt counts once, as vLLM counts it)."""
@@ -218,97 +171,6 @@ def _add_usage(total: dict | None, usage: common_pb2.Usage, with_prompt: bool = 
         total[key] += one[key]
     total["prompt_tokens_details"]["cached_tokens"] += one["prompt_tokens_details"]["cached_tokens"]
     return total
-
-
-@dataclass
-class _Choice:
-    """One prompt's non-streamed choice as JSON text, its last message, and (chat) its prompt logprobs' text."""
-
-    text: bytes  # UTF-8
-    last: generation_pb2.GenerateResponse
-    prompt_logprobs: str | None = None
-
-
-async def _choice(
-    shape: Shape,
-    firsts: list[generation_pb2.GenerateResponse | None],
-    stream: AsyncIterator[generation_pb2.GenerateResponse],
-    index: int,
-) -> _Choice | str:
-    """Choice `index`, or its error. Its first message (with the prompt logprobs, the largest) is let go of as soon
-    as it is read, and every part is kept as JSON text, not as dicts."""
-    message, firsts[index] = firsts[index], None
-    prompt_logprobs = dumps(shape.prompt_logprobs(message)) if shape.with_prompt_logprobs else None
-    texts, logprobs = [], _LogprobsText(shape)
-    while True:
-        texts.append(message.text)
-        logprobs.add(message)
-        if message.finish_reason:
-            break
-        message = await stream.__anext__()
-    if message.finish_reason == common_pb2.FINISH_REASON_ERROR:
-        return message.error
-    text = "".join(texts)
-    choice: dict[str, Any] = {
-        "index": index,
-        "logprobs": _SLOT,
-        "finish_reason": FINISH_NAMES[message.finish_reason],
-        "stop_reason": message.stop_reason or None,
-    }
-    if shape.tools is not None:
-        choice["message"], choice["finish_reason"] = shape.tools.message(text, choice["finish_reason"])
-    elif shape.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    if not shape.chat:
-        choice["text"] = text
-    out = dumps(choice).replace(dumps(_SLOT), logprobs.text(), 1)
-    if prompt_logprobs is None:
-        return _Choice(out.encode(), message)
-    if shape.chat and index == 0:  # vLLM's chat answer carries them at the top level
-        return _Choice(out.encode(), message, prompt_logprobs)
-    return _Choice(f'{out[:-1]},"prompt_logprobs":{prompt_logprobs}}}'.encode(), message)
-
-
-async def complete(
-    shapes: list[Shape],
-    firsts: list[generation_pb2.GenerateResponse | None],
-    streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
-) -> Response:
-    """Non-streaming answer: each prompt's messages merged into its choice (choice i * n + j = prompt i's
-    sequence j). Sent in parts, each let go of once written; the bytes equal JSONResponse's of the whole dict.
-    Every choice is done before the first byte goes: an error in any of them makes the answer a 500."""
-    results = deque(
-        await asyncio.gather(*(_choice(sh, firsts, s, i) for i, (sh, s) in enumerate(zip(shapes, streams))))
-    )
-    usage = None
-    for result in results:
-        if isinstance(result, str):
-            return JSONResponse(server_error(result), status_code=500)
-        usage = _add_usage(usage, result.last.usage, with_prompt=result.last.index == 0)
-    parts = deque([dumps(shapes[0].envelope([]))[: -len("]}")].encode()])  # {..."choices":[
-    top_prompt_logprobs = results[0].prompt_logprobs
-    while results:
-        choice = results.popleft()  # its text lives on in `parts` alone
-        if len(parts) > 1:
-            parts.append(b",")
-        parts.append(choice.text)
-    tail = "]" if top_prompt_logprobs is None else f'],"prompt_logprobs":{top_prompt_logprobs}'
-    parts.append(f'{tail},"usage":{dumps(usage)}}}'.encode())
-    return parts_response(parts)
-
-
-def parts_response(parts: deque[bytes]) -> StreamingResponse:
-    """A 200 JSON answer written part by part, each part dropped once written (Content-Length set: the client
-    sees the same headers as for one JSONResponse)."""
-    size = sum(len(part) for part in parts)
-
-    async def write() -> AsyncIterator[bytes]:
-        while parts:
-            yield parts.popleft()
-        if size >= TRIM_AFTER_BYTES:
-            trim_heap()
-
-    return StreamingResponse(write(), media_type="application/json", headers={"content-length": str(size)})
 
 
 def _chunk(
