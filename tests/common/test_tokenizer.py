@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import AutoTokenizer
 
 from splitserve.common.default_model_path import default_model_path
-from splitserve.common.tokenizer import apply_chat_template, load_tokenizer
+from splitserve.common.tokenizer import GIL_FREE_DECODE_IDS, apply_chat_template, load_tokenizer
 
 CORPUS = [
     "hello world, the cat sat on the mat.",
@@ -183,7 +183,8 @@ def pair(request, tmp_path_factory):
 
 def ids_to_check(ours, theirs) -> list[list[int]]:
     every = list(range(len(theirs)))
-    return [every, every[::-1], every[:40], *[theirs.encode(t, add_special_tokens=True) for t in TEXTS]]
+    long = (every * (GIL_FREE_DECODE_IDS // len(every) + 2))[: GIL_FREE_DECODE_IDS + 9]  # the batch call's path
+    return [every, every[::-1], every[:40], long, *[theirs.encode(t, add_special_tokens=True) for t in TEXTS]]
 
 
 def test_encode_equals_transformers(pair):

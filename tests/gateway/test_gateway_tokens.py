@@ -242,6 +242,23 @@ def test_a_large_text_does_not_stall_a_running_stream_or_health(stack):
     watched.check()
 
 
+def test_a_large_rest_text_and_id_list_do_not_stall_a_running_stream_or_health(stack):
+    """REST /tokenize of a ~1 MB text (the body limit), then /detokenize of its 240,000 ids: both off the event
+    loop and through the tokenizer's GIL-releasing calls, so a stream running meanwhile keeps its pace and /health
+    answers."""
+    big = "w20 " * 240_000  # 960,000 characters
+
+    def tokenize_and_back() -> str:
+        with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+            ids = client.post("/tokenize", json={"prompt": big}).json()["tokens"]
+            text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        return f"{len(ids)} ids, {len(text)} characters back"
+
+    watched = watch_while(stack, tokenize_and_back)
+    assert watched.result == f"240000 ids, {len(big) - 1} characters back"
+    watched.check()
+
+
 @pytest.mark.slow
 def test_a_20_mb_grpc_text_is_refused_without_stalling_a_running_stream_or_health(stack):
     """A 20 MB gRPC text from another client is refused by gRPC's own size check (the REST body
