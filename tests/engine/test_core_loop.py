@@ -272,11 +272,14 @@ def test_idle_with_a_pull_in_flight_the_loop_waits_on_the_pipe_briefly_and_never
     gate = Gate()
     driver, engine = fake_driver(gate, has_work=False)
     driver.start()
+    began = time.monotonic()
     driver.send(import_msg())
     driver.until(lambda: gate.entered.is_set(), 10, "the pull never started")
-    time.sleep(0.2)  # a pull in flight for 0.2 s, nothing to step (what the loop does meanwhile is the point)
+    # a pull in flight and nothing to step, for 50 of the loop's looks (what it does meanwhile is the point)
+    driver.until(lambda: driver.pipe.waits.count(TRANSFER_POLL_S) >= 50, 10, "the loop never looked 50 times")
     gate.gate.set()
     driver.until(lambda: driver.done.get("r1"), 10, "no ImportDone")
+    took = time.monotonic() - began
     driver.stop()
     events = driver.pipe.waits
     # a poll that returns at once only asks whether more came with what was just received
@@ -284,7 +287,7 @@ def test_idle_with_a_pull_in_flight_the_loop_waits_on_the_pipe_briefly_and_never
     waits = [w for i, w in enumerate(events) if w != "recv" and not (w == 0 and events[i - 1] == "recv")]
     in_flight = waits[waits.index(TRANSFER_POLL_S) : len(waits) - waits[::-1].index(TRANSFER_POLL_S)]
     assert set(in_flight) == {TRANSFER_POLL_S} and 0 not in waits  # never a poll that returns at once
-    assert len(in_flight) <= 0.4 / TRANSFER_POLL_S  # at most one look per wait while the pull ran (~0.2 s)
+    assert len(in_flight) <= 2 * took / TRANSFER_POLL_S  # at most one look per wait while the pull ran
     assert engine.steps == 0
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from splitserve.protos import decode_pb2_grpc
 from tests.service_client import describe
-from tests.service_harness import Stack, wait_until
+from tests.service_harness import Stack, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 MAX_REQUEST_TOKENS = 262144  # above the huge request's 212,992 (the default, 131,072, refuses it)
@@ -100,7 +100,13 @@ def test_three_hundred_clients_that_leave_before_their_first_token_free_everythi
     wait_until(lambda: idle(stack), 30, lambda: f"every block and lease back; loads {loads(stack)}")
 
 
-async def huge_and_small(url: str) -> list[float]:
+async def decoding(stack) -> bool:
+    """The decode runs a full batch of sequences."""
+    load = (await describe(stack.decodes[0], decode_pb2_grpc.DecodeStub)).load
+    return load.num_running >= DECODE_MAX_NUM_SEQS
+
+
+async def huge_and_small(stack, url: str) -> list[float]:
     """One caller's 64 prompts x n=16 x 200 tokens (212,992 tokens) runs; meanwhile another caller sends three
     8-token requests one after another. Returns their latencies; the huge one is given up after them."""
     rng = random.Random(11)
@@ -114,7 +120,7 @@ async def huge_and_small(url: str) -> list[float]:
         task = asyncio.ensure_future(client.post(url, json=huge))
         took = []
         try:
-            await asyncio.sleep(1.0)  # its prompts prefilled, its sequences decoding
+            await wait_until_async(lambda: decoding(stack), 30, "the huge request's sequences never decoded")
             assert not task.done(), task.result().text
             for i in range(3):
                 prompt = [20 + i, 21, 22, 23, 24, 25, 26, 27]
@@ -131,7 +137,7 @@ def test_a_small_request_is_served_within_two_seconds_while_another_callers_huge
     run; once that client leaves, the stack is idle (every block and lease back) within 5 s."""
     url = f"http://127.0.0.1:{stack.http_port}/v1/completions"
     wait_until(lambda: idle(stack), 30, "an idle stack to start from")
-    took = asyncio.run(huge_and_small(url))
+    took = asyncio.run(huge_and_small(stack, url))
     assert all(t < 2.0 for t in took), took
     # the huge request's client has left: its ~1,000 sequences are aborted at once (0.8 s to idle here, loaded)
     wait_until(lambda: idle(stack), 5, lambda: f"every block and lease back; loads {loads(stack)}")
