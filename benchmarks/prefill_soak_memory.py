@@ -7,16 +7,21 @@ released as a decode's pull would. Every `--every` requests it records the proce
 (tracemalloc), the live objects by type (gc) and the engine's own tables, then prints a table, the top
 tracemalloc growth between the second record and the last (the first covers warm-up), and writes JSON.
 
-    python benchmarks/prefill_soak_memory.py [--requests 6600] [--every 600] [--json out.json] [--no-trace]
+    python benchmarks/prefill_soak_memory.py [--requests 6600] [--every 600] [--json out.json] [--no-trace] [--malloc]
 
 Python objects that keep growing point at a table that is never pruned; RSS growing while the Python heap
-stays flat points at native memory (the allocator's arenas, torch's caches).
+stays flat points at native memory (the allocator's arenas, torch's caches). --malloc tells those apart: glibc's
+bytes in use, the freed bytes it keeps, and RssAnon after malloc_trim(0). A CPU engine keeps freed tensor memory
+on purpose (engine_core.keep_freed_memory: the next step reuses it instead of faulting pages in again), so the
+kept bytes grow to the largest steps' activations and stop there; in use and RssAnon after a trim stay flat.
+(tracemalloc's own tables grow with the run: read RSS from a --no-trace run.)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import gc
 import json
 import random
@@ -30,6 +35,29 @@ def rss_mib() -> dict[str, float]:
     wanted = ("VmRSS", "RssAnon", "RssShmem")
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {name: round(int(fields[name].split()[0]) / 1024, 1) for name in wanted}
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def malloc_mib() -> dict[str, float]:
+    """glibc's heap (every arena): bytes in use, bytes free but kept, bytes in mmapped chunks; then RssAnon after
+    malloc_trim(0) hands the free pages back. Free-but-kept memory is the allocator's, not a leak."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    out = {
+        "in_use": info.uordblks / 2**20,
+        "free_kept": info.fordblks / 2**20,
+        "mmapped": info.hblkhd / 2**20,
+    }
+    libc.malloc_trim(0)
+    out["anon_after_trim"] = rss_mib()["RssAnon"]
+    return {name: round(value, 1) for name, value in out.items()}
 
 
 def engine_tables(engine) -> dict[str, int]:
@@ -87,6 +115,9 @@ def main() -> None:
     parser.add_argument("--wave", type=int, default=12, help="requests added at once")
     parser.add_argument("--json", default="prefill_soak_memory.json")
     parser.add_argument("--shm", action="store_true", help="the KV pool in shared memory, as the prefill's")
+    parser.add_argument(
+        "--malloc", action="store_true", help="at each record, glibc's heap in use / free, then RSS after a trim"
+    )
     parser.add_argument("--no-trace", action="store_true", help="skip tracemalloc (it slows the run ~2x)")
     args = parser.parse_args()
 
@@ -121,6 +152,7 @@ def main() -> None:
                 "requests": done,
                 "s": round(time.monotonic() - started, 1),
                 "rss_mib": rss_mib(),
+                "malloc_mib": malloc_mib() if args.malloc else None,
                 "py_heap_mib": round(tracemalloc.get_traced_memory()[0] / 2**20, 1) if not args.no_trace else None,
                 "objects": sum(types.values()),
                 "top_types": dict(types.most_common(8)),
@@ -128,7 +160,8 @@ def main() -> None:
             }
             rows.append(row)
             print(
-                f"{row['requests']:>7} {row['s']:>7} s  rss {row['rss_mib']} MiB  py {row['py_heap_mib']} MiB  "
+                f"{row['requests']:>7} {row['s']:>7} s  rss {row['rss_mib']} MiB  malloc {row['malloc_mib']} MiB  "
+                f"py {row['py_heap_mib']} MiB  "
                 f"objects {row['objects']:>8}  {row['tables']}",
                 flush=True,
             )
