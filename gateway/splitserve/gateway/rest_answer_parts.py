@@ -14,7 +14,6 @@ one in chunks (the same bytes, chunked transfer encoding), and the heap it freed
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from splitserve.gateway.heap import trim_heap
 from splitserve.gateway.rest_answers import FINISH_NAMES, Shape, _add_usage, server_error
 from splitserve.protos import common_pb2, generation_pb2
 
@@ -34,15 +34,6 @@ LIST_SLICE = 256  # a long JSON list (prompt logprobs) is encoded this many entr
 
 _LOGPROB_KEYS = {True: ("content",), False: ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 _SLOT = "\x00logprobs\x00"  # where a choice's logprobs go: its first string value (stop_reason comes later)
-
-
-def trim_heap() -> None:
-    """Hand freed heap pages back to the system: glibc keeps them otherwise, and the gateway's resident memory
-    would stay at its peak after one large answer."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
 
 
 def dumps(value: Any) -> str:
@@ -208,7 +199,7 @@ async def _chunks(pieces: Iterator[str], trim: bool) -> AsyncIterator[bytes]:
             await asyncio.sleep(0)
     yield "".join(gathered).encode()
     if trim:
-        trim_heap()
+        await asyncio.to_thread(trim_heap)
 
 
 async def complete(

@@ -30,6 +30,7 @@ from splitserve.gateway import request_log
 from splitserve.gateway.admission import LocalCounts
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.heap import trim_heap
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import FINISH_REASON_NAMES, GatewayMetrics
 from splitserve.gateway.registry import Registry
@@ -155,6 +156,7 @@ def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]
 # Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer
 # ones on a thread, through the tokenizer's GIL-releasing batch call.
 INLINE_TOKENIZE_CHARS = 8192
+TRIM_AFTER_CHARS = 128 << 10  # a text this long is encoded, then the freed heap goes back to the system
 
 
 def prompt_tokens_bound(inp: GenerationInput) -> int:
@@ -302,7 +304,16 @@ class GatewayService:
         INLINE_TOKENIZE_CHARS the work runs on a thread (the event loop never runs O(prompt) work)."""
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens))
+        return list(await asyncio.to_thread(self._encode_large, text, add_special_tokens))
+
+    def _encode_large(self, text: str, add_special_tokens: bool) -> list[int]:
+        """On a worker thread: a long text's ids; past TRIM_AFTER_CHARS the heap its encoding took goes back to the
+        system (a 1 MB text's encoding peaks at ~250 MB, and glibc kept ~70 MB of it: 102 MB RSS after, 81 after a
+        trim, from 35)."""
+        ids = self.tokenizer.encode(text, add_special_tokens)
+        if len(text) > TRIM_AFTER_CHARS:
+            trim_heap()
+        return ids
 
     async def tokenize_chat(self, turns: Sequence[tuple[str, str]], options: ChatOptions | None = None) -> list[int]:
         """The chat rendered with the model's template, then encoded without special tokens (the
