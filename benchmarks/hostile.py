@@ -39,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from up_load import UpProcess, Variant, process_roles
+from up_load import UpProcess, Variant, log_problems, process_roles
 
 from splitserve.bench.serve_launch import HOST
 
@@ -281,7 +281,7 @@ def tokenize_and_decode_kill(base: str, grpc_port: int, pids: dict) -> dict:
     os.kill(pids["decode-core"], signal.SIGKILL)
     answers = [post(base, "/v1/completions", SMALL, timeout=60) for _ in range(6)]
     codes = [r.status_code for r in answers]
-    errors = sorted({r.json()["error"]["message"][:120] for r in answers if r.status_code == 500})
+    errors = sorted({r.text[:160] for r in answers if r.status_code == 500})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not httpx.get(base + "/ready", timeout=10).json().get("ready"):
         time.sleep(0.5)
@@ -307,6 +307,7 @@ def replay(up: UpProcess, others: Others, number: int) -> dict:
     name, attack = FINDINGS[number]
     pids = process_roles(up.proc.pid)
     before = {role: rss_mb(pid) for role, pid in pids.items()}
+    log_offset = up.log_path.stat().st_size
     start = time.monotonic()
     try:
         result = attack(up, pids)
@@ -317,6 +318,7 @@ def replay(up: UpProcess, others: Others, number: int) -> dict:
     after_pids = process_roles(up.proc.pid) if up.proc.poll() is None else {}
     after = {role: rss_mb(pid) for role, pid in after_pids.items()}
     restarted = sorted(role for role in ROLES if pids.get(role) != after_pids.get(role))
+    result["log_errors"] = {line: n for line, n in log_problems(up.log_path, log_offset)[0].items() if "ERROR" in line}
     row = {"finding": number, "name": name, "seconds": round(end - start, 1), **result, **others.window(start, end)}
     return row | {"restarted": restarted, "rss_before_mb": before, "rss_after_mb": after}
 
@@ -349,6 +351,8 @@ def main() -> None:
 
 def print_row(row: dict) -> None:
     print(f"finding {row['finding']}: {row['outcome']} (codes {row['codes']})", flush=True)
+    for line, count in row["log_errors"].items():
+        print(f"    {count} x {line}", flush=True)
 
 
 def print_table(rows: list[dict], load: list, errors: Counter) -> None:
