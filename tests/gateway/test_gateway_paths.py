@@ -161,6 +161,34 @@ def test_a_decode_that_cannot_take_a_request_now_is_503_with_retry_after(make_st
     stack.wait_for(lambda: len(prefill.released) == 1, what="the handed blocks released")
 
 
+def test_a_prompt_prefilled_after_its_only_decode_left_is_503_and_its_blocks_freed(make_stack):
+    """The only decode goes down while the prompt is prefilled: the REST client gets 503 with Retry-After (a retry
+    helps), never a 500, and the prefill's blocks are released at once, not left to their lease."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    prefill, decode = FakePrefill(), FakeDecode()
+    prefill.gate = asyncio.Event()  # the prefill answers only once the decode is gone
+    stack = make_stack([prefill], [decode])
+    body = {"prompt": "w20", "max_tokens": 4}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body, timeout=20)
+        stack.wait_for(lambda: len(prefill.requests) == 1, what="the prompt at the prefill")
+        stack.loop.run(stack.servers["decode-0"].stop())
+        (inst,) = stack.gateway.registry.decodes()
+        stack.wait_for(lambda: not inst.up, what="the decode seen down")
+        stack.loop.call(prefill.gate.set)
+        r = answer.result(timeout=20)
+    assert (r.status_code, r.headers["retry-after"], r.json()["error"]["message"]) == (
+        503,
+        "1",
+        "no decode instance compatible with prefill prefill-0 is up and not draining; retry later",
+    )
+    stack.wait_for(lambda: len(prefill.released) == 1, what="the prefilled blocks released")
+    assert decode.requests == []
+
+
 def test_clients_that_leave_before_their_first_token_are_aborted_at_the_prefill(make_stack, caplog):
     """20 REST clients (streamed and not) give up after 0.3 s, and 5 gRPC calls reach their deadline, while their
     prefill is still running: each Prefill call is cancelled, none is handed to a decode, and the next request is

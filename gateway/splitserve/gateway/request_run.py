@@ -178,20 +178,21 @@ class RequestRun:
         first = await self._prefill(prefill) if prefill is not None else None
         if first is not None:
             message = self._first_message(first)
+            if not message.finish_reason:  # chosen before the first token goes out: a refusal is still a 503
+                decode = router.pick_decode(
+                    router.decode_candidates(prefill) or router.overflow_candidates(prefill), self._prompt
+                )
+                if decode is None:  # every decode left while the prompt was prefilled; _cleanup frees the lease
+                    raise GatewayError(
+                        "unavailable",
+                        f"no decode instance compatible with prefill {prefill.name} is up and not draining; "
+                        "retry later",
+                        retry_after_s=1,
+                    )
             yield message
             if message.finish_reason:
                 if self._fork_ids:  # the other sequences still need the prompt on a decode
                     self._submit_forks(prefill, first)
-                return
-            decode = router.pick_decode(
-                router.decode_candidates(prefill) or router.overflow_candidates(prefill), self._prompt
-            )
-            if decode is None:
-                yield self._final(
-                    FR.FINISH_REASON_ERROR,
-                    error=f"no decode instance compatible with prefill {prefill.name} is up and not draining; "
-                    "retry later",
-                )
                 return
             request = self._decode_request(first)
         else:
