@@ -5,6 +5,7 @@ text (after the prompt) is " w21 w22 w23 ...".
 """
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -159,6 +160,37 @@ def test_a_decode_that_cannot_take_a_request_now_is_503_with_retry_after(make_st
         generate(stack, request(max_tokens=4))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     stack.wait_for(lambda: len(prefill.released) == 1, what="the handed blocks released")
+    # over REST the prefill's first token is in hand when the decode refuses: still a 503, as JSON
+    r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "w20", "max_tokens": 4}, timeout=10)
+    assert (r.status_code, r.headers["retry-after"], r.json()["error"]["message"]) == (
+        503,
+        "1",
+        "decode instance decode-0: decode-0 is starting",
+    )
+    stack.wait_for(lambda: len(prefill.released) == 2, what="the second request's blocks released")
+    # streamed, the first token is out: the refusal is an error event, then [DONE]
+    body = {"prompt": "w20", "max_tokens": 4, "stream": True}
+    r = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=10)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert (r.status_code, r.text.endswith("data: [DONE]\n\n")) == (200, True)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [" w21"]
+    assert events[-1] == {
+        "error": {
+            "message": "decode instance decode-0: decode-0 is starting",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    stack.wait_for(lambda: len(prefill.released) == 3, what="the streamed request's blocks released")
+    body = {"input": "w20", "max_output_tokens": 4, "stream": True}
+    r = httpx.post(f"{stack.base_url}/v1/responses", json=body, timeout=10)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert (events[-1]["type"], events[-1]["response"]["error"]) == (
+        "response.failed",
+        {"code": "server_error", "message": "decode instance decode-0: decode-0 is starting"},
+    )
+    stack.wait_for(lambda: len(prefill.released) == 4, what="the Responses request's blocks released")
 
 
 def test_a_prompt_prefilled_after_its_only_decode_left_is_503_and_its_blocks_freed(make_stack):

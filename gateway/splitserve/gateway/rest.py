@@ -276,6 +276,8 @@ def create_app(
                 await stream.aclose()  # runs the request's cleanup now, not at garbage collection
         if work.cancelled():
             return JSONResponse(server_error("client disconnected"), status_code=499)
+        if isinstance(work.exception(), GatewayError):  # refused after the first tokens (a decode that took
+            return error_response(work.exception())  # nothing): its own status, e.g. 503, never a bare 500
         return work.result()
 
     @app.post("/v1/completions")

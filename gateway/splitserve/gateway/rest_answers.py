@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_params import RestRequest
 from splitserve.gateway.rest_tool_answers import ToolAnswer
 from splitserve.gateway.rest_tools import ToolPlan
@@ -223,7 +224,11 @@ async def _choice_events(
         if finish:
             finals.append(message)
             return
-        message = await stream.__anext__()
+        try:
+            message = await stream.__anext__()
+        except GatewayError as exc:  # refused after the first token (a decode that took nothing): said in-band
+            yield event(exc.openai_body())
+            return
 
 
 async def sse(

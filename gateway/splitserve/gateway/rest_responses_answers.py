@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from splitserve.gateway.errors import GatewayError
 from splitserve.gateway.rest_answers import FINISH_NAMES, server_error
 from splitserve.gateway.rest_responses import ResponsesRequest
 from splitserve.gateway.rest_tool_answers import ToolAnswer
@@ -146,7 +147,12 @@ class ResponsesAnswer:
                     yield event
                 if finish:
                     break
-                message = await streams[0].__anext__()
+                try:
+                    message = await streams[0].__anext__()
+                except GatewayError as exc:  # refused after the first token (a decode that took nothing)
+                    error = {"code": "server_error", "message": exc.message}
+                    yield self._event("response.failed", response=self.response("failed", error=error))
+                    return
             status = "incomplete" if finish == "length" else "completed"
             if not self.output:  # no text at all: still one (empty) message, as the non-streamed answer has
                 for event in self._open_message():
