@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# transformers releases before `swiglu_alpha` joined GptOssConfig hard-coded this value in the model
+GPT_OSS_SWIGLU_ALPHA = 1.702
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -88,5 +91,5 @@ def gpt_oss_config(hf: Any) -> MoeConfig:
         renormalize=True,  # the softmax over the k chosen logits sums to one
         weights_in_model_dtype=True,
         sparse_layers=tuple(range(hf.num_hidden_layers)),
-        clamped_swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)),
+        clamped_swiglu=(float(getattr(hf, "swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)), float(hf.swiglu_limit)),
     )
