@@ -133,19 +133,6 @@ def test_mxfp4_experts_are_dequantized_then_split(tmp_path):
     assert torch.equal(experts.down_proj, whole.down_proj[:, :, 16:])
 
 
-def test_an_fp8_checkpoint_is_refused_under_tensor_parallelism_with_the_way_out(tmp_path):
-    path = make_tiny_model_dir(tmp_path, "llama", num_kv_heads=2)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError) as err:
-        load_model(path, dtype="float64", device="cpu", tp=SimpleNamespace(rank=0, size=2))
-    assert str(err.value) == (
-        "fp8 checkpoints do not support tensor_parallel_size > 1 yet (got 2); load the 16-bit checkpoint with "
-        "--quantization fp8, which quantizes each rank's shard"
-    )
-
-
 def test_experts_that_ranks_cannot_split_are_refused_naming_the_size():
     with pytest.raises(ValueError, match="^tensor_parallel_size 4 does not divide the experts' intermediate size 6$"):
         check_shardable(4, 2, 96, 4, 6)

@@ -31,9 +31,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from splitserve.engine.worker.fp8 import Fp8Linear
+from splitserve.engine.worker.fp8 import FP8_DTYPE, Fp8Linear
+from splitserve.engine.worker.tensor_parallel import TpShard
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors")
 _CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -183,7 +185,10 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
 
     A fused projection (q|k|v) is quantized only as a whole: the checkpoint must quantize all of its
     parts or none (ValueError naming the parts otherwise). A mixture of experts' fp8 experts are refused.
+    Tensor parallel (`net.tp`): the Fp8Linear holds this rank's shard; block-wise, a shard must be whole tiles
+    (`check_block_shard`).
     """
+    tp = getattr(net, "tp", None)
     if getattr(net.config, "moe", None) is not None:
         raise ValueError(
             f"fp8 checkpoints of mixture-of-experts models ({net.config.architecture}) are not supported; "
@@ -200,6 +205,8 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
                 f"the checkpoint quantizes only some of {', '.join(parts)}, which run as one fused "
                 "projection; quantize all of them or none"
             )
+        if scheme.block is not None and tp is not None and tp.size > 1:
+            check_block_shard(parts, linear, scheme.block, tp.size, path.endswith(ROW_PARALLEL))
         weight = linear.weight
         num_scales = len(linear.output_sizes) if scheme.static_activations else 0
         fp8 = Fp8Linear(
@@ -213,6 +220,52 @@ def prepare_fp8_model(net: nn.Module, scheme: Fp8Scheme, fused_parts: dict[str, 
             scheme.scale_name,
         )
         _replace(net, path, fp8)
+
+
+def check_block_shard(parts: list[str], linear: nn.Module, block: tuple[int, int], tp_size: int, row: bool) -> None:
+    """A block-wise projection's shard on one of `tp_size` ranks must be whole tiles, so that its scales are whole
+    rows (column-parallel) or columns (row-parallel) of the checkpoint's: each part's rows a multiple of bn, or a
+    row-parallel shard's input columns a multiple of bk. ValueError naming the layer, its size on each rank, the
+    block and the TP size otherwise (vLLM refuses the same shapes: `output_partition_size` / `input_size_per_partition`
+    not divisible by block_n / block_k)."""
+    bn, bk = block
+    if row:
+        sizes, what, tile = [(parts[0], linear.weight.shape[1])], "input columns (input_size_per_partition)", bk
+    else:
+        sizes, what, tile = list(zip(parts, linear.output_sizes)), "output rows (output_partition_size)", bn
+    for part, size in sizes:
+        if size % tile:
+            raise ValueError(
+                f"block-wise fp8 under tensor_parallel_size {tp_size}: {part} has {size} {what} on each rank, not "
+                f"a multiple of the {tile} of weight_block_size {list(block)}; choose a tensor_parallel_size that "
+                "splits every projection into whole blocks"
+            )
+
+
+def fp8_scale_shards(
+    shards: dict[str, TpShard], targets: dict[str, torch.Tensor], scheme: Fp8Scheme
+) -> dict[str, TpShard]:
+    """The piece of each fp8 projection's weight scales a tensor-parallel rank reads, from its weight's piece:
+
+        column-parallel (weight rows [s, s + n))   per-channel scales rows [s, s + n); block-wise tile rows
+                                                   [s / bn, (s + n) / bn)
+        row-parallel (weight columns [s, s + n))   per-channel scales whole (a row's one scale); block-wise tile
+                                                   columns [s / bk, (s + n) / bk)
+
+    A per-tensor scale (one value) is read whole by every rank (the loader's `_read_shard`), as are static
+    `input_scale`s. Block-wise shards are whole tiles (`check_block_shard` refused any other)."""
+    pieces = {}
+    for name, shard in shards.items():
+        target = targets.get(name)
+        if not name.endswith(".weight") or target is None or target.dtype != FP8_DTYPE:
+            continue
+        prefix = name.removesuffix("weight")
+        if scheme.block is not None:
+            tile = scheme.block[shard.dim]
+            pieces[prefix + scheme.scale_name] = TpShard(shard.dim, shard.start // tile, shard.size // tile)
+        elif shard.dim == 0:
+            pieces[prefix + scheme.scale_name] = shard
+    return pieces
 
 
 def finalize_fp8_model(net: nn.Module, w8a16_max_rows: int = 0) -> None:

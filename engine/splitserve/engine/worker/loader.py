@@ -8,7 +8,9 @@
 
 Tensor parallel (`tp`): each rank reads only its slices of each tensor (`safe_open`'s `get_slice`), as
 the model's `checkpoint_shards` names them; `quantization="fp8"` then quantizes each rank's shard (row-parallel
-rows scaled as whole rows: fp8_checkpoint.quantize_model). fp8 checkpoints do not shard yet and are refused.
+rows scaled as whole rows: fp8_checkpoint.quantize_model). An fp8 checkpoint's scales shard with their weights
+(fp8_checkpoint.fp8_scale_shards: per-channel rows, block-wise tile rows or columns; per-tensor, input and KV
+scales whole), so each rank's dequantized shard is exactly that slice of the whole dequantized weight.
 
 Every checkpoint tensor must map to a parameter of the model (fused q|k|v and gate|up
 rows included) with the same shape; every parameter must be filled. Any violation is a
@@ -24,6 +26,7 @@ checkpoint are kept on the model as `checkpoint_kv_scales` (the engine applies t
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -32,7 +35,9 @@ import torch
 from torch import nn
 
 from splitserve.engine.worker.fp8_checkpoint import (
+    Fp8Scheme,
     finalize_fp8_model,
+    fp8_scale_shards,
     kv_scale_of,
     prepare_fp8_model,
     quantize_model,
@@ -92,13 +97,13 @@ def load_model(
     config = model_config or ModelConfig.from_pretrained(path, model_id=model_id)
     torch_dtype = resolve_dtype(dtype, config)
     scheme = read_fp8_scheme(path) if load_format == "auto" else None
-    net = _build(config, torch_dtype, torch.device(device), tp, fp8_checkpoint=scheme is not None)
+    net = _build(config, torch_dtype, torch.device(device), tp)
     if scheme is not None:
         prepare_fp8_model(net, scheme, FUSED_PARTS)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
-        load_safetensors(net, weight_files, path)
+        load_safetensors(net, weight_files, path, scheme)
     if scheme is not None:
         finalize_fp8_model(net, fp8_w8a16_max_rows)
     elif quantization == "fp8":
@@ -108,20 +113,13 @@ def load_model(
     return net.eval(), config
 
 
-def _build(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TpGroup | None, fp8_checkpoint: bool
-) -> nn.Module:
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TpGroup | None) -> nn.Module:
     """The model's module, this rank's slices only under tensor parallelism (refusals name the field)."""
     cls = model_class(config)
     if tp is None or tp.size == 1:
         return cls(config, dtype, device)
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1 (got {tp.size})")
-    if fp8_checkpoint:
-        raise ValueError(
-            f"fp8 checkpoints do not support tensor_parallel_size > 1 yet (got {tp.size}); load the 16-bit "
-            "checkpoint with --quantization fp8, which quantizes each rank's shard"
-        )
     moe = getattr(config, "moe", None)
     experts = moe.intermediate_size if moe is not None else 0
     check_shardable(config.num_heads, config.num_kv_heads, config.intermediate_size, tp.size, experts)
@@ -151,12 +149,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
-    """Copy every tensor of `files` into `net` (converting dtype and device), checking names and shapes."""
+def load_safetensors(net: nn.Module, files: list[Path], path: Path, scheme: Fp8Scheme | None = None) -> None:
+    """Copy every tensor of `files` into `net` (converting dtype and device), checking names and shapes;
+    `scheme`: the fp8 checkpoint's, whose scales a tensor-parallel rank reads in pieces as their weights."""
     from safetensors import safe_open
 
     targets = net.checkpoint_targets()
     shards = net.checkpoint_shards() if hasattr(net, "checkpoint_shards") else {}
+    if scheme is not None and shards:
+        shards = {**shards, **fp8_scale_shards(shards, targets, scheme)}
     packed = net.mxfp4_targets() if hasattr(net, "mxfp4_targets") else {}  # name -> view its values fill
     packed_shards = net.mxfp4_shards() if hasattr(net, "mxfp4_shards") else {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 tensor's part read before its other part
@@ -177,7 +178,7 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
                     if target is None:
                         kv_scale = kv_scale_of(name)
                         if kv_scale is not None:
-                            kv_scales[kv_scale] = float(reader.get_tensor(name).float().reshape(-1)[0])
+                            kv_scales[kv_scale] = _one_kv_scale(reader.get_tensor(name), name, file.name)
                             continue
                         if net.is_ignored_checkpoint_tensor(name):
                             continue
@@ -200,9 +201,23 @@ def load_safetensors(net: nn.Module, files: list[Path], path: Path) -> None:
 
 
 def _read_shard(reader, name: str, shard: TpShard) -> torch.Tensor:
-    """Only `shard`'s piece of tensor `name` (the rest is never read from the file)."""
+    """Only `shard`'s piece of tensor `name` (the rest is never read from the file). A scale of one value is a
+    per-tensor scale, read whole: every row of every rank's shard shares it."""
+    piece = reader.get_slice(name)
+    if name.endswith("_scale") and math.prod(piece.get_shape()) == 1:
+        return reader.get_tensor(name)
     index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
-    return reader.get_slice(name)[index]
+    return piece[index]
+
+
+def _one_kv_scale(tensor: torch.Tensor, name: str, file_name: str) -> float:
+    """A layer's K or V cache scale: one value (per-tensor; every tensor-parallel rank applies it to its heads)."""
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"KV cache scale {name!r} in {file_name} has {tensor.numel()} values; only one per layer (per-tensor) "
+            "is supported"
+        )
+    return float(tensor.float().reshape(()))
 
 
 def _fitted(tensor: torch.Tensor, target: torch.Tensor, name: str, file_name: str) -> torch.Tensor:
