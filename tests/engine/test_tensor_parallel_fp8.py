@@ -9,6 +9,7 @@ test_fp8.py writes them. Shard loading needs no processes: the loader reads only
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from types import SimpleNamespace
 
@@ -148,6 +149,18 @@ def test_each_rank_holds_exactly_tp1_dequantized_slices(checkpoints, fmt, size):
         assert whole.checkpoint_kv_scales == KV_SCALES
 
 
+def _claiming_block(checkpoints, tmp_path, block: list[int]):
+    """The 16 x 8 checkpoint's tensors under a config claiming `block` tiles: the refusal comes before any tensor
+    is read (TP 1 loads partial last tiles of any block: test_fp8.py)."""
+    src = checkpoints["vllm-block-16x8"]
+    path = tmp_path / "claims-block"
+    path.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": _vllm_block(block)}))
+    (path / "model.safetensors").symlink_to(src / "model.safetensors")
+    return path
+
+
 K_PROJ_REFUSAL = (
     "block-wise fp8 under tensor_parallel_size 2: model.layers.0.self_attn.k_proj has 16 output rows "
     "(output_partition_size) on each rank, not a multiple of the 32 of weight_block_size [32, 8]; choose a "
@@ -176,18 +189,17 @@ K_PROJ_REFUSAL = (
     ],
     ids=["column-k_proj", "column-gate_proj", "row-down_proj"],
 )
-def test_block_shards_that_cut_tiles_are_refused_naming_the_layer(models, tmp_path, block, size, message):
-    path = _write(models["llama-gqa2"], tmp_path / "block", _vllm_block(block), block=tuple(block))
-    load_model(path, dtype="float64", device="cpu")  # TP 1 takes the same checkpoint (partial last tiles)
+def test_block_shards_that_cut_tiles_are_refused_naming_the_layer(checkpoints, tmp_path, block, size, message):
+    path = _claiming_block(checkpoints, tmp_path, block)
     with pytest.raises(ValueError) as err:
         load_model(path, dtype="float64", device="cpu", tp=SimpleNamespace(rank=size - 1, size=size))
     assert str(err.value) == message
 
 
 @pytest.mark.slow
-def test_an_engine_refuses_a_shard_that_cuts_tiles_and_leaves_no_rank_running(models, tmp_path):
+def test_an_engine_refuses_a_shard_that_cuts_tiles_and_leaves_no_rank_running(checkpoints, tmp_path):
     """The same refusal from a TP 2 engine: every rank refuses at load, rank 0 raises it and closes rank 1."""
-    path = _write(models["llama-gqa2"], tmp_path / "block", _vllm_block([32, 8]), block=(32, 8))
+    path = _claiming_block(checkpoints, tmp_path, [32, 8])
     before = set(mp.active_children())
     with pytest.raises(ValueError) as err:
         LLM(model=str(path), dtype="float64", device="cpu", block_size=4, num_kv_blocks=16, tensor_parallel_size=2)
