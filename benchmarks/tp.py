@@ -2,6 +2,7 @@
 
     python benchmarks/tp.py --json $OUT/tp.json          (two GPUs: Llama-3-8B shape, dummy bf16 weights)
     python benchmarks/tp.py --smoke                      (CPU, gloo: a tiny model, to check the script)
+    python benchmarks/tp.py --fp8-block --json $OUT/tp-fp8.json   (the same from a block-wise fp8 checkpoint)
 
 Per TP size an offline engine (`EngineCore`, eager on both sizes: TP graphs are not built yet, so TP 1 also
 runs eager for a like-for-like step; `--tp1-graphs` adds a TP 1 row with CUDA graphs) takes `batch`
@@ -10,6 +11,12 @@ requests of `--prompt-len` tokens, prefills them, then times `--steps` decode st
 with CUDA events (on CPU, the wall clock): two per layer plus the embedding's, their time including any wait
 for the other rank. A separate two-process loop times the same all-reduces alone (`allreduce_alone_ms`:
 2 x layers + 1 all-reduces of a (batch, hidden) tensor), the collective's own cost without the skew.
+
+`--fp8-block`: both sizes load a block-wise fp8 checkpoint of the --config model's random weights (128 x 128 tiles,
+`weight_scale_inv`: fp8_block_linear.write_block_checkpoint, beside this script) instead of dummy bf16 weights, each
+rank its shard of the e4m3 weights and tile scales; every step then runs the block-wise kernels on each rank's shapes,
+and the rows also give how many of the greedy tokens TP 2 shares with TP 1 (`tokens_equal`: bf16 sums in another
+order, so not all need to; with dummy weights, drawn per shard, the sizes' models differ and it is left out).
 
 The table is printed last; `--json` keeps the rows.
 """
@@ -20,6 +27,7 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,14 +69,16 @@ def _ms(events: list) -> float:
 
 
 def decode_steps(engine, batch: int, args) -> dict:
-    """Prefill `batch` prompts, then time args.steps decode steps (after args.warmup)."""
+    """Prefill `batch` prompts, then time args.steps decode steps (after args.warmup); `tokens`: every request's
+    greedy tokens, in request order."""
     params = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 4, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)], params)
+    tokens: dict[str, list[int]] = {}
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()
+        _keep(engine.step(), tokens)
     for _ in range(args.warmup):
-        engine.step()
+        _keep(engine.step(), tokens)
     events: list = []
     group = engine.tp_workers.group if engine.tp_workers is not None else None
     if group is not None:
@@ -78,23 +88,30 @@ def decode_steps(engine, batch: int, args) -> dict:
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         times.append(time.perf_counter() - t0)
+        _keep(outs, tokens)
     reduce_ms = _ms(events) / args.steps
     if group is not None:
         del group.all_reduce  # the class's method again
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
     step_ms = 1e3 * statistics.median(times)
-    return {"step_ms": round(step_ms, 3), "allreduce_in_step_ms": round(reduce_ms, 3)}
+    ordered = [tokens.get(f"b{batch}-{i}", []) for i in range(batch)]
+    return {"step_ms": round(step_ms, 3), "allreduce_in_step_ms": round(reduce_ms, 3), "tokens": ordered}
+
+
+def _keep(outs, tokens: dict[str, list[int]]) -> None:
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
 
 
 def engine_for(args, size: int, graphs: bool):
     from splitserve.engine.engine_core import EngineCore
 
     config = EngineConfig(
-        model=args.config,
-        load_format="dummy",
+        model=args.model,
+        load_format="auto" if args.fp8_block else "dummy",
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=size,
@@ -171,6 +188,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--tp1-graphs", action="store_true", help="also TP 1 with CUDA graphs")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, the tiny config: checks the script")
+    ap.add_argument("--fp8-block", action="store_true", help="a block-wise fp8 checkpoint of --config's weights")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.smoke:
@@ -178,6 +196,25 @@ def main() -> None:
         args.batches, args.prompt_len, args.warmup, args.steps, args.num_kv_blocks = "1,4", 16, 1, 3, 64
     args.batches = [int(b) for b in args.batches.split(",")]
     model = json.loads(Path(args.config).read_text())
+    with tempfile.TemporaryDirectory() as directory:
+        args.model = args.config
+        if args.fp8_block:
+            from fp8_block_linear import write_block_checkpoint
+
+            args.model = write_block_checkpoint(args.config, directory, args.device)
+        rows = run_sizes(args)
+    alone = allreduce_alone(args, model["hidden_size"], model["num_hidden_layers"])
+    first = {r["batch"]: r["tokens"] for r in rows if r["run"] == "tp1-eager"}
+    for row in rows:
+        row["allreduce_alone_ms"] = round(alone[row["batch"]], 3) if row["run"].startswith("tp2") else 0.0
+        pairs = [(a, b) for want, got in zip(first[row["batch"]], row.pop("tokens")) for a, b in zip(want, got)]
+        # dummy weights are drawn per rank's shard: the TP sizes' models differ, so their tokens tell nothing
+        row["tokens_equal"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}" if args.fp8_block else "-"
+    report(args, rows)
+
+
+def run_sizes(args) -> list[dict]:
+    """A row per (run, batch): TP 1 eager (and with graphs where asked), then TP 2."""
     runs = [("tp1-eager", 1, False), ("tp2-eager", 2, False)]
     if args.tp1_graphs and args.device != "cpu":
         runs.insert(1, ("tp1-graphs", 1, True))
@@ -187,26 +224,29 @@ def main() -> None:
         try:
             for batch in args.batches:
                 rows.append({"run": name, "batch": batch, **decode_steps(engine, batch, args)})
-                print(rows[-1], flush=True)
+                print({k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
         finally:
             engine.close()
             del engine
-    alone = allreduce_alone(args, model["hidden_size"], model["num_hidden_layers"])
-    for row in rows:
-        row["allreduce_alone_ms"] = round(alone[row["batch"]], 3) if row["run"].startswith("tp2") else 0.0
+    return rows
+
+
+def report(args, rows: list[dict]) -> None:
+    """The JSON (--json) and the table."""
     context = {"device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu", "torch": torch.__version__}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **context, "rows": rows}, indent=2))
     base = {r["batch"]: r["step_ms"] for r in rows if r["run"] == "tp1-eager"}
-    shape = f"{Path(args.config).name}, {args.dtype}, prompt {args.prompt_len}"
+    weights = "block-wise fp8 checkpoint" if args.fp8_block else "dummy weights"
+    shape = f"{Path(args.config).name}, {args.dtype}, {weights}, prompt {args.prompt_len}"
     print(f"\n{context['device']}, {shape}, median of {args.steps} steps")
-    heads = ("step ms", "vs tp1", "allreduce in step ms", "share", "alone ms")
-    print(f"{'run':<11} {'batch':>5} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, (9, 7, 21, 6, 9))))
+    heads = ("step ms", "vs tp1", "allreduce in step ms", "share", "alone ms", "tokens = tp1")
+    print(f"{'run':<11} {'batch':>5} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, (9, 7, 21, 6, 9, 13))))
     for r in rows:
         share = r["allreduce_in_step_ms"] / r["step_ms"] if r["step_ms"] else 0.0
         print(
             f"{r['run']:<11} {r['batch']:>5} {r['step_ms']:>9.3f} {base[r['batch']] / r['step_ms']:>6.2f}x "
-            f"{r['allreduce_in_step_ms']:>21.3f} {share:>6.1%} {r['allreduce_alone_ms']:>9.3f}"
+            f"{r['allreduce_in_step_ms']:>21.3f} {share:>6.1%} {r['allreduce_alone_ms']:>9.3f} {r['tokens_equal']:>13}"
         )
 
 
