@@ -332,3 +332,53 @@ def test_launch_measures_a_real_stack_consistently(mode, api, rates, tmp_path, c
             for path in result["plots"]:
                 with open(path, "rb") as f:
                     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the gRPC client's connections ----------------------------------------------------------------
+
+
+def test_grpc_requests_take_the_connections_in_turn():
+    """--grpc-connections 3: six requests arrive over three distinct client connections, two each (a gateway
+    with several API-server processes balances connections, so one connection would load one process)."""
+    import grpc
+
+    from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
+
+    peers: list[str] = []
+
+    class Generation(generation_pb2_grpc.GenerationServicer):
+        async def ListModels(self, request, context):
+            return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(id="m", max_model_len=64)])
+
+        async def Generate(self, request, context):
+            peers.append(context.peer())
+            yield generation_pb2.GenerateResponse(
+                token_ids=list(range(request.sampling.max_tokens)),
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                usage=common_pb2.Usage(prompt_tokens=len(request.token_ids.ids)),
+            )
+
+    async def run() -> dict:
+        server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(Generation(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            ns = serve.build_parser().parse_args(
+                ["--grpc-port", str(port), "--grpc-connections", "3", "--num-requests", "6", "--num-warmup", "0"]
+                + ["--concurrency", "1", "--input-len", "4", "--output-len", "2", "--no-progress"]
+            )
+            return await serve.measure(ns, "127.0.0.1", port, free_port(), serve.check_args(ns))
+        finally:
+            await server.stop(None)
+
+    result = asyncio.run(run())
+    assert result["runs"][0]["summary"]["num_completed"] == 6
+    assert sorted(peers.count(p) for p in set(peers)) == [2, 2, 2]
+    assert peers[:3] == peers[3:]  # in turn: the fourth request takes the first connection again
+
+
+def test_grpc_connections_must_be_positive():
+    ns = serve.build_parser().parse_args(["--grpc-connections", "0"])
+    with pytest.raises(ValueError, match=r"^--grpc-connections must be >= 1, got 0$"):
+        serve.check_args(ns)

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--http-port", type=int, default=8000, help="gateway REST port")
     t.add_argument("--mode", default="", help="label for the output (disaggregated, colocated, ...)")
     t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
+    t.add_argument(
+        "--grpc-connections",
+        type=int,
+        default=8,
+        help="gRPC: HTTP/2 connections the requests take in turn (a gateway with several API-server processes "
+        "spreads connections between them, not the streams of one connection)",
+    )
     s = p.add_argument_group("launch (start the stack for this run)")
     s.add_argument("--launch", choices=MODES, help="start this setup on free loopback ports, stop it at the end")
     s.add_argument("--engine-args", default="", help="engine flags for every engine process, e.g. '--num-threads 1'")
@@ -121,17 +128,20 @@ class Target:
 
             from splitserve.protos import generation_pb2, generation_pb2_grpc
 
-            options = [("grpc.max_concurrent_streams", 1 << 16)]
-            channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.grpc_target, options))
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            # a local subchannel pool per channel: channels to one target would otherwise share one connection
+            options = [("grpc.max_concurrent_streams", 1 << 16), ("grpc.use_local_subchannel_pool", 1)]
+            stubs = []
+            for _ in range(self.ns.grpc_connections):
+                channel = await self._stack.enter_async_context(grpc.aio.insecure_channel(self.grpc_target, options))
+                stubs.append(generation_pb2_grpc.GenerationStub(channel))
             try:
-                models = await stub.ListModels(generation_pb2.ListModelsRequest(), timeout=30)
+                models = await stubs[0].ListModels(generation_pb2.ListModelsRequest(), timeout=30)
             except grpc.aio.AioRpcError as exc:
                 raise RuntimeError(
                     f"cannot reach the gateway's gRPC API at {self.grpc_target}: {error_message(exc)}"
                 ) from None
             self.model_id, self.max_model_len = models.models[0].id, models.models[0].max_model_len or None
-            self.send = grpc_sender(stub, self.ns.temperature, self.ns.request_timeout_s)
+            self.send = grpc_sender(stubs, self.ns.temperature, self.ns.request_timeout_s)
         else:
             import httpx
 
@@ -227,6 +237,8 @@ def check_args(ns: argparse.Namespace) -> list[float]:
         raise ValueError(f"--max-seconds must be > 0, got {ns.max_seconds}")
     if ns.concurrency is not None and ns.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {ns.concurrency}")
+    if ns.grpc_connections < 1:
+        raise ValueError(f"--grpc-connections must be >= 1, got {ns.grpc_connections}")
     if ns.num_warmup < 0:
         raise ValueError(f"--num-warmup must be >= 0, got {ns.num_warmup}")
     LengthDist(ns.input_dist, ns.input_len, ns.input_spread)

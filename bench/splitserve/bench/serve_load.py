@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 import math
 import random
@@ -243,9 +244,12 @@ def error_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
-    """Streams `Generation.Generate` with token-id prompts; counts tokens by the token ids streamed."""
+def grpc_sender(stubs: Sequence, temperature: float, timeout_s: float) -> Sender:
+    """Streams `Generation.Generate` with token-id prompts, each request on the next of `stubs` (one
+    connection each) in turn; counts tokens by the token ids streamed."""
     from splitserve.protos import common_pb2, generation_pb2
+
+    turn = itertools.cycle(stubs)
 
     async def send(spec: RequestSpec, record: RequestRecord, clock: Callable[[], float]) -> None:
         request = generation_pb2.GenerateRequest(
@@ -254,7 +258,7 @@ def grpc_sender(stub, temperature: float, timeout_s: float) -> Sender:
         )
         events: list[tuple[float, int]] = []
         record.sent_s = sent = clock()
-        async for message in stub.Generate(request, timeout=timeout_s):
+        async for message in next(turn).Generate(request, timeout=timeout_s):
             events.append((clock(), len(message.token_ids)))
             record.num_received += len(message.token_ids)
             if message.finish_reason:
