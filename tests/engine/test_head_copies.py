@@ -66,19 +66,26 @@ def test_mismatched_block_lists_are_refused():
         copy_planned_heads([full], [0, 1], [full.clone()], [0], plan)
 
 
-def test_only_the_mapped_pool_transports_move_kv_of_tensor_parallel_instances():
+def test_shm_cuda_ipc_and_nccl_move_kv_of_tensor_parallel_instances_nixl_refuses():
     from splitserve.engine.kv_connectors.factory import connector_class
 
     tp2, tp1 = layout(2, 2), layout(2, 1)
-    nccl = connector_class("nccl")({"role": "decode"})
-    with pytest.raises(ValueError, match=r"^the nccl transport does not move KV of tensor-parallel instances"):
-        nccl.check_layout(tp2, tp2)
-    nccl.check_layout(tp1, tp1)
-    for transport in ("shm", "cuda_ipc"):
-        mapped = connector_class(transport)({"role": "decode"})
-        mapped.check_layout(tp2, tp1)  # a plan maps them
+    nixl = connector_class("nixl")({"role": "decode"})
+    with pytest.raises(ValueError) as refused:
+        nixl.check_layout(tp2, tp1)
+    assert str(refused.value) == (
+        "the nixl transport does not move KV of tensor-parallel instances (shm, cuda_ipc and nccl do): "
+        f"[{tp2.describe()}] vs [{tp1.describe()}]"
+    )
+    nixl.check_layout(tp1, tp1)
+    for transport in ("shm", "cuda_ipc", "nccl"):
+        moving = connector_class(transport)({"role": "decode"})
+        moving.check_layout(tp2, tp1)  # a plan maps them
+        moving.check_layout(tp2, tp2)
         with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \["):
-            mapped.check_layout(layout(2, 2), KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))
+            moving.check_layout(layout(2, 2), KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))
+        with pytest.raises(ValueError, match=r"^KV layouts differ: \["):
+            moving.check_layout(tp1, KvLayout(NUM_LAYERS, 2, HEAD_DIM, 8, "float64", "m"))
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])

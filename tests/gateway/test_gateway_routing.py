@@ -108,18 +108,19 @@ def tp_layout(size: int, *rank_heads: tuple[int, ...]):
     return out
 
 
-def test_tensor_parallel_pairs_are_paired_over_shm_or_cuda_ipc_when_a_transfer_plan_maps_them():
+def test_tensor_parallel_pairs_are_paired_over_shm_cuda_ipc_or_nccl_when_a_transfer_plan_maps_them():
     tp1, tp2 = tp_layout(1), tp_layout(2, (0,), (1,))
     for p_lay, d_lay in [(tp2, tp1), (tp1, tp2), (tp2, tp2)]:
         p, d = instance("p:1", "prefill", lay=p_lay), instance("d:1", "decode", lay=d_lay)
         assert registry_of(p, d).pair_problem(p, d) is None
-        p.describe.transports[:] = d.describe.transports[:] = ["cuda_ipc"]
-        assert registry_of(p, d).pair_problem(p, d) is None
+        for transport in ("cuda_ipc", "nccl"):
+            p.describe.transports[:] = d.describe.transports[:] = [transport]
+            assert registry_of(p, d).pair_problem(p, d) is None
     p, d = instance("p:1", "prefill", lay=tp2), instance("d:1", "decode", lay=tp1)
-    d.describe.transports[:] = ["nccl"]
-    p.describe.transports[:] = ["shm", "nccl"]
+    d.describe.transports[:] = ["nixl"]
+    p.describe.transports[:] = ["shm", "nixl"]
     assert registry_of(p, d).pair_problem(p, d) == (
-        f"KV of tensor-parallel instances moves over shm or cuda_ipc only (common transports: ['nccl']): "
+        f"KV of tensor-parallel instances moves over shm, cuda_ipc or nccl only (common transports: ['nixl']): "
         f"[{LAYOUT_TEXT.format(4).replace('num_kv_heads=2', 'num_kv_heads=1')}, tensor_parallel_size=2, "
         f"rank_kv_heads=[0][1]] vs [{LAYOUT_TEXT.format(4)}]"
     )

@@ -72,7 +72,7 @@ _LAYOUT_FIELDS = (
     "tensor_parallel_size",
     "rank_kv_heads",
 )
-TP_TRANSPORTS = {"shm", "cuda_ipc"}  # the transports that move KV between tensor-parallel instances
+TP_TRANSPORTS = {"shm", "cuda_ipc", "nccl"}  # the transports that move KV between tensor-parallel instances
 
 
 def describe_layout(layout: common_pb2.KvLayout) -> str:
@@ -91,14 +91,14 @@ def layout_mismatch(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> str | Non
 
 
 def tp_layout_problem(prefill: common_pb2.KvLayout, decode: common_pb2.KvLayout, transports: set[str]) -> str | None:
-    """Where either side is tensor parallel: None when shm or cuda_ipc can move the prefill's heads to every
+    """Where either side is tensor parallel: None when shm, cuda_ipc or nccl can move the prefill's heads to every
     decode rank (a transfer plan maps the layouts), else why not (naming both); "" when neither is (compare them
     whole)."""
     if max(prefill.tensor_parallel_size, decode.tensor_parallel_size) <= 1:
         return ""
     if not transports & TP_TRANSPORTS:
         return (
-            f"KV of tensor-parallel instances moves over shm or cuda_ipc only (common transports: "
+            f"KV of tensor-parallel instances moves over shm, cuda_ipc or nccl only (common transports: "
             f"{sorted(transports) or 'none'}): [{describe_layout(prefill)}] vs [{describe_layout(decode)}]"
         )
     try:

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from splitserve.common.kv_layout import KvLayout
+from splitserve.common.kv_layout import KvLayout, transfer_plan
 from splitserve.engine.kv_connectors.lanes import Transfer, TransferLanes
 from splitserve.engine.kv_connectors.link_keepalive import CudaLink, LinkKeepalive
 from splitserve.engine.worker.kv_cache import allocate_kv_cache
@@ -118,6 +118,7 @@ class KvConnector:
     timeout_s (each send or receive gives up after it), link_keepalive_ms."""
 
     transport: ClassVar[str] = ""
+    moves_tensor_parallel: ClassVar[bool] = False  # whether it moves heads between ranks by a transfer plan
 
     def __init__(self, options: dict) -> None:
         self.instance = options.get("instance", "local")
@@ -160,15 +161,18 @@ class KvConnector:
         return None
 
     def check_layout(self, source: KvLayout, own: KvLayout) -> None:
-        """Raise ValueError (naming both) when this transport cannot move `source`'s blocks into this pool: here,
-        unless the layouts are equal and neither is tensor parallel (this transport moves one pool per instance)."""
-        if source != own:
-            raise ValueError(own.mismatch(source))
-        if own.tensor_parallel_size > 1:
+        """Raise ValueError (naming both) when this transport cannot move `source`'s blocks into this pool: unless
+        the layouts are equal, or (a transport that `moves_tensor_parallel`) a transfer plan maps them."""
+        if not self.moves_tensor_parallel and max(source.tensor_parallel_size, own.tensor_parallel_size) > 1:
             raise ValueError(
-                f"the {self.transport} transport does not move KV of tensor-parallel instances (shm and cuda_ipc "
-                f"do): [{own.describe()}]"
+                f"the {self.transport} transport does not move KV of tensor-parallel instances (shm, cuda_ipc and "
+                f"nccl do): [{source.describe()}] vs [{own.describe()}]"
             )
+        if source == own:
+            return
+        if source.tensor_parallel_size == 1 and own.tensor_parallel_size == 1:
+            raise ValueError(own.mismatch(source))
+        transfer_plan(source, own)  # ValueError naming both when no plan maps them
 
     # -- worker side: the asynchronous interface (core thread) ------------------------------
     @property

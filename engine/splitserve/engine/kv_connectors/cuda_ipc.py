@@ -1,14 +1,13 @@
 """The `cuda_ipc` transport: a GPU prefill's pool exported by a CUDA IPC handle, mapped by the decode.
 
 Tensor parallel (as shm does with segments): rank 0's connector allocates every rank's pool on that rank's GPU
-(the GPUs after its own) and exports each; ranks > 0 map theirs from its handle (`open_rank_pool`), and the
-endpoint lists every rank's handle (`cuda_ipc_ranks`). The decode's rank 0 maps the prefill ranks' pools and
-writes its own ranks' heads (mapped_pool.py), GPU to GPU.
+(the GPUs after its own) and exports each; ranks > 0 map theirs from its handle (`rank_pools.open_cuda_rank_pool`),
+and the endpoint lists every rank's handle (`cuda_ipc_ranks`). The decode's rank 0 maps the prefill ranks' pools
+and writes its own ranks' heads (mapped_pool.py), GPU to GPU.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -16,11 +15,10 @@ import torch
 from splitserve.common.kv_layout import KvLayout
 from splitserve.engine.kv_connectors.ipc_handle import check_shape, export_cuda_ipc, load_cuda_ipc, rebuild
 from splitserve.engine.kv_connectors.mapped_pool import MappedPoolConnector
+from splitserve.engine.kv_connectors.rank_pools import exported_rank_pools
 from splitserve.engine.worker.kv_cache import allocate_kv_cache, torch_dtype
 
 log = logging.getLogger("splitserve.kv")
-
-_OPENED_BY_RANK: list[torch.Tensor] = []  # a rank > 0's mapped pool, kept for the life of the process
 
 
 class CudaIpcConnector(MappedPoolConnector):
@@ -32,6 +30,7 @@ class CudaIpcConnector(MappedPoolConnector):
     def __init__(self, options: dict) -> None:
         super().__init__(options)
         self._rank_handles: list[str] = []  # tensor parallel: every rank's pool's handle, rank 0's first
+        self._openers: list | None = None
 
     def place_pool(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         self.layout = layout
@@ -48,11 +47,10 @@ class CudaIpcConnector(MappedPoolConnector):
         return kv_cache
 
     def _place_rank_pools(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
-        """Every rank's pool on its GPU (rank r: `device` + r, as the ranks are placed), each exported: a decode's
-        rank 0 writes its ranks' heads, a prefill's every rank's pool is read."""
-        devices = [torch.device("cuda", device.index + rank) for rank in range(layout.tensor_parallel_size)]
-        self._rank_tensors = [allocate_kv_cache(layout, num_blocks, d) for d in devices]
-        self._rank_handles = [export_cuda_ipc(pool) for pool in self._rank_tensors]
+        """Every rank's pool on its GPU, each exported: a decode's rank 0 writes its ranks' heads, a prefill's every
+        rank's pool is read."""
+        pools = exported_rank_pools(layout, num_blocks, device)
+        self._rank_tensors, self._rank_handles, self._openers = pools.tensors, pools.names, pools.openers()
         self.endpoint = {
             "cuda_ipc": self._rank_handles[0],
             "num_blocks": str(num_blocks),
@@ -62,9 +60,7 @@ class CudaIpcConnector(MappedPoolConnector):
         return self._rank_tensors[0]
 
     def rank_pool_openers(self) -> list | None:
-        if len(self._rank_handles) < 2:
-            return None
-        return [None] + [functools.partial(open_rank_pool, handle) for handle in self._rank_handles[1:]]
+        return self._openers
 
     def _pool_key(self, endpoint: dict) -> str:
         return endpoint["cuda_ipc"]
@@ -85,15 +81,4 @@ class CudaIpcConnector(MappedPoolConnector):
     def release_transport(self) -> None:
         super().release_transport()
         self._rank_handles = []
-
-
-def open_rank_pool(handle: str, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """A tensor-parallel rank > 0's pool: the one its rank 0 allocated on this rank's GPU (the opener
-    `CudaIpcConnector` sends), checked to be that pool on that device before it is mapped."""
-    args = load_cuda_ipc(handle)
-    check_shape(args, tuple(layout.cache_shape(num_blocks)), torch_dtype(layout))
-    if device.type != "cuda" or args[6] != device.index:
-        raise ValueError(f"rank pool handle: the pool is on cuda:{args[6]}, this rank runs on {device}")
-    pool = rebuild(args)
-    _OPENED_BY_RANK.append(pool)
-    return pool
+        self._openers = None

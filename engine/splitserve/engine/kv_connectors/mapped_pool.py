@@ -30,6 +30,8 @@ log = logging.getLogger("splitserve.kv")
 class MappedPoolConnector(KvConnector):
     """Pulls copy runs of blocks from the prefill's pool mapped here (one mapping per pool)."""
 
+    moves_tensor_parallel = True
+
     def __init__(self, options: dict) -> None:
         super().__init__(options)
         self._mapped: dict[str, torch.Tensor | SharedKvPool] = {}  # pool key -> mapping
@@ -56,14 +58,6 @@ class MappedPoolConnector(KvConnector):
             self._mapped[key] = pool
             self._mapped_by_instance[prefill_instance] = key
         return pool.tensor if isinstance(pool, SharedKvPool) else pool
-
-    def check_layout(self, source: KvLayout, own: KvLayout) -> None:
-        """Equal layouts, or ones a transfer plan maps (ValueError naming both otherwise)."""
-        if source == own:
-            return
-        if source.tensor_parallel_size == 1 and own.tensor_parallel_size == 1:
-            raise ValueError(own.mismatch(source))
-        transfer_plan(source, own)
 
     def prepare_pull(self, spec) -> torch.Tensor | list[torch.Tensor]:
         """The prefill's pool mapped here, or (tensor parallel) every rank's, in rank order."""

@@ -7,14 +7,14 @@ segments and writes its own ranks' (mapped_pool.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from splitserve.common.kv_layout import KvLayout
 from splitserve.engine.kv_connectors.mapped_pool import MappedPoolConnector
-from splitserve.engine.kv_connectors.shm_pool import SharedKvPool, open_rank_pool, segment_name, unlink_stale
+from splitserve.engine.kv_connectors.rank_pools import TpRankPools, shared_rank_pools
+from splitserve.engine.kv_connectors.shm_pool import SharedKvPool
 from splitserve.engine.worker.kv_cache import allocate_kv_cache
 
 log = logging.getLogger("splitserve.kv")
@@ -29,7 +29,7 @@ class ShmConnector(MappedPoolConnector):
     def __init__(self, options: dict) -> None:
         super().__init__(options)
         self._own_pool: SharedKvPool | None = None
-        self._rank_pools: list[SharedKvPool] = []  # tensor parallel: every rank's segment, rank 0's first
+        self._rank_pools: TpRankPools | None = None  # every rank's segment, rank 0's first
 
     def place_pool(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         self.layout = layout
@@ -37,22 +37,17 @@ class ShmConnector(MappedPoolConnector):
         # a tensor-parallel decode's ranks' pools are shared too: its rank 0 writes every rank's heads
         if device.type != "cpu" or not (self.exports or size > 1):
             return allocate_kv_cache(layout, num_blocks, device)
-        for name in unlink_stale(self.instance):
-            log.info("unlinked stale KV segment %s", name)
-        name = segment_name(self.instance, self.start_epoch)
-        names = [name] + [f"{name}-r{rank}" for rank in range(1, size)]
-        self._rank_pools = [SharedKvPool.create(n, layout, num_blocks) for n in names]
-        self._rank_tensors = [pool.tensor for pool in self._rank_pools]
-        self._own_pool = self._rank_pools[0]
-        self.endpoint = {"shm_name": name, "num_blocks": str(num_blocks)}
+        self._rank_pools = shared_rank_pools(self.instance, self.start_epoch, layout, num_blocks)
+        self._rank_tensors = self._rank_pools.tensors
+        self._own_pool = self._rank_pools.segments[0]
+        names = self._rank_pools.names
+        self.endpoint = {"shm_name": names[0], "num_blocks": str(num_blocks)}
         if size > 1:
             self.endpoint["shm_rank_names"] = ",".join(names)
         return self._own_pool.tensor
 
     def rank_pool_openers(self) -> list | None:
-        if len(self._rank_pools) < 2:
-            return None
-        return [None] + [functools.partial(open_rank_pool, pool.shm.name) for pool in self._rank_pools[1:]]
+        return self._rank_pools.openers() if self._rank_pools is not None else None
 
     def _pool_key(self, endpoint: dict) -> str:
         return endpoint["shm_name"]
@@ -68,7 +63,7 @@ class ShmConnector(MappedPoolConnector):
 
     def release_transport(self) -> None:
         super().release_transport()
-        for pool in self._rank_pools:
-            pool.close()
-        self._rank_pools = []
+        if self._rank_pools is not None:
+            self._rank_pools.close()
+        self._rank_pools = None
         self._own_pool = None

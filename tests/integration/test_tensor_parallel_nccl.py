@@ -1,0 +1,110 @@
+"""The nccl transport (gloo on CPU) between services of different tensor-parallel sizes: a prefill at TP 2 and
+one at TP 1, a decode at TP 1 and one at TP 4 (the model's 2 KV heads replicated on 4 ranks), so the pairs cover
+two prefill ranks into one decode rank (2,1), a prefill rank's heads spread over several decode ranks with
+replication (2,4) and (1,4), and the one-group pair (1,1). Tokens equal the colocated TP 1 engine's; after normal
+ends and an abort per pair every pool is free and every lease released; a prefill whose rank 1 is killed exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from splitserve.engine import LLM
+from splitserve.protos import common_pb2, decode_pb2_grpc
+from tests.integration.test_tensor_parallel_services import (  # noqa: F401  (model: the fixture)
+    MAX_TOKENS,
+    PROMPTS,
+    _run_pair,
+    model,
+    rank1_pid,
+)
+from tests.model_factory import engine_reference
+from tests.service_client import describe
+from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
+
+pytestmark = pytest.mark.slow
+PREFILL_SIZES, DECODE_SIZES = (2, 1), (1, 4)
+
+
+def _nccl_tp(size: int) -> list[str]:
+    return ["--kv-transport", "nccl", "--tensor-parallel-size", str(size)]
+
+
+@pytest.fixture()
+def nccl_stack(tmp_path, model):  # noqa: F811
+    """The prefills start together, then the decodes, each decode paired with both prefills at its start."""
+    procs, prefills, decodes = {}, {}, {}
+    try:
+        for size in PREFILL_SIZES:
+            name = f"prefill-tp{size}"
+            procs[name], prefills[size] = start_service(
+                "prefill", model, tmp_path, name, service_args=_nccl_tp(size), **ENGINE
+            )
+        for proc in procs.values():
+            proc.wait_ready()
+        peers = ",".join(prefills.values())
+        for size in DECODE_SIZES:
+            name = f"decode-tp{size}"
+            args = [*_nccl_tp(size), "--prefill-peers", peers]
+            procs[name], decodes[size] = start_service("decode", model, tmp_path, name, service_args=args, **ENGINE)
+        for size in DECODE_SIZES:
+            procs[f"decode-tp{size}"].wait_ready()
+        yield prefills, decodes, procs
+    finally:
+        with ThreadPoolExecutor(len(procs) or 1) as pool:  # each waits for its drain: stop them side by side
+            list(pool.map(lambda proc: proc.stop(), procs.values()))
+
+
+def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_rank_ends_its_prefill(
+    nccl_stack,
+    model,  # noqa: F811
+):
+    prefills, decodes, procs = nccl_stack
+    pairs = [(p, d) for p in PREFILL_SIZES for d in DECODE_SIZES]
+    prompts = {pair: [[400 + 10 * pair[0] + pair[1], *prompt] for prompt in PROMPTS] for pair in pairs}
+    with LLM(model=str(model), device="cpu", **ENGINE) as llm:
+        flat, _ = engine_reference(llm, [p for pair in pairs for p in prompts[pair]], MAX_TOKENS, [])
+    expected = {pair: flat[3 * i : 3 * i + 3] for i, pair in enumerate(pairs)}
+
+    async def main():
+        got, aborted = {}, {}
+        for p_size, d_size in pairs:
+            doomed = [300 + 10 * p_size + d_size, 1, 2, 3, 4, 5]  # 6 tokens: 2 blocks
+            got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
+                prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
+            )
+        last = []
+
+        async def settled():  # leases are released, and blocks freed, just after the last delta goes out
+            last[:] = [await describe(a) for a in prefills.values()]
+            last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
+            done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
+            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:2]) else None
+
+        described = await wait_until_async(settled, 10, lambda: f"not settled: {last}")
+        return got, aborted, described
+
+    got, aborted, described = asyncio.run(main())
+    assert got == expected
+    assert {pair: last.finish_reason for pair, last in aborted.items()} == dict.fromkeys(
+        pairs, common_pb2.FINISH_REASON_ABORT
+    )
+    assert [d.layout.tensor_parallel_size for d in described] == [*PREFILL_SIZES, *DECODE_SIZES]
+    # from each of two prefills, over nccl: the batch's blocks and the aborted request's two
+    blocks_per_decode = 2 * (sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2)
+    for d in described[2:]:
+        assert d.counters["kv_blocks_pulled"] == blocks_per_decode
+        assert d.counters.get("kv_pull_failures", 0) == 0 and d.counters.get("kv_pull_recomputes", 0) == 0
+    for p in described[:2]:  # two decodes, four requests each: one lease each, released once it was sent
+        assert p.counters["leases_released"] == 8 and p.counters.get("leases_active", 0) == 0
+        assert p.counters["kv_blocks_sent"] == blocks_per_decode
+    for d in described:  # every pool entirely free again
+        assert d.load.num_free_blocks == d.load.num_total_blocks
+
+    prefill = procs["prefill-tp2"]
+    os.kill(wait_until(lambda: rank1_pid(prefill.popen.pid), 5, "no rank 1 under the TP 2 prefill"), signal.SIGKILL)
+    assert prefill.popen.wait(30) == 1  # its core fails the next collective and the service exits
