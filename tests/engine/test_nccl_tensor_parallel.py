@@ -41,7 +41,11 @@ class Pair:
         self.prefill_pool = self.prefill.kv_cache_factory(prefill, NUM_BLOCKS, CPU)
         self.decode_pool = self.decode.kv_cache_factory(decode, NUM_BLOCKS, CPU)
         self.name = f"{self.prefill.instance}->{self.decode.instance}"
-        self.pair()
+        try:
+            self.pair()
+        except BaseException:
+            self.close()  # the segments are unlinked whatever fails
+            raise
 
     def pair(self) -> None:
         port, errors = free_port(), []
@@ -134,3 +138,60 @@ def test_links_follow_the_plan_one_per_prefill_and_decode_rank_that_it_joins():
     # MQA at decode TP 2: both decode ranks hold head 0, from prefill ranks 0 and 1 in turn
     assert plan_links(layout(1, 2), layout(1, 2)) == [Link(0, 0, ((0, 0, 1),)), Link(1, 1, ((0, 0, 1),))]
     assert transfer_plan(layout(1, 2), layout(1, 2)) == (((0, 0, 0),), ((0, 1, 0),))
+
+
+def test_an_unanswered_pull_times_out_drops_every_link_and_the_next_pairing_rebuilds_them():
+    """No send comes: the receive gives up after the transfer timeout, the pair (all its links) is dropped and
+    the destination blocks are as they were; pairing again builds every link anew, and a pull then lands."""
+    prefill, decode = layout(2, 2), layout(2, 1)
+    full = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, 2, HEAD_DIM, dtype=torch.float64)
+    pair = Pair(prefill, decode, timeout_s=0.5)
+    try:
+        fill_prefill(pair, prefill, full)
+        pair.decode_pool.fill_(-1.0)
+        spec = SimpleNamespace(
+            transport="nccl", prefill_instance=pair.prefill.instance, block_ids=[3, 2], tag=5, request_id="r1",
+            layout=prefill,
+        )  # fmt: skip
+        asks, started = [], time.monotonic()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            pair.decode.pull(spec, [0, 1], [6, 7], PullTarget(pair.decode_pool, asks.append))
+        assert 0.5 <= time.monotonic() - started < 3
+        assert [(a.request_id, a.block_indices) for a in asks] == [("r1", [0, 1])]
+        assert pair.name not in pair.decode.groups and bool((pair.decode_pool == -1.0).all())
+
+        pair.pair()  # the next pull's pairing (the prefill's side is replaced too)
+        assert len(pair.decode.groups[pair.name].links) == 2
+        sent = []
+        assert pull(pair, spec, [0, 1], [6, 7], sent) == Moved(2 * NUM_LAYERS * 2 * BLOCK_SIZE * 2 * HEAD_DIM * 8)
+        assert torch.equal(pair.decode_pool[[6, 7]], full[[3, 2]])
+        wait_until(lambda: sent, 10, "the prefill's send to return")
+    finally:
+        pair.close()
+
+
+def test_a_handle_of_another_layout_than_the_paired_one_fails_the_pull_and_drops_nothing_else():
+    """A prefill restarted at another TP size serves handles of a new layout: the pull fails naming both (the
+    service then pairs again) and nothing was asked or received."""
+    pair = Pair(layout(2, 2), layout(2, 1))
+    try:
+        spec = SimpleNamespace(
+            transport="nccl", prefill_instance=pair.prefill.instance, block_ids=[1], tag=1, request_id="r1",
+            layout=layout(2, 1),
+        )  # fmt: skip
+        asks = []
+        with pytest.raises(RuntimeError) as failed:
+            pair.decode.pull(spec, [0], [0], PullTarget(pair.decode_pool, asks.append))
+        assert str(failed.value) == (
+            f"the KV handle's layout [{layout(2, 1).describe()}] is not the one paired with "
+            f"[{layout(2, 2).describe()}] (the prefill restarted?)"
+        )
+        assert asks == []
+    finally:
+        pair.close()
+
+
+def test_layouts_no_plan_maps_fail_the_pairing_on_both_sides_naming_both():
+    other = KvLayout(NUM_LAYERS, 1, HEAD_DIM, 8, "float64", "m", tensor_parallel_size=2, rank_kv_heads=((0,), (1,)))
+    with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \[.*\] vs decode \["):
+        Pair(other, layout(2, 1))
