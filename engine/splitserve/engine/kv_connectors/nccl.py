@@ -37,6 +37,7 @@ from splitserve.engine.kv_connectors.nccl_links import (
     layout_of,
     plan_links,
     rank_pool,
+    synchronize,
     tensor_parallel,
 )
 from splitserve.engine.kv_connectors.rank_pools import TpRankPools, place_rank_pools
@@ -123,7 +124,7 @@ class NcclConnector(KvConnector):
             for (link, _), (buf, direct) in zip(joined.links, buffers):
                 if not direct:
                     link.scatter(buf, pools[link.decode_rank], dst_blocks)
-            _synchronize(pools)
+            synchronize(pools)
         return Moved(sum(buf.numel() * buf.element_size() for buf, _ in buffers))
 
     def _recv(self, spec, indices, dst_blocks, target: PullTarget) -> Moved:
@@ -226,7 +227,7 @@ class NcclConnector(KvConnector):
             except Exception:
                 self.drop_pair(pair, joined)
                 raise
-            _synchronize(pools)
+            synchronize(pools)
         num_bytes = sum(msg.numel() * msg.element_size() for msg in messages)
         return {"num_bytes": num_bytes, "transfer_ns": time.perf_counter_ns() - start, "device_ns": 0}
 
@@ -305,15 +306,18 @@ class NcclConnector(KvConnector):
             self._listeners[pair] = listener  # the store serves on this socket: keep it open
         self._stores[pair] = store  # the groups need their store alive
         prefixed = dist.PrefixStore(pair, store)
-        prefixed.set(f"{LAYOUT_KEY}{rank}", layout_bytes(self.layout))
-        peer = layout_of(prefixed.get(f"{LAYOUT_KEY}{1 - rank}"))
         join = (backend, timeout, local_host or host)
-        if not tensor_parallel(self.layout, peer):
-            group = self._join(prefixed, rank, device, *join)
-            self.groups[pair] = group
-            self._probe(pair, group, rank, device, backend, timeout)
-        else:
-            self._pair_links(pair, prefixed, rank, device, peer, join)
+        try:
+            prefixed.set(f"{LAYOUT_KEY}{rank}", layout_bytes(self.layout))
+            peer = layout_of(prefixed.get(f"{LAYOUT_KEY}{1 - rank}"))
+            if not tensor_parallel(self.layout, peer):
+                group = self.groups[pair] = self._join(prefixed, rank, device, *join)
+                self._probe(pair, group, rank, device, backend, timeout)
+            else:
+                self._pair_links(pair, prefixed, rank, device, peer, join)
+        except Exception:
+            self.drop_pair(pair)  # its store and listener too: nothing of a failed pairing stays
+            raise
         log.info("paired %s as rank %d over %s", pair, rank, backend)
 
     def _pair_links(self, pair: str, store, rank: int, device: torch.device, peer, join: tuple) -> None:
@@ -381,12 +385,6 @@ class NcclConnector(KvConnector):
         if self._rank_pools is not None:
             self._rank_pools.close()
             self._rank_pools = None
-
-
-def _synchronize(pools: list[torch.Tensor]) -> None:
-    """Wait for this thread's work on every pool's device (the links' gathers, receives and scatters)."""
-    for device in {pool.device for pool in pools if pool.is_cuda}:
-        torch.cuda.synchronize(device)
 
 
 def transfer_tag(epoch: int) -> int:

@@ -143,3 +143,9 @@ def rank_pool(pools: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
     if rank >= len(pools):
         raise RuntimeError(f"link to rank {rank}: this instance holds {len(pools)} rank pool(s)")
     return pools[rank]
+
+
+def synchronize(pools: Sequence[torch.Tensor]) -> None:
+    """Wait for this thread's work on every pool's device (the links' gathers, receives and scatters)."""
+    for device in {pool.device for pool in pools if pool.is_cuda}:
+        torch.cuda.synchronize(device)
