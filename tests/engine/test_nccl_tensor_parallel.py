@@ -195,3 +195,27 @@ def test_layouts_no_plan_maps_fail_the_pairing_on_both_sides_naming_both():
     other = KvLayout(NUM_LAYERS, 1, HEAD_DIM, 8, "float64", "m", tensor_parallel_size=2, rank_kv_heads=((0,), (1,)))
     with pytest.raises(ValueError, match=r"^KV layouts cannot map \(block_size differ\): prefill \[.*\] vs decode \["):
         Pair(other, layout(2, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three CUDA GPUs (NCCL refuses two ranks on one)")
+def test_on_gpus_nccl_lands_each_decode_ranks_heads_exactly(tmp_path):
+    """benchmarks/nccl_tp_handoff.py's pulls (its prefill a process of its own) at (2,1) and (1,2), and (2,2) on
+    four GPUs: every decode rank's blocks hold exactly its heads of the prefill's (bf16, Llama-3-8B's KV shape)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pairs = [(2, 1), (1, 2)] + ([(2, 2)] if torch.cuda.device_count() >= 4 else [])
+    out = tmp_path / "rows.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "nccl_tp_handoff.py"
+    arg = ",".join(f"{p}:{d}" for p, d in pairs)
+    command = [sys.executable, str(script), "--pairs", arg, "--prompt-len", "64", "--repeats", "1", "--json", str(out)]
+    subprocess.run(command, check=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    block_head_bytes = 32 * 2 * 16 * 128 * 2  # one KV head of one block: layers x (k, v) x tokens x dims x bf16
+    assert [(r["prefill_tp"], r["decode_tp"], r["exact"], r["bytes"], r["bytes_sent"]) for r in rows] == [
+        (p, d, True, 4 * 8 * block_head_bytes, 4 * 8 * block_head_bytes) for p, d in pairs
+    ]

@@ -146,6 +146,8 @@ def rank_pool(pools: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
 
 
 def synchronize(pools: Sequence[torch.Tensor]) -> None:
-    """Wait for this thread's work on every pool's device (the links' gathers, receives and scatters)."""
+    """Wait for this thread's work on every pool's device: its current stream there, which the links' gathers,
+    receives (`work.wait()` joins NCCL's stream into it) and scatters ran on; never the whole device, where the
+    core's step may be running."""
     for device in {pool.device for pool in pools if pool.is_cuda}:
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
