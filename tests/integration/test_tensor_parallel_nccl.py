@@ -1,9 +1,10 @@
 """The nccl transport (gloo on CPU) between services of different tensor-parallel sizes: a prefill at TP 2, a
 decode at TP 1 and one at TP 4 (the model's 2 KV heads replicated on 4 ranks), so the pairs cover two prefill
 ranks into one decode rank (2,1) and each prefill rank's head sent to the two decode ranks holding it (2,4); every
-plan shape byte for byte: tests/engine/test_nccl_tensor_parallel.py. Tokens equal the colocated TP 1 engine's;
-after normal ends and an abort per pair every pool is free and every lease released; a prefill whose rank 1 is
-killed exits. Three services (7 ranks) keep it short: a start costs 20-50 s on two loaded cores."""
+plan shape byte for byte: tests/engine/test_nccl_tensor_parallel.py. Tokens equal the colocated TP 1 engine's,
+also for a prompt whose first blocks the decode has cached (only the rest is pulled); after normal ends and an
+abort per pair every pool is free and every lease released; a prefill whose rank 1 is killed exits. Three
+services (7 ranks), started at once, keep it short: one start took 20-50 s on two cores at a load of 9."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ from tests.integration.test_tensor_parallel_services import (  # noqa: F401  (mo
     rank1_pid,
 )
 from tests.model_factory import engine_reference
-from tests.service_client import describe
+from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
 from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 PREFILL_SIZES, DECODE_SIZES = (2,), (1, 4)
+GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _nccl_tp(size: int) -> list[str]:
@@ -65,9 +67,14 @@ def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_ran
     prefills, decodes, procs = nccl_stack
     pairs = [(p, d) for p in PREFILL_SIZES for d in DECODE_SIZES]
     prompts = {pair: [[400 + 10 * pair[0] + pair[1], *prompt] for prompt in PROMPTS] for pair in pairs}
+    # then each decode again: the longest prompt and 5 tokens more, its first 3 blocks cached there (prefix reuse)
+    longer = {pair: [*prompts[pair][2], 7, 8, 9, 10, 11] for pair in pairs}
     with LLM(model=str(model), device="cpu", **ENGINE) as llm:
-        flat, _ = engine_reference(llm, [p for pair in pairs for p in prompts[pair]], MAX_TOKENS, [])
+        flat, _ = engine_reference(
+            llm, [p for pair in pairs for p in prompts[pair]] + [longer[pair] for pair in pairs], MAX_TOKENS, []
+        )
     expected = {pair: flat[3 * i : 3 * i + 3] for i, pair in enumerate(pairs)}
+    expected_longer = dict(zip(pairs, flat[3 * len(pairs) :]))
 
     async def main():
         got, aborted = {}, {}
@@ -76,6 +83,13 @@ def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_ran
             got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
                 prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
             )
+        for pair in pairs:
+            session = DecodeSession(decodes[pair[1]])
+            try:
+                stub, name = prefill_stub(prefills[pair[0]]), f"p{pair[0]}d{pair[1]}-longer"
+                got[pair, "longer"], _, _ = await generate_disaggregated(stub, session, name, longer[pair], GREEDY)
+            finally:
+                await session.close()
         last = []
 
         async def settled():  # leases are released, and blocks freed, just after the last delta goes out
@@ -88,18 +102,20 @@ def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_ran
         return got, aborted, described
 
     got, aborted, described = asyncio.run(main())
-    assert got == expected
+    assert {k: v for k, v in got.items() if "longer" not in k} == expected
+    assert {pair: got[pair, "longer"] for pair in pairs} == expected_longer
     assert {pair: last.finish_reason for pair, last in aborted.items()} == dict.fromkeys(
         pairs, common_pb2.FINISH_REASON_ABORT
     )
     assert [d.layout.tensor_parallel_size for d in described] == [*PREFILL_SIZES, *DECODE_SIZES]
-    # over nccl from the prefill: the batch's blocks and the aborted request's two
-    blocks_per_decode = sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2
+    # over nccl from the prefill: the batch's blocks, the aborted request's two, the longer prompt's last two (19
+    # tokens: 5 blocks, the first 3 cached on the decode)
+    blocks_per_decode = sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2 + 2
     for d in described[1:]:
         assert d.counters["kv_blocks_pulled"] == blocks_per_decode
         assert d.counters.get("kv_pull_failures", 0) == 0 and d.counters.get("kv_pull_recomputes", 0) == 0
-    prefill = described[0]  # two decodes, four requests each: one lease each, released once sent to all ranks
-    assert prefill.counters["leases_released"] == 8 and prefill.counters.get("leases_active", 0) == 0
+    prefill = described[0]  # two decodes, five requests each: one lease each, released once sent to all ranks
+    assert prefill.counters["leases_released"] == 10 and prefill.counters.get("leases_active", 0) == 0
     assert prefill.counters["kv_blocks_sent"] == 2 * blocks_per_decode
     for d in described:  # every pool entirely free again
         assert d.load.num_free_blocks == d.load.num_total_blocks
