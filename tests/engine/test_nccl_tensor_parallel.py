@@ -150,7 +150,7 @@ def test_an_unanswered_pull_times_out_drops_every_link_and_the_next_pairing_rebu
         fill_prefill(pair, prefill, full)
         pair.decode_pool.fill_(-1.0)
         spec = SimpleNamespace(
-            transport="nccl", prefill_instance=pair.prefill.instance, block_ids=[3, 2], tag=5, request_id="r1",
+            transport="nccl", prefill_instance=pair.prefill.instance, block_ids=[2, 3], tag=5, request_id="r1",
             layout=prefill,
         )  # fmt: skip
         asks, started = [], time.monotonic()
@@ -164,7 +164,7 @@ def test_an_unanswered_pull_times_out_drops_every_link_and_the_next_pairing_rebu
         assert len(pair.decode.groups[pair.name].links) == 2
         sent = []
         assert pull(pair, spec, [0, 1], [6, 7], sent) == Moved(2 * NUM_LAYERS * 2 * BLOCK_SIZE * 2 * HEAD_DIM * 8)
-        assert torch.equal(pair.decode_pool[[6, 7]], full[[3, 2]])
+        assert torch.equal(pair.decode_pool[[6, 7]], full[[2, 3]])
         wait_until(lambda: sent, 10, "the prefill's send to return")
     finally:
         pair.close()
