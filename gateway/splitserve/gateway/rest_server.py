@@ -1,17 +1,40 @@
-"""The REST shim's HTTP server: uvicorn inside the gateway's event loop, with a timeout on request heads."""
+"""The REST shim's HTTP server: uvicorn inside the gateway's event loop, with a timeout on request heads and
+keep-alive connections closed only when idle."""
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
+import socket
+import termios
 from typing import Any
 
 from splitserve.gateway.config import GatewayConfig
 
 
+def _unread_bytes(transport) -> int:
+    """Bytes the kernel has received on the connection that the server has not read yet."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(transport.get_extra_info("socket").fileno(), termios.FIONREAD, count)
+    except (OSError, AttributeError):
+        return 0
+    return count[0]
+
+
 def _protocol_with_header_timeout(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
     `timeout_s` (uvicorn times out idle connections only after a response: 3,000 connections that
-    never sent a byte stayed open)."""
+    never sent a byte stayed open), and closing an idle keep-alive connection only when it is idle.
+
+    uvicorn's keep-alive timeout closes the transport, and asyncio closes the socket one loop turn later:
+    under load that turn takes milliseconds, during which the client, seeing no FIN, may send its next
+    request on the connection; the kernel then answers the socket's close with unread data by a reset,
+    and the client loses a request the server had received. Here the timeout leaves alone a connection
+    whose next request has arrived (data_received serves it and cancels the timer), and sends the FIN at
+    once, so a client that reuses the connection afterwards sees a clean close before any request of its
+    is taken, never a reset."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeoutProtocol(H11Protocol):
@@ -26,6 +49,20 @@ def _protocol_with_header_timeout(timeout_s: float) -> type:
         def _head_timed_out(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
                 self.transport.close()
+
+        def timeout_keep_alive_handler(self) -> None:
+            if self.transport.is_closing():
+                return
+            if _unread_bytes(self.transport):  # a request came in after this loop turn's poll: serve it
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
+                return
+            plain = self.transport.get_extra_info("sslcontext") is None  # TLS closes with its own close_notify
+            if plain and not self.transport.get_write_buffer_size():  # nothing left to send: the FIN now
+                with contextlib.suppress(OSError):
+                    self.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
+            super().timeout_keep_alive_handler()
 
     return HeaderTimeoutProtocol
 
