@@ -222,6 +222,71 @@ def test_run_load_counts_failed_cancelled_and_unsent(capsys):
     assert "3/4 done, 0 in flight, 2 failed" in capsys.readouterr().err.splitlines()[-1]
 
 
+# -- the REST client and a server's idle close ------------------------------------------------------
+
+SSE = b'data: {"choices": [{"text": " w9"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}\n\n'
+SSE += b'data: {"choices": [{"text": " w10", "finish_reason": "length"}], "usage": {"prompt_tokens": 2, '
+SSE += b'"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+
+
+async def _one_server(closes: set[tuple[int, int]]):
+    """An HTTP/1.1 server on loopback answering every POST with the same two-token SSE stream, keeping the
+    connection, except the (connection, request) pairs in `closes`: those it reads, then closes the connection
+    with no answer (a FIN), as a server does whose idle timeout fired just as the request came. Returns the
+    server and the list of (connection, request) pairs it answered."""
+    answered, num_connections = [], 0
+
+    async def serve_connection(reader, writer):
+        nonlocal num_connections
+        connection, num_connections = num_connections, num_connections + 1
+        for request in range(100):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(h.split(b":")[1] for h in head.lower().split(b"\r\n") if h.startswith(b"content-length")))
+            await reader.readexactly(length)
+            if (connection, request) in closes:
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(SSE))
+            writer.write(SSE)
+            await writer.drain()
+            answered.append((connection, request))
+
+    return await asyncio.start_server(serve_connection, "127.0.0.1", 0), answered
+
+
+def _rest_records(closes: set[tuple[int, int]], num_requests: int) -> tuple[list, list]:
+    import httpx
+
+    from splitserve.bench.serve_load import rest_sender
+
+    async def main():
+        server, answered = await _one_server(closes)
+        port = server.sockets[0].getsockname()[1]
+        records = [RequestRecord(i, 2, 2, 0.0) for i in range(num_requests)]
+        async with server, httpx.AsyncClient(timeout=10) as client:
+            send = rest_sender(client, f"http://127.0.0.1:{port}", "m", 0.0)
+            for record in records:  # one after the other: each reuses the connection the one before used
+                try:
+                    await send(RequestSpec(record.index, (5, 8), 2), record, lambda: 0.0)
+                except Exception as exc:  # noqa: BLE001 - the test reads the error
+                    record.error = f"{type(exc).__name__}: {exc}"
+        return records, answered
+
+    return asyncio.run(main())
+
+
+def test_a_request_on_a_reused_connection_the_server_closed_unanswered_is_sent_again():
+    records, answered = _rest_records({(0, 1)}, 3)
+    assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
+    assert answered == [(0, 0), (1, 0), (1, 1)]  # the second request went again, on a new connection
+
+
+def test_a_new_connection_closed_unanswered_is_a_failure_not_sent_again():
+    records, answered = _rest_records({(0, 0)}, 1)
+    assert records[0].error == "RemoteProtocolError: Server disconnected without sending a response."
+    assert answered == []
+
+
 # -- a real stack per mode --------------------------------------------------------------------------
 
 ENGINE_ARGS = "--num-threads 1 --block-size 16 --num-kv-blocks 512"

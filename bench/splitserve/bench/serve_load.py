@@ -289,7 +289,8 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
         }
         events: list[tuple[float, int]] = []
         record.sent_s = sent = clock()
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        response = await _send_post(client, f"{base_url}/v1/completions", body)
+        try:
             if response.status_code != 200:
                 raw = await response.aread()
                 raise RequestFailed(f"HTTP {response.status_code}: {_error_text(raw)}")
@@ -308,9 +309,39 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
                     record.prompt_tokens_reported = usage["prompt_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     record.cached_prompt_tokens = details.get("cached_tokens", 0)
+        finally:
+            await response.aclose()
         _finish(record, sent, events)
 
     return send
+
+
+async def _send_post(client, url: str, body: dict, attempts: int = 3):
+    """POST `body` and return the streamed response; sent again when the server closed a reused connection
+    before any byte of an answer (at most `attempts` sends).
+
+    That is HTTP/1.1's keep-alive race: the server closes a connection idle for its keep-alive timeout just as
+    the client reuses it, and reading the end of the stream (a FIN, not a reset) says it never took the
+    request. httpx sends no request twice; real clients do here (browsers, and the OpenAI SDK retries every
+    connection error), and without it such a request counts as a failure of the server. A connection made for
+    the request that closes is never retried: that is a server that failed."""
+    import httpx
+
+    for attempt in range(1, attempts + 1):
+        made_connection = False
+
+        async def trace(name: str, info: dict) -> None:
+            nonlocal made_connection
+            made_connection = made_connection or name.startswith("connection.connect_tcp")
+
+        try:
+            return await client.send(
+                client.build_request("POST", url, json=body, extensions={"trace": trace}), stream=True
+            )
+        except httpx.RemoteProtocolError:
+            if made_connection or attempt == attempts:
+                raise
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 
 def _error_text(raw: bytes) -> str:
