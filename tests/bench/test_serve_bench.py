@@ -230,26 +230,34 @@ SSE += b'"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
 
 
 async def _one_server(closes: set[tuple[int, int]]):
-    """An HTTP/1.1 server on loopback answering every POST with the same two-token SSE stream, keeping the
-    connection, except the (connection, request) pairs in `closes`: those it reads, then closes the connection
-    with no answer (a FIN), as a server does whose idle timeout fired just as the request came. Returns the
-    server and the list of (connection, request) pairs it answered."""
+    """An HTTP/1.1 server on loopback answering GET /v1/models with one model and every POST with the same
+    two-token SSE stream, keeping the connection, except the (connection, request) pairs in `closes`: those it
+    reads, then closes the connection with no answer (a FIN), as a server does whose idle timeout fired just as
+    the request came. Returns the server and the (connection, request, method) of each request it answered."""
     answered, num_connections = [], 0
+    models = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 64}]}).encode()
 
     async def serve_connection(reader, writer):
         nonlocal num_connections
         connection, num_connections = num_connections, num_connections + 1
         for request in range(100):
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(h.split(b":")[1] for h in head.lower().split(b"\r\n") if h.startswith(b"content-length")))
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client closed the connection
+                return
+            lines = head.lower().split(b"\r\n")
+            length = next((int(h.split(b":")[1]) for h in lines if h.startswith(b"content-length")), 0)
             await reader.readexactly(length)
             if (connection, request) in closes:
                 writer.close()
                 return
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(SSE))
-            writer.write(SSE)
+            method, body = head.split(b" ")[0].decode(), SSE if head.startswith(b"POST") else models
+            kind = b"text/event-stream" if method == "POST" else b"application/json"
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
+            )
             await writer.drain()
-            answered.append((connection, request))
+            answered.append((connection, request, method))
 
     return await asyncio.start_server(serve_connection, "127.0.0.1", 0), answered
 
@@ -278,13 +286,32 @@ def _rest_records(closes: set[tuple[int, int]], num_requests: int) -> tuple[list
 def test_a_request_on_a_reused_connection_the_server_closed_unanswered_is_sent_again():
     records, answered = _rest_records({(0, 1)}, 3)
     assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
-    assert answered == [(0, 0), (1, 0), (1, 1)]  # the second request went again, on a new connection
+    # the second request went again, on a new connection
+    assert answered == [(0, 0, "POST"), (1, 0, "POST"), (1, 1, "POST")]
 
 
 def test_a_new_connection_closed_unanswered_is_a_failure_not_sent_again():
     records, answered = _rest_records({(0, 0)}, 1)
     assert records[0].error == "RemoteProtocolError: Server disconnected without sending a response."
     assert answered == []
+
+
+def test_a_burst_of_rest_requests_finds_no_idle_connection_to_crowd_onto():
+    """The model list is asked on a connection that closes after it, so each request of a burst opens its own
+    connection at once rather than all being handed the one idle connection and waiting on it in turn."""
+    import argparse
+
+    async def main():
+        server, answered = await _one_server(set())
+        ns = argparse.Namespace(api="rest", request_timeout_s=10.0, temperature=0.0)
+        records = [RequestRecord(i, 2, 2, 0.0) for i in range(8)]
+        async with server, serve.Target(ns, "127.0.0.1", 0, server.sockets[0].getsockname()[1]) as target:
+            await asyncio.gather(*(target.send(RequestSpec(r.index, (5, 8), 2), r, lambda: 0.0) for r in records))
+        return records, answered
+
+    records, answered = asyncio.run(main())
+    assert [(r.status, r.num_received) for r in records] == [(COMPLETED, 2)] * 8
+    assert sorted(answered) == [(0, 0, "GET")] + [(c, 0, "POST") for c in range(1, 9)]
 
 
 # -- a real stack per mode --------------------------------------------------------------------------
