@@ -16,6 +16,7 @@ from splitserve.engine.worker.sampler import (
     apply_top_k,
     apply_top_p,
     random_uniform,
+    random_uniform_torch,
     row_key,
 )
 
@@ -56,11 +57,14 @@ def _py_uniform(key, vocab_id):
 
 
 def test_uniform_draws_equal_a_pure_python_hash():
+    """Both paths: the CPU op (random_uniform on a CPU where it is built) and the torch ops (every device)."""
     keys = [row_key(0, 0), row_key(2**63 - 1, 10**6), row_key(12345, 7)]
     u = random_uniform(keys, 1000, torch.device("cpu"))  # (3, 1000)
+    halves = torch.tensor([[k & 0xFFFFFFFF, k >> 32] for k in keys], dtype=torch.int64)
     expected = [[_py_uniform(k, v) for v in range(1000)] for k in keys]
     assert u.dtype == torch.float32
     assert u.tolist() == expected
+    assert random_uniform_torch(halves, 1000).tolist() == expected
     assert 0.0 < u.min().item() and u.max().item() < 1.0
 
 

@@ -1,5 +1,5 @@
 """The CPU C++ ops against torch references: paged decode attention (fp32, fp64, GQA, ragged),
-RMSNorm(+residual), rotary, SiLU-mul, KV write."""
+RMSNorm(+residual), rotary, SiLU-mul, KV write, the sampler's counter-based uniforms."""
 
 import pytest
 import torch
@@ -205,6 +205,20 @@ def test_bad_block_tables_and_slots_are_refused_not_read(op):
     with pytest.raises(RuntimeError, match="write_kv: slot 16 is past the pool's 16 slots"):
         cpu_ops.write_kv_cpu(key, key, k_cache, v_cache, torch.tensor([16]))
     assert kv.abs().sum() == 0
+
+
+@pytest.mark.parametrize("batch, vocab", [(1, 1), (3, 7), (5, 8192), (2, 151_936)])
+def test_random_uniform_equals_the_samplers_torch_path_bit_for_bit(op, batch, vocab):
+    """Every seeded token depends on these bits (prefill and decode, CPU and CUDA must agree): each build's
+    vectorized loop gives exactly the torch path's uniforms, for keys at both ends of the 64-bit range."""
+    from splitserve.engine.worker.sampler import random_uniform_torch
+
+    gen = torch.Generator().manual_seed(batch * vocab)
+    halves = torch.randint(0, 2**32, (batch, 2), generator=gen, dtype=torch.int64)
+    halves[0] = torch.tensor([0, 0]) if batch == 1 else torch.tensor([2**32 - 1, 2**32 - 1])
+    got = cpu_ops.random_uniform_cpu(halves, vocab)
+    assert got.dtype == torch.float32 and got.shape == (batch, vocab)
+    assert torch.equal(got, random_uniform_torch(halves, vocab))
 
 
 @pytest.mark.slow

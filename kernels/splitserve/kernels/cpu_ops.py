@@ -9,6 +9,8 @@
     rotary_cpu                  neox RoPE in place on q (T, Hq, D) and k (T, Hkv, D) views; float32
     silu_and_mul_cpu            (T, 2F) -> silu(gate) * up (T, F); float32
     write_kv_cpu                scatter k/v (T, Hkv, D) into the caches at slot_mapping (< 0 skipped)
+    random_uniform_cpu          keys (B, 2) int64 (a row key's low and high 32 bits) -> uniforms (B, V) float32,
+                                bit for bit the sampler's counter-based torch path (engine/worker/sampler.py)
 
 Each op reads its input once and writes its output once, in place of 2-6 torch ops with their
 temporaries; the float32 decode attention, RMSNorm and SiLU-mul have AVX-512 and AVX2 (8-wide FMA)
@@ -614,6 +616,42 @@ void write_kv_f32(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   });
 }
 
+// murmur3's 32-bit finalizer; unsigned arithmetic wraps mod 2**32 by definition.
+static inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// Counter-based uniforms (B, V) float32 from per-row key halves (B, 2) int64, each in [0, 2**32): entry (i, v)
+// is fmix32(fmix32(v * 0x9E3779B1) ^ k0) ^ k1, its top 23 bits m as (2m + 1) / 2**24, the same bits as the
+// sampler's torch path. The torch path spends ~25 passes of int64 temporaries per entry; this is one write.
+torch::Tensor random_uniform(torch::Tensor keys, int64_t V) {
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == 2 && keys.scalar_type() == torch::kLong,
+              "random_uniform_cpu: keys must be (B, 2) int64");
+  const torch::Tensor k = keys.contiguous();
+  const int64_t B = k.size(0);
+  const int64_t* kp = k.data_ptr<int64_t>();
+  torch::Tensor out = torch::empty({B, V}, torch::dtype(torch::kFloat));
+  float* op = out.data_ptr<float>();
+  std::vector<uint32_t> vocab_hash(V);
+  for (int64_t v = 0; v < V; ++v) vocab_hash[v] = fmix32(static_cast<uint32_t>(v) * 0x9E3779B1u);
+  const uint32_t* vh = vocab_hash.data();
+  at::parallel_for(0, B, grain_rows(V), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t k0 = static_cast<uint32_t>(kp[2 * i]), k1 = static_cast<uint32_t>(kp[2 * i + 1]);
+      float* o = op + i * V;
+      for (int64_t v = 0; v < V; ++v) {
+        const uint32_t h = fmix32(vh[v] ^ k0) ^ k1;
+        o[v] = static_cast<float>(static_cast<int32_t>(((h >> 9) << 1) + 1u)) * 0x1p-24f;
+      }
+    }
+  });
+  return out;
+}
+
 // The vector path this build compiled in (its -march), for logs and tests.
 std::string isa() {
 #if defined(__AVX512F__)
@@ -632,10 +670,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary_f32, "neox rotary embedding in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul_f32, "silu(gate) * up (CPU, float32)");
   m.def("write_kv", &write_kv_f32, "scatter keys/values into the paged caches (CPU, float32)");
+  m.def("random_uniform", &random_uniform, "counter-based uniforms in (0, 1) from per-row keys (CPU, float32)");
 }
 """
 
-_NAME = "splitserve_cpu_ops_v7"  # + "_<isa>": one build per instruction set
+_NAME = "splitserve_cpu_ops_v8"  # + "_<isa>": one build per instruction set
 # The vector path is chosen at build time by -march; which build to load, at run time from the CPU's
 # flags (torch's own detection): AVX-512 CPUs keep the build they always had (-march=native), AVX2
 # ones get the 8-wide FMA paths (x86-64-v3), anything else the plain loops. SPLITSERVE_CPU_ISA forces
@@ -815,3 +854,8 @@ def write_kv_cpu(
 ) -> None:
     """Scatter key/value (T, Hkv, D) into the caches (N, bs, Hkv, D) at their slots (< 0 skipped)."""
     _module.write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def random_uniform_cpu(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys (B, 2) int64, each in [0, 2**32) -> (B, vocab_size) float32 in (0, 1) (see the module docstring)."""
+    return _module.random_uniform(keys, int(vocab_size))

@@ -32,6 +32,7 @@ import torch
 from splitserve.common.logprobs import TokenLogprobs
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.grammar import TokenMask, apply_token_mask
+from splitserve.engine.worker.layers import cpu_ops_for
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -155,7 +156,16 @@ def random_uniform(keys: Sequence[int], vocab_size: int, device: torch.device) -
     """
     key_halves = [[k & _M32, (k >> 32) & _M32] for k in keys]
     k = _as_tensor(key_halves, torch.int64, device)  # (B, 2)
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)  # (V,)
+    ops = cpu_ops_for(k, (torch.int64,))
+    if ops is not None:  # the same bits in one pass: the torch path took most of a CPU decode step of 256 rows
+        return ops.random_uniform_cpu(k, vocab_size)
+    return random_uniform_torch(k, vocab_size)
+
+
+def random_uniform_torch(key_halves: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """random_uniform in torch ops (every device; the reference of the CPU op): key_halves (B, 2) int64."""
+    k = key_halves
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=k.device)  # (V,)
     vocab_hash = _fmix32(_mul32(vocab, 0x9E3779B1))  # (V,)
     h = _fmix32(vocab_hash[None, :] ^ k[:, 0:1]) ^ k[:, 1:2]  # (B, V)
     return (((h >> 9) << 1) + 1).to(torch.float32) * (2.0**-24)  # (B, V)
@@ -344,11 +354,14 @@ class Sampler:
         if penalty_rows:
             work = self._penalize(work, rows, penalty_rows)
 
-        tokens = work.argmax(dim=-1)  # (B,) right for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            index = _index(random_rows, work.device)
-            tokens[index] = self._sample(work[index], [rows[i] for i in random_rows])
+        if len(random_rows) == batch:  # no greedy row: no argmax of the whole batch, no copy of its rows
+            tokens = self._sample(work, rows)
+        else:
+            tokens = work.argmax(dim=-1)  # (B,) right for greedy rows
+            if random_rows:
+                index = _index(random_rows, work.device)
+                tokens[index] = self._sample(work[index], [rows[i] for i in random_rows])
 
         if raw_logprobs is None:
             return DeviceSample(tokens)
