@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from splitserve.common.config import EngineConfig, default_max_num_batched_tokens
+from splitserve.common.config import EngineConfig, default_max_num_batched_tokens, default_max_num_seqs
 from splitserve.common.config_fields import ConfigError, add_arguments, describe, from_namespace
 
 
@@ -17,7 +17,7 @@ def parse(argv, env=None):
 
 def test_defaults():
     config = parse([])
-    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 256, None)
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, None, None)
     assert config.enable_prefix_caching is True and config.num_kv_blocks is None
 
 
@@ -47,6 +47,27 @@ def test_the_engine_resolves_the_budget_and_keeps_a_given_one():
     assert LLM(load_format="dummy", device="cpu", num_kv_blocks=64).engine.info.max_num_batched_tokens == 2048
     engine = LLM(load_format="dummy", device="cpu", num_kv_blocks=64, max_num_batched_tokens=300).engine
     assert (engine.info.max_num_batched_tokens, engine.scheduler.max_num_batched_tokens) == (300, 300)
+
+
+@pytest.mark.parametrize(
+    "device_type, offline, cap",
+    [("cpu", False, 128), ("cpu", True, 256), ("cuda", False, 256), ("cuda", True, 256)],  # vLLM's CPU values
+)
+def test_an_unset_sequence_cap_follows_the_device(device_type, offline, cap):
+    assert default_max_num_seqs(device_type, offline) == cap
+
+
+def test_the_engine_resolves_the_sequence_cap_and_keeps_a_given_one():
+    from splitserve.engine import LLM
+    from splitserve.engine.engine_core import EngineCore
+
+    assert LLM(load_format="dummy", device="cpu", num_kv_blocks=64).engine.scheduler.max_num_seqs == 256
+    service = EngineCore(EngineConfig(load_format="dummy", device="cpu", num_kv_blocks=64))
+    assert (service.info.max_num_seqs, service.scheduler.max_num_seqs) == (128, 128)
+    service.close()
+    given = EngineCore(EngineConfig(load_format="dummy", device="cpu", num_kv_blocks=64, max_num_seqs=300))
+    assert (given.info.max_num_seqs, given.scheduler.max_num_seqs) == (300, 300)
+    given.close()
 
 
 def test_flags_override_env_which_overrides_defaults():

@@ -75,11 +75,18 @@ class EngineConfig:
     )
     kv_cache_cpu_bytes: int = option(
         1 << 30,
-        "KV pool bytes on CPU when --num-kv-blocks is unset (capped, as on CUDA, at 2 x max_num_seqs x max_model_len)",
+        "KV pool bytes on CPU when --num-kv-blocks is unset (capped, as on CUDA, at 2 x max-num-seqs x max_model_len)",
         min=1 << 16,
         max=1 << 40,
     )
-    max_num_seqs: int = option(256, "most requests in the running batch", min=1, max=4096)
+    max_num_seqs: int | None = option(
+        None,
+        "most requests in the running batch; unset = 128 for a service on CPU (vLLM's CPU server default: each "
+        "token of every running request waits one step, and a CPU step's time grows with its rows), 256 for the "
+        "offline LLM on CPU and on CUDA",
+        min=1,
+        max=4096,
+    )
     max_num_batched_tokens: int | None = option(
         None,
         "token budget of one step (chunks long prompts); unset = vLLM's rule: on a CUDA device of 70 GiB or more "
@@ -168,6 +175,7 @@ class RuntimeInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_num_batched_tokens: int  # the config's, else default_max_num_batched_tokens
+    max_num_seqs: int  # the config's, else default_max_num_seqs
 
 
 def default_max_num_batched_tokens(device_type: str, total_memory: int, device_name: str, offline: bool) -> int:
@@ -181,3 +189,13 @@ def default_max_num_batched_tokens(device_type: str, total_memory: int, device_n
     if total_memory >= 70 * 2**30 and "a100" not in device_name.lower():
         return 16384 if offline else 8192
     return 8192 if offline else 2048
+
+
+def default_max_num_seqs(device_type: str, offline: bool) -> int:
+    """The running batch's cap when --max-num-seqs is unset. On CPU, vLLM's CPU defaults: 128 for a service
+    (a step's time grows with its rows, and every running request's next token waits for the whole step), 256
+    for the offline LLM (a throughput job); 256 on CUDA, where a decode step's time barely grows with its rows.
+    docs/performance.md ("Findings that set defaults") has the CPU measurement."""
+    if device_type != "cuda":
+        return 256 if offline else 128
+    return 256

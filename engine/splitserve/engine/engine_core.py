@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens
+from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens, default_max_num_seqs
 from splitserve.common.config_fields import ConfigError
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
@@ -78,8 +78,9 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return name
 
 
-def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, dtype_name: str):
-    """Ranks 1..N-1 of --tensor-parallel-size N, each loading its shard as rank 0 does (worker/rank_setup.py)."""
+def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, dtype_name: str, max_num_seqs: int):
+    """Ranks 1..N-1 of --tensor-parallel-size N, each loading its shard as rank 0 does (worker/rank_setup.py);
+    `max_num_seqs`: rank 0's resolved cap, which sizes every rank's pool alike."""
     import functools
 
     from splitserve.engine.worker.rank_setup import set_up_rank
@@ -100,7 +101,9 @@ def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, 
             f"{device.index + config.tensor_parallel_size - 1}; {torch.cuda.device_count()} are visible"
         )
     return TpWorkers.start(
-        functools.partial(set_up_rank, config, model_config, dtype_name), config.tensor_parallel_size, device
+        functools.partial(set_up_rank, config, model_config, dtype_name, max_num_seqs),
+        config.tensor_parallel_size,
+        device,
     )
 
 
@@ -177,9 +180,10 @@ class EngineCore:
             keep_freed_memory()
         dtype_name = resolve_dtype(config.dtype, device)
         self.tp_workers = tp = None
+        max_num_seqs = config.max_num_seqs or default_max_num_seqs(device.type, offline)
         if config.tensor_parallel_size > 1:
             model_config = model_config or read_model_config(config)
-            self.tp_workers = _start_tp_workers(config, model_config, device, dtype_name)
+            self.tp_workers = _start_tp_workers(config, model_config, device, dtype_name, max_num_seqs)
             tp = self.tp_workers.group
         try:
             if model is None:  # under TP, fp8 quantization reduces split rows' scales over the ranks
@@ -188,7 +192,7 @@ class EngineCore:
             self.model_config = model_config
             self.layout: KvLayout = kv_layout_for(model, model_config, config, dtype_name, tp)
             max_model_len = max_model_len_of(config, model_config)
-            num_blocks = size_pool(config, self.layout, device, max_model_len)
+            num_blocks = size_pool(config, self.layout, device, max_model_len, max_num_seqs)
             if tp is not None:
                 with self.tp_workers.guard():
                     num_blocks = tp.min_over_ranks(num_blocks)
@@ -205,6 +209,7 @@ class EngineCore:
             eos_token_ids=tuple(model_config.eos_token_ids),
             vocab_size=model_config.vocab_size,
             max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
+            max_num_seqs=max_num_seqs,
         )
         # structured output: the model's tokenizer is loaded at the first request with a grammar
         self.grammars = GrammarBackend(
@@ -214,7 +219,7 @@ class EngineCore:
         self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
         self.scheduler = Scheduler(
             self.kv,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.info.max_num_batched_tokens,
             max_model_len=max_model_len,
             role=config.role,
@@ -231,7 +236,7 @@ class EngineCore:
         # tensor parallel: decode graphs would have to capture every rank's collectives in step (not yet)
         graphs = device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
         if graphs and config.role != "prefill":
-            self.runner.capture_graphs(config.max_num_seqs, max_model_len)
+            self.runner.capture_graphs(max_num_seqs, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)

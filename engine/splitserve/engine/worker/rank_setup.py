@@ -66,11 +66,14 @@ def max_model_len_of(config: EngineConfig, model_config) -> int:
     return min(config.max_model_len or limit, limit)
 
 
-def size_pool(config: EngineConfig, layout: KvLayout, device: torch.device, max_model_len: int) -> int:
-    """Blocks of a pool: --num-kv-blocks, else sized from memory (worker/kv_sizing.py), per instance on CUDA."""
+def size_pool(
+    config: EngineConfig, layout: KvLayout, device: torch.device, max_model_len: int, max_num_seqs: int
+) -> int:
+    """Blocks of a pool: --num-kv-blocks, else sized from memory (worker/kv_sizing.py), per instance on CUDA;
+    `max_num_seqs`: the resolved cap (--max-num-seqs, else common/config.py's default_max_num_seqs)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    cap = cap_blocks(config.max_num_seqs, max_model_len, config.block_size)
+    cap = cap_blocks(max_num_seqs, max_model_len, config.block_size)
     if device.type != "cuda":
         return cpu_kv_blocks(config.kv_cache_cpu_bytes, layout.block_nbytes, cap)
     gc.collect()
@@ -80,7 +83,7 @@ def size_pool(config: EngineConfig, layout: KvLayout, device: torch.device, max_
     return gpu_kv_blocks(memory, config.kv_cache_memory_fraction, layout.block_nbytes, cap, str(device))
 
 
-def set_up_rank(config: EngineConfig, model_config: ModelConfig, dtype_name: str, tp: TpGroup):
+def set_up_rank(config: EngineConfig, model_config: ModelConfig, dtype_name: str, max_num_seqs: int, tp: TpGroup):
     """A rank > 0: its model shard and KV tensor, the pool as large as the smallest rank's allows
     (rank 0 runs the same steps in EngineCore). Module-level: it is pickled to the rank."""
     # on CPU the ranks share the cores: without --num-threads each takes its share, not torch's default of all
@@ -89,7 +92,8 @@ def set_up_rank(config: EngineConfig, model_config: ModelConfig, dtype_name: str
         torch.set_num_threads(threads)
     model, model_config = load_rank_model(config, tp.device, dtype_name, tp, model_config)
     layout = kv_layout_for(model, model_config, config, dtype_name, tp)
-    num_blocks = tp.min_over_ranks(size_pool(config, layout, tp.device, max_model_len_of(config, model_config)))
+    max_model_len = max_model_len_of(config, model_config)
+    num_blocks = tp.min_over_ranks(size_pool(config, layout, tp.device, max_model_len, max_num_seqs))
     openers = tp.recv_object()  # rank 0's KvConnector may have placed this rank's pool (shared memory)
     if openers is None:
         return model, allocate_kv_cache(layout, num_blocks, tp.device)
