@@ -17,8 +17,9 @@ from tests.service_harness import Stack, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 MAX_REQUEST_TOKENS = 262144  # above the huge request's 212,992 (the default, 131,072, refuses it)
-# steps of the default model in float64 on one CPU thread: on a loaded 2-core machine, with the default cap of
-# 256 sequences a step the small requests' 8 tokens took 2.5-4.4 s (steps of ~0.25 s); with 32, 0.9-1.2 s
+# steps of the default model in float64 on one CPU thread: on a loaded 2-core machine, with 256 sequences a step
+# (the cap before CPU services defaulted to 128) and the sampler's torch draws the small requests' 8 tokens took
+# 2.5-4.4 s (steps of ~0.25 s); with 32, 0.9-1.2 s. The float32 stack at its defaults: benchmarks/flood_latency.py
 DECODE_MAX_NUM_SEQS = 32
 
 
