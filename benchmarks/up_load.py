@@ -160,7 +160,7 @@ async def burst(port: int, num_requests: int, prompt_len: int, max_tokens: int, 
         num_requests, LengthDist("fixed", prompt_len), LengthDist("fixed", max_tokens), VOCAB_SIZE, None, 0, salt
     )
     async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
-        send = grpc_sender(generation_pb2_grpc.GenerationStub(channel), 0.0, 600.0)
+        send = grpc_sender([generation_pb2_grpc.GenerationStub(channel)], 0.0, 600.0)
         progress = Progress(len(specs), f"{num_requests}x{max_tokens}", enabled=False)
         records, duration = await run_load(
             specs, [0.0] * len(specs), send, concurrency=None, max_seconds=600.0, progress=progress
