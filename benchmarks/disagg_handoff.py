@@ -40,6 +40,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,10 +68,24 @@ def start(command: str, args: list[str], log_path: Path) -> subprocess.Popen:
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith("READY"):
+            drain_stdout(proc, log_path.with_suffix(".stdout.log"))
             return proc
         if not line and proc.poll() is not None:
             break
     raise RuntimeError(f"{command} did not start; log:\n{log_path.read_text()[-4000:]}")
+
+
+def drain_stdout(proc: subprocess.Popen, path: Path) -> None:
+    """Copy what a service prints after READY into `path`: UCX logs to stdout (UCX_PROTO_INFO=y, UCX_LOG_LEVEL), and a
+    pipe nobody reads would block the service once full."""
+
+    def copy() -> None:
+        with open(path, "w") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=copy, name=f"stdout-{path.stem}", daemon=True).start()
 
 
 def stop(proc: subprocess.Popen) -> None:

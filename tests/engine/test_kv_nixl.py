@@ -133,3 +133,38 @@ def test_nixl_is_refused_without_the_package_naming_the_extra(monkeypatch):
         ServiceConfig(kv_transport="nixl")
     assert str(err.value) == message
     ServiceConfig(kv_transport="shm")  # the others need nothing more
+
+
+def test_a_pool_is_described_to_nixl_by_its_own_memory_kind_and_device():
+    from splitserve.engine.kv_connectors.nixl import memory_kind
+
+    assert memory_kind(torch.device("cuda", 3)) == ("VRAM", 3)
+    assert memory_kind(torch.device("cuda", 0)) == ("VRAM", 0)
+    assert memory_kind(torch.device("cpu")) == ("DRAM", 0)
+    with pytest.raises(ValueError, match=r"^a NIXL pool needs its CUDA device index \(got cuda\): pass the tensor"):
+        memory_kind(torch.device("cuda"))
+
+
+def test_a_read_posts_one_descriptor_per_run_of_consecutive_blocks_on_both_sides():
+    from splitserve.engine.kv_connectors.block_copies import block_runs
+    from splitserve.engine.kv_connectors.nixl import read_descriptors
+
+    # source blocks 4,5,6 then 9 into destination blocks 0,1,2 then 7: two runs, 1 KiB blocks
+    local, remote = read_descriptors(block_runs([4, 5, 6, 9], [0, 1, 2, 7]), 1024, (0x10000, 1), (0x90000, 2))
+    assert local == [(0x10000, 3072, 1), (0x10000 + 7 * 1024, 1024, 1)]
+    assert remote == [(0x90000 + 4 * 1024, 3072, 2), (0x90000 + 9 * 1024, 1024, 2)]
+    # a whole prompt in consecutive blocks on both sides is one descriptor, however many blocks
+    local, remote = read_descriptors(block_runs(list(range(128)), list(range(5, 133))), 1024, (0, 0), (0, 0))
+    assert local == [(5 * 1024, 128 * 1024, 0)] and remote == [(0, 128 * 1024, 0)]
+
+
+def test_ucx_defaults_fill_only_what_the_deployment_left_unset():
+    from splitserve.engine.kv_connectors.nixl import apply_ucx_defaults
+
+    environ = {"PATH": "/bin"}
+    assert apply_ucx_defaults(environ, vram=False) == {"UCX_MEM_EVENTS": "no"}
+    assert apply_ucx_defaults(environ, vram=True) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert environ == {"PATH": "/bin", "UCX_MEM_EVENTS": "no", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    environ = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto", "UCX_MEM_EVENTS": "yes"}
+    assert apply_ucx_defaults(environ, vram=True) == {}
+    assert environ == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto", "UCX_MEM_EVENTS": "yes"}

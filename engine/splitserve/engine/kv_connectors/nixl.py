@@ -43,13 +43,33 @@ PROGRESS_S = 1e-3
 ENDPOINT_KEYS = ("nixl_agent", "nixl_metadata", "nixl_pool_addr", "nixl_mem", "nixl_device", "num_blocks")
 
 
+# UCX settings the connector needs unless the deployment sets them; UCX reads them when NIXL creates its context.
+# UCX_MEM_EVENTS=no, set before UCX loads: UCX's memory hooks (registration-cache invalidation on every mmap/munmap)
+# slowed the torch allocations of a CPU engine's steps: a 2,048-token hand-off took 143-155 ms with them, 22-28 ms
+# without (docs/performance.md). Every pool NIXL moves is registered explicitly, once, for the process's life, so UCX
+# needs no such tracking; cuda_ipc keys its cache of mapped peer pools by CUDA buffer id, not by these events.
+UCX_ENV_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
+# For a VRAM pool, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: a pull is a READ (a UCP get). UCX turns cuda_ipc's get off unless
+# it finds an active NVLink on GPU 0 (PCIe GPUs, a one-GPU machine or VM), and a VRAM READ between processes of one
+# host then falls back to a software-emulated get over TCP or shared memory, staged through host memory in small
+# pieces, each answered by the prefill's CPU (docs/kv-connector.md, "nixl on one host"). Newer NIXL releases' UCX
+# plugin sets it too (1.5.1's does not); it changes nothing across hosts (cuda_ipc reaches only its own host's
+# peers). Only for VRAM: UCX without its CUDA module warns of the variable as unused.
+UCX_VRAM_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def apply_ucx_defaults(environ, vram: bool) -> dict[str, str]:
+    """Set each of the defaults (UCX_VRAM_ENV_DEFAULTS too for a VRAM pool) that `environ` lacks; returns those it
+    set (a deployment's own value wins)."""
+    defaults = {**UCX_ENV_DEFAULTS, **(UCX_VRAM_ENV_DEFAULTS if vram else {})}
+    applied = {key: value for key, value in defaults.items() if key not in environ}
+    environ.update(applied)
+    return applied
+
+
 def load_nixl_api():
     """NIXL's `_api` module (nixl_agent, nixl_agent_config, ...): the meta package's, else a CUDA build's."""
-    # UCX's memory hooks (registration-cache invalidation on every mmap/munmap) slowed the torch allocations of a
-    # CPU engine's steps: a 2,048-token hand-off took 143-155 ms with them, 22-28 ms without (docs/performance.md).
-    # Every pool NIXL moves is registered explicitly, once, for the process's life, so UCX needs no such tracking.
-    # Set before UCX loads; a deployment's own value wins.
-    os.environ.setdefault("UCX_MEM_EVENTS", "no")
+    apply_ucx_defaults(os.environ, vram=False)  # before UCX loads
     for name in NIXL_MODULES:
         try:
             api = importlib.import_module(f"{name}._api")
@@ -66,6 +86,28 @@ def load_nixl_api():
             nixl_log.setLevel(logging.WARNING)
         return api
     raise RuntimeError(nixl_missing())
+
+
+def memory_kind(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id for a pool on `device`: ("VRAM", its CUDA index) or ("DRAM", 0). UCX finds
+    the GPU from the address itself; NIXL keeps the id in the descriptors, so it must be the pool's own."""
+    if device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"a NIXL pool needs its CUDA device index (got {device}): pass the tensor's device")
+        return "VRAM", device.index
+    return "DRAM", 0
+
+
+def read_descriptors(
+    runs: list[tuple[int, int, int]], block_bytes: int, local: tuple[int, int], remote: tuple[int, int]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """A READ's descriptor lists (address, bytes, device id), one descriptor per run of consecutive blocks on both
+    sides (block-major pools: a run is one contiguous range). `runs`: (src block, dst block, count) as block_runs
+    gives them; `local`/`remote`: each pool's (base address, device id)."""
+    (local_addr, local_dev), (remote_addr, remote_dev) = local, remote
+    local_descs = [(local_addr + d * block_bytes, n * block_bytes, local_dev) for _, d, n in runs]
+    remote_descs = [(remote_addr + s * block_bytes, n * block_bytes, remote_dev) for s, _, n in runs]
+    return local_descs, remote_descs
 
 
 def check_endpoint(prefill_instance: str, endpoint: dict) -> None:
@@ -98,6 +140,8 @@ class NixlConnector(KvConnector):
 
     def place_pool(self, layout: KvLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
         kv_cache = allocate_kv_cache(layout, num_blocks, device)  # (N, L, 2, bs, Hkv, D), contiguous
+        self._mem, self._device_id = memory_kind(kv_cache.device)
+        apply_ucx_defaults(os.environ, vram=self._mem == "VRAM")  # before the agent creates its UCX context
         api = self._api
         name = f"{self.instance}-{self.start_epoch}-{os.getpid()}"
         # several threads use the agent (the core thread loads peers, lane workers read, the progress thread)
@@ -105,8 +149,6 @@ class NixlConnector(KvConnector):
             enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         self._agent = api.nixl_agent(name, config)
-        self._mem = "VRAM" if device.type == "cuda" else "DRAM"
-        self._device_id = (device.index or 0) if device.type == "cuda" else 0
         self._pool_addr = kv_cache.data_ptr()
         self._block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         region = [(self._pool_addr, num_blocks * self._block_bytes, self._device_id, "")]
@@ -190,11 +232,12 @@ class NixlConnector(KvConnector):
         if not 0 <= min(src_ids) <= max(src_ids) < num_remote:
             raise ValueError(f"block ids {min(src_ids)}..{max(src_ids)} outside the prefill's {num_remote} blocks")
         remote = self._remote(spec.prefill_instance, spec.endpoint)
-        runs = block_runs(src_ids, dst_blocks)
-        size = self._block_bytes
-        remote_addr, remote_dev = int(spec.endpoint["nixl_pool_addr"]), int(spec.endpoint["nixl_device"])
-        local = [(self._pool_addr + d * size, n * size, self._device_id) for _, d, n in runs]
-        remote_descs = [(remote_addr + s * size, n * size, remote_dev) for s, _, n in runs]
+        local, remote_descs = read_descriptors(
+            block_runs(src_ids, dst_blocks),
+            self._block_bytes,
+            (self._pool_addr, self._device_id),
+            (int(spec.endpoint["nixl_pool_addr"]), int(spec.endpoint["nixl_device"])),
+        )
         with self._side_stream(target.kv_cache) as stream:
             if stream is not None:
                 stream.synchronize()  # what earlier steps queued on these blocks is done before the READ lands
@@ -207,10 +250,10 @@ class NixlConnector(KvConnector):
         log.debug(
             "kv timing nixl read: %d blocks in %d runs, %.3f ms",
             len(src_ids),
-            len(runs),
+            len(local),
             (time.perf_counter_ns() - start) / 1e6,
         )
-        return Moved(len(src_ids) * size)
+        return Moved(len(src_ids) * self._block_bytes)
 
     def _read(self, remote: str, local: list[tuple], remote_descs: list[tuple], remote_mem: str) -> None:
         """One READ, polled until done; past timeout_s it is cancelled (TimeoutError). Returns only once nothing
