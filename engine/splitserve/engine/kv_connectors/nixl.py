@@ -52,8 +52,8 @@ UCX_ENV_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
 # For a VRAM pool, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: a pull is a READ (a UCP get). UCX turns cuda_ipc's get off unless
 # it finds an active NVLink on GPU 0 (PCIe GPUs, a one-GPU machine or VM), and a VRAM READ between processes of one
 # host then falls back to a software-emulated get over TCP or shared memory, staged through host memory in small
-# pieces, each answered by the prefill's CPU (docs/kv-connector.md, "nixl on one host"). Newer NIXL releases' UCX
-# plugin sets it too (1.5.1's does not); it changes nothing across hosts (cuda_ipc reaches only its own host's
+# pieces, each answered by the prefill's CPU (docs/kv-connector.md, "nixl on one host"). Newer NIXL releases enable
+# this in their UCX plugin (1.5.1's does not); it changes nothing across hosts (cuda_ipc reaches only its own host's
 # peers). Only for VRAM: UCX without its CUDA module warns of the variable as unused.
 UCX_VRAM_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
