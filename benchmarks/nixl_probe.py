@@ -11,8 +11,9 @@ whole pool into its own for each descriptor layout (one descriptor; one per laye
 one per 32 KiB piece), polling as the connector does, checks every byte, and times it (median of --repeats after
 a warm-up READ; a warm-up slower than 2 s is the only one). Variants start while --budget-s lasts. Every process
 runs with UCX_PROTO_INFO=y: the protocol UCX chose for the READ (`ucp_get*`: cuda_ipc, or "software emulation" over
-tcp/shared memory, staged through host memory) is printed from the reader's log under the table. Logs: --logs
-(default /tmp/nixl-probe-logs).
+tcp/shared memory, staged through host memory) is printed from the reader's log under the table. The `connector`
+variant runs the connectors themselves (NixlConnector in both processes, with the UCX settings it sets itself): one
+pull of every block of a pool of whole Qwen3-0.6B-sized blocks. Logs: --logs (default /tmp/nixl-probe-logs).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ VARIANTS = {
     # TCP only, as between hosts without RDMA: the owner's CPU answers the READ, so how often it is driven shows
     "tcp": ({"UCX_TLS": "tcp,cuda_copy,self"}, "ours"),
     "tcp+busy-owner": ({"UCX_TLS": "tcp,cuda_copy,self"}, "nixl"),
+    # the connectors themselves (NixlConnector in both processes, its own UCX defaults): one pull of every block
+    "connector": ({}, "connector"),
 }
+# Qwen3-0.6B's KV bytes per block (28 layers, K and V, 16 tokens, 8 heads of 128 in bf16) as float32 with 4 heads
+PROBE_LAYOUT = dict(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype="float32", model_id="nixl-probe")
 # Qwen3-0.6B's shape: 28 layers, K and V each; a block-major pool moves a run of blocks as one descriptor
 LAYOUTS = {"one": None, "per-layer-kv": 56, "32KiB": "32KiB"}
 SLOW_S = 2.0
@@ -122,6 +127,70 @@ def run_owner(args) -> None:
     stop.set()
 
 
+def probe_layout():
+    from splitserve.common.kv_layout import KvLayout
+
+    return KvLayout(**PROBE_LAYOUT)
+
+
+def run_connector_owner(args) -> None:
+    """A prefill's NixlConnector with a pool of --mib MiB (whole blocks; each int32 its own index)."""
+    import torch
+
+    from splitserve.engine.kv_connectors.factory import make_connector
+
+    layout = probe_layout()
+    io = make_connector({"transport": "nixl", "instance": "probe-p", "role": "prefill"})
+    pool = io.kv_cache_factory(layout, max(1, (args.mib << 20) // layout.block_nbytes), torch.device(args.device))
+    pool.view(-1).view(torch.int32).copy_(make_pool(pool.numel() * 4, args.device))
+    endpoint = {"connector": io.endpoint, "ucx": ucx_version()}
+    tmp = Path(args.endpoint_file + ".tmp")
+    tmp.write_text(json.dumps(endpoint))
+    tmp.rename(args.endpoint_file)
+    sys.stdin.readline()
+    io.close()
+
+
+def run_connector_reader(args) -> None:
+    """A decode's NixlConnector pulls every block (one run: one descriptor) as a lane worker would."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from splitserve.engine.kv_connectors.base import PullTarget
+    from splitserve.engine.kv_connectors.factory import make_connector
+
+    layout = probe_layout()
+    endpoint = json.loads(Path(args.endpoint_file).read_text())["connector"]
+    num_blocks = int(endpoint["num_blocks"])
+    options = {"transport": "nixl", "instance": "probe-d", "role": "decode", "timeout_s": args.read_timeout_s}
+    io = make_connector(options)
+    dst = io.kv_cache_factory(layout, num_blocks, torch.device(args.device))
+    expected = make_pool(dst.numel() * 4, args.device)
+    io.map_source("probe-p", "nixl", endpoint, layout)
+    blocks = list(range(num_blocks))
+    spec = SimpleNamespace(transport="nixl", prefill_instance="probe-p", block_ids=blocks, endpoint=endpoint)
+    times, ok = [], True
+    env = {key: os.environ.get(key, "") for key in ("UCX_MEM_EVENTS", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")}
+    results: dict[str, dict] = {"ucx": {"version": ucx_version(), "env set by the connector": env}}
+    try:
+        for _ in range(args.repeats + 1):
+            dst.zero_()
+            if dst.is_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            io.pull(spec, blocks, blocks, PullTarget(dst, None))
+            times.append(time.perf_counter() - start)
+            ok = ok and bool(torch.equal(dst.view(-1).view(torch.int32), expected))
+            if times[-1] > SLOW_S:
+                break
+        results["one"] = {"ms": [t * 1e3 for t in times], "ok": ok, "descs": 1, "bytes": dst.numel() * 4}
+    except Exception as exc:
+        results["one"] = {"error": repr(exc)[:300], "ms": [t * 1e3 for t in times], "descs": 1}
+    io.close()
+    Path(args.result_file).write_text(json.dumps(results))
+
+
 def descriptors(layout, addr: int, num_bytes: int, dev: int) -> list[tuple[int, int, int]]:
     if layout is None:
         pieces = 1
@@ -196,6 +265,8 @@ def wait_for(path: Path, proc: subprocess.Popen, what: str) -> None:
 def run_variant(args, name: str, logs: Path) -> dict:
     extra, progress = VARIANTS[name]
     env = {**os.environ, **UCX_DEFAULTS, **extra, "UCX_PROTO_INFO": "y", "PYTHONSAFEPATH": "1"}
+    if progress == "connector":  # the connector's own defaults, whatever this shell says
+        env = {key: value for key, value in env.items() if key not in UCX_DEFAULTS}
     tag = name.replace("+", "_")
     endpoint, result = logs / f"{tag}.endpoint", logs / f"{tag}.result"
     for path in (endpoint, result):
@@ -212,7 +283,8 @@ def run_variant(args, name: str, logs: Path) -> dict:
     )
     try:
         wait_for(endpoint, owner, "the owner")
-        reader = [*common, "--role", "reader", "--result-file", str(result), "--layouts", args.layouts]
+        reader = [*common, "--role", "reader", "--progress", progress, "--result-file", str(result)]
+        reader += ["--layouts", args.layouts]
         reader += ["--repeats", str(args.repeats), "--read-timeout-s", str(args.read_timeout_s)]
         budget = WAIT_S + len(args.layouts.split(",")) * (args.repeats + 1) * args.read_timeout_s
         with open(reader_log, "w") as out:
@@ -268,20 +340,25 @@ def gpu_topology(device: str) -> list[str]:
 def print_table(args, rows: list[dict]) -> None:
     layouts = args.layouts.split(",")
     print(f"\nREAD of {args.mib} MiB {args.device} -> {args.device}, two processes; ms median (GB/s); ! = bytes wrong")
-    print(f"{'variant':<22}{'owner':>6}" + "".join(f"{n:>24}" for n in layouts))
+    print(f"{'variant':<22}{'owner':>10}" + "".join(f"{n:>24}" for n in layouts))
     for row in rows:
         cells = []
         for name in layouts:
-            cell = row.get(name, {})
+            cell = row.get(name)
+            if cell is None:
+                cells.append(f"{'-':>24}")
+                continue
             if "error" in cell or not cell.get("ms"):
                 cells.append(f"{'failed':>24}")
                 continue
             timed = cell["ms"][1:] or cell["ms"]
             ms = statistics.median(timed)
             mark = "" if cell.get("ok") else "!"
-            text = f"{ms:.2f} ({(args.mib << 20) / ms / 1e6:.1f}){mark} x{cell['descs']}"
+            text = f"{ms:.2f} ({cell.get('bytes', args.mib << 20) / ms / 1e6:.1f}){mark} x{cell['descs']}"
             cells.append(f"{text:>24}")
-        print(f"{row['variant']:<22}{row['owner_progress']:>6}" + "".join(cells))
+        print(f"{row['variant']:<22}{row['owner_progress']:>10}" + "".join(cells))
+        if "env set by the connector" in row["ucx"]:
+            print(f"{'':<32}the connector's UCX environment: {row['ucx']['env set by the connector']}")
 
 
 def main(argv=None) -> int:
@@ -296,15 +373,13 @@ def main(argv=None) -> int:
     ap.add_argument("--logs", default="/tmp/nixl-probe-logs")
     ap.add_argument("--json", default="")
     ap.add_argument("--role", choices=("main", "owner", "reader"), default="main", help=argparse.SUPPRESS)
-    ap.add_argument("--progress", choices=("ours", "nixl"), default="ours", help=argparse.SUPPRESS)
+    ap.add_argument("--progress", choices=("ours", "nixl", "connector"), default="ours", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.role == "owner":
-        run_owner(args)
-        return 0
-    if args.role == "reader":
-        run_reader(args)
+    if args.role in ("owner", "reader"):
+        roles = {"owner": (run_owner, run_connector_owner), "reader": (run_reader, run_connector_reader)}
+        roles[args.role][args.progress == "connector"](args)
         return 0
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     unknown += [n for n in args.layouts.split(",") if n not in LAYOUTS]
@@ -340,7 +415,7 @@ def main(argv=None) -> int:
                 print(f"  {line}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "failed": failed}, indent=2))
-    exact = all(row.get(name, {}).get("ok") for row in rows for name in args.layouts.split(","))
+    exact = all(cell.get("ok") for row in rows for name, cell in row.items() if name in LAYOUTS)
     return 0 if rows and not failed and exact else 1
 
 
