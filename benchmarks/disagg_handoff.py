@@ -15,10 +15,11 @@ every pull; `--pacing overlapped` sends the next prompt while the previous one d
 `--variants plain,keeper:2,keepalive:2` runs every transport again with traffic that keeps the link
 awake: from a separate process (keeper) or the decode's `--kv-link-keepalive-ms` (keepalive).
 
-nixl (one-sided READs over UCX; on one host UCX picks cuda_ipc between VRAM pools) needs the NIXL wheel on the GPU
-machine: benchmarks/gpu_nixl.sh says how it travels. Its rows have no device time (UCX moves the bytes, no CUDA
-events around them): compare the pull columns. One GPU (nccl refuses two ranks on one device), Qwen3-0.6B's shape,
-a 2,048-token and a 32k-token prompt:
+nixl (one-sided READs over UCX; on one host cuda_ipc between VRAM pools, with the GET setting the connector makes:
+docs/kv-connector.md, "nixl on one host") needs the NIXL wheel on the GPU machine: benchmarks/gpu_nixl.sh says how
+it travels. Its rows have no device time (UCX moves the bytes, no CUDA events around them): compare the pull
+columns. With UCX_PROTO_INFO=y in this environment, each service's <log>.stdout.log shows the protocol UCX chose.
+One GPU (nccl refuses two ranks on one device), Qwen3-0.6B's shape, a 2,048-token and a 32k-token prompt:
 
     python benchmarks/disagg_handoff.py --config benchmarks/configs/qwen3-0.6b.json --prefill-device cuda:0 \
         --decode-device cuda:0 --transports cuda_ipc,nixl --prompt-len 2048 --json nixl-2k.json

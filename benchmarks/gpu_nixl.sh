@@ -6,6 +6,7 @@
 #   device, run 2:   carry [".whl-nixl/part-1"], command: bash benchmarks/gpu_nixl.sh stash
 #   device, run 3:   carry [".whl"], command: source benchmarks/gpu_setup.sh && bash benchmarks/gpu_nixl.sh install &&
 #                    python3 benchmarks/disagg_handoff.py ... --transports cuda_ipc,nccl,nixl
+#                    (or python3 benchmarks/nixl_probe.py: which path UCX takes for a READ, per setting)
 # `stash` keeps the parts in /tmp/nixl-wheel, which lasts while the machine stays warm (runs back to back);
 # `install` joins them, checks the sha256 that uv.lock pins and installs the wheel into /tmp/site (no deps: the
 # image has torch and numpy). The CUDA 12 build's UCX needs only the driver (libcuda), not a CUDA 12 runtime.
