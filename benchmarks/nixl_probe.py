@@ -13,7 +13,8 @@ a warm-up READ; a warm-up slower than 2 s is the only one). Variants start while
 runs with UCX_PROTO_INFO=y: the protocol UCX chose for the READ (`ucp_get*`: cuda_ipc, or "software emulation" over
 tcp/shared memory, staged through host memory) is printed from the reader's log under the table. The `connector`
 variant runs the connectors themselves (NixlConnector in both processes, with the UCX settings it sets itself): one
-pull of every block of a pool of whole Qwen3-0.6B-sized blocks. Logs: --logs (default /tmp/nixl-probe-logs).
+pull of every block of a pool of whole Qwen3-0.6B-sized blocks. First it prints `nvidia-smi nvlink --status` and
+UCX's own debug lines about NVLink and cuda_ipc's get zcopy. Logs: --logs (default /tmp/nixl-probe-logs).
 """
 
 from __future__ import annotations
@@ -323,6 +324,20 @@ def proto_lines(log: Path) -> list[str]:
     return lines
 
 
+def ucx_nvlink_lines() -> list[str]:
+    """What UCX's cuda_ipc decides about gets at its default (`auto`): its debug lines about NVLink and get zcopy,
+    from an agent created in a process of its own."""
+    env = {**os.environ, **UCX_DEFAULTS, "UCX_LOG_LEVEL": "debug", "PYTHONSAFEPATH": "1"}
+    command = [sys.executable, __file__, "--role", "ucx-check"]
+    try:
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        return ["ucx-check: timed out"]
+    lines = [line.split("UCX  DEBUG", 1)[-1].strip() for line in (out.stdout + out.stderr).splitlines()]
+    found = [line for line in lines if "nvlink" in line.lower() or "get zcopy" in line.lower()]
+    return [f"UCX: {line[:150]}" for line in found[:6]] or ["UCX: no debug line about NVLink or get zcopy"]
+
+
 def gpu_topology(device: str) -> list[str]:
     """nvidia-smi's NVLink status (cuda_ipc GET is off, by UCX's default, where none is active)."""
     if not device.startswith("cuda"):
@@ -372,11 +387,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=110.0, help="no variant starts after this many seconds")
     ap.add_argument("--logs", default="/tmp/nixl-probe-logs")
     ap.add_argument("--json", default="")
-    ap.add_argument("--role", choices=("main", "owner", "reader"), default="main", help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("main", "owner", "reader", "ucx-check"), default="main", help=argparse.SUPPRESS)
     ap.add_argument("--progress", choices=("ours", "nixl", "connector"), default="ours", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.role == "ucx-check":
+        make_agent(nixl_api(), f"probe-check-{os.getpid()}", busy_thread=False)
+        return 0
     if args.role in ("owner", "reader"):
         roles = {"owner": (run_owner, run_connector_owner), "reader": (run_reader, run_connector_reader)}
         roles[args.role][args.progress == "connector"](args)
@@ -387,8 +405,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown variant or layout: {', '.join(unknown)}")
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    for line in gpu_topology(args.device):
-        print(line)
+    for line in gpu_topology(args.device) + (ucx_nvlink_lines() if args.device.startswith("cuda") else []):
+        print(line, flush=True)
     rows, failed = [], []
     began = time.monotonic()
     for name in args.variants.split(","):
