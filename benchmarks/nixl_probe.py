@@ -33,9 +33,11 @@ from pathlib import Path
 UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
 TLS_LIST = "cuda_ipc,cuda_copy,tcp,sm,self"
 # name -> (UCX environment over UCX_DEFAULTS, how the owner's agent is driven: "ours" every PROGRESS_S, "nixl" busy)
-VARIANTS = {
+VARIANTS = {  # in the order they run: what confirms the cause and the fix first
     "get-auto": ({}, "ours"),  # UCX's own default: cuda_ipc GET off unless NVLink is detected on GPU 0
-    "get-y": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, "ours"),  # the connector's default for a VRAM pool
+    "get-y": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, "ours"),  # what the connector sets for a VRAM pool
+    # the connectors themselves (NixlConnector in both processes, its own UCX defaults): one pull of every block
+    "connector": ({}, "connector"),
     "get-y+mem-events": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_MEM_EVENTS": "yes"}, "ours"),
     "get-auto+busy-owner": ({}, "nixl"),
     "get-auto+tls": ({"UCX_TLS": TLS_LIST}, "ours"),
@@ -43,8 +45,6 @@ VARIANTS = {
     # TCP only, as between hosts without RDMA: the owner's CPU answers the READ, so how often it is driven shows
     "tcp": ({"UCX_TLS": "tcp,cuda_copy,self"}, "ours"),
     "tcp+busy-owner": ({"UCX_TLS": "tcp,cuda_copy,self"}, "nixl"),
-    # the connectors themselves (NixlConnector in both processes, its own UCX defaults): one pull of every block
-    "connector": ({}, "connector"),
 }
 # Qwen3-0.6B's KV bytes per block (28 layers, K and V, 16 tokens, 8 heads of 128 in bf16) as float32 with 4 heads
 PROBE_LAYOUT = dict(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype="float32", model_id="nixl-probe")
