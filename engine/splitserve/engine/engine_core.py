@@ -211,10 +211,11 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
             max_num_seqs=max_num_seqs,
         )
-        # structured output: the model's tokenizer is loaded at the first request with a grammar
+        # structured output: the model's tokenizer is loaded now, not beside the step loop at the first grammar
         self.grammars = GrammarBackend(
             config.resolved_model(), model_config.vocab_size, self.info.eos_token_ids, GrammarLimits.from_config(config)
         )
+        self.grammars.load_compiler()
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KvCacheManager(self.pool, config.block_size, extra_keys_for(model_config.model_id))
         self.scheduler = Scheduler(

@@ -16,7 +16,10 @@
         ▼
     apply_token_mask (the sampler's first step): tokens the grammar forbids -> -inf
 
-xgrammar imports torch, so the gateway never imports this module (pyproject's import-linter contracts).
+xgrammar imports torch, so the gateway never imports this module (pyproject's import-linter contracts). It is
+imported with this module, when a service or an engine core starts: its first import holds the GIL for about half a
+second of CPU (seconds on a loaded machine), which on first use stalled a service's event loop (every stream it
+relays) or a core's step loop.
 """
 
 from __future__ import annotations
@@ -24,14 +27,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+import xgrammar
 
 from splitserve.common.structured_output import REFUSAL_PREFIX, StructuredOutput
-
-if TYPE_CHECKING:
-    import xgrammar
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:NN: " and may hold "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -44,12 +44,6 @@ KIND_LABELS = {
     "grammar": "grammar",
 }
 _EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _xgr():
-    import xgrammar
-
-    return xgrammar
 
 
 def xgrammar_message(exc: BaseException) -> str:
@@ -75,16 +69,15 @@ def check_spec(spec: StructuredOutput, max_spec_bytes: int | None = None) -> Non
     request is queued."""
     if max_spec_bytes is not None:
         check_spec_size(spec, max_spec_bytes)
-    xgr = _xgr()
     try:
         if spec.json is not None:
-            xgr.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
+            xgrammar.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
         elif spec.regex is not None:
-            xgr.Grammar.from_regex(spec.regex)
+            xgrammar.Grammar.from_regex(spec.regex)
         elif spec.choice is not None:
-            xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+            xgrammar.Grammar.from_ebnf(choice_grammar(spec.choice))
         elif spec.grammar is not None:
-            xgr.Grammar.from_ebnf(spec.grammar)
+            xgrammar.Grammar.from_ebnf(spec.grammar)
     except RuntimeError as exc:
         raise refusal(spec, exc) from None
 
@@ -146,7 +139,7 @@ def load_tokenizer_info(model_dir: str, vocab_size: int, stop_token_ids: tuple[i
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    return _xgr().TokenizerInfo.from_huggingface(
+    return xgrammar.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
     )
 
@@ -177,9 +170,8 @@ def compile_spec(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput) -> 
 
 def _admits_a_first_token(compiled: xgrammar.CompiledGrammar) -> bool:
     """Whether a fresh matcher allows any token (a stop token counts: the empty string may match)."""
-    xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # (1, ceil(V / 32)) int32
-    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # (1, ceil(V / 32)) int32
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
     return bool(bitmask.any())
 
 

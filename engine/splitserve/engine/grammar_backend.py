@@ -8,8 +8,10 @@ by the memory it really holds.
                       then the compile in this process (as long as the trial took), cached
     matcher(spec): a matcher on the cached grammar (blocking on `prepare` when it is not there: the offline API)
 
-The core loop holds a request back until its future is done and steps the others meanwhile (xgrammar releases the
-GIL while it compiles); so a compile never delays, nor runs ahead of, requests that need none. Each engine (the
+The compiler (the model's tokenizer) is made when the engine starts (`load_compiler`), and xgrammar is imported with
+grammar.py: made by the first spec on a slot thread, their Python held the GIL for seconds beside the step loop. The
+core loop holds a request back until its future is done and steps the others meanwhile (xgrammar releases the GIL
+while it compiles); so a compile never delays, nor runs ahead of, requests that need none. Each engine (the
 prefill's and the decode's) compiles a spec once and keeps it by spec key: a compiled grammar is not handed from
 the prefill to the decode, since moving one takes several times longer than compiling it (grammar_workers.py);
 but a decode compiles a spec that its prefill has compiled within the budget (an imported request) without a
@@ -153,6 +155,18 @@ class GrammarBackend:
         self._refused: OrderedDict[str, str] = OrderedDict()
         self._passed: OrderedDict[str, int] = OrderedDict()  # key -> the bytes its grammar held in the trial
         self.slots: list[_Slot] = []
+
+    def load_compiler(self) -> None:
+        """Make the compiler now, at engine start (the model's tokenizer loaded: 0.1 s for the default model, once
+        xgrammar is imported), not on a slot thread when the first spec comes: there its Python ran beside the step
+        loop for the GIL and made steps several times slower. A model without a tokenizer is left as it is (each
+        spec is refused with that message), and so is a tokenizer that fails to load (each spec tries again)."""
+        try:
+            self._get_compiler()
+        except ValueError:
+            pass
+        except Exception:  # noqa: BLE001 - structured output is one feature: the engine serves without it
+            log.warning("loading the tokenizer for structured output failed; each spec tries again", exc_info=True)
 
     # -- the core loop's side ------------------------------------------------------------------
     def prepare(self, spec: StructuredOutput, vetted: bool = False) -> Future:

@@ -3,8 +3,9 @@ that no thread can interrupt, and a schema may take minutes.
 
     engine core (GrammarBackend's slot thread)            worker process (python -m this module)
     ──────────────────────────────────────────            ──────────────────────────────────────
-    CompileWorker(): spawned, sent the tokenizer info ──▶ a GrammarCompiler (no cache) of that tokenizer
-    trial(spec, timeout_s) ─ the spec ─────────────────▶  Begin (the budget starts now, not at its start-up)
+    CompileWorker(): spawned (imports xgrammar, torch)
+    trial(spec, timeout_s) ─ the tokenizer info (first) ▶ a GrammarCompiler (no cache) of that tokenizer
+                           ─ the spec ─────────────────▶  Begin (the budget starts now, not at its start-up)
                            ◀──── Trial ───────────────── compile_spec: refusal, or seconds + bytes it holds
     kill(): past the budget, or when nobody waits for it (its requests were aborted); a new one replaces it
 
@@ -77,7 +78,9 @@ class CompileWorker:
         )
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(tokenizer_info_json)
+        # sent with the first spec: a send this large waits for the worker to read it, after its imports (seconds),
+        # and the slot thread that starts a worker must not wait for them (a vetted spec compiles without one)
+        self._tokenizer_info_json: str | None = tokenizer_info_json
         self.compiling = False  # between a spec's Begin and its Trial
         self.num_trials = 0
 
@@ -90,6 +93,9 @@ class CompileWorker:
         WorkerGone when it is killed meanwhile or dies."""
         self.num_trials += 1
         try:
+            if self._tokenizer_info_json is not None:
+                self.conn.send(self._tokenizer_info_json)
+                self._tokenizer_info_json = None
             self.conn.send(spec)
             if not self.conn.poll(WORKER_START_S):
                 self.kill()
