@@ -225,13 +225,17 @@ class Stack:
         prefill_faults: str = "",
         decode_faults: str = "",
         gateway_more: list[str] = (),
+        num_prefill: int = 1,
     ):
+        """`num_prefill` > 1: prefills named prefill, prefill-1, ... (`prefills`), every one the gateway's and each
+        decode's peer; `prefill` is the first."""
         from splitserve.common.default_model_path import default_model_path
 
         self.model, self.logs, self.transport = default_model_path(), logs, transport
         self.prefill_args = ["--kv-transport", transport, *prefill_args]
         self.prefill_faults = prefill_faults
         self.gateway_more = list(gateway_more)  # more gateway flags
+        self.num_prefill = num_prefill
         for attempt in range(3):
             self.procs: dict[str, Proc] = {}
             try:
@@ -244,10 +248,17 @@ class Stack:
 
     def _start(self, num_decode: int, decode_args: list[str], decode_faults: str) -> None:
         model, logs, transport, prefill_faults = self.model, self.logs, self.transport, self.prefill_faults
-        self.prefill = start_service(
-            "prefill", model, logs, "prefill", service_args=self.prefill_args, faults=prefill_faults, **ENGINE
-        )
-        self.procs["prefill"] = self.prefill[0]
+        self.prefills = []
+        for i in range(self.num_prefill):
+            name = f"prefill-{i}" if i else "prefill"
+            self.prefills.append(
+                start_service(
+                    "prefill", model, logs, name, service_args=self.prefill_args, faults=prefill_faults, **ENGINE
+                )
+            )
+            self.procs[name] = self.prefills[-1][0]
+        self.prefill = self.prefills[0]
+        prefill_addresses = ",".join(address for _, address in self.prefills)
         self.decodes = []
         for i in range(num_decode):
             proc, addr = start_service(
@@ -255,7 +266,7 @@ class Stack:
                 model,
                 logs,
                 f"decode-{i}",
-                service_args=["--kv-transport", transport, "--prefill-peers", self.prefill[1], *decode_args],
+                service_args=["--kv-transport", transport, "--prefill-peers", prefill_addresses, *decode_args],
                 faults=decode_faults,
                 **ENGINE,
             )
@@ -267,7 +278,7 @@ class Stack:
             gateway_args(
                 self.grpc_port,
                 self.http_port,
-                self.prefill[1],
+                prefill_addresses,
                 ",".join(self.decodes),
                 "--health-interval-s",
                 "0.2",

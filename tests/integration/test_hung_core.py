@@ -1,8 +1,10 @@
 """A hung engine core is noticed: the prefill's core stopped (SIGSTOP) stops answering, its service says so after
 --core-stall-timeout-s (health NOT_SERVING, Describe UNAVAILABLE), fails the Prefill calls waiting on it, and the
 gateway serves every request through a local prefill on the decode meanwhile; once the core runs again the prefill
-serves again."""
+serves again. Before that timeout, a core silent for longer than it ever is while running is suspect: the prefill
+hands the requests waiting on it back, and the gateway serves them on another prefill at once."""
 
+import asyncio
 import os
 import signal
 import time
@@ -13,6 +15,8 @@ import pytest
 
 from splitserve.common.default_model_path import default_model_path
 from splitserve.engine import LLM, SamplingParams
+from splitserve.protos import decode_pb2_grpc
+from tests.service_client import describe
 from tests.service_harness import ENGINE, Stack, wait_until
 
 pytestmark = pytest.mark.slow
@@ -77,6 +81,49 @@ def test_a_stopped_prefill_core_is_routed_around_and_serves_again(tmp_path, refe
         stack.wait_ready()
         assert complete(stack, PROMPTS[0])[0] == reference[0]
         assert prefill.popen.poll() is None  # the service lived through it
+    finally:
+        try:
+            os.kill(core, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        stack.stop()
+
+
+def idle(stack) -> bool:
+    """Every instance's blocks free (or evictable in its prefix cache), nothing running or waiting, no lease."""
+
+    async def loads():
+        prefills = [(await describe(address)).load for _, address in stack.prefills]
+        decode = (await describe(stack.decodes[0], decode_pb2_grpc.DecodeStub)).load
+        return [*prefills, decode]
+
+    return all(
+        load.num_free_blocks == load.num_total_blocks and not (load.num_running or load.num_waiting or load.num_leases)
+        for load in asyncio.run(loads())
+    )
+
+
+def test_the_first_request_on_a_stopped_prefill_is_served_by_another_at_once(tmp_path, reference):
+    stall_timeout_s = 20.0  # what the first request waited before: its answer must come in a third of it
+    stack = Stack(
+        "shm", tmp_path, num_decode=1, num_prefill=2, prefill_args=["--core-stall-timeout-s", str(stall_timeout_s)]
+    )
+    stopped = stack.procs["prefill"]  # listed first: with both idle and nothing cached, the router picks it
+    core = core_pid(stopped.popen.pid)
+    try:
+        assert complete(stack, PROMPTS[0])[0] == reference[0]
+        os.kill(core, signal.SIGSTOP)
+        # sent at once: its core turns suspect (silent past what a running core ever is) well before the stall
+        # timeout; the request is handed back and served on the other prefill
+        for prompt, expected in zip(PROMPTS[1:], reference[1:]):
+            text, took = complete(stack, prompt)
+            assert (text, took < stall_timeout_s / 3) == (expected, True), took
+        assert "as if hung; try another instance" in stopped.log_path.read_text()
+        assert "has not answered for" not in stopped.log_path.read_text()  # not yet taken as hung
+        os.kill(core, signal.SIGCONT)
+        # the handed-back request's abort reached the core: every block is free again, on every instance
+        wait_until(lambda: idle(stack), 20, "blocks still held after the core ran again")
+        assert complete(stack, PROMPTS[0])[0] == reference[0]
     finally:
         try:
             os.kill(core, signal.SIGCONT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import grpc
 
@@ -17,6 +18,14 @@ from splitserve.runtime.logs import setup_logging
 from splitserve.runtime.metrics import ServiceCounters
 
 log = logging.getLogger("splitserve.service")
+
+# A running core sends something at least every HEARTBEAT_S (1 s) plus an idle wait (0.5 s), or after each step. A
+# core silent for longer than SUSPECT_MIN_S, and than SUSPECT_STEPS times its longest recent step, is suspect: a
+# prefill takes no new request and hands back the ones waiting on it (UNAVAILABLE: the gateway retries them on
+# another prefill, or on a decode), rather than holding them until --core-stall-timeout-s calls it hung.
+SUSPECT_MIN_S = 2.5
+SUSPECT_STEPS = 2.0
+NUM_RECENT_STEPS = 64
 
 
 class ServiceBase:
@@ -50,12 +59,15 @@ class ServiceBase:
             engine_config, kv_options, on_batch=self._core_message, process_init=setup_logging, on_death=self._core_died
         )
         self.exit_code = 0
+        self._recent_step_s: deque[float] = deque(maxlen=NUM_RECENT_STEPS)  # the core's last steps, seconds
         self._stop: asyncio.Event | None = None  # set by SIGTERM/SIGINT, or when the core dies
         self.metrics = None  # built once the core reports the model id
 
     def _core_message(self, msg) -> None:
         from splitserve.engine.core_process.messages import StepBatch
 
+        if isinstance(msg, StepBatch) and msg.step_ns:
+            self._recent_step_s.append(msg.step_ns / 1e9)
         if isinstance(msg, StepBatch) and self.metrics is not None:
             self.metrics.observe_engine_stats(msg.stats)
             self.metrics.observe_step(msg.num_tokens)
@@ -102,6 +114,19 @@ class ServiceBase:
     def on_core_stall(self, why: str) -> None:  # overridden by roles that fail their in-flight requests then
         pass
 
+    def core_suspect(self) -> str | None:
+        """Why the engine core is suspect of hanging (silent past SUSPECT_MIN_S and SUSPECT_STEPS of its longest
+        recent step, short of --core-stall-timeout-s), or None while it answers in time."""
+        silent_s = self.client.silent_s()
+        longest_step_s = max(self._recent_step_s, default=0.0)
+        bound_s = min(max(SUSPECT_MIN_S, SUSPECT_STEPS * longest_step_s), self.config.core_stall_timeout_s)
+        if silent_s <= bound_s:
+            return None
+        return (
+            f"{self.name}: its engine core has been silent for {silent_s:.1f} s (its recent steps took at most "
+            f"{longest_step_s:.2f} s), as if hung; try another instance"
+        )
+
     def check_accepting(self, context) -> None:
         """Refuse new work while draining or over the queue bound (raises via context.abort)."""
         if self.client.dead:
@@ -110,6 +135,8 @@ class ServiceBase:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is starting (preparing its peers)")
         if self.core_stalled:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, self.core_stalled)
+        if why := self.core_suspect():
+            raise _Refuse(grpc.StatusCode.UNAVAILABLE, why)
         if self.draining:
             raise _Refuse(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
         if self.inflight >= self.config.max_queued_requests:

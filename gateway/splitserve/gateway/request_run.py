@@ -3,7 +3,8 @@
     disaggregated:  Prefill.Prefill ──first token──▶ client
                     DecodeRequest(kv, first token) ──▶ decode link ──TokenDeltas──▶ client
     local prefill:  DecodeRequest(no kv, no first token) ──▶ decode (colocated worker, or
-                    any decode when no prefill is up or the prefill call failed)
+                    any decode when no prefill is up or the prefill call failed, on another
+                    prefill too when one was up)
 
 The run owns the request's detokenizer and counters. Stop strings are matched here: on a
 match the decode gets an AbortRequest and the output ends with STOP at the token that
@@ -176,6 +177,12 @@ class RequestRun:
         self._check_decode_room()
         prefill = router.pick_prefill(self._prompt)
         first = await self._prefill(prefill) if prefill is not None else None
+        if (
+            first is None
+            and prefill is not None
+            and (other := router.pick_prefill(self._prompt)) not in (None, prefill)
+        ):
+            prefill, first = other, await self._prefill(other)  # once: the failed one is marked down
         if first is not None:
             message = self._first_message(first)
             if not message.finish_reason:  # chosen before the first token goes out: a refusal is still a 503
@@ -211,6 +218,19 @@ class RequestRun:
         async with aclosing(self._follow()) as messages:
             async for message in messages:
                 yield message
+
+    async def _first_token(self) -> tuple[Instance | None, prefill_pb2.PrefillResponse | None]:
+        """(the prefill, its answer) from the prefill the router picks; when that one fails in a way another can
+        cover (a hung core hands its requests back), once more from another prefill that is up. (_, None): no
+        prefill served it, so a decode prefills it locally."""
+        router = self._deps.router
+        prefill = router.pick_prefill(self._prompt)
+        if prefill is None:
+            return None, None
+        first = await self._prefill(prefill)
+        if first is None and (other := router.pick_prefill(self._prompt)) is not None and other is not prefill:
+            prefill, first = other, await self._prefill(other)
+        return prefill, first
 
     def _check_decode_room(self) -> None:
         """RESOURCE_EXHAUSTED / 503 with Retry-After when no decode is up, or every up one is full."""
@@ -285,7 +305,7 @@ class RequestRun:
         if code in _MARK_DOWN_CODES:
             self._deps.registry.mark_down(prefill, reason)
         log.warning(
-            "request_id=%s internal_id=%s %s; falling back to a local prefill on a decode",
+            "request_id=%s internal_id=%s %s; trying another prefill, else a local prefill on a decode",
             self.request_id,
             self.internal_id,
             reason,

@@ -34,6 +34,7 @@ from splitserve.runtime import tracing
 from splitserve.runtime.metrics import RequestEnd
 
 log = logging.getLogger("splitserve.prefill")
+SUSPECT_POLL_S = 0.1  # how often a Prefill call waiting on the core looks at how long the core has been silent
 
 
 class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
@@ -123,14 +124,19 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
                     rid, list(request.prompt_token_ids), params, request.priority, request.seed, share=request.share
                 )
             )
-            out = await queue.get()
-        except asyncio.CancelledError:
+            out = await self._first_output(queue)
+        except (asyncio.CancelledError, Refuse) as exc:
             self.client.send(m.Abort([rid]))
             self.client.send(m.ReleaseHeld(rid))
-            raise
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            out = exc
         finally:
             self.inflight -= 1
             self.client.close_stream(rid)
+        if isinstance(out, Refuse):  # handed back: its abort waits in the pipe for the core, if it comes back
+            log.warning("request_id=%s %s", rid, out.message)
+            await context.abort(out.code, out.message)
         if out.finish_reason == "error":
             code = grpc.StatusCode.UNAVAILABLE if out.error == self.core_stalled else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, out.error or "request refused")
@@ -181,6 +187,21 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
             )
         )
         return response
+
+    async def _first_output(self, queue: asyncio.Queue):
+        """The request's first output from the core; Refuse (UNAVAILABLE) when the core turns suspect of hanging
+        meanwhile (ServiceBase.core_suspect): the gateway then serves the request elsewhere at once, not after
+        --core-stall-timeout-s."""
+        get = asyncio.ensure_future(queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=SUSPECT_POLL_S)
+                if done:
+                    return get.result()
+                if why := self.core_suspect():
+                    raise Refuse(grpc.StatusCode.UNAVAILABLE, why)
+        finally:
+            get.cancel()
 
     def _release(self, lease_id: str, epoch: int) -> bool:
         lease = self.leases.release(lease_id, epoch)
