@@ -8,8 +8,8 @@
                                                (engine/kv_connectors/base.py) runs them on worker
                                                threads; core_process/kv_scheduler.py, never in the loop
 
-The loop never waits on gRPC or on a transfer: it blocks on the pipe only when it has nothing to step
-(briefly, while transfers are in flight, so it reports one soon after it ends).
+The loop never waits on gRPC or on a transfer: it blocks on the pipe only when it has nothing to step; a
+transfer's worker wakes it when the transfer ends (`Wakeup`), so an idle decode reports a pull at once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing import connection
 
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outliving
@@ -29,7 +30,10 @@ from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outli
 log = logging.getLogger("splitserve.core")
 
 HEARTBEAT_S = 1.0  # the most the core stays silent while it runs (Heartbeat), so a hung one can be told apart
-TRANSFER_POLL_S = 0.001  # idle with transfers in flight: how often the loop looks for one that ended
+TRANSFER_POLL_S = 0.001  # idle with grammars compiling: how often the loop looks for one that is done
+# idle with transfers in flight: the most the loop waits (a worker wakes it at each end; this bounds only how late
+# a transfer past its deadline is reported)
+TRANSFER_WAIT_S = 0.05
 MAX_BATCHES_PER_TURN = 256  # pipe messages taken in before one step (a bound, so a flood cannot hold off steps)
 
 
@@ -49,17 +53,21 @@ class CoreLoop:
         self.num_background = 0
         self.running = True
         self._last_sent = time.monotonic()  # when anything last went to the service (Heartbeat's clock)
+        self.wakeup = Wakeup()
+        connector.lanes.notify = self.wakeup.set  # a transfer's end ends the loop's wait
 
     def run(self) -> None:
         try:
             while self.running and self._turn():
                 pass
         finally:
-            self.connector.close()  # queued transfers are dropped; running ones get a moment to end
+            # queued transfers are dropped; running ones get a moment to end
+            if self.connector.close() == 0:  # no worker left to write to the wake pipe (a reused fd)
+                self.wakeup.close()
 
     def _turn(self) -> bool:
         """One loop turn; False when the service process is gone."""
-        if self.conn.poll(self._wait_s()):
+        if self._wait(self._wait_s()):
             if not self._receive():
                 return False  # the service process is gone
         elif os.getppid() == 1:
@@ -96,14 +104,26 @@ class CoreLoop:
         return True
 
     def _wait_s(self) -> float:
-        """How long to wait on the pipe: not at all with work to step; briefly while transfers or pairings
-        are in flight (they end on other threads); else until a message comes (imports waiting for room
-        get it from one: a commit, an abort, a release)."""
+        """How long to wait on the pipe: not at all with work to step; briefly while grammars compile or
+        pairings run (they end on other threads); with transfers in flight until one ends (its worker wakes the
+        wait); else until a message comes (imports waiting for room get it from one: a commit, an abort, a
+        release)."""
         if self.engine.has_unfinished():
             return 0
-        if self.kv.num_in_flight or self.compiling:
+        if self.compiling:
             return TRANSFER_POLL_S
-        return 0.01 if self.num_background else 0.5
+        if self.num_background:
+            return 0.01
+        return TRANSFER_WAIT_S if self.kv.num_in_flight else 0.5
+
+    def _wait(self, timeout_s: float) -> bool:
+        """Whether the service's pipe holds a message, waited for up to `timeout_s`; with transfers in flight a
+        transfer's end (on its worker) ends the wait too."""
+        if not timeout_s or not self.kv.num_in_flight:
+            return self.conn.poll(timeout_s)
+        ready = connection.wait([self.conn, self.wakeup], timeout_s)
+        self.wakeup.clear()  # before kv.poll(): a later end writes again, so none is missed
+        return self.conn in ready
 
     def _emit(self, msg) -> None:
         self.outbox.append(msg)  # (flush replaces the list: a bound append would go stale)
@@ -274,6 +294,35 @@ class CoreLoop:
 
     def on_shutdown(self, msg: m.Shutdown) -> None:
         self.running = False
+
+
+class Wakeup:
+    """A self-pipe: a worker thread's `set` makes the loop's wait on it (`connection.wait`) return at once."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def set(self) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:  # full: a wake is pending already
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 HANDLERS: dict[type, Callable] = {

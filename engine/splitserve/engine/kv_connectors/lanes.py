@@ -4,7 +4,7 @@
     ────────────────                               ─────────────────────────────────
     submit(lane, work, ...) ──▶ lane's queue ──▶   reports (transfer, started)
                                                    result = work()      tensors and the transport only
-    poll(): on_done(transfer, result, error) ◀──   reports (transfer, result, error)
+    poll(): on_done(transfer, result, error) ◀──   reports (transfer, result, error), then notify()
             on_timeout(transfer), once, when a started transfer runs past its deadline
 
 Transfers of one lane run one after another, in the order they were submitted: NCCL matches a send to a
@@ -51,6 +51,8 @@ class TransferLanes:
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
         self._started: set[Transfer] = set()  # started, not yet done
         self.num_in_flight = 0  # submitted, not yet done (queued in a lane or running)
+        # called on the worker after each result is queued: an idle core loop waits for it, not for a poll
+        self.notify: Callable[[], None] | None = None
 
     def submit(
         self,
@@ -79,6 +81,8 @@ class TransferLanes:
             except BaseException as exc:  # reported, never lost: the loop decides what a failure means
                 result, error = None, exc
             self._reports.put((transfer, result, error))
+            if self.notify is not None:
+                self.notify()
 
     def poll(self) -> None:
         """Run the callbacks of every report so far, then of every deadline passed (core loop thread)."""
