@@ -269,13 +269,17 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
         first_delta: dict[str, asyncio.Event] = {}
         finished: dict[str, asyncio.Event] = {}
         first_at: dict[str, float] = {}
+        delta_at: dict[str, list[float]] = {}  # request -> when each of its deltas came
+        first_step_ns: dict[str, int] = {}  # request -> the decode step that made its first delta (its wall time)
 
         async def read():
             async for out in call:
                 for delta in out.deltas:
                     rid = delta.request_id
+                    delta_at.setdefault(rid, []).append(time.perf_counter())
                     if not first_delta[rid].is_set():
                         first_at[rid] = time.perf_counter()
+                        first_step_ns[rid] = out.step_ns
                         first_delta[rid].set()
                     tokens[rid].extend(delta.token_ids)
                     if delta.finish_reason:
@@ -323,10 +327,16 @@ async def run_transport(args, transport: str, prompts: list[list[int]], logs: Pa
                 device_ns = after.get("kv_copy_device_ns", 0) - before.get("kv_copy_device_ns", 0)
             ids = list(first.kv.block_ids)
             src_runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:])) if ids else 0
+            gaps = [b - a for a, b in zip(delta_at[rid], delta_at[rid][1:])]  # batch 1: the decode's step period
+            step_ms = statistics.median(gaps) * 1e3 if gaps and args.pacing == "sequential" else 0.0
             results.append(
                 {
                     "request_id": rid,
                     "handoff_ms": handoff * 1e3,
+                    "first_step_ms": first_step_ns[rid] / 1e6,
+                    "step_period_ms": step_ms,
+                    # neither the pull nor a decode step: the hops between client, service and core
+                    "rest_ms": handoff * 1e3 - ns / 1e6 - step_ms if step_ms else 0.0,
                     "bytes": moved,
                     "src_block_runs": src_runs,
                     "transfer_ms": ns / 1e6,
@@ -448,9 +458,13 @@ def main(argv=None) -> int:
     print("        nccl: the prefill's send, the decode's receive already posted);")
     print("pull = decode core's wall time, request to blocks in place (nccl: includes asking the prefill);")
     print("send = prefill core's wall time, gather + send (nccl only); nixl: no device time (UCX moves the bytes)")
+    print("hand-off = pull + step + rest: step = the decode's step period at batch 1 (median gap between the later")
+    print("        deltas; sequential pacing only), first = wall time of the core's step() that made the first delta,")
+    print("        rest = hand-off - pull - step (client, service and core hops; the commit)")
     print(
         f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
-        f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'pull ms':>9}{'handoff ms':>11}"
+        f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'pull ms':>9}{'copy ms':>8}{'step ms':>8}"
+        f"{'first ms':>9}{'rest ms':>8}{'handoff ms':>11}"
     )
     for t in report["transports"]:
         rates = [r["gb_s"] for r in t["requests"][1:]] or [t["requests"][0]["gb_s"]]  # first one warms up
@@ -461,12 +475,17 @@ def main(argv=None) -> int:
         t["median_send_gb_s"], t["median_device_gb_s"] = statistics.median(sends), statistics.median(moved)
         pulls = [r["transfer_ms"] for r in t["requests"][1:]] or [t["requests"][0]["transfer_ms"]]
         t["median_pull_ms"] = statistics.median(pulls)
+        for key in ("device_ms", "step_period_ms", "first_step_ms", "rest_ms"):
+            values = [r[key] for r in t["requests"][1:]] or [t["requests"][0][key]]
+            t[f"median_{key}"] = statistics.median(values)
         copy = report["copy_gb_s"]
         print(
             f"{t['transport']:<26}{str(t['tokens_equal']):>13}{t['median_device_gb_s']:>11.1f}"
             f"{100 * t['median_device_gb_s'] / copy:>9.1f}%{t['median_gb_s']:>10.1f}"
             f"{100 * t['median_gb_s'] / copy:>9.1f}%{t['median_send_gb_s']:>10.1f}"
-            f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_pull_ms']:>9.2f}{t['median_handoff_ms']:>11.2f}"
+            f"{100 * t['median_send_gb_s'] / copy:>9.1f}%{t['median_pull_ms']:>9.2f}{t['median_device_ms']:>8.2f}"
+            f"{t['median_step_period_ms']:>8.2f}{t['median_first_step_ms']:>9.2f}{t['median_rest_ms']:>8.2f}"
+            f"{t['median_handoff_ms']:>11.2f}"
         )
     for failed in report["failed"]:
         print(f"{failed['transport']} {failed['variant']}: FAILED ({failed['error'][:200]})")

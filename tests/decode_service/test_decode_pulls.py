@@ -81,7 +81,7 @@ def test_a_request_cancelled_while_the_decode_asks_its_prefill_never_reaches_the
     prefill = SlowPrefill()
 
     async def main():
-        pulls = coordinator(SimpleNamespace(send=sent.append), kv_transfer_timeout_s=2.0)
+        pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: None), kv_transfer_timeout_s=2.0)
         pulls.stub = lambda address: prefill
         pulls.start(request("a"), params=None)
         pulls.start(request("b"), params=None)
@@ -183,7 +183,7 @@ def finish_nccl_pull(send_error: str | None) -> tuple[list, list, SendingPrefill
 
     async def main():
         pulls = coordinator(
-            SimpleNamespace(send=sent.append),
+            SimpleNamespace(send=sent.append, flush=lambda: None),
             failed,
             kv_transport="nccl",
             kv_transfer_timeout_s=2.0,
@@ -238,7 +238,9 @@ def finish_copy_under_an_expired_lease(policy: str) -> tuple[list, list, Service
     prefill = ExpiredLeasePrefill()
 
     async def main():
-        pulls = coordinator(SimpleNamespace(send=sent.append), failed, kv_load_failure_policy=policy)
+        pulls = coordinator(
+            SimpleNamespace(send=sent.append, flush=lambda: None), failed, kv_load_failure_policy=policy
+        )
         pulls.stub = lambda address: prefill
         pulls.pending["r"] = PendingPull("r", request("r").kv)
         pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=2, num_bytes=64))
@@ -288,7 +290,7 @@ def late_release(import_done: m.ImportDone) -> tuple[list, list, list]:
     prefill = LateReleasePrefill()
 
     async def main():
-        pulls = coordinator(SimpleNamespace(send=sent.append), kv_load_failure_policy="recompute")
+        pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: None), kv_load_failure_policy="recompute")
         pulls.stub = lambda address: prefill
         handle = request("r").kv
         handle.lease.expires_unix_ns = time.time_ns() + 20_000_000_000

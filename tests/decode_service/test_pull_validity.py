@@ -69,7 +69,8 @@ class Prefill:
         self.slots.close()
 
 
-POINTS = ("before the copy", "during the copy", "after the copy", "before the check")
+# the slot is read within the ImportDone's handling (no await between them): "after the copy" is the last point
+POINTS = ("before the copy", "during the copy", "after the copy")
 
 
 def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Tensor, object]:
@@ -79,7 +80,7 @@ def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Te
     dst = torch.zeros(4, 4)
 
     async def main():
-        pulls = coordinator(SimpleNamespace(send=sent.append), kv_load_failure_policy="recompute")
+        pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: None), kv_load_failure_policy="recompute")
         pulls.stub = lambda address: prefill
         handle = prefill.grant()
         pulls.pending["r"] = PendingPull("r", handle)
@@ -89,9 +90,7 @@ def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Te
             dst[i] = prefill.pool[block]
         if end_at == "after the copy":
             prefill.end(how, handle)
-        pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))  # _finish queued
-        if end_at == "before the check":
-            prefill.end(how, handle)
+        pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))
         await wait_for(lambda: sent, 2.0, "the pull's commit")
         await asyncio.gather(*pulls._tasks)
         pulls.slots.close()
@@ -129,6 +128,33 @@ def test_a_valid_pull_commits_at_once_and_releases_after():
         prefill.close()
 
 
+def test_a_valid_pull_is_committed_and_sent_within_its_import_done():
+    """No event-loop turn between the core's ImportDone and the commit it waits for: the slot is read, the commit
+    queued and the pipe flushed before on_core_message returns; a lease ended after that does not undo it."""
+    events = []
+
+    async def main():
+        prefill = Prefill()
+        try:
+            client = SimpleNamespace(send=events.append, flush=lambda: events.append("flush"))
+            pulls = coordinator(client)
+            pulls.stub = lambda address: prefill
+            handle = prefill.grant()
+            pulls.pending["r"] = PendingPull("r", handle)
+            pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))
+            at_return = [e if e == "flush" else (e.request_id, e.ok) for e in events]
+            prefill.end("release", handle)  # after the check: the copy was valid all through
+            await asyncio.gather(*pulls._tasks)
+            pulls.slots.close()
+            return at_return, pulls.pending, pulls.counters.values["kv_blocks_pulled"]
+        finally:
+            prefill.close()
+
+    at_return, pending, pulled = asyncio.run(main())
+    assert at_return == [("r", True), "flush"] and pending == {} and pulled == 3
+    assert len(events) == 2  # nothing more: no second verdict
+
+
 def test_a_valid_pull_does_not_wait_for_a_held_release():
     """The prefill holds its ReleaseKv answer (a busy event loop): the request is committed meanwhile, and the
     lease is released once the held call goes through."""
@@ -137,7 +163,7 @@ def test_a_valid_pull_does_not_wait_for_a_held_release():
     async def main():
         prefill = Prefill(hold=True)
         try:
-            pulls = coordinator(SimpleNamespace(send=sent.append))
+            pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: None))
             pulls.stub = lambda address: prefill
             handle = prefill.grant()
             pulls.pending["r"] = PendingPull("r", handle)

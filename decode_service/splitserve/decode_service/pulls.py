@@ -5,7 +5,8 @@ connector's scheduler side; reaching the prefills per transport: decode_service/
                ─▶ is the copy valid?  shm, cuda_ipc: the lease's slot read now (engine_service/lease_slots.py)
                                       nccl: SendKv answered that it sent (the sender checked its lease first)
                                       no slot published: Prefill.ReleaseKv's answer, awaited
-               ─▶ valid: CommitImport(ok) at once, then Prefill.ReleaseKv on the side (never awaited)
+               ─▶ valid: CommitImport(ok) at once (a slot read: within the ImportDone's own handling, the pipe
+                         flushed), then Prefill.ReleaseKv on the side (never awaited)
                   lost / pull failed: policy recompute → local prefill, policy fail → error to the client
 An nccl pull needs the prefill's SendKv to have answered ok: a receive that ended because its communicator was
 torn down is no transfer, and the sender is the side that knows.
@@ -150,6 +151,7 @@ class PullCoordinator:
                 share=req.share,
             )
         )
+        self.client.flush()  # now, not at the event loop's next turn: the pull starts when the core has it
 
     def cancel(self, request_id: str) -> None:
         pull = self.pending.pop(request_id, None)
@@ -159,7 +161,8 @@ class PullCoordinator:
 
     def on_core_message(self, msg) -> None:
         if isinstance(msg, m.ImportDone):
-            self._spawn(self._finish(msg))
+            if not self._finish_at_once(msg):
+                self._spawn(self._finish(msg))
         elif isinstance(msg, m.NeedSend):
             pull = self.pending.get(msg.request_id)
             if pull is not None:
@@ -198,6 +201,22 @@ class PullCoordinator:
         except grpc.aio.AioRpcError as exc:
             log.warning("ReleaseKv to %s failed: %s", handle.prefill_address, exc.details())
             return False
+
+    def _finish_at_once(self, done: m.ImportDone) -> bool:
+        """Commit an ended copy its lease's slot says is valid within this call, the commit sent to the core at
+        once: the core, idle, waits for it to step the request. False (nothing done) when deciding needs an awaited
+        answer or the pull did not succeed: `_finish` decides."""
+        pull = self.pending.get(done.request_id)
+        if pull is None or not done.ok or pull.send is not None or pull.handle.transport == "nccl":
+            return False
+        if not self._copy_valid(pull):  # lost, or only ReleaseKv can tell: _finish reads it again, or asks
+            return False
+        del self.pending[done.request_id]
+        self._record_transfer(pull, done)
+        self._commit(done)
+        self.client.flush()
+        self._spawn(self._release(pull.handle))  # the prefill unpins the blocks whenever it gets to it
+        return True
 
     async def _finish(self, done: m.ImportDone) -> None:
         pull = self.pending.pop(done.request_id, None)

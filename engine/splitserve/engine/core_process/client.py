@@ -145,8 +145,12 @@ class EngineClient:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
+    def flush(self) -> None:
+        """Send what is queued now, not at the event loop's next turn (what the core waits for before it steps)."""
+        self._flush()
+
     def _flush(self) -> None:
-        self._flush_scheduled = False
+        self._flush_scheduled = False  # a flush still scheduled finds the outbox empty
         batch, self._outbox = self._outbox, []
         if batch and not self.dead:
             with self._send_lock:
