@@ -12,6 +12,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 | send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
 | corrupt_epoch=N | decode service | `PullCoordinator._finish` | the first N ended pulls check a wrong epoch |
 | release_hold=N | prefill service | `PrefillService.ReleaseKv` | the first N calls wait for SIGUSR1, then release |
+| message_cost_ms=N | gateway | `RequestRun._delta_message` | holds the event loop N ms per message (a busy gateway) |
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import signal
 import time
 
 log = logging.getLogger("splitserve.test.faults")
-FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch", "release_hold")
+FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch", "release_hold", "message_cost_ms")
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -63,6 +64,10 @@ def install(spec: str) -> None:
         from splitserve.prefill_service.server import PrefillService
 
         _wrap_release_kv(PrefillService, faults["release_hold"])
+    if faults.get("message_cost_ms"):
+        from splitserve.gateway.request_run import RequestRun
+
+        _wrap_delta_message(RequestRun, faults["message_cost_ms"])
     log.warning("test faults installed in pid %d: %s", os.getpid(), faults)
 
 
@@ -131,3 +136,16 @@ def _wrap_release_kv(cls, holds: int) -> None:
         return await original(self, request, context)
 
     cls.ReleaseKv = release_kv
+
+
+def _wrap_delta_message(cls, cost_ms: int) -> None:
+    """Every decode delta a request run turns into a client message holds the loop `cost_ms` (a sleep, not a
+    spin: the time is the loop's, the machine's cores stay free), as a gateway whose loop is saturated spends."""
+    original = cls._delta_message
+
+    @functools.wraps(original)
+    def delta_message(self, delta):
+        time.sleep(cost_ms / 1000)
+        return original(self, delta)
+
+    cls._delta_message = delta_message

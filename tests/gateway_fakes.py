@@ -212,6 +212,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.aborts: list[str] = []
         self.num_streams = 0
         self.max_deltas_per_message = 0
+        self.num_outputs = 0  # DecodeOut messages written, over every stream
+        self.num_outputs_read = 0  # the latest OutputsRead the gateway sent
         self.running: dict[str, _Running] = {}
         self.hold = False  # True = produce nothing (requests stay running)
         self.unavailable = ""  # set: answer each new request as a draining or starting decode does, with this error
@@ -247,6 +249,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 if deltas:
                     self.max_deltas_per_message = max(self.max_deltas_per_message, len(deltas))
                     yield decode_pb2.DecodeOut(deltas=deltas, step_ns=1000)
+                    self.num_outputs += 1
         finally:
             reader.cancel()
             for rid in mine:
@@ -254,7 +257,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def _read(self, request_iterator, mine: dict, outbox: list) -> None:
         async for message in request_iterator:
-            if message.WhichOneof("kind") == "request":
+            if message.WhichOneof("kind") == "outputs_read":  # pacing: this fake writes without waiting
+                self.num_outputs_read = message.outputs_read.num_outputs
+            elif message.WhichOneof("kind") == "request":
                 req = message.request
                 self.requests.append(req)
                 if self.unavailable:

@@ -226,6 +226,7 @@ class Stack:
         decode_faults: str = "",
         gateway_more: list[str] = (),
         num_prefill: int = 1,
+        gateway_faults: str = "",
     ):
         """`num_prefill` > 1: prefills named prefill, prefill-1, ... (`prefills`), every one the gateway's and each
         decode's peer; `prefill` is the first."""
@@ -236,6 +237,7 @@ class Stack:
         self.prefill_faults = prefill_faults
         self.gateway_more = list(gateway_more)  # more gateway flags
         self.num_prefill = num_prefill
+        self.gateway_faults = gateway_faults
         for attempt in range(3):
             self.procs: dict[str, Proc] = {}
             try:
@@ -286,6 +288,7 @@ class Stack:
             ),
             logs,
             "gateway",
+            faults=self.gateway_faults,
         )
         self.procs["gateway"] = self.gateway
         for proc in self.procs.values():

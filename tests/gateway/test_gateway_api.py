@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from splitserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.gateway_fakes import FakeDecode, FakePrefill, Stack, make_tokenizer_dir
+from tests.service_harness import wait_until
 
 FR = common_pb2.FinishReason
 
@@ -35,6 +36,20 @@ def channel(stack):
 def generate(channel, **kwargs):
     return list(
         generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(**kwargs), timeout=5)
+    )
+
+
+def test_the_gateway_reports_every_decode_message_it_read(stack, channel):
+    """The decode paces its stream by these reports (decode_service/stream_pacing.py)."""
+    decode = stack.decodes[0]
+    out = generate(
+        channel, token_ids=generation_pb2.TokenIds(ids=[40, 41]), sampling=common_pb2.SamplingParams(max_tokens=5)
+    )
+    assert [t for m in out for t in m.token_ids] == [42, 43, 44, 45, 46]
+    wait_until(
+        lambda: decode.num_outputs_read == decode.num_outputs > 0,
+        5,
+        lambda: f"reads reported: {decode.num_outputs_read} of {decode.num_outputs}",
     )
 
 

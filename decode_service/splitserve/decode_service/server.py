@@ -7,7 +7,9 @@ One bidirectional `Generate` stream per gateway:
                                                                  : recompute | fail (policy)
                           without kv: AddRequest (local prefill)
          AbortRequest  ─▶ core: Abort
-    out: one DecodeOut per engine step per stream, carrying every request's new tokens
+         OutputsRead   ─▶ pacing: at most a few messages unread by the gateway (stream_pacing.py)
+    out: one DecodeOut per engine step per stream, carrying every request's new tokens (the steps queued
+         while the gateway is behind merged into one)
 
 A broken stream aborts every request it owns.
 """
@@ -23,6 +25,7 @@ from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator, PullHooks
+from splitserve.decode_service.stream_pacing import OutputPacer, merge_outs
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.grammar import check_spec
 from splitserve.engine_service.base import ServiceBase, setup_logging
@@ -70,6 +73,7 @@ class GatewayStream:
         self.request_ids: set[str] = set()
         self.out: asyncio.Queue = asyncio.Queue()
         self.first_info: dict[str, tuple[int, int]] = {}  # request_id -> (cached tokens, blocks pulled)
+        self.pacer = OutputPacer()  # how many of its messages the gateway has read (if it says)
 
 
 class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
@@ -241,8 +245,17 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 msg = await stream.out.get()
                 if msg is None:  # the gateway closed its side: finish what it owns, then end
                     inbound_closed = True
-                elif msg is not None:
-                    yield msg
+                else:
+                    await stream.pacer.wait_for_room()
+                    outs = [msg]  # and every step queued meanwhile, in one message (stream_pacing.py)
+                    while not stream.out.empty():
+                        queued = stream.out.get_nowait()
+                        if queued is None:
+                            inbound_closed = True
+                        else:
+                            outs.append(queued)
+                    yield merge_outs(outs)
+                    stream.pacer.num_sent += 1
                 if inbound_closed and not stream.request_ids:
                     break
         finally:
@@ -261,6 +274,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         try:
             await self._read_items(request_iterator, stream)
         finally:
+            stream.pacer.on_closed()
             stream.out.put_nowait(None)
 
     async def _read_items(self, request_iterator, stream: GatewayStream) -> None:
@@ -268,6 +282,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             kind = item.WhichOneof("kind")
             if kind == "request":
                 self._admit(item.request, stream)
+            elif kind == "outputs_read":
+                stream.pacer.on_read(item.outputs_read.num_outputs)
             elif kind == "abort":
                 request_id = item.abort.request_id
                 if self.owner.get(request_id) is stream:

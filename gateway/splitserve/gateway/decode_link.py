@@ -5,6 +5,8 @@ out through one writer task (grpc.aio allows one write at a time), and one reade
 routes every `DecodeOut.deltas[i]` to its request's asyncio.Queue by request_id.
 
     submit(req) ──▶ outbox ──writer──▶ Decode.Generate ──reader──▶ queues[request_id]
+                      ▲                                      │ each DecodeOut read: OutputsRead(count)
+                      └──────────────────────────────────────┘ (the decode paces the stream by it)
 
 When the stream breaks (the instance died, closed the stream, or the registry gave up on
 it), every request still on it receives one `LinkFailure` naming the instance, and the
@@ -23,6 +25,10 @@ import grpc
 from splitserve.protos import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("splitserve.gateway")
+# In the outbox: tell the decode how many messages were read (OutputsRead). The decode keeps at most a few unread
+# and merges later steps into the next one, so a busy gateway gets more tokens a message, never a queue of old
+# steps (decode_service/stream_pacing.py).
+_READ_REPORT = object()
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,9 @@ class DecodeLink:
         self._stub = decode_pb2_grpc.DecodeStub(channel)
         self._on_broken = on_broken
         self._queues: dict[str, asyncio.Queue] = {}
-        self._outbox: asyncio.Queue[decode_pb2.DecodeIn | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[decode_pb2.DecodeIn | object | None] = asyncio.Queue()
+        self._num_read = 0  # DecodeOut messages routed; reported to the decode, which paces the stream by it
+        self._read_report_queued = False
         self._call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
         self.alive = False
@@ -144,6 +152,9 @@ class DecodeLink:
                 message = await self._outbox.get()
                 if message is None or not self.alive:
                     return
+                if message is _READ_REPORT:  # the count when it goes out: one report covers every read before
+                    self._read_report_queued = False
+                    message = decode_pb2.DecodeIn(outputs_read=decode_pb2.OutputsRead(num_outputs=self._num_read))
                 await self._call.write(message)
         except asyncio.CancelledError:
             raise
@@ -160,6 +171,10 @@ class DecodeLink:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:  # else aborted or unknown: dropped
                         queue.put_nowait(delta)
+                self._num_read += 1
+                if not self._read_report_queued:
+                    self._read_report_queued = True
+                    self._outbox.put_nowait(_READ_REPORT)
             reason = "the decode instance closed the stream"
         except asyncio.CancelledError:
             raise

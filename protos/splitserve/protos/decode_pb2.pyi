@@ -65,12 +65,20 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeIn(_message.Message):
-    __slots__ = ("request", "abort")
+    __slots__ = ("request", "abort", "outputs_read")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_READ_FIELD_NUMBER: _ClassVar[int]
     request: DecodeRequest
     abort: AbortRequest
-    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    outputs_read: OutputsRead
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., outputs_read: _Optional[_Union[OutputsRead, _Mapping]] = ...) -> None: ...
+
+class OutputsRead(_message.Message):
+    __slots__ = ("num_outputs",)
+    NUM_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    num_outputs: int
+    def __init__(self, num_outputs: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "timings", "cached_prompt_tokens", "num_blocks_pulled", "prompt_logprobs", "refused", "unavailable")
