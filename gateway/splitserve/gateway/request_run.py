@@ -185,6 +185,7 @@ class RequestRun:
             prefill, first = other, await self._prefill(other)  # once: the failed one is marked down
         if first is not None:
             message = self._first_message(first)
+            link_down = None
             if not message.finish_reason:  # chosen before the first token goes out: a refusal is still a 503
                 decode = router.pick_decode(
                     router.decode_candidates(prefill) or router.overflow_candidates(prefill), self._prompt
@@ -196,25 +197,28 @@ class RequestRun:
                         "retry later",
                         retry_after_s=1,
                     )
+                try:  # handed over before the first token is written: the decode pulls meanwhile
+                    self._submit(decode, self._decode_request(first))
+                except LinkDown as exc:
+                    link_down = str(exc)
             yield message
             if message.finish_reason:
                 if self._fork_ids:  # the other sequences still need the prompt on a decode
                     self._submit_forks(prefill, first)
                 return
-            request = self._decode_request(first)
+            if link_down is not None:
+                yield self._final(FR.FINISH_REASON_ERROR, error=link_down)
+                return
         else:
             candidates = router.decode_candidates(None, colocated_only=True) or router.decode_candidates(None)
             decode = router.pick_decode(candidates, self._prompt)
             if decode is None:
                 raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
-            request, self._local_prefill = self._decode_request(None), True
-        try:
-            self._submit(decode, request)
-        except LinkDown as exc:
-            if first is None:
+            self._local_prefill = True
+            try:
+                self._submit(decode, self._decode_request(None))
+            except LinkDown as exc:
                 raise GatewayError("resource_exhausted", f"{exc}; retry later", retry_after_s=1) from None
-            yield self._final(FR.FINISH_REASON_ERROR, error=str(exc))
-            return
         async with aclosing(self._follow()) as messages:
             async for message in messages:
                 yield message
