@@ -99,21 +99,24 @@ class Proc:
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the READY line; a process that exits first, or stays silent past `timeout_s`, fails with its log
         (stdout is read as it arrives, never blocking, so a hung start cannot hold the test past the bound)."""
-        deadline = time.monotonic() + timeout_s
-        fd = self.popen.stdout.fileno()
-        while time.monotonic() < deadline:
-            while b"\n" in self._stdout:
-                line, self._stdout = self._stdout.split(b"\n", 1)
-                if line.startswith(b"READY"):
-                    return
-            if select.select([fd], [], [], min(1.0, max(0.0, deadline - time.monotonic())))[0]:
-                chunk = os.read(fd, 65536)
-                if not chunk:  # end of output: the process exited
-                    self.popen.wait(10)
-                    break
-                self._stdout += chunk
-        state = f"exited {self.popen.returncode}" if self.popen.poll() is not None else f"silent for {timeout_s:.0f} s"
-        raise self.start_failure(state)
+        wait_all_ready([self], timeout_s)
+
+    def _took_ready_line(self) -> bool:
+        """Whether what was read of stdout holds the READY line (consumed with the lines before it)."""
+        while b"\n" in self._stdout:
+            line, self._stdout = self._stdout.split(b"\n", 1)
+            if line.startswith(b"READY"):
+                return True
+        return False
+
+    def _read_stdout(self) -> bool:
+        """Read what stdout holds (select said it is readable); False at its end: the process exited."""
+        chunk = os.read(self.popen.stdout.fileno(), 65536)
+        if not chunk:
+            self.popen.wait(10)
+            return False
+        self._stdout += chunk
+        return True
 
     def start_failure(self, state: str) -> RuntimeError:
         """The error for a start that failed (`state` says how): `PortTaken` when the process exited naming a
@@ -125,11 +128,19 @@ class Proc:
 
     def kill(self, sig=signal.SIGKILL) -> None:
         """Signal the whole process group (the service and its engine core)."""
+        self.signal(sig)
+        self.reap()
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the whole process group, if the service still runs."""
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def reap(self) -> None:
+        """Wait for the exit (10 s, then SIGKILL to the group)."""
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
@@ -139,6 +150,39 @@ class Proc:
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
         self.log.close()
+
+
+def stop_all(procs) -> None:
+    """`Proc.stop` for each of `procs`, their drains side by side: every one is sent SIGTERM before any is
+    waited for (one after another, a stack's teardown took the sum of its services' drains)."""
+    procs = list(procs)
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    for proc in procs:
+        proc.stop()
+
+
+def wait_all_ready(procs, timeout_s: float = 120.0, alive=()) -> None:
+    """Until each of `procs` printed its READY line, while every one of `alive` (started, READY or not) keeps
+    running. The first of either that exits fails at once with its log (`PortTaken` where it could not bind):
+    a stack whose gateway lost its port is started again without waiting for its engines first. Each process
+    has `timeout_s` after the one before it became ready (as when waited for one by one); silent longer, it
+    fails alike."""
+    deadline = time.monotonic() + timeout_s
+    pending = [proc for proc in procs if not proc._took_ready_line()]
+    watched = {proc.popen.stdout.fileno(): proc for proc in [*pending, *alive]}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise pending[0].start_failure(f"silent for {timeout_s:.0f} s")
+        for fd in select.select(list(watched), [], [], min(1.0, remaining))[0]:
+            proc = watched[fd]
+            if not proc._read_stdout():
+                raise proc.start_failure(f"exited {proc.popen.returncode}")
+            if proc in pending and proc._took_ready_line():
+                pending.remove(proc)
+                del watched[fd]
+                deadline = time.monotonic() + timeout_s
 
 
 ENGINE = dict(dtype="float64", block_size=4, num_kv_blocks=512)
@@ -291,9 +335,7 @@ class Stack:
             faults=self.gateway_faults,
         )
         self.procs["gateway"] = self.gateway
-        for proc in self.procs.values():
-            if proc is not self.gateway:
-                proc.wait_ready()
+        wait_all_ready([proc for proc in self.procs.values() if proc is not self.gateway], alive=[self.gateway])
         self.wait_ready()
 
     def wait_ready(self, timeout_s=60.0):
@@ -318,8 +360,7 @@ class Stack:
         wait_until(ready, timeout_s, lambda: f"the gateway ready with every instance up; its log:\n{log()}", poll_s=0.2)
 
     def stop(self):
-        for proc in self.procs.values():
-            proc.stop()
+        stop_all(self.procs.values())
 
     def restart_prefill(self) -> None:
         """Start the prefill again on its old port (after a kill)."""

@@ -15,7 +15,7 @@ import pytest
 from splitserve.common.default_model_path import default_model_path
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.service_client import DecodeSession, generate_disaggregated, prefill_stub
-from tests.service_harness import ENGINE, start_service
+from tests.service_harness import ENGINE, start_service, stop_all
 
 pytestmark = pytest.mark.slow
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=8)
@@ -42,8 +42,7 @@ def services(tmp_path):
             proc.wait_ready()
         yield {"prefill": (prefill, p_addr), "decode": (decode, d_addr)}
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def core_pid(service_pid: int) -> int:

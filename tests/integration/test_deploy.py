@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.service_harness import REPO, Proc, free_port, gateway_args, start_service, wait_until
+from tests.service_harness import REPO, Proc, free_port, gateway_args, start_service, stop_all, wait_until
 
 DEPLOY = REPO / "deploy"
 SPLITSERVE_SERVICES = {"gateway", "prefill", "decode-0", "decode-1"}
@@ -761,8 +761,7 @@ def test_services_configured_as_deployed_talk_mtls_on_loopback(tmp_path, monkeyp
         assert describe(pki, "gateway", None) == grpc.StatusCode.UNAVAILABLE  # 127.0.0.1 is in no certificate
         assert describe(other, "intruder", "splitserve-internal") == grpc.StatusCode.UNAVAILABLE
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def _ready(http: str) -> bool:

@@ -14,7 +14,7 @@ from splitserve.protos import common_pb2, decode_pb2_grpc, generation_pb2, gener
 from tests.engine.test_engine_exact import make_prompts
 from tests.model_factory import engine_reference
 from tests.service_client import describe
-from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service, wait_until, wait_until_async
+from tests.service_harness import ENGINE, Proc, Stack, free_port, start_service, stop_all, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -230,5 +230,4 @@ def test_layout_mismatch_is_refused_before_serving(tmp_path):
         assert r.status_code == 503
         assert "block_size=4" in r.text and "block_size=8" in r.text
     finally:
-        for p in (gateway, prefill, decode):
-            p.stop()
+        stop_all([gateway, prefill, decode])

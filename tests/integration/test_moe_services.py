@@ -12,7 +12,7 @@ from tests.engine.test_moe_exact import MOE_MODELS
 from tests.integration.test_services import sampling, wait_blocks_free, wait_peer_prepared
 from tests.model_factory import engine_reference, make_tiny_model_dir
 from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
-from tests.service_harness import start_service, wait_until_async
+from tests.service_harness import start_service, stop_all, wait_until_async
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10], [7, 7, 7, 7, 7], list(range(20, 41))]
@@ -54,8 +54,7 @@ def test_disaggregated_tokens_equal_the_engine(model_dir, reference, tmp_path):
 
         tokens = asyncio.run(main())
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
     assert tokens == reference
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.protos import common_pb2, prefill_pb2_grpc
 from splitserve.runtime.grpc_server import InternalTls
-from tests.service_harness import ENGINE, Proc, free_port, start_service, wait_until
+from tests.service_harness import ENGINE, Proc, free_port, start_service, stop_all, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +145,7 @@ def test_stack_over_mtls_serves_and_refuses_plaintext(certs, tmp_path):
 
         assert asyncio.run(plaintext_and_anonymous()) == [grpc.StatusCode.UNAVAILABLE] * 2
     finally:
-        for proc in (gateway, prefill, decode):
-            proc.stop()
+        stop_all([gateway, prefill, decode])
 
 
 def test_the_internal_token_is_required_on_every_call_but_health(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from splitserve.common.default_model_path import default_model_path
 from splitserve.protos import common_pb2, decode_pb2_grpc, prefill_pb2
 from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
-from tests.service_harness import ENGINE, free_port, start_service, wait_until_async
+from tests.service_harness import ENGINE, free_port, start_service, stop_all, wait_until_async
 
 pytestmark = pytest.mark.slow
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -48,8 +48,7 @@ def paired(tmp_path):
         decode.wait_ready()
         yield p_addr, d_addr
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 async def forge(prefill_addr: str, decode_instance: str, store_port: int) -> grpc.aio.AioRpcError:
