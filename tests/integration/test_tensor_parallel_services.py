@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from splitserve.engine import LLM
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from tests.model_factory import engine_reference, make_tiny_model_dir
 from tests.service_client import DecodeSession, decode_request, describe, generate_disaggregated, prefill_stub
-from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
+from tests.service_harness import ENGINE, start_service, stop_all, wait_until, wait_until_async
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 450, 480, 500], [42] * 13]
@@ -93,7 +92,12 @@ def test_tp2_worker_tokens_equal_tp1_and_a_dead_rank_ends_it(worker, model):
     assert proc.popen.wait(30) == 1  # it drains and exits: above 10 s at a load average of 10 on two cores
 
 
-SIZES = (1, 2, 4)  # every (prefill TP, decode TP) pair of these: 4 ranks replicate the model's 2 KV heads
+SIZES = (1, 2, 4)  # a prefill and a decode of each: 4 ranks replicate the model's 2 KV heads
+# One pair per plan shape: one prefill rank split over decode ranks, prefill ranks gathered into one decode rank,
+# rank to rank, and heads replicated on either side. The other four pairs of SIZES repeat a shape: (1, 1) is
+# every other stack test, (4, 4) rank to rank as (2, 2), (1, 4) a split as (1, 2), (4, 1) a gather as (2, 1);
+# tests/common/test_kv_layout.py checks plans of each shape, replicated heads read in turn among them.
+PAIRS = ((1, 2), (2, 1), (2, 2), (4, 2), (2, 4))
 
 
 @pytest.fixture()
@@ -122,8 +126,7 @@ def pd_stack(tmp_path, model):
             proc.wait_ready()
         yield prefills, decodes
     finally:
-        with ThreadPoolExecutor(len(procs) or 1) as pool:  # each waits for its drain: stop them side by side
-            list(pool.map(lambda proc: proc.stop(), procs))
+        stop_all(procs)
 
 
 def _tp(size: int) -> list[str]:
@@ -151,12 +154,12 @@ async def _run_pair(prefill: str, decode: str, name: str, batch: list[list[int]]
 
 
 def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block(pd_stack, model):
-    """(prefill TP, decode TP) for every pair of 1, 2 and 4, among them (1, 2), (2, 1), (4, 2) and (2, 4): each
+    """(prefill TP, decode TP) of PAIRS, (1, 2), (2, 1), (2, 2), (4, 2) and (2, 4): each
     decode rank's heads come from the prefill ranks that hold them (shm, a transfer plan per pair); tokens
     equal the colocated TP 1 engine's, and a request aborted mid-decode frees its blocks. Each pair's prompts
     are its own, so every block is pulled (none is in the decode's prefix cache)."""
     prefills, decodes = pd_stack
-    pairs = [(p, d) for p in SIZES for d in SIZES]
+    pairs = list(PAIRS)
     prompts = {pair: [[400 + 10 * pair[0] + pair[1], *prompt] for prompt in PROMPTS] for pair in pairs}
     with LLM(model=str(model), device="cpu", **ENGINE) as llm:
         flat, _ = engine_reference(llm, [p for pair in pairs for p in prompts[pair]], MAX_TOKENS, [])
@@ -185,13 +188,14 @@ def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block
     assert {pair: last.finish_reason for pair, last in aborted.items()} == dict.fromkeys(
         pairs, common_pb2.FINISH_REASON_ABORT
     )
-    # from each of three prefills: the batch's blocks and the aborted request's two
-    blocks_per_decode = 3 * (sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2)
-    for d in described[3:]:
-        assert d.counters["kv_blocks_pulled"] == blocks_per_decode
+    # per pair: the batch's blocks and the aborted request's two
+    blocks_per_pair = sum(-(-(len(prompt) + 1) // 4) for prompt in PROMPTS) + 2
+    for size, d in zip(SIZES, described[3:]):
+        assert d.counters["kv_blocks_pulled"] == blocks_per_pair * sum(pair[1] == size for pair in pairs)
         assert d.counters.get("kv_pull_failures", 0) == 0 and d.counters.get("kv_pull_recomputes", 0) == 0
-    for p in described[:3]:  # three decodes, four requests each
-        assert p.counters["leases_released"] == 12 and p.counters.get("leases_active", 0) == 0
+    for size, p in zip(SIZES, described[:3]):  # four requests per pair
+        assert p.counters["leases_released"] == 4 * sum(pair[0] == size for pair in pairs)
+        assert p.counters.get("leases_active", 0) == 0
     for d in described:  # every pool entirely free again
         assert d.load.num_free_blocks == d.load.num_total_blocks
     assert [d.layout.tensor_parallel_size for d in described] == [*SIZES, *SIZES]
