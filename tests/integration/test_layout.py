@@ -45,27 +45,27 @@ def test_every_module_path_contains_its_import_path():
         assert importlib.util.find_spec(module).origin == str(path), module
 
 
+# Each part's wheel from the build backend its pyproject.toml names, called as pip calls it (PEP 517's build_wheel,
+# no isolation), every part in this one process: a pip per part took 25 s of CPU for the 11, this 3 s, the same files.
+BUILD_WHEELS = """
+import importlib, os, sys, tomllib
+out, parts = sys.argv[1], sys.argv[2:]  # read first: setuptools' build_wheel rewrites sys.argv
+for part in parts:
+    os.chdir(part)
+    with open("pyproject.toml", "rb") as f:
+        backend = importlib.import_module(tomllib.load(f)["build-system"]["build-backend"])
+    backend.build_wheel(out)
+"""
+
+
 @pytest.mark.slow
 def test_each_parts_wheel_holds_its_own_package(tmp_path):
-    for part in workspace_parts():
-        out = tmp_path / part
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "-q",
-                "-w",
-                str(out),
-                str(REPO / part),
-            ],
-            check=True,
-            cwd=REPO,
-        )
-        (wheel,) = out.glob("*.whl")
+    parts = workspace_parts()
+    argv = [sys.executable, "-c", BUILD_WHEELS, str(tmp_path), *(str(REPO / part) for part in parts)]
+    built = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    for part in parts:
+        (wheel,) = tmp_path.glob(f"splitserve_{part}-*.whl")
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
         code = {n.rsplit("/", 1)[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
