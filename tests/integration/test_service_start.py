@@ -9,36 +9,41 @@ import socket
 import pytest
 
 from splitserve.common.default_model_path import default_model_path
-from tests.service_harness import ENGINE, free_port, start_service
+from tests.service_harness import ENGINE, free_port, start_service, stop_all
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("command", ["prefill", "decode"])
-def test_a_port_in_use_exits_1_naming_the_flag_and_the_address(command, tmp_path):
-    port = free_port()
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", port))
-        holder.listen()
-        proc, _ = start_service(
-            command,
-            default_model_path(),
-            tmp_path,
-            command,
-            port=port,
-            service_args=["--kv-transport", "shm"],
-            **ENGINE,
-        )
-        try:
-            code = proc.popen.wait(120)
-        finally:
-            proc.kill()
-            proc.log.close()
-    log = proc.log_path.read_text()
-    assert code == 1, f"{command} exited {code}; log:\n{log[-2000:]}"
-    assert f"splitserve {command}: error: {command}" in log
-    assert f"--port {port}: cannot listen on 127.0.0.1:{port}: the address is in use or not available" in log
-    assert "Traceback" not in log
+def test_a_port_in_use_exits_1_naming_the_flag_and_the_address(tmp_path):
+    """A prefill and a decode, each given a port held open here; started side by side (each start is the work
+    of one core, most of it before the bind)."""
+    holders, ports, procs = {}, {}, {}
+    try:
+        for command in ("prefill", "decode"):
+            holders[command] = socket.socket()
+            holders[command].bind(("127.0.0.1", free_port()))
+            holders[command].listen()
+            ports[command] = holders[command].getsockname()[1]
+            procs[command], _ = start_service(
+                command,
+                default_model_path(),
+                tmp_path,
+                command,
+                port=ports[command],
+                service_args=["--kv-transport", "shm"],
+                **ENGINE,
+            )
+        codes = {command: proc.popen.wait(120) for command, proc in procs.items()}
+    finally:
+        stop_all(procs.values())
+        for holder in holders.values():
+            holder.close()
+    for command, proc in procs.items():
+        port, log = ports[command], proc.log_path.read_text()
+        assert codes[command] == 1, f"{command} exited {codes[command]}; log:\n{log[-2000:]}"
+        assert f"splitserve {command}: error: {command}" in log
+        assert f"--port {port}: cannot listen on 127.0.0.1:{port}: the address is in use or not available" in log
+        assert "Traceback" not in log, log
 
 
 @pytest.mark.parametrize("taken", ["decode", "gateway"])
