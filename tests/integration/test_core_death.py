@@ -4,6 +4,7 @@ its service fails the in-flight requests with a clear error, answers UNAVAILABLE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -22,16 +23,15 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=8)
 LONG = common_pb2.SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
-@pytest.fixture()
-def services(tmp_path):
+@contextlib.contextmanager
+def running_services(logs: Path):
+    """A prefill and a decode peered with it (shm), on the default model."""
     model = default_model_path()
-    prefill, p_addr = start_service(
-        "prefill", model, tmp_path, "prefill", service_args=["--kv-transport", "shm"], **ENGINE
-    )
+    prefill, p_addr = start_service("prefill", model, logs, "prefill", service_args=["--kv-transport", "shm"], **ENGINE)
     decode, d_addr = start_service(
         "decode",
         model,
-        tmp_path,
+        logs,
         "decode",
         service_args=["--kv-transport", "shm", "--prefill-peers", p_addr],
         **ENGINE,
@@ -45,6 +45,20 @@ def services(tmp_path):
         stop_all(procs)
 
 
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    """Services the forged calls leave serving: shared by those tests."""
+    with running_services(tmp_path_factory.mktemp("core-death")) as services:
+        yield services
+
+
+@pytest.fixture()
+def services(tmp_path):
+    """Services of their own, for a test that kills one."""
+    with running_services(tmp_path) as services:
+        yield services
+
+
 def core_pid(service_pid: int) -> int:
     """The engine core: the service's child that multiprocessing spawned (not its resource tracker)."""
     cores = []
@@ -56,8 +70,8 @@ def core_pid(service_pid: int) -> int:
     return cores[0]
 
 
-def test_a_forged_first_token_id_is_refused_and_the_decode_keeps_serving(services):
-    prefill_addr, decode_addr = services["prefill"][1], services["decode"][1]
+def test_a_forged_first_token_id_is_refused_and_the_decode_keeps_serving(serving):
+    prefill_addr, decode_addr = serving["prefill"][1], serving["decode"][1]
 
     async def main():
         session = DecodeSession(decode_addr)
@@ -87,7 +101,7 @@ def test_a_forged_first_token_id_is_refused_and_the_decode_keeps_serving(service
         (common_pb2.FINISH_REASON_ERROR, "first_token_id is 4294967295, not below vocab_size 8192")
     ]
     assert len(tokens) == 8  # served after the forged call
-    assert services["decode"][0].popen.poll() is None
+    assert serving["decode"][0].popen.poll() is None
 
 
 def test_a_dead_engine_core_fails_in_flight_requests_and_its_service_exits_1(services):
@@ -131,10 +145,10 @@ def test_a_dead_engine_core_fails_in_flight_requests_and_its_service_exits_1(ser
     assert services["prefill"][0].popen.poll() is None
 
 
-def test_forged_internal_calls_are_refused_naming_the_field(services):
+def test_forged_internal_calls_are_refused_naming_the_field(serving):
     """A lease longer than the prefill grants, and a handle naming a prefill this decode
     does not know, are refused; the decode never dials the forged address."""
-    prefill_addr, decode_addr = services["prefill"][1], services["decode"][1]
+    prefill_addr, decode_addr = serving["prefill"][1], serving["decode"][1]
 
     async def main():
         with pytest.raises(grpc.aio.AioRpcError) as info:
