@@ -125,6 +125,7 @@ def test_a_dead_engine_core_fails_in_flight_requests_and_its_service_exits_1(ser
     last, noticed_s = asyncio.run(main())
     assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
     assert last.error == "decode: engine core process exited (exit code -9)"
+    assert last.unavailable  # the instance failed, not the request: the gateway answers 503, never 500
     assert noticed_s < 1.0
     assert decode.popen.wait(10) == 1
     assert (

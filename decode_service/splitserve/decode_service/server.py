@@ -183,8 +183,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if stream is not None:
             stream.first_info[request_id] = (num_cached_tokens, num_blocks_pulled)
 
-    def fail_request(self, request_id: str, error: str) -> None:
-        """End a request with an error delta (the core holds nothing for it any more)."""
+    def fail_request(self, request_id: str, error: str, unavailable: bool = False) -> None:
+        """End a request with an error delta (the core holds nothing for it any more); `unavailable`: this
+        instance failed, not the request (the gateway answers 503 with Retry-After, as for a draining decode)."""
         stream = self.owner.get(request_id)
         if stream is None:
             return
@@ -197,7 +198,10 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             decode_pb2.DecodeOut(
                 deltas=[
                     decode_pb2.TokenDelta(
-                        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error
+                        request_id=request_id,
+                        finish_reason=common_pb2.FINISH_REASON_ERROR,
+                        error=error,
+                        unavailable=unavailable,
                     )
                 ]
             )
@@ -216,7 +220,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
 
     def on_core_death(self, why: str) -> None:
         for request_id in list(self.owner):
-            self.fail_request(request_id, f"{self.name}: {why}")
+            self.fail_request(request_id, f"{self.name}: {why}", unavailable=True)
 
     async def ConfirmPair(self, request, context):
         """A prefill with --decode-peers checks a PairKv with us: confirmed only when we are the instance it
