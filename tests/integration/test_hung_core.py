@@ -61,7 +61,7 @@ def test_a_stopped_prefill_core_is_routed_around_and_serves_again(tmp_path, refe
         # sent at once: its Prefill call waits on the stopped core until the service gives up on it
         text, took = complete(stack, PROMPTS[1])
         assert text == reference[1]
-        # the silence counts from the core's last message: up to HEARTBEAT_S (1 s) + an idle wait (0.5 s) early
+        # the silence counts from the core's last message: up to HEARTBEAT_S (0.5 s) + an idle wait (0.5 s) early
         assert STALL_TIMEOUT_S - 1.5 <= took < STALL_TIMEOUT_S + 5, took
         log = prefill.log_path
         wait_until(

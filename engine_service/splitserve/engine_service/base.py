@@ -19,11 +19,11 @@ from splitserve.runtime.metrics import ServiceCounters
 
 log = logging.getLogger("splitserve.service")
 
-# A running core sends something at least every HEARTBEAT_S (1 s) plus an idle wait (0.5 s), or after each step. A
+# A running core sends something at least every HEARTBEAT_S (0.5 s) plus an idle wait (0.5 s), or after each step. A
 # core silent for longer than SUSPECT_MIN_S, and than SUSPECT_STEPS times its longest recent step, is suspect: a
 # prefill takes no new request and hands back the ones waiting on it (UNAVAILABLE: the gateway retries them on
 # another prefill, or on a decode), rather than holding them until --core-stall-timeout-s calls it hung.
-SUSPECT_MIN_S = 2.5
+SUSPECT_MIN_S = 1.75  # 0.75 s past the longest silence of a running core: a request waits under 2 s for a stopped one
 SUSPECT_STEPS = 2.0
 NUM_RECENT_STEPS = 64
 

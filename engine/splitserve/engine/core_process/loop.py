@@ -29,7 +29,7 @@ from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outli
 
 log = logging.getLogger("splitserve.core")
 
-HEARTBEAT_S = 1.0  # the most the core stays silent while it runs (Heartbeat), so a hung one can be told apart
+HEARTBEAT_S = 0.5  # the most the core stays silent while it runs (Heartbeat), so a hung one can be told apart
 TRANSFER_POLL_S = 0.001  # idle with grammars compiling: how often the loop looks for one that is done
 # idle with transfers in flight: the most the loop waits (a worker wakes it at each end; this bounds only how late
 # a transfer past its deadline is reported)
