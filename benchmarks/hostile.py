@@ -8,7 +8,8 @@ with an API-keys file, then replays each finding of the adversarial run, scaled 
 1. specs that compile but admit no token (guided_json $ref loops, a $defs self-loop, grammar root ::= root, a
    regex with an empty class), each sent twice: 400s, no core exits
 2. a 16,000-property schema (past the compile budget) whose client leaves after 3 s, then a tiny guided_choice
-3. eight distinct 9,000-string enum schemas (20-26 MiB of grammar each): the cores' memory stays bounded
+3. eight (--enum-schemas) distinct 9,000-string enum schemas (20-26 MiB of grammar each): the cores' memory stays
+   bounded
 4. the 1.55 GB answer's body (64 prompts x 1,023 ids, prompt_logprobs 20, n 16), then an allowed large
    non-streamed answer with logprobs 20: the gateway's memory before and after
 5. 150 clients with 900-token prompts that leave after 0.3 s, then a normal request
@@ -170,15 +171,20 @@ def abandoned_compile(base: str) -> dict:
     return {"codes": [code, tiny_code], "outcome": f"guided_choice after it: {tiny_code} in {tiny_s} s"}
 
 
-def enum_schemas(base: str) -> dict:
-    codes, took = [], []
-    for tag in range(8):
+def enum_schemas(base: str, pids: dict[str, int], count: int) -> dict:
+    """`count` distinct enum schemas, one after another; the cores' RSS after every eighth shows whether the grammar
+    cache (--structured-output-cache-mb) stops the growth once it is full."""
+    codes, took, cores = [], [], []
+    for tag in range(count):
         # 9,000 strings: 125 KB, under the 128 KiB spec limit (12,000, the finding's 108 KB of shorter strings, is over)
         schema = {"enum": [f"{tag}-{k}-" + "abcdefghij"[k % 10] * (k % 7) for k in range(9_000)]}
         start = time.monotonic()
         codes.append(post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_json": schema}).status_code)
         took.append(time.monotonic() - start)
-    return {"codes": codes, "outcome": f"each {min(took):.1f}-{max(took):.1f} s"}
+        if (tag + 1) % 8 == 0:
+            cores.append("/".join(f"{rss_mb(pids[role]) or 0:.0f}" for role in ("prefill-core", "decode-core")))
+    outcome = f"each {min(took):.1f}-{max(took):.1f} s; prefill/decode core MB after every 8: {', '.join(cores)}"
+    return {"codes": codes, "outcome": outcome}
 
 
 def large_answer(base: str) -> dict:
@@ -290,10 +296,11 @@ def tokenize_and_decode_kill(base: str, grpc_port: int, pids: dict) -> dict:
     return {"codes": codes, "outcome": outcome}
 
 
+NUM_ENUM_SCHEMAS = 8  # finding 3 (--enum-schemas)
 FINDINGS = {
     1: ("specs that admit no token", lambda up, pids: no_token_specs(up.base)),
     2: ("an abandoned 16k-property compile", lambda up, pids: abandoned_compile(up.base)),
-    3: ("8 enum schemas of 125 KB (grammar cache)", lambda up, pids: enum_schemas(up.base)),
+    3: ("enum schemas of 125 KB (grammar cache)", lambda up, pids: enum_schemas(up.base, pids, NUM_ENUM_SCHEMAS)),
     4: ("a 1.55 GB answer's body; a large answer", lambda up, pids: large_answer(up.base)),
     5: ("150 clients leave before a token", lambda up, pids: clients_that_leave(up.base)),
     6: ("one caller's 100k-token request", lambda up, pids: one_request_owns(up.base)),
@@ -327,7 +334,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="1,2,3,4,5,6,7,8,9", help="findings to replay, in this order")
     ap.add_argument("--json", default="hostile.json")
+    ap.add_argument(
+        "--enum-schemas", type=int, default=8, help="finding 3: distinct schemas (40: past the cache's cap)"
+    )
     args = ap.parse_args()
+    global NUM_ENUM_SCHEMAS
+    NUM_ENUM_SCHEMAS = args.enum_schemas
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text(f"# keys of the hostile benchmark\n{KEY}\n{ATTACKER}\n{THIRD}\n{HASH_KEY}\n")
