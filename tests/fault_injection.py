@@ -10,7 +10,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 | pull_delay_ms=N | decode core | `KvConnector.pull` | sleeps N ms before every pull |
 | pull_drop=N | decode core | `KvConnector.pull` | the first N pulls raise |
 | send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
-| corrupt_epoch=N | decode service | `PullCoordinator._finish` | the first N ended pulls check a wrong epoch |
+| corrupt_epoch=N | decode service | `PullCoordinator._copy_valid` | the first N ended pulls check a wrong epoch |
 | release_hold=N | prefill service | `PrefillService.ReleaseKv` | the first N calls wait for SIGUSR1, then release |
 | message_cost_ms=N | gateway | `RequestRun._delta_message` | holds the event loop N ms per message (a busy gateway) |
 """
@@ -59,7 +59,7 @@ def install(spec: str) -> None:
     if faults.get("corrupt_epoch"):
         from splitserve.decode_service.pulls import PullCoordinator
 
-        _wrap_finish(PullCoordinator, faults["corrupt_epoch"])
+        _wrap_copy_valid(PullCoordinator, faults["corrupt_epoch"])
     if faults.get("release_hold"):
         from splitserve.prefill_service.server import PrefillService
 
@@ -102,22 +102,24 @@ def _wrap_send(cls, kill_after_blocks: int) -> None:
     cls.send = send
 
 
-def _wrap_finish(cls, corruptions: int) -> None:
-    original = cls._finish
-    left = [corruptions]
+def _wrap_copy_valid(cls, corruptions: int) -> None:
+    """The first `corruptions` ended pulls carry a wrong epoch from their first validity check on (the check runs
+    within the ImportDone's handling, and again if that hands the decision on)."""
+    original = cls._copy_valid
+    left, corrupted = [corruptions], set()
 
     @functools.wraps(original)
-    async def finish(self, done):
-        pull = self.pending.get(done.request_id)
-        if pull is not None and left[0] > 0:
+    def copy_valid(self, pull):
+        if id(pull) not in corrupted and left[0] > 0:
             left[0] -= 1
+            corrupted.add(id(pull))
             wrong = type(pull.handle)()
             wrong.CopyFrom(pull.handle)
             wrong.lease.epoch += 1_000_000  # validated against an epoch the prefill never issued
             pull.handle = wrong
-        return await original(self, done)
+        return original(self, pull)
 
-    cls._finish = finish
+    cls._copy_valid = copy_valid
 
 
 def _wrap_release_kv(cls, holds: int) -> None:

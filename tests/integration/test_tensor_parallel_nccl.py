@@ -16,17 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from splitserve.engine import LLM
-from splitserve.protos import common_pb2, decode_pb2_grpc
+from splitserve.protos import common_pb2
 from tests.integration.test_tensor_parallel_services import (  # noqa: F401  (model: the fixture)
     MAX_TOKENS,
     PROMPTS,
     _run_pair,
     model,
     rank1_pid,
+    settled,
 )
 from tests.model_factory import engine_reference
-from tests.service_client import DecodeSession, describe, generate_disaggregated, prefill_stub
-from tests.service_harness import ENGINE, start_service, wait_until, wait_until_async
+from tests.service_client import DecodeSession, generate_disaggregated, prefill_stub
+from tests.service_harness import ENGINE, start_service, wait_until
 
 pytestmark = pytest.mark.slow
 PREFILL_SIZES, DECODE_SIZES = (2,), (1, 4)
@@ -90,16 +91,7 @@ def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_ran
                 got[pair, "longer"], _, _ = await generate_disaggregated(stub, session, name, longer[pair], GREEDY)
             finally:
                 await session.close()
-        last = []
-
-        async def settled():  # leases are released, and blocks freed, just after the last delta goes out
-            last[:] = [await describe(a) for a in prefills.values()]
-            last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
-            done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
-            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:1]) else None
-
-        described = await wait_until_async(settled, 10, lambda: f"not settled: {last}")
-        return got, aborted, described
+        return got, aborted, await settled(prefills, decodes)
 
     got, aborted, described = asyncio.run(main())
     assert {k: v for k, v in got.items() if "longer" not in k} == expected

@@ -133,6 +133,21 @@ def _tp(size: int) -> list[str]:
     return ["--kv-transport", "shm", "--tensor-parallel-size", str(size)]
 
 
+async def settled(prefills: dict, decodes: dict) -> list:
+    """Every service's Describe once every pool is free and no prefill holds a lease: leases are released, and blocks
+    freed, just after the last delta goes out. Prefills first, then decodes, each in their dicts' order."""
+    last = []
+
+    async def states():
+        last[:] = [await describe(a) for a in prefills.values()]
+        last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
+        done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
+        leases = all(p.counters.get("leases_active", 0) == 0 for p in last[: len(prefills)])
+        return last if done and leases else None
+
+    return await wait_until_async(states, 10, lambda: f"not settled: {last}")
+
+
 async def _run_pair(prefill: str, decode: str, name: str, batch: list[list[int]], doomed: list[int]):
     """`batch` through `prefill` and `decode` at once (greedy, MAX_TOKENS each), and `doomed` aborted on the
     decode after its first decoded delta; returns (the batch's tokens, the aborted request's last delta)."""
@@ -172,16 +187,7 @@ def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block
             got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
                 prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
             )
-        last = []
-
-        async def settled():  # leases are released, and blocks freed, just after the last delta goes out
-            last[:] = [await describe(a) for a in prefills.values()]
-            last.extend([await describe(a, decode_pb2_grpc.DecodeStub) for a in decodes.values()])
-            done = all(d.load.num_free_blocks == d.load.num_total_blocks for d in last)
-            return last if done and all(p.counters.get("leases_active", 0) == 0 for p in last[:3]) else None
-
-        described = await wait_until_async(settled, 10, lambda: f"not settled: {last}")
-        return got, aborted, described
+        return got, aborted, await settled(prefills, decodes)
 
     got, aborted, described = asyncio.run(main())
     assert got == expected
