@@ -5,6 +5,7 @@ serves again. Before that timeout, a core silent for longer than it ever is whil
 hands the requests waiting on it back, and the gateway serves them on another prefill at once."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -82,10 +83,8 @@ def test_a_stopped_prefill_core_is_routed_around_and_serves_again(tmp_path, refe
         assert complete(stack, PROMPTS[0])[0] == reference[0]
         assert prefill.popen.poll() is None  # the service lived through it
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(core, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         stack.stop()
 
 
@@ -125,8 +124,6 @@ def test_the_first_request_on_a_stopped_prefill_is_served_by_another_at_once(tmp
         wait_until(lambda: idle(stack), 20, "blocks still held after the core ran again")
         assert complete(stack, PROMPTS[0])[0] == reference[0]
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(core, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         stack.stop()

@@ -20,9 +20,9 @@ from splitserve.protos import common_pb2
 from tests.integration.test_tensor_parallel_services import (  # noqa: F401  (model: the fixture)
     MAX_TOKENS,
     PROMPTS,
-    _run_pair,
     model,
     rank1_pid,
+    run_pairs,
     settled,
 )
 from tests.model_factory import engine_reference
@@ -78,12 +78,7 @@ def test_nccl_between_tp_sizes_gives_tp1_tokens_frees_every_block_and_a_dead_ran
     expected_longer = dict(zip(pairs, flat[3 * len(pairs) :]))
 
     async def main():
-        got, aborted = {}, {}
-        for p_size, d_size in pairs:
-            doomed = [300 + 10 * p_size + d_size, 1, 2, 3, 4, 5]  # 6 tokens: 2 blocks
-            got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
-                prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
-            )
+        got, aborted = await run_pairs(prefills, decodes, pairs, prompts)
         for pair in pairs:
             session = DecodeSession(decodes[pair[1]])
             try:

@@ -148,6 +148,17 @@ async def settled(prefills: dict, decodes: dict) -> list:
     return await wait_until_async(states, 10, lambda: f"not settled: {last}")
 
 
+async def run_pairs(prefills: dict, decodes: dict, pairs, prompts: dict) -> tuple[dict, dict]:
+    """Each (prefill TP, decode TP) pair's batch and one aborted request: tokens and the abort's last delta, by pair."""
+    got, aborted = {}, {}
+    for p_size, d_size in pairs:
+        doomed = [300 + 10 * p_size + d_size, 1, 2, 3, 4, 5]  # 6 tokens: 2 blocks
+        got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
+            prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
+        )
+    return got, aborted
+
+
 async def _run_pair(prefill: str, decode: str, name: str, batch: list[list[int]], doomed: list[int]):
     """`batch` through `prefill` and `decode` at once (greedy, MAX_TOKENS each), and `doomed` aborted on the
     decode after its first decoded delta; returns (the batch's tokens, the aborted request's last delta)."""
@@ -181,12 +192,7 @@ def test_prefill_and_decode_of_any_tp_sizes_give_tp1_tokens_and_free_every_block
     expected = {pair: flat[3 * i : 3 * i + 3] for i, pair in enumerate(pairs)}
 
     async def main():
-        got, aborted = {}, {}
-        for p_size, d_size in pairs:
-            doomed = [300 + 10 * p_size + d_size, 1, 2, 3, 4, 5]  # 6 tokens: 2 blocks
-            got[p_size, d_size], aborted[p_size, d_size] = await _run_pair(
-                prefills[p_size], decodes[d_size], f"p{p_size}d{d_size}", prompts[p_size, d_size], doomed
-            )
+        got, aborted = await run_pairs(prefills, decodes, pairs, prompts)
         return got, aborted, await settled(prefills, decodes)
 
     got, aborted, described = asyncio.run(main())
