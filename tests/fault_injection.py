@@ -13,6 +13,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 | corrupt_epoch=N | decode service | `PullCoordinator._copy_valid` | the first N ended pulls check a wrong epoch |
 | release_hold=N | prefill service | `PrefillService.ReleaseKv` | the first N calls wait for SIGUSR1, then release |
 | message_cost_ms=N | gateway | `RequestRun._delta_message` | holds the event loop N ms per message (a busy gateway) |
+| slow_prefill_ms=N | engine core | `EngineCore.step` | the first step over 64 tokens runs N ms more (long prefill) |
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ import signal
 import time
 
 log = logging.getLogger("splitserve.test.faults")
-FAULTS = ("pull_delay_ms", "pull_drop", "send_kill_after_blocks", "corrupt_epoch", "release_hold", "message_cost_ms")
+FAULTS = (
+    "pull_delay_ms",
+    "pull_drop",
+    "send_kill_after_blocks",
+    "corrupt_epoch",
+    "release_hold",
+    "message_cost_ms",
+    "slow_prefill_ms",
+)
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -68,6 +77,10 @@ def install(spec: str) -> None:
         from splitserve.gateway.request_run import RequestRun
 
         _wrap_delta_message(RequestRun, faults["message_cost_ms"])
+    if faults.get("slow_prefill_ms"):
+        from splitserve.engine.engine_core import EngineCore
+
+        _wrap_step(EngineCore, faults["slow_prefill_ms"])
     log.warning("test faults installed in pid %d: %s", os.getpid(), faults)
 
 
@@ -151,3 +164,21 @@ def _wrap_delta_message(cls, cost_ms: int) -> None:
         return original(self, delta)
 
     cls._delta_message = delta_message
+
+
+def _wrap_step(cls, extra_ms: int) -> None:
+    """The first step that takes in more than 64 tokens runs `extra_ms` longer (a sleep: the GIL is free, as in
+    torch's kernels), as a long prompt's prefill on a slow CPU does, after steps far shorter."""
+    original = cls.step
+    slowed = False
+
+    @functools.wraps(original)
+    def step(self):
+        nonlocal slowed
+        outputs = original(self)
+        if not slowed and self.last_step_num_tokens > 64:
+            slowed = True
+            time.sleep(extra_ms / 1000)
+        return outputs
+
+    cls.step = step

@@ -19,8 +19,9 @@ from splitserve.runtime.metrics import ServiceCounters
 
 log = logging.getLogger("splitserve.service")
 
-# A running core sends something at least every HEARTBEAT_S (0.5 s) plus an idle wait (0.5 s), or after each step. A
-# core silent for longer than SUSPECT_MIN_S, and than SUSPECT_STEPS times its longest recent step, is suspect: a
+# A running core sends something at least every HEARTBEAT_S (0.5 s) plus an idle wait (0.5 s), after each step, and
+# from a thread of its own during a long step. A core silent for longer than SUSPECT_MIN_S, and than SUSPECT_STEPS
+# times its longest recent step, is suspect (stopped, or stuck outside a step; not merely busy in a long one): a
 # prefill takes no new request and hands back the ones waiting on it (UNAVAILABLE: the gateway retries them on
 # another prefill, or on a decode), rather than holding them until --core-stall-timeout-s calls it hung.
 SUSPECT_MIN_S = 1.75  # 0.75 s past the longest silence of a running core: a request waits under 2 s for a stopped one
@@ -90,14 +91,20 @@ class ServiceBase:
         pass
 
     async def _watch_core(self, healths) -> None:
-        """Take the core as hung once it has been silent for --core-stall-timeout-s (a running core steps or
-        sends a heartbeat every second): health NOT_SERVING, Describe and new requests UNAVAILABLE, so the
-        gateway routes around this instance; serving again once the core answers."""
+        """Take the core as hung once it has been silent, or in one step, for --core-stall-timeout-s (a running
+        core steps or sends a heartbeat every second, during a long step too): health NOT_SERVING, Describe and
+        new requests UNAVAILABLE, so the gateway routes around this instance; serving again once the core
+        answers."""
         while not self.client.dead:
             await asyncio.sleep(0.25)
-            silent_s = self.client.silent_s()
+            quiet_s, in_step_s = self.client.silent_s(), self.client.in_step_s()
+            silent_s = max(quiet_s, in_step_s)
             if not self.core_stalled and silent_s > self.config.core_stall_timeout_s:
-                self.core_stalled = f"{self.name}: its engine core has not answered for {silent_s:.0f} s"
+                self.core_stalled = (
+                    f"{self.name}: its engine core has not answered for {quiet_s:.0f} s"
+                    if quiet_s >= in_step_s
+                    else f"{self.name}: its engine core has been in one step for {in_step_s:.0f} s"
+                )
                 log.error("%s; not ready until it does", self.core_stalled)
                 for h in healths:
                     set_serving(h, self.service_names, False)

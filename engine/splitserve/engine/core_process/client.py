@@ -57,6 +57,7 @@ class EngineClient:
         self.dead = False
         self.fatal: str | None = None  # the last line of the core's Fatal report, when it sent one before exiting
         self.last_heard = time.monotonic()  # when the core last sent anything (set by the reader thread)
+        self.step_began: float | None = None  # when the step the core's heartbeats say it is in began
 
     async def start(self, timeout_s: float = 600.0) -> None:
         self.loop = asyncio.get_running_loop()
@@ -89,6 +90,7 @@ class EngineClient:
                 self.loop.call_soon_threadsafe(self._core_died)
                 return
             self.last_heard = time.monotonic()
+            self._note_step(batch)
             self.loop.call_soon_threadsafe(self._dispatch, batch)
 
     def _core_died(self) -> None:
@@ -133,9 +135,23 @@ class EngineClient:
                 log.error("engine core failed:\n%s", msg.message)
                 self.fatal = msg.message.strip().splitlines()[-1] if msg.message.strip() else None
 
+    def _note_step(self, batch: list) -> None:
+        """A step's outputs end it; a heartbeat from within a step says when that step began."""
+        for msg in batch:
+            if isinstance(msg, m.StepBatch):
+                self.step_began = None
+            elif isinstance(msg, m.Heartbeat):
+                self.step_began = self.last_heard - msg.in_step_s if msg.in_step_s else None
+
     def silent_s(self) -> float:
-        """Seconds since the core last sent anything: a running core sends at least every loop.HEARTBEAT_S."""
+        """Seconds since the core last sent anything: a running core sends at least every loop.HEARTBEAT_S,
+        within a long step too."""
         return time.monotonic() - self.last_heard
+
+    def in_step_s(self) -> float:
+        """How long the step the core is in has run, by its heartbeats; 0 when none is known to run long."""
+        began = self.step_began
+        return 0.0 if began is None else time.monotonic() - began
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, msg) -> None:

@@ -53,14 +53,18 @@ class CoreLoop:
         self.num_background = 0
         self.running = True
         self._last_sent = time.monotonic()  # when anything last went to the service (Heartbeat's clock)
+        self._step_started: float | None = None  # while engine.step() runs: when it began (the beat thread's cue)
+        self._stopped = threading.Event()
         self.wakeup = Wakeup()
         connector.lanes.notify = self.wakeup.set  # a transfer's end ends the loop's wait
 
     def run(self) -> None:
+        threading.Thread(target=self._beat_in_steps, name="core-heartbeat", daemon=True).start()
         try:
             while self.running and self._turn():
                 pass
         finally:
+            self._stopped.set()
             # queued transfers are dropped; running ones get a moment to end
             if self.connector.close() == 0:  # no worker left to write to the wake pipe (a reused fd)
                 self.wakeup.close()
@@ -141,9 +145,27 @@ class CoreLoop:
                 self._last_sent = time.monotonic()
             self.outbox = []
 
+    def _beat_in_steps(self) -> None:
+        """Keep the heartbeat going while one step runs long (a large prefill on a CPU takes seconds), saying how
+        long it has run: the service must not take a busy core for a hung one and send its requests elsewhere.
+        A stopped process, or a loop stuck outside a step, still goes silent; a step that never ends is left to
+        the service's --core-stall-timeout-s."""
+        while not self._stopped.wait(HEARTBEAT_S / 2):
+            started = self._step_started
+            if started is None or time.monotonic() - self._last_sent < HEARTBEAT_S:
+                continue
+            with self._send_lock:
+                if self._step_started is started:  # not one that ended meanwhile (its outputs go out next)
+                    self.conn.send([m.Heartbeat(in_step_s=time.monotonic() - started)])
+                    self._last_sent = time.monotonic()
+
     def _step(self) -> None:
         start = time.perf_counter_ns()
-        outputs = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._step_started = None
         held = []
         for out in outputs:
             if out.finish_reason == "prefilled":

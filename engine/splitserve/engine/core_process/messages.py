@@ -186,5 +186,9 @@ class Fatal:
 
 @dataclass
 class Heartbeat:
-    """The core is alive: sent when it has sent nothing else for loop.HEARTBEAT_S (a step's outputs say so too).
-    A service that hears nothing for its --core-stall-timeout-s takes its core as hung."""
+    """The core is alive: sent when it has sent nothing else for loop.HEARTBEAT_S (a step's outputs say so too),
+    between steps by the loop, and during a long step by a thread of the core's with `in_step_s`, how long that
+    step has run. A service that hears nothing for its --core-stall-timeout-s, or whose core has been in one step
+    that long, takes its core as hung."""
+
+    in_step_s: float = 0.0

@@ -1,0 +1,55 @@
+"""A core busy in one long step keeps its heartbeat going, saying how long the step has run, so its service does
+not take it for a hung one; the service's client turns those heartbeats into the step's age."""
+
+import time
+
+from splitserve.engine.core_process import loop as loop_module
+from splitserve.engine.core_process import messages as m
+from splitserve.engine.core_process.client import EngineClient
+from tests.engine.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
+
+
+class LongStepEngine(Engine):
+    """The fake decode engine of test_core_loop, whose second step waits on `long_step` (a long prefill)."""
+
+    def __init__(self, pipe: Pipe, long_step: Gate) -> None:
+        super().__init__(pipe)
+        self.long_step = long_step
+
+    def step(self):
+        if self.steps == 1:
+            self.long_step.pass_through(lambda: None)
+        return super().step()
+
+
+def test_a_long_step_sends_heartbeats_with_its_age_and_the_loop_goes_on_after_it(monkeypatch):
+    monkeypatch.setattr(loop_module, "HEARTBEAT_S", 0.05)
+    long_step, pipe = Gate(), Pipe()
+    engine = LongStepEngine(pipe, long_step)
+    driver = Driver(engine, FakeConnector(Gate(opened=True)), pipe).start()
+    driver.until(lambda: long_step.entered.is_set(), 10, "the long step never began")
+
+    def beats() -> list[float]:
+        return [msg.in_step_s for msg in driver.received if isinstance(msg, m.Heartbeat)]
+
+    driver.until(lambda: any(age >= 0.5 for age in beats()), 10, lambda: f"no heartbeat 0.5 s into the step: {beats()}")
+    assert not long_step.ended.is_set() and engine.steps == 1  # sent from within the step, not after it
+    assert all(age > 0 for age in beats())  # every one from within a step, with its age
+    ages = beats()
+    first = max(i for i in range(len(ages)) if i == 0 or ages[i] < ages[i - 1])  # the long step's first beat
+    assert len(ages) - first >= 3, ages  # one every HEARTBEAT_S or so, its age growing (earlier ones: a loaded step)
+    long_step.gate.set()
+    driver.until(lambda: engine.steps >= 4, 10, "the loop did not step on after the long step")
+    driver.stop()
+
+
+def test_the_client_knows_how_long_the_core_has_been_in_one_step():
+    client = EngineClient(config=None, kv_options={})
+    assert client.in_step_s() == 0.0
+    client.last_heard = time.monotonic()
+    client._note_step([m.Heartbeat(in_step_s=3.0)])
+    assert 3.0 <= client.in_step_s() < 13.0
+    client._note_step([m.StepBatch([], [], {}, 0, 0)])  # the step's outputs end it
+    assert client.in_step_s() == 0.0
+    client._note_step([m.Heartbeat(in_step_s=2.0), m.Heartbeat()])  # a heartbeat between steps
+    assert client.in_step_s() == 0.0
