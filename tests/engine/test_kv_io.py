@@ -89,20 +89,23 @@ def test_block_runs_split_where_either_side_stops_advancing_by_one():
 
 
 @pytest.mark.parametrize(
-    "src_ids, gathered",
-    [([3, 4, 5, 6, 10, 11], False), (list(range(0, 40, 2)), True)],
-    ids=["two runs copied directly", "20 runs gathered and scattered"],
+    "src_ids",
+    [[3, 4, 5, 6, 10, 11], list(range(0, 40, 2))],
+    ids=["two runs", "20 runs"],
 )
-def test_copy_block_runs_moves_exactly_the_named_blocks(src_ids, gathered, monkeypatch):
+def test_copy_block_runs_moves_exactly_the_named_blocks_run_by_run_on_a_cpu(src_ids, monkeypatch):
+    """On a CPU every run is one copy out of the pool (a memcpy): no staging gather, however many runs (a gather
+    then scatter of 224 MiB in 64 blocks took 3.7x the per-run copies here)."""
     import splitserve.engine.kv_connectors.block_copies as copies
 
     calls = []
     monkeypatch.setattr(copies, "copy_blocks", lambda *args: calls.append(1) or shm_copy_blocks(*args))
+    monkeypatch.setattr(copies, "copy_blocks_by_index", lambda *args: calls.append(2))
     src, dst = numbered_pool(48), torch.full(LAYOUT.cache_shape(24), -1.0)
     dst_ids = list(range(2, 2 + len(src_ids)))
     assert copy_block_runs(src, src_ids, dst, dst_ids) == len(src_ids) * LAYOUT.block_nbytes
     assert [int(dst[b].unique().item()) for b in range(24)] == [-1, -1, *src_ids, *[-1] * (22 - len(src_ids))]
-    assert calls == ([1] if gathered else [])
+    assert calls == []
     with pytest.raises(ValueError, match="copy_block_runs: 2 source blocks vs 1 destination blocks"):
         copy_block_runs(src, [0, 1], dst, [0])
 

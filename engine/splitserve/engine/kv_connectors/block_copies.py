@@ -6,8 +6,9 @@ import torch
 
 from splitserve.engine.kv_connectors.shm_pool import copy_blocks
 from splitserve.engine.worker.kv_cache import as_bytes
+from splitserve.kernels.block_copy import copy_blocks_by_index
 
-MAX_DIRECT_RUNS = 16  # beyond this, per-run copies cost more host time than one gather pass
+MAX_DIRECT_RUNS = 16  # on a GPU, beyond this, a launch a run costs more than one indexed copy of every block
 
 
 def block_run(ids: list[int]) -> int | None:
@@ -30,8 +31,10 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, i
 
 
 def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> int:
-    """Copy blocks src[src_ids] -> dst[dst_ids]: one device-to-device copy per run, a single pass with no
-    staging; more than MAX_DIRECT_RUNS runs fall back to gather + copy + scatter. Returns bytes."""
+    """Copy blocks src[src_ids] -> dst[dst_ids] in a single pass with no staging: one copy per run of
+    consecutive blocks (on a CPU, however many: a memcpy each), or on one GPU, past MAX_DIRECT_RUNS runs, one
+    kernel that copies every block by index. Between two GPUs, that many runs are gathered, moved at once and
+    scattered. Returns bytes."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copy_block_runs: {len(src_ids)} source blocks vs {len(dst_ids)} destination blocks")
     for side, ids, pool in (("source", src_ids, src), ("destination", dst_ids, dst)):
@@ -41,7 +44,9 @@ def copy_block_runs(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, ds
             )
     src, dst = as_bytes(src), as_bytes(dst)  # fp8 pools move as bytes
     runs = block_runs(src_ids, dst_ids)
-    if len(runs) > MAX_DIRECT_RUNS:
+    if len(runs) > MAX_DIRECT_RUNS and src.is_cuda:
+        if src.device == dst.device and src.is_contiguous() and dst.is_contiguous():
+            return copy_blocks_by_index(src, src_ids, dst, dst_ids)
         return copy_blocks(src, src_ids, dst, dst_ids)
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
