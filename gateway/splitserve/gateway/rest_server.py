@@ -1,16 +1,19 @@
 """The REST shim's HTTP server: uvicorn inside the gateway's event loop, with a timeout on request heads and
-keep-alive connections closed only when idle."""
+keep-alive connections closed only when idle, by a FIN and never a reset."""
 
 from __future__ import annotations
 
 import array
 import contextlib
 import fcntl
-import socket
 import termios
 from typing import Any
 
 from splitserve.gateway.config import GatewayConfig
+
+# How long a connection closed for idleness keeps reading after its FIN for a request the client sent before
+# seeing it (nginx's lingering_time); a client that closes its end on the FIN (they all do) ends it sooner.
+LINGER_S = 30.0
 
 
 def _unread_bytes(transport) -> int:
@@ -26,43 +29,63 @@ def _unread_bytes(transport) -> int:
 def _protocol_with_header_timeout(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
     `timeout_s` (uvicorn times out idle connections only after a response: 3,000 connections that
-    never sent a byte stayed open), and closing an idle keep-alive connection only when it is idle.
+    never sent a byte stayed open), and closing an idle keep-alive connection without ever resetting it.
 
-    uvicorn's keep-alive timeout closes the transport, and asyncio closes the socket one loop turn later:
-    under load that turn takes milliseconds, during which the client, seeing no FIN, may send its next
-    request on the connection; the kernel then answers the socket's close with unread data by a reset,
-    and the client loses a request the server had received. Here the timeout leaves alone a connection
-    whose next request has arrived (data_received serves it and cancels the timer), and sends the FIN at
-    once, so a client that reuses the connection afterwards sees a clean close before any request of its
-    is taken, never a reset."""
+    HTTP/1.1 lets the server close a keep-alive connection idle for its timeout, and a client may be sending
+    its next request on it at that moment (it has not seen the FIN yet). uvicorn closes the socket one loop
+    turn after its timeout; a request that arrived meanwhile sat unread, and a socket closed with unread data
+    answers with a reset: the client (httpx, which writes a request's head and body in two sends) reads
+    ECONNRESET, a `ReadError` that says nothing of whether the server took the request. Here the timeout
+    serves a request that has arrived (bytes waiting: data_received serves it and cancels the timer);
+    otherwise it sends the FIN at once and lingers (as nginx and Apache do): reads and drops what the client
+    still sends until the client closes its end, or `LINGER_S`. A request lost to the race then meets a
+    clean end of stream with no byte of an answer, which clients read as "the server never took it" and may
+    send again (RFC 9112 9.3.1; httpx's RemoteProtocolError, aiohttp's ServerDisconnectedError)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeoutProtocol(H11Protocol):
+        _lingering = False
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+            self._linger_timer = None
 
         def connection_lost(self, exc) -> None:
             self._head_timer.cancel()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering:  # after our FIN, bytes are a request sent before the client saw it: dropped
+                super().data_received(data)
 
         def _head_timed_out(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
                 self.transport.close()
 
         def timeout_keep_alive_handler(self) -> None:
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._lingering:
                 return
             if _unread_bytes(self.transport):  # a request came in after this loop turn's poll: serve it
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler
                 )
                 return
-            plain = self.transport.get_extra_info("sslcontext") is None  # TLS closes with its own close_notify
-            if plain and not self.transport.get_write_buffer_size():  # nothing left to send: the FIN now
-                with contextlib.suppress(OSError):
-                    self.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
-            super().timeout_keep_alive_handler()
+            if not self.transport.can_write_eof():  # asyncio's TLS transport cannot half-close: uvicorn's close
+                super().timeout_keep_alive_handler()
+                return
+            self.conn.send(h11.ConnectionClosed())
+            self._lingering = True
+            try:
+                self.transport.write_eof()  # the FIN now (after any bytes still buffered); reading goes on
+            except OSError:  # the peer is gone already
+                self.transport.close()
+                return
+            # the client's FIN ends it sooner: eof_received returns None, so asyncio closes the transport
+            self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     return HeaderTimeoutProtocol
 
