@@ -4,6 +4,8 @@ real stack per mode (--launch) whose numbers must agree with each other exactly.
 import asyncio
 import json
 import math
+import socket
+import struct
 import sys
 
 import pytest
@@ -229,11 +231,13 @@ SSE += b'data: {"choices": [{"text": " w10", "finish_reason": "length"}], "usage
 SSE += b'"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
 
 
-async def _one_server(closes: set[tuple[int, int]]):
+async def _one_server(closes: set[tuple[int, int]], resets: frozenset[tuple[int, int]] = frozenset()):
     """An HTTP/1.1 server on loopback answering GET /v1/models with one model and every POST with the same
     two-token SSE stream, keeping the connection, except the (connection, request) pairs in `closes`: those it
     reads, then closes the connection with no answer (a FIN), as a server does whose idle timeout fired just as
-    the request came. Returns the server and the (connection, request, method) of each request it answered."""
+    the request came; and those in `resets`, whose connection it resets on the request's head (a server that
+    closed a socket holding the request unread). Returns the server and the (connection, request, method) of
+    each request it answered."""
     answered, num_connections = [], 0
     models = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 64}]}).encode()
 
@@ -244,6 +248,10 @@ async def _one_server(closes: set[tuple[int, int]]):
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
             except asyncio.IncompleteReadError:  # the client closed the connection
+                return
+            if (connection, request) in resets:
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()  # closed at once with linger 0: a reset
                 return
             lines = head.lower().split(b"\r\n")
             length = next((int(h.split(b":")[1]) for h in lines if h.startswith(b"content-length")), 0)
@@ -262,13 +270,15 @@ async def _one_server(closes: set[tuple[int, int]]):
     return await asyncio.start_server(serve_connection, "127.0.0.1", 0), answered
 
 
-def _rest_records(closes: set[tuple[int, int]], num_requests: int) -> tuple[list, list]:
+def _rest_records(
+    closes: set[tuple[int, int]], num_requests: int, resets: frozenset[tuple[int, int]] = frozenset()
+) -> tuple[list, list]:
     import httpx
 
     from splitserve.bench.serve_load import rest_sender
 
     async def main():
-        server, answered = await _one_server(closes)
+        server, answered = await _one_server(closes, resets)
         port = server.sockets[0].getsockname()[1]
         records = [RequestRecord(i, 2, 2, 0.0) for i in range(num_requests)]
         async with server, httpx.AsyncClient(timeout=10) as client:
@@ -293,6 +303,18 @@ def test_a_request_on_a_reused_connection_the_server_closed_unanswered_is_sent_a
 def test_a_new_connection_closed_unanswered_is_a_failure_not_sent_again():
     records, answered = _rest_records({(0, 0)}, 1)
     assert records[0].error == "RemoteProtocolError: Server disconnected without sending a response."
+    assert answered == []
+
+
+def test_a_request_on_a_reused_connection_reset_unanswered_is_sent_again():
+    records, answered = _rest_records(set(), 3, resets=frozenset({(0, 1)}))
+    assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
+    assert answered == [(0, 0, "POST"), (1, 0, "POST"), (1, 1, "POST")]
+
+
+def test_a_new_connection_reset_unanswered_is_a_failure_not_sent_again():
+    records, answered = _rest_records(set(), 1, resets=frozenset({(0, 0)}))
+    assert records[0].error == "ReadError: "  # httpcore reads the answer after a failed send: a reset is a ReadError
     assert answered == []
 
 

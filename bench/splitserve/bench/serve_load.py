@@ -317,14 +317,17 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
 
 
 async def _send_post(client, url: str, body: dict, attempts: int = 3):
-    """POST `body` and return the streamed response; sent again when the server closed a reused connection
-    before any byte of an answer (at most `attempts` sends).
+    """POST `body` and return the streamed response; sent again when a reused connection ended before the
+    answer's head (at most `attempts` sends).
 
     That is HTTP/1.1's keep-alive race: the server closes a connection idle for its keep-alive timeout just as
-    the client reuses it, and reading the end of the stream (a FIN, not a reset) says it never took the
-    request. httpx sends no request twice; real clients do here (browsers, and the OpenAI SDK retries every
-    connection error), and without it such a request counts as a failure of the server. A connection made for
-    the request that closes is never retried: that is a server that failed."""
+    the client reuses it. A server that closes cleanly gives a FIN (RemoteProtocolError: it never took the
+    request); one that closes a socket holding the request unread gives a reset, which httpx reports as a
+    ReadError, or a WriteError on the body (httpx sends a request's head and body apart, so a reset can come
+    between them): the request was never answered, and a server that had started it cancels it when its
+    connection drops. httpx sends no request twice; real clients do here (browsers, and the OpenAI SDK retries
+    every connection error), and without it such a request counts as a failure of the server. A connection
+    made for the request that fails is never retried: that is a server that failed."""
     import httpx
 
     for attempt in range(1, attempts + 1):
@@ -338,7 +341,7 @@ async def _send_post(client, url: str, body: dict, attempts: int = 3):
             return await client.send(
                 client.build_request("POST", url, json=body, extensions={"trace": trace}), stream=True
             )
-        except httpx.RemoteProtocolError:
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
             if made_connection or attempt == attempts:
                 raise
     raise ValueError(f"attempts must be >= 1, got {attempts}")
