@@ -78,8 +78,11 @@ def test_summarize_accounts_for_every_request_and_goodput():
         _record(6, 0, [], status="cancelled", error="cancelled at --max-seconds=5"),
         RequestRecord(7, 10, 4, 9.0),  # never sent
     ]
+    records[1].resent_after = ["RemoteProtocolError"]
+    records[4].resent_after = ["ReadError", "RemoteProtocolError"]
     s = summarize(records, 4.0, Slo(ttft_ms=200, itl_ms=200))
     assert [r.meets_slo for r in records] == [False, True, False, False, False, False, False, False]
+    assert s["resent"] == {"ReadError": 1, "RemoteProtocolError": 2}
     assert _request_counts(s) == (8, 7, 4, 2, 1, 1)
     assert s["errors"] == {"gRPC UNAVAILABLE: down": 2, "cancelled at --max-seconds=5": 1}
     assert (s["output_tokens_asked"], s["output_tokens_received"], s["num_token_mismatch"]) == (28, 14, 1)
@@ -296,6 +299,7 @@ def _rest_records(
 def test_a_request_on_a_reused_connection_the_server_closed_unanswered_is_sent_again():
     records, answered = _rest_records({(0, 1)}, 3)
     assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
+    assert [r.resent_after for r in records] == [[], ["RemoteProtocolError"], []]
     # the second request went again, on a new connection
     assert answered == [(0, 0, "POST"), (1, 0, "POST"), (1, 1, "POST")]
 
@@ -309,6 +313,7 @@ def test_a_new_connection_closed_unanswered_is_a_failure_not_sent_again():
 def test_a_request_on_a_reused_connection_reset_unanswered_is_sent_again():
     records, answered = _rest_records(set(), 3, resets=frozenset({(0, 1)}))
     assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
+    assert [r.resent_after for r in records] == [[], ["ReadError"], []]
     assert answered == [(0, 0, "POST"), (1, 0, "POST"), (1, 1, "POST")]
 
 

@@ -289,7 +289,7 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
         }
         events: list[tuple[float, int]] = []
         record.sent_s = sent = clock()
-        response = await _send_post(client, f"{base_url}/v1/completions", body)
+        response = await _send_post(client, f"{base_url}/v1/completions", body, record.resent_after)
         try:
             if response.status_code != 200:
                 raw = await response.aread()
@@ -316,9 +316,9 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
     return send
 
 
-async def _send_post(client, url: str, body: dict, attempts: int = 3):
+async def _send_post(client, url: str, body: dict, resent_after: list[str], attempts: int = 3):
     """POST `body` and return the streamed response; sent again when a reused connection ended before the
-    answer's head (at most `attempts` sends).
+    answer's head (at most `attempts` sends; the error of each send sent again goes to `resent_after`).
 
     That is HTTP/1.1's keep-alive race: the server closes a connection idle for its keep-alive timeout just as
     the client reuses it. A server that closes cleanly gives a FIN (RemoteProtocolError: it never took the
@@ -341,9 +341,10 @@ async def _send_post(client, url: str, body: dict, attempts: int = 3):
             return await client.send(
                 client.build_request("POST", url, json=body, extensions={"trace": trace}), stream=True
             )
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             if made_connection or attempt == attempts:
                 raise
+            resent_after.append(type(exc).__name__)
     raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 

@@ -82,6 +82,7 @@ class RequestRecord:
     cached_prompt_tokens: int = 0  # usage: prompt tokens served from a prefix cache
     finish_reason: str = ""
     error: str = ""
+    resent_after: list[str] = field(default_factory=list)  # why each earlier send of it was sent again
     meets_slo: bool = False
 
     @property
@@ -101,6 +102,7 @@ class RequestRecord:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "finish_reason": self.finish_reason,
             "error": self.error,
+            "resent_after": self.resent_after,
             "scheduled_s": self.scheduled_s,
             "sent_s": self.sent_s,
             "ttft_s": self.ttft_s,
@@ -141,8 +143,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
     errors: dict[str, int] = {}
     for r in by_status[FAILED] + by_status[CANCELLED]:
         errors[r.error] = errors.get(r.error, 0) + 1
+    resent: dict[str, int] = {}  # sends that ended before an answer on a reused connection, sent again
     for r in records:
         r.meets_slo = slo.met_by(r)
+        for reason in r.resent_after:
+            resent[reason] = resent.get(reason, 0) + 1
     num_sent = len(records) - len(by_status[NOT_SENT])
     num_met = sum(r.meets_slo for r in records)
     output_tokens = sum(r.num_received for r in done)
@@ -155,6 +160,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         "num_cancelled": len(by_status[CANCELLED]),
         "num_not_sent": len(by_status[NOT_SENT]),
         "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+        "resent": dict(sorted(resent.items())),
         "output_tokens_asked": sum(r.output_len for r in records if r.status != NOT_SENT),
         "output_tokens_received": sum(r.num_received for r in records),
         "num_token_mismatch": sum(r.num_received != r.output_len for r in done),
