@@ -313,7 +313,7 @@ def test_a_new_connection_closed_unanswered_is_a_failure_not_sent_again():
 def test_a_request_on_a_reused_connection_reset_unanswered_is_sent_again():
     records, answered = _rest_records(set(), 3, resets=frozenset({(0, 1)}))
     assert [(r.status, r.num_received, r.error) for r in records] == [(COMPLETED, 2, "")] * 3
-    assert [r.resent_after for r in records] == [[], ["ReadError"], []]
+    assert [r.resent_after for r in records] == [[], ["ReadError (ConnectionResetError)"], []]
     assert answered == [(0, 0, "POST"), (1, 0, "POST"), (1, 1, "POST")]
 
 

@@ -318,16 +318,19 @@ def rest_sender(client, base_url: str, model: str, temperature: float) -> Sender
 
 async def _send_post(client, url: str, body: dict, resent_after: list[str], attempts: int = 3):
     """POST `body` and return the streamed response; sent again when a reused connection ended before the
-    answer's head (at most `attempts` sends; the error of each send sent again goes to `resent_after`).
+    answer's head (at most `attempts` sends; the error that ended each send sent again, with the socket error
+    behind it, goes to `resent_after`).
 
     That is HTTP/1.1's keep-alive race: the server closes a connection idle for its keep-alive timeout just as
     the client reuses it. A server that closes cleanly gives a FIN (RemoteProtocolError: it never took the
     request); one that closes a socket holding the request unread gives a reset, which httpx reports as a
     ReadError, or a WriteError on the body (httpx sends a request's head and body apart, so a reset can come
-    between them): the request was never answered, and a server that had started it cancels it when its
-    connection drops. httpx sends no request twice; real clients do here (browsers, and the OpenAI SDK retries
-    every connection error), and without it such a request counts as a failure of the server. A connection
-    made for the request that fails is never retried: that is a server that failed."""
+    between them). httpx's pool also closes, on seeing a FIN, an idle connection it has already handed to a
+    request that is then sending on it (a ReadError from ClosedResourceError). The request was never
+    answered, and a server that had started it cancels it when its connection drops. httpx sends no request
+    twice; real clients do here (browsers, and the OpenAI SDK retries every connection error), and without it
+    such a request counts as a failure of the server. A connection made for the request that fails is never
+    retried: that is a server that failed."""
     import httpx
 
     for attempt in range(1, attempts + 1):
@@ -344,8 +347,21 @@ async def _send_post(client, url: str, body: dict, resent_after: list[str], atte
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             if made_connection or attempt == attempts:
                 raise
-            resent_after.append(type(exc).__name__)
+            resent_after.append(_with_root_cause(exc))
     raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+
+def _with_root_cause(exc: BaseException) -> str:
+    """The exception's type and, where its chain holds one, the socket's error (a reset: ConnectionResetError,
+    or BrokenPipeError after the server's FIN) or else the stream's own (anyio's ClosedResourceError: httpx
+    closed the connection itself)."""
+    chain, link = [], exc
+    while link is not None and len(chain) < 16:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    cause = next((e for e in chain if isinstance(e, OSError)), None)
+    cause = cause or next((e for e in chain if type(e).__module__.split(".")[0] == "anyio"), None)
+    return type(exc).__name__ + (f" ({type(cause).__name__})" if cause is not None else "")
 
 
 def _error_text(raw: bytes) -> str:
