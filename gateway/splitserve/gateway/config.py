@@ -91,7 +91,13 @@ class GatewayConfig:
         10.0, "a REST connection that has not sent a whole request head by then is closed", min=0.1, max=3600.0
     )
     http_keep_alive_s: float = option(
-        5.0, "an idle keep-alive REST connection is closed after this long", min=0.1, max=3600.0
+        5.0,
+        "an idle keep-alive REST connection is closed after this long (vLLM's default), cleanly: a request the "
+        "client sent on it meanwhile meets a closed connection with no answer, which httpx clients (the OpenAI "
+        "SDK) send again but aiohttp does not for a POST; above the client's own idle limit (vllm bench "
+        "serve's is 60 s) the client closes first and no request meets it",
+        min=0.1,
+        max=3600.0,
     )
     max_body_bytes: int = option(
         1 << 20,
