@@ -11,9 +11,11 @@ from typing import Any
 
 from splitserve.gateway.config import GatewayConfig
 
-# How long a connection closed for idleness keeps reading after its FIN for a request the client sent before
-# seeing it (nginx's lingering_time); a client that closes its end on the FIN (they all do) ends it sooner.
-LINGER_S = 30.0
+# How long a connection closed for idleness keeps reading after its FIN, dropping what comes, so that the rest of
+# a request the client sent before seeing the FIN (httpx sends the body a loop turn after the head) never meets a
+# closed socket (Apache lingers 2 s per read). A client that closes its end on the FIN ends it sooner; one that
+# keeps its end open holds a slot of --max-connections this much longer.
+LINGER_S = 2.0
 
 
 def _unread_bytes(transport) -> int:
