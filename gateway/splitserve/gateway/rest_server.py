@@ -41,8 +41,9 @@ def _protocol_with_header_timeout(timeout_s: float) -> type:
     serves a request that has arrived (bytes waiting: data_received serves it and cancels the timer);
     otherwise it sends the FIN at once and lingers (as nginx and Apache do): reads and drops what the client
     still sends until the client closes its end, or `LINGER_S`. A request lost to the race then meets a
-    clean end of stream with no byte of an answer, which clients read as "the server never took it" and may
-    send again (RFC 9112 9.3.1; httpx's RemoteProtocolError, aiohttp's ServerDisconnectedError)."""
+    clean end of stream with no byte of an answer, which clients read as "the server never took it" (httpx's
+    RemoteProtocolError, aiohttp's ServerDisconnectedError) and may send again (RFC 9112 9.3.1: the OpenAI SDK
+    does; aiohttp does for idempotent methods only, so a POST of its is lost to the race as with any server)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
