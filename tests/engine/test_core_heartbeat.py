@@ -53,3 +53,21 @@ def test_the_client_knows_how_long_the_core_has_been_in_one_step():
     assert client.in_step_s() == 0.0
     client._note_step([m.Heartbeat(in_step_s=2.0), m.Heartbeat()])  # a heartbeat between steps
     assert client.in_step_s() == 0.0
+
+
+def test_a_core_ending_after_the_services_loop_closed_is_noted_quietly():
+    """A service that exits before its core (a port already taken) closes its event loop; the reader thread's
+    last word about the core must not raise on it ("Event loop is closed" in the service's log)."""
+    import asyncio
+
+    client = EngineClient(config=None, kv_options={})
+    client.loop = asyncio.new_event_loop()
+    client.loop.close()
+    client._on_loop(client._dispatch, [m.Heartbeat()])  # no RuntimeError
+    client.loop = asyncio.new_event_loop()
+    try:
+        client._on_loop(client._dispatch, [m.StepBatch([], [], {"steps": 1}, 0, 0)])
+        client.loop.run_until_complete(asyncio.sleep(0))
+        assert client.stats == {"steps": 1}
+    finally:
+        client.loop.close()

@@ -87,11 +87,20 @@ class EngineClient:
                 # the pipe closed: the process is exiting (closing its ranks first, under TP); wait for its exit code
                 # here, off the event loop, as long as a loaded machine may take
                 self.process.join(EXIT_WAIT_S)
-                self.loop.call_soon_threadsafe(self._core_died)
+                self._on_loop(self._core_died)
                 return
             self.last_heard = time.monotonic()
             self._note_step(batch)
-            self.loop.call_soon_threadsafe(self._dispatch, batch)
+            self._on_loop(self._dispatch, batch)
+
+    def _on_loop(self, fn, *args) -> None:
+        """Run `fn` on the service's event loop, unless that loop has closed: the service is exiting (a port
+        already taken, a shutdown) and nobody is left to tell."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
 
     def _core_died(self) -> None:
         from splitserve.engine.outputs import RequestOutput
