@@ -10,7 +10,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 | pull_delay_ms=N | decode core | `KvConnector.pull` | sleeps N ms before every pull |
 | pull_drop=N | decode core | `KvConnector.pull` | the first N pulls raise |
 | send_kill_after_blocks=N | prefill core | `KvConnector.send` | kills the process group past N blocks sent |
-| corrupt_epoch=N | decode service | `PullCoordinator._copy_valid` | the first N ended pulls check a wrong epoch |
+| corrupt_epoch=N | decode core | `KvScheduler.lease_held` | the first N ended pulls check a wrong epoch |
 | release_hold=N | prefill service | `PrefillService.ReleaseKv` | the first N calls wait for SIGUSR1, then release |
 | message_cost_ms=N | gateway | `RequestRun._delta_message` | holds the event loop N ms per message (a busy gateway) |
 | slow_prefill_ms=N | engine core | `EngineCore.step` | the first step over 64 tokens runs N ms more (long prefill) |
@@ -19,6 +19,7 @@ processes a test starts with `faults=`; production code has no branch for any of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -66,9 +67,9 @@ def install(spec: str) -> None:
 
         factory.connector_class = faulty_class
     if faults.get("corrupt_epoch"):
-        from splitserve.decode_service.pulls import PullCoordinator
+        from splitserve.engine.core_process.kv_scheduler import KvScheduler
 
-        _wrap_copy_valid(PullCoordinator, faults["corrupt_epoch"])
+        _wrap_lease_held(KvScheduler, faults["corrupt_epoch"])
     if faults.get("release_hold"):
         from splitserve.prefill_service.server import PrefillService
 
@@ -115,24 +116,21 @@ def _wrap_send(cls, kill_after_blocks: int) -> None:
     cls.send = send
 
 
-def _wrap_copy_valid(cls, corruptions: int) -> None:
-    """The first `corruptions` ended pulls carry a wrong epoch from their first validity check on (the check runs
-    within the ImportDone's handling, and again if that hands the decision on)."""
-    original = cls._copy_valid
-    left, corrupted = [corruptions], set()
+def _wrap_lease_held(cls, corruptions: int) -> None:
+    """The first `corruptions` ended pulls that carry a lease slot are checked against a wrong epoch (the core reads
+    the slot as it sees the copy end; a lease it finds lost is not looked at again)."""
+    original = cls.lease_held
+    left = [corruptions]
 
     @functools.wraps(original)
-    def copy_valid(self, pull):
-        if id(pull) not in corrupted and left[0] > 0:
+    def lease_held(self, spec):
+        if spec.lease is not None and left[0] > 0:
             left[0] -= 1
-            corrupted.add(id(pull))
-            wrong = type(pull.handle)()
-            wrong.CopyFrom(pull.handle)
-            wrong.lease.epoch += 1_000_000  # validated against an epoch the prefill never issued
-            pull.handle = wrong
-        return original(self, pull)
+            wrong = dataclasses.replace(spec.lease, epoch=spec.lease.epoch + 1_000_000)  # an epoch never issued
+            spec = dataclasses.replace(spec, lease=wrong)
+        return original(self, spec)
 
-    cls._copy_valid = copy_valid
+    cls.lease_held = lease_held
 
 
 def _wrap_release_kv(cls, holds: int) -> None:

@@ -1,7 +1,8 @@
-"""A mapped pull's validity without a round trip: the prefill's lease table (shared-memory slots) read by the
-decode's PullCoordinator after the copy. A prefill that releases or expires the lease, then reuses its blocks, at
-any point of the pull is never read as valid; a valid pull commits before ReleaseKv answers; every lease and slot
-returns to baseline."""
+"""A mapped pull's validity without a round trip: the prefill's lease table (shared-memory slots), named in the
+handle, passed to the decode's core (`lease_ref`), read by the core after the copy (`KvScheduler.lease_held`); the
+decode's PullCoordinator acts on the core's verdict. A prefill that releases or expires the lease, then reuses its
+blocks, at any point of the pull is never read as valid; a valid pull is committed by the core, and the service
+sends no commit and releases the lease after, never waiting for it; every lease and slot returns to baseline."""
 
 import asyncio
 import os
@@ -12,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splitserve.decode_service.pulls import PendingPull
+from splitserve.decode_service.pulls import PendingPull, PullHooks, lease_ref
 from splitserve.engine.core_process import messages as m
-from splitserve.engine_service.lease_slots import LeaseSlotReader, LeaseSlots
+from splitserve.engine.core_process.kv_scheduler import KvScheduler
+from splitserve.engine.kv_connectors.lease_slots import LeaseSlotReader, LeaseSlots
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.protos import common_pb2, prefill_pb2
 from tests.decode_service.test_decode_pulls import ENDPOINT, coordinator, wait_for
@@ -69,13 +71,44 @@ class Prefill:
         self.slots.close()
 
 
-# the slot is read within the ImportDone's handling (no await between them): "after the copy" is the last point
-POINTS = ("before the copy", "during the copy", "after the copy")
+POINTS = ("before the copy", "during the copy", "after the copy")  # "after": before the core reads the slot
 
 
-def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Tensor, object]:
+def spec_of(handle: common_pb2.KvHandle) -> m.PullSpec:
+    """The PullSpec a decode service's ImportKv carries for `handle` (the fields the lease check reads)."""
+    return m.PullSpec(
+        handle.transport,
+        handle.prefill_instance,
+        ENDPOINT,
+        list(handle.block_ids),
+        [],
+        12,
+        None,
+        request_id="r",
+        lease=lease_ref(handle),
+    )
+
+
+def core_check(spec: m.PullSpec) -> bool | None:
+    """The decode core's read of the lease after the copy (its KV scheduler, with nothing else of a core)."""
+    kv = KvScheduler(engine=None, connector=None, emit=None, send_now=None)
+    try:
+        return kv.lease_held(spec)
+    finally:
+        kv.close()
+
+
+def import_done(held: bool | None) -> m.ImportDone:
+    """What the core reports for the ended copy given its read of the lease."""
+    return m.ImportDone(
+        "r", ok=True, num_blocks_pulled=3, num_bytes=48, committed=held is True, lease_lost=held is False
+    )
+
+
+def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[bool | None, list, torch.Tensor, object]:
     """One pull of the lease's blocks into a decode pool, block by block; the prefill ends the lease (`how`) at
-    `end_at`. Returns (the core messages the coordinator sent, the decode pool, its counters)."""
+    `end_at`; the core reads the slot; the coordinator acts on the core's ImportDone. Returns (the core's read, the
+    core messages the coordinator sent, the decode pool, its counters)."""
     sent = []
     dst = torch.zeros(4, 4)
 
@@ -83,6 +116,7 @@ def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Te
         pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: None), kv_load_failure_policy="recompute")
         pulls.stub = lambda address: prefill
         handle = prefill.grant()
+        spec = spec_of(handle)
         pulls.pending["r"] = PendingPull("r", handle)
         for i, block in enumerate(BLOCKS):  # the copy (the core's worker; a device copy synchronized)
             if (i, end_at) in ((0, "before the copy"), (1, "during the copy")):
@@ -90,14 +124,13 @@ def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Te
             dst[i] = prefill.pool[block]
         if end_at == "after the copy":
             prefill.end(how, handle)
-        pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))
-        await wait_for(lambda: sent, 2.0, "the pull's commit")
+        held = core_check(spec)
+        pulls.on_core_message(import_done(held))
         await asyncio.gather(*pulls._tasks)
-        pulls.slots.close()
-        return pulls.counters
+        return held, pulls.counters
 
-    counters = asyncio.run(main())
-    return sent, dst, counters
+    held, counters = asyncio.run(main())
+    return held, sent, dst, counters
 
 
 @pytest.mark.parametrize("how", ["release", "expire"])
@@ -105,7 +138,8 @@ def pull(prefill: Prefill, end_at: str | None, how: str) -> tuple[list, torch.Te
 def test_a_lease_ended_at_any_point_of_the_pull_is_never_read_as_valid(end_at, how):
     prefill = Prefill()
     try:
-        sent, _, counters = pull(prefill, end_at, how)
+        held, sent, _, counters = pull(prefill, end_at, how)
+        assert held is False  # lost: the core does not commit
         assert [(c.request_id, c.ok, c.recompute) for c in sent] == [("r", False, True)]
         assert sent[0].error.endswith("was no longer valid after the copy")
         assert counters.values == {"kv_pull_recomputes": 1}
@@ -115,11 +149,11 @@ def test_a_lease_ended_at_any_point_of_the_pull_is_never_read_as_valid(end_at, h
         prefill.close()
 
 
-def test_a_valid_pull_commits_at_once_and_releases_after():
+def test_a_valid_pull_is_committed_by_the_core_and_the_service_only_releases_after():
     prefill = Prefill()
     try:
-        sent, dst, counters = pull(prefill, None, "release")
-        assert [(c.request_id, c.ok) for c in sent] == [("r", True)]
+        held, sent, dst, counters = pull(prefill, None, "release")
+        assert held is True and sent == []  # the core runs it already: no CommitImport
         assert dst[:3].tolist() == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0], [20.0, 21.0, 22.0, 23.0]]
         assert counters.values["kv_blocks_pulled"] == 3 and "kv_pull_recomputes" not in counters.values
         assert len(prefill.released) == 1  # released on the side
@@ -128,35 +162,37 @@ def test_a_valid_pull_commits_at_once_and_releases_after():
         prefill.close()
 
 
-def test_a_valid_pull_is_committed_and_sent_within_its_import_done():
-    """No event-loop turn between the core's ImportDone and the commit it waits for: the slot is read, the commit
-    queued and the pipe flushed before on_core_message returns; a lease ended after that does not undo it."""
-    events = []
+def test_a_committed_pull_is_recorded_within_its_import_done_and_sends_the_core_nothing():
+    """The service learns of the core's commit as the ImportDone comes: the pull is recorded before on_core_message
+    returns (its first delta reports what moved), and nothing goes back to the core."""
+    events, imported = [], []
 
     async def main():
         prefill = Prefill()
         try:
-            client = SimpleNamespace(send=events.append, flush=lambda: events.append("flush"))
-            pulls = coordinator(client)
+            pulls = coordinator(SimpleNamespace(send=events.append, flush=lambda: events.append("flush")))
+            pulls.hooks = PullHooks(
+                span_of=lambda rid: None,
+                on_imported=lambda rid, cached, pulled: imported.append((rid, cached, pulled)),
+                fail_request=lambda rid, reason: None,
+            )
             pulls.stub = lambda address: prefill
             handle = prefill.grant()
             pulls.pending["r"] = PendingPull("r", handle)
-            pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))
-            at_return = [e if e == "flush" else (e.request_id, e.ok) for e in events]
-            prefill.end("release", handle)  # after the check: the copy was valid all through
+            pulls.on_core_message(import_done(True))
+            at_return = (list(events), list(imported), dict(pulls.pending), pulls.counters.values["kv_blocks_pulled"])
             await asyncio.gather(*pulls._tasks)
-            pulls.slots.close()
-            return at_return, pulls.pending, pulls.counters.values["kv_blocks_pulled"]
+            return at_return, prefill.released
         finally:
             prefill.close()
 
-    at_return, pending, pulled = asyncio.run(main())
-    assert at_return == [("r", True), "flush"] and pending == {} and pulled == 3
-    assert len(events) == 2  # nothing more: no second verdict
+    at_return, released = asyncio.run(main())
+    assert at_return == ([], [("r", 0, 3)], {}, 3) and events == []
+    assert len(released) == 1
 
 
 def test_a_valid_pull_does_not_wait_for_a_held_release():
-    """The prefill holds its ReleaseKv answer (a busy event loop): the request is committed meanwhile, and the
+    """The prefill holds its ReleaseKv answer (a busy event loop): the core committed the request meanwhile, and the
     lease is released once the held call goes through."""
     sent = []
 
@@ -167,21 +203,51 @@ def test_a_valid_pull_does_not_wait_for_a_held_release():
             pulls.stub = lambda address: prefill
             handle = prefill.grant()
             pulls.pending["r"] = PendingPull("r", handle)
-            pulls.on_core_message(m.ImportDone("r", ok=True, num_blocks_pulled=3, num_bytes=48))
-            await wait_for(lambda: sent, 2.0, "the commit, while ReleaseKv is held")
-            held = (list(prefill.table.active), list(prefill.released), prefill.slots.num_free)
+            held = core_check(spec_of(handle))
+            pulls.on_core_message(import_done(held))
+            await wait_for(lambda: pulls._tasks, 2.0, "the ReleaseKv call, held")
+            for _ in range(20):  # the coordinator's tasks get turns while the prefill has not answered
+                await asyncio.sleep(0)
+            before = (held, list(sent), list(prefill.table.active), list(prefill.released), prefill.slots.num_free)
             prefill.go.set()
             await asyncio.gather(*pulls._tasks)
-            pulls.slots.close()
             after = (list(prefill.table.active), prefill.released, prefill.slots.num_free)
-            return handle, held, after
+            return handle, before, after
         finally:
             prefill.close()
 
-    handle, held, after = asyncio.run(main())
-    assert [(c.request_id, c.ok) for c in sent] == [("r", True)]
-    assert held == ([handle.lease.lease_id], [], NUM_SLOTS - 2)  # committed with the lease still held
+    handle, before, after = asyncio.run(main())
+    assert before == (True, [], [handle.lease.lease_id], [], NUM_SLOTS - 2)  # committed with the lease still held
     assert after == ([], [(handle.lease.lease_id, handle.lease.epoch)], NUM_SLOTS - 1)
+
+
+def test_only_a_mapped_pull_with_a_published_slot_is_checked_by_the_core():
+    """shm and cuda_ipc handles with a slot carry it to the core; an nccl or nixl handle, or a lease without a slot
+    (a full table), carries none: the core leaves the verdict to its service (SendKv's or ReleaseKv's answer)."""
+    prefill = Prefill()
+    try:
+        handle = prefill.grant()
+        ref = lease_ref(handle)
+        assert (ref.slots_name, ref.slot, ref.epoch) == (prefill.slots.name, 1, handle.lease.epoch)
+        assert ref.expires_unix_ns == handle.lease.expires_unix_ns
+        assert core_check(spec_of(handle)) is True
+        for transport in ("nccl", "nixl"):
+            other = common_pb2.KvHandle()
+            other.CopyFrom(handle)
+            other.transport = transport
+            assert lease_ref(other) is None and core_check(spec_of(other)) is None
+        cuda = common_pb2.KvHandle()
+        cuda.CopyFrom(handle)
+        cuda.transport = "cuda_ipc"
+        assert lease_ref(cuda) == ref
+        no_slot = common_pb2.KvHandle()
+        no_slot.CopyFrom(handle)
+        no_slot.lease.slot = 0
+        assert lease_ref(no_slot) is None and core_check(spec_of(no_slot)) is None
+        forged = m.PullSpec("nccl", "p0", ENDPOINT, BLOCKS, [], 12, None, lease=ref)  # a slot beside a sender
+        assert core_check(forged) is None
+    finally:
+        prefill.close()
 
 
 def test_the_reader_asks_the_prefill_when_no_slot_says_and_refuses_lapsed_or_reused_slots():

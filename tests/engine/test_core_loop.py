@@ -307,14 +307,15 @@ TRANSPORTS = {"cpu": "shm", "cuda": "cuda_ipc"}
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=ON_CUDA)])
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=ON_CUDA)])
 def device(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(tmp_path_factory, device):
-    """(model directory, prompts, each prompt's greedy tokens from an in-process engine on `device`)."""
+    """(model directory, prompts, each prompt's greedy tokens from an in-process engine on `device`); once per
+    session, for every module that imports these fixtures (its prefill engine is its own: module scope)."""
     dtype = torch.float64 if device == "cpu" else torch.float32
     path = make_tiny_model_dir(tmp_path_factory.mktemp("core-loop"), dtype=dtype)
     prompts = make_prompts(n=14)[10:14]  # no shared prefixes

@@ -1,12 +1,16 @@
 """The decode side's control of KV pulls: one PendingPull per request waiting for its KV (the lease part of the
 connector's scheduler side; reaching the prefills per transport: decode_service/peers.py).
 
-    start(req) ─▶ core: ImportKv ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶ ImportDone (the copy ended)
-               ─▶ is the copy valid?  shm, cuda_ipc: the lease's slot read now (engine_service/lease_slots.py)
-                                      nccl: SendKv answered that it sent (the sender checked its lease first)
-                                      no slot published: Prefill.ReleaseKv's answer, awaited
-               ─▶ valid: CommitImport(ok) at once (a slot read: within the ImportDone's own handling, the pipe
-                         flushed), then Prefill.ReleaseKv on the side (never awaited)
+    start(req) ─▶ core: ImportKv (shm, cuda_ipc: with the lease's slot) ─(nccl: NeedSend ─▶ Prefill.SendKv)─▶
+               ImportDone (the copy ended)
+               ─▶ committed: the core read the lease's slot after the copy and runs the request already
+                             (engine/core_process/kv_scheduler.py): the pull is recorded, Prefill.ReleaseKv sent
+                             on the side (never awaited)
+                  otherwise, is the copy valid?  the slot said no (lease_lost): lost
+                                                 nccl: SendKv answered that it sent (the sender checked its lease)
+                                                 no slot to read (nixl, a full table, a stale one): ReleaseKv's
+                                                 answer, awaited
+               ─▶ valid: CommitImport(ok), then ReleaseKv on the side
                   lost / pull failed: policy recompute → local prefill, policy fail → error to the client
 An nccl pull needs the prefill's SendKv to have answered ok: a receive that ended because its communicator was
 torn down is no transfer, and the sender is the side that knows.
@@ -26,9 +30,9 @@ from splitserve.common.wire import layout_from_proto, logprobs_from_proto
 from splitserve.decode_service.peers import PEER_LINKS
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.client import EngineClient
+from splitserve.engine.kv_connectors.factory import MAPPED_TRANSPORTS
 from splitserve.engine.kv_connectors.nccl import transfer_tag
 from splitserve.engine_service.config import ServiceConfig
-from splitserve.engine_service.lease_slots import LeaseSlotReader
 from splitserve.protos import prefill_pb2, prefill_pb2_grpc
 from splitserve.runtime import tracing
 from splitserve.runtime.grpc_server import InternalAuth, internal_channel
@@ -48,6 +52,15 @@ def release_timeout_s(lease, now_unix_ns: int) -> float:
     """How long to wait for ReleaseKv: until `lease` (common_pb2.Lease) expires, and at least MIN_RELEASE_TIMEOUT_S
     (the prefill's clock may run ahead of ours)."""
     return max(MIN_RELEASE_TIMEOUT_S, (lease.expires_unix_ns - now_unix_ns) / 1e9)
+
+
+def lease_ref(handle) -> m.LeaseRef | None:
+    """The handle's lease slot for its core to check the copy against, where the decode reads the prefill's pool
+    itself (shm, cuda_ipc) and the prefill published one; None: the service decides after the copy."""
+    lease = handle.lease
+    if handle.transport not in MAPPED_TRANSPORTS or not lease.slot or not lease.slots_name:
+        return None
+    return m.LeaseRef(lease.slots_name, lease.slot, lease.epoch, lease.expires_unix_ns)
 
 
 @dataclass
@@ -89,7 +102,6 @@ class PullCoordinator:
         self.pending: dict[str, PendingPull] = {}
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.slots = LeaseSlotReader()  # the prefills' lease tables (shm, cuda_ipc), mapped on first use
         # how this decode reaches its prefills: chosen once, by transport (the stub looked up at each call)
         self.link = PEER_LINKS[config.kv_transport](client, config, instance, counters, lambda a: self.stub(a))
 
@@ -112,7 +124,6 @@ class PullCoordinator:
         """At stop: give the calls on their way (a ReleaseKv sent after a commit) up to `timeout_s` to end."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        self.slots.close()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, req, params) -> None:
@@ -135,6 +146,7 @@ class PullCoordinator:
             layout=layout_from_proto(handle.layout),
             request_id=req.request_id,
             tag=transfer_tag(handle.lease.epoch),
+            lease=lease_ref(handle),
         )
         first_lp = logprobs_from_proto(req.first_logprobs) if req.HasField("first_logprobs") else None
         self.client.send(
@@ -161,7 +173,9 @@ class PullCoordinator:
 
     def on_core_message(self, msg) -> None:
         if isinstance(msg, m.ImportDone):
-            if not self._finish_at_once(msg):
+            if msg.committed:
+                self._committed(msg)
+            else:
                 self._spawn(self._finish(msg))
         elif isinstance(msg, m.NeedSend):
             pull = self.pending.get(msg.request_id)
@@ -202,21 +216,15 @@ class PullCoordinator:
             log.warning("ReleaseKv to %s failed: %s", handle.prefill_address, exc.details())
             return False
 
-    def _finish_at_once(self, done: m.ImportDone) -> bool:
-        """Commit an ended copy its lease's slot says is valid within this call, the commit sent to the core at
-        once: the core, idle, waits for it to step the request. False (nothing done) when deciding needs an awaited
-        answer or the pull did not succeed: `_finish` decides."""
-        pull = self.pending.get(done.request_id)
-        if pull is None or not done.ok or pull.send is not None or pull.handle.transport == "nccl":
-            return False
-        if not self._copy_valid(pull):  # lost, or only ReleaseKv can tell: _finish reads it again, or asks
-            return False
-        del self.pending[done.request_id]
+    def _committed(self, done: m.ImportDone) -> None:
+        """The core committed the import itself (the lease's slot said the copy is valid, or nothing was copied):
+        the request runs already; record the pull, and let the prefill unpin the blocks whenever it gets to it."""
+        pull = self.pending.pop(done.request_id, None)
+        if pull is None:
+            return  # cancelled meanwhile: cancel() released the lease, the core's Abort ends the request
         self._record_transfer(pull, done)
-        self._commit(done)
-        self.client.flush()
-        self._spawn(self._release(pull.handle))  # the prefill unpins the blocks whenever it gets to it
-        return True
+        self._count_pulled(done)
+        self._spawn(self._release(pull.handle))
 
     async def _finish(self, done: m.ImportDone) -> None:
         pull = self.pending.pop(done.request_id, None)
@@ -231,7 +239,7 @@ class PullCoordinator:
             self._spawn(self._release(pull.handle))
             self._pull_failed(pull, done)
             return
-        valid = self._copy_valid(pull)
+        valid = self._copy_valid(pull, done)
         if valid is None:  # the prefill publishes no validity for this lease: its ReleaseKv answer decides
             valid = await self._release(pull.handle)
         elif valid:
@@ -244,12 +252,13 @@ class PullCoordinator:
         else:
             self._lease_lost(pull, done)
 
-    def _copy_valid(self, pull: PendingPull) -> bool | None:
-        """Whether the ended copy counts, known without a round trip; None when only ReleaseKv can tell.
-        Called after ImportDone: the copy (a device copy synchronized by its worker) is over."""
+    @staticmethod
+    def _copy_valid(pull: PendingPull, done: m.ImportDone) -> bool | None:
+        """Whether an ended copy the core did not commit counts, known without a round trip; None when only
+        ReleaseKv can tell."""
         if pull.send is not None or pull.handle.transport == "nccl":
             return True  # the prefill checked the lease before it sent (SendKv answered ok), or nothing was sent
-        return self.slots.check(pull.handle.prefill_instance, pull.handle.lease)
+        return False if done.lease_lost else None  # the core read the lease's slot after the copy: lost
 
     def _record_transfer(self, pull: PendingPull, done: m.ImportDone) -> None:
         end_ns = time.time_ns()
@@ -268,13 +277,17 @@ class PullCoordinator:
         )
 
     def _commit(self, done: m.ImportDone) -> None:
+        self._count_pulled(done)
+        self.client.send(m.CommitImport(done.request_id, ok=True))
+
+    def _count_pulled(self, done: m.ImportDone) -> None:
+        """A committed pull: its first delta reports it (`on_imported`), the counters count it."""
         self.hooks.on_imported(done.request_id, done.num_cached_tokens, done.num_blocks_pulled)
         self.counters.count("kv_blocks_pulled", done.num_blocks_pulled)
         self.counters.count("kv_bytes_pulled", done.num_bytes)
         self.counters.count("kv_transfer_ns", done.transfer_ns)
         self.counters.count("kv_copy_device_ns", done.device_ns)
         self.counters.observe_transfer(done.transfer_ns / 1e9)
-        self.client.send(m.CommitImport(done.request_id, ok=True))
 
     def _lease_lost(self, pull: PendingPull, done: m.ImportDone) -> None:
         """The copy happened but the lease lapsed (or was released) meanwhile: discard it, by the policy."""

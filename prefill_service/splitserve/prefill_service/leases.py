@@ -4,7 +4,7 @@ A lease is (lease_id, epoch, expiry). The epoch increases with every lease this
 instance grants, so a handle from an earlier lease (or an earlier run: ids embed the
 start time) can never name blocks that were freed and reused.
 
-With a slot table (engine_service/lease_slots.py: shm, cuda_ipc), a lease's slot holds its epoch while it is
+With a slot table (kv_connectors/lease_slots.py: shm, cuda_ipc), a lease's slot holds its epoch while it is
 active; `release` and `pop_expired` clear it before they return, so before the caller sends the core the
 message that frees the blocks.
 """
@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from splitserve.engine_service.lease_slots import LeaseSlots
+from splitserve.engine.kv_connectors.lease_slots import LeaseSlots
 from splitserve.protos import common_pb2
 
 

@@ -7,7 +7,7 @@ PairKv / SendKv  ─▶ core: Pair / SendBlocks   (the nccl transport's send sid
                     PairKv counts only once a listed decode confirms it: pair_check.py)
 every 50 ms: expired leases ─▶ lease slot cleared ─▶ ReleaseHeld, counted
 
-shm and cuda_ipc: each lease's validity is published in a shared-memory slot table (engine_service/lease_slots.py)
+shm and cuda_ipc: each lease's validity is published in a shared-memory slot table (kv_connectors/lease_slots.py)
 that decodes read after their copy instead of waiting for ReleaseKv's answer; a slot is cleared before the core
 hears that it may free the lease's blocks.
 """
@@ -24,9 +24,9 @@ from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.grammar import check_spec
 from splitserve.engine.kv_connectors.factory import MAPPED_TRANSPORTS
+from splitserve.engine.kv_connectors.lease_slots import LeaseSlots
 from splitserve.engine.kv_connectors.nccl import pair_name, transfer_tag
 from splitserve.engine_service.base import Refuse, ServiceBase, setup_logging
-from splitserve.engine_service.lease_slots import LeaseSlots
 from splitserve.prefill_service.leases import LeaseTable
 from splitserve.prefill_service.pair_check import DecodePeers, PairRefused
 from splitserve.protos import common_pb2, prefill_pb2, prefill_pb2_grpc

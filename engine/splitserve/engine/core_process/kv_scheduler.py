@@ -5,10 +5,12 @@ turns what the connector reports into the messages its service waits for. The lo
 
     decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: again after a free
                         ─▶ start_load: pin the blocks to fill        request: WAITING_FOR_KV
-             poll(): ended ─▶ unpin ─▶ ImportDone(ok | error)
-                     past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until the copy ends
-             CommitImport(ok)  ─▶ finish_import: the request joins the running batch (the lease held: the service
-                                  validated it with the prefill after the copy)
+             poll(): ended ─▶ unpin ─▶ the lease's slot read (shm, cuda_ipc: kv_connectors/lease_slots.py)
+                       held ─▶ finish_import now (this loop turn steps it) ─▶ ImportDone(committed)
+                       lost ─▶ ImportDone(lease_lost)      no slot to read, or nccl / nixl ─▶ ImportDone(ok)
+                     failed, or past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until it ends
+             CommitImport(ok)  ─▶ finish_import: the request joins the running batch (the service validated the
+                                  lease after the copy: SendKv's or ReleaseKv's answer)
              CommitImport(not ok) ─▶ fail_import: recompute locally, or end with an error (kv_load_failure_policy)
              Abort ─▶ forget: no ImportDone; the engine frees the request, the pin keeps the blocks until the end
     prefill  SendBlocks ─▶ start_send: pin the blocks ─▶ poll(): ended ─▶ unpin ─▶ Reply
@@ -33,6 +35,8 @@ from typing import Any
 
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.kv_connectors.base import Completion, KvConnector, Load, Send, SendWanted
+from splitserve.engine.kv_connectors.factory import MAPPED_TRANSPORTS
+from splitserve.engine.kv_connectors.lease_slots import LeaseSlotReader
 
 log = logging.getLogger("splitserve.core")
 
@@ -49,6 +53,7 @@ class KvScheduler:
         self.waiting_for_room: list[m.ImportKv] = []  # imports the pool cannot hold yet (retry_imports)
         self._tried_at: dict[str, int] = {}  # waiting import -> the pool's num_blocks_freed when last tried
         self.aborted_forks: dict[str, set[str]] = {}  # request not in the engine yet -> its forks aborted already
+        self.lease_slots = LeaseSlotReader()  # the prefills' lease tables (shm, cuda_ipc), mapped on first use
 
     @property
     def num_in_flight(self) -> int:
@@ -147,8 +152,9 @@ class KvScheduler:
         except Exception as exc:  # a pull that cannot start fails this request only
             self._load_failed(request_id, spec.prefill_instance, cached_tokens, exc)
             return
-        if not indices:  # every block cached here already
-            self.emit(m.ImportDone(request_id, ok=True, num_cached_tokens=cached_tokens))
+        if not indices:  # every block cached here already: nothing of the prefill's is read, no lease to check
+            self.emit(m.ImportDone(request_id, ok=True, num_cached_tokens=cached_tokens, committed=True))
+            self._run_imported(request_id)
             return
         self.engine.pin_blocks(load.block_ids)  # before this thread can free them; the copy holds them
 
@@ -162,6 +168,7 @@ class KvScheduler:
         if done.error is not None:
             self._load_failed(load.request_id, load.spec.prefill_instance, cached_tokens, done.error)
             return
+        held = self.lease_held(load.spec)  # the copy is over (reported by its worker, a device copy synchronized)
         self.emit(
             m.ImportDone(
                 load.request_id,
@@ -171,8 +178,20 @@ class KvScheduler:
                 num_bytes=done.result.num_bytes,
                 transfer_ns=time.perf_counter_ns() - load.start_ns,
                 device_ns=done.result.device_ns,
+                committed=held is True,
+                lease_lost=held is False,
             )
         )
+        if held:  # before this turn's step, which runs it: no round trip to the service for the verdict
+            self._run_imported(load.request_id)
+
+    def lease_held(self, spec: m.PullSpec) -> bool | None:
+        """Whether the lease of an ended copy out of the prefill's pool still holds, read from its slot now: True /
+        False, or None when no slot says (nccl and nixl, a handle without a slot, a table that cannot be read or
+        whose owner stopped beating): the service decides. Called only after the copy has ended."""
+        if spec.lease is None or spec.transport not in MAPPED_TRANSPORTS:
+            return None
+        return self.lease_slots.check(spec.prefill_instance, spec.lease)
 
     def _load_failed(self, request_id: str, prefill: str, cached_tokens: int, exc: BaseException) -> None:
         log.warning("request_id=%s KV pull failed: %s", request_id, exc)
@@ -185,15 +204,22 @@ class KvScheduler:
     def commit(self, msg: m.CommitImport) -> None:
         """The service's verdict after the copy: run the request (ok: the lease held), or the failure policy."""
         if msg.request_id not in self.engine.waiting_for_kv:
-            return  # aborted meanwhile
+            return  # aborted meanwhile (or committed here already)
         if msg.ok:
-            done = self.engine.finish_import(msg.request_id)
-            if done is not None:  # the first token already ended it
-                self.emit(m.StepBatch([done], stats=self.engine.stats()))
+            self._run_imported(msg.request_id)
             return
         forks = self.engine.fail_import(msg.request_id, recompute=msg.recompute)
         if not msg.recompute:
             self._end(msg.request_id, msg.error or "KV lease was no longer valid after the copy", forks)
+
+    def _run_imported(self, request_id: str) -> None:
+        """The prompt's KV is in place and valid: the request joins the running batch (its forks fork)."""
+        done = self.engine.finish_import(request_id)
+        if done is not None:  # the first token already ended it
+            self.emit(m.StepBatch([done], stats=self.engine.stats()))
+
+    def close(self) -> None:
+        self.lease_slots.close()
 
     def abort(self, request_ids: list[str]) -> set[str]:
         """Aborted requests: no longer waiting for room (the forks of one that was outlive it: each computes the

@@ -9,7 +9,8 @@
                                                threads; core_process/kv_scheduler.py, never in the loop
 
 The loop never waits on gRPC or on a transfer: it blocks on the pipe only when it has nothing to step; a
-transfer's worker wakes it when the transfer ends (`Wakeup`), so an idle decode reports a pull at once.
+transfer's worker wakes it when the transfer ends (`Wakeup`), so an idle decode reports a pull at once, and a pull
+its lease's slot validates is committed in that turn (kv_scheduler.py) and stepped by the same turn's step.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class CoreLoop:
             # queued transfers are dropped; running ones get a moment to end
             if self.connector.close() == 0:  # no worker left to write to the wake pipe (a reused fd)
                 self.wakeup.close()
+            self.kv.close()
 
     def _turn(self) -> bool:
         """One loop turn; False when the service process is gone."""

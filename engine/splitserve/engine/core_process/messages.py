@@ -38,6 +38,17 @@ class ReleaseHeld:
     request_id: str
 
 
+@dataclass(frozen=True)
+class LeaseRef:
+    """A lease's slot in its prefill's shared-memory table (kv_connectors/lease_slots.py), from the KV handle: what
+    the core reads after the copy to know, by itself, whether the copy counts."""
+
+    slots_name: str
+    slot: int
+    epoch: int
+    expires_unix_ns: int  # the prefill's clock (the same host's)
+
+
 @dataclass
 class PullSpec:
     """Where the prompt's KV lives on the prefill (from the KV handle)."""
@@ -51,6 +62,8 @@ class PullSpec:
     layout: Any  # KvLayout of the prefill
     request_id: str = ""
     tag: int = 0  # message tag of an nccl/gloo transfer (the lease epoch), so transfers never cross
+    # shm, cuda_ipc with a slot published: the core checks the copy against it and commits a valid one itself
+    lease: LeaseRef | None = None
 
 
 @dataclass
@@ -71,7 +84,8 @@ class ImportKv:
 
 @dataclass
 class CommitImport:
-    """Decode role: the lease was still valid after the copy (ok) or not, or the pull failed (recompute/fail)."""
+    """Decode role: the service's verdict on an import its core did not commit itself (ImportDone.committed): the
+    lease was still valid after the copy (ok) or not, or the pull failed (recompute/fail)."""
 
     request_id: str
     ok: bool
@@ -153,6 +167,10 @@ class ImportDone:
     transfer_ns: int = 0  # from the pull's start in the core to the loop turn that saw it end
     device_ns: int = 0  # the copy on the device (CUDA events), cuda_ipc only
     error: str | None = None
+    # the core committed the import itself (its lease's slot said the copy is valid, or nothing was copied): the
+    # request runs already, no CommitImport is wanted; the service records the pull and releases the lease
+    committed: bool = False
+    lease_lost: bool = False  # the lease's slot said the copy is not valid: the policy applies (CommitImport)
 
 
 @dataclass

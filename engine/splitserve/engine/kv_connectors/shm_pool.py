@@ -23,7 +23,7 @@ PREFIX = "splitserve-kv-"
 
 def segment_name(instance: str, start_epoch: int, pid: int | None = None, prefix: str = PREFIX) -> str:
     """The segment of one run of `instance`: its start epoch and the owning process (this one by default).
-    `prefix` says what the segment holds (the KV pool by default; the lease table: engine_service/lease_slots.py)."""
+    `prefix` says what the segment holds (the KV pool by default; the lease table: kv_connectors/lease_slots.py)."""
     return f"{prefix}{instance}-{start_epoch}-p{os.getpid() if pid is None else pid}"
 
 

@@ -1,13 +1,13 @@
 """Lease validity in host shared memory: where the decode reads the prefill's pool itself (shm, cuda_ipc: same
-host), it checks a copy against this table after the copy ends, with no round trip to the prefill (a seqlock on
-the lease's epoch).
+host), its core checks a copy against this table as it sees the copy end, with no round trip to the prefill or to
+its own service (a seqlock on the lease's epoch), and commits the import in the same loop turn.
 
-    prefill service (writer, LeaseSlots)              decode service (reader, LeaseSlotReader)
-    ────────────────────────────────────              ────────────────────────────────────────
-    grant:    slot k <- lease epoch                   ImportDone (the copy ended; a device copy synchronized)
-    release / expiry: slot k <- 0,                    read slot k: == epoch, before expiry -> the copy is valid
-              THEN ReleaseHeld to the core            else the lease was lost: the policy (recompute / fail)
-              (the core unpins, may reuse)
+    prefill service (writer, LeaseSlots)              decode core (reader, LeaseSlotReader: kv_scheduler.py)
+    ────────────────────────────────────              ──────────────────────────────────────────────────────
+    grant:    slot k <- lease epoch                   the copy ended (its worker reported; a device copy synchronized)
+    release / expiry: slot k <- 0,                    read slot k: == epoch, before expiry -> valid: finish_import now
+              THEN ReleaseHeld to the core            else the lease was lost: ImportDone says so, the decode service
+              (the core unpins, may reuse)            applies the policy (recompute / fail)
 
 Why a read after the copy suffices: a lease's slot holds its epoch from its grant (before any decode hears of
 it) until the prefill clears it, and clearing comes before the core may free the blocks. Epochs only grow
@@ -17,8 +17,8 @@ again: equal after the copy means equal during all of it, so no block was freed 
 A prefill killed (SIGKILL) clears nothing, and a CUDA pool dies with its process: slot 0 holds the owner's
 heartbeat (Unix ns, written by a thread of its own every HEARTBEAT_S, so a busy event loop does not stop it), and
 a table whose heartbeat is older than STALE_AFTER_S (the same host's clock) tells nothing. Nor does a slot 0 in a
-handle (a full table, an nccl prefill). Then the decode asks the prefill (ReleaseKv): a dead one fails the call,
-and the policy decides. The lease's expiry is checked too.
+handle (a full table, an nccl prefill). Then the core leaves the verdict to its service, which asks the prefill
+(ReleaseKv): a dead one fails the call, and the policy decides. The lease's expiry is checked too.
 """
 
 from __future__ import annotations
