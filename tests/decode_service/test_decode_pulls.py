@@ -135,6 +135,21 @@ def pair_messages(keepalive_ms: float, prefill: PairingPrefill, device: str = "c
     return calls
 
 
+def test_a_pull_from_a_prefill_whose_pool_is_mapped_reaches_the_core_within_start():
+    """The usual case (the pool mapped at start, or by an earlier pull): no task's turn, no Describe; the import
+    carries the lease's slot for the core to check the copy against."""
+    sent = []
+    pulls = coordinator(SimpleNamespace(send=sent.append, flush=lambda: sent.append("flush")))
+    pulls.link._endpoints["127.0.0.1:1"] = dict(ENDPOINT)  # what prepare_peer keeps from the prefill's Describe
+    req = request("a")
+    req.kv.lease.slot, req.kv.lease.slots_name, req.kv.lease.expires_unix_ns = 4, "splitserve-leases-p0-1", 99
+    pulls.start(req, params=None)  # no event loop runs: nothing may wait for one
+    (imported, flushed) = sent
+    assert flushed == "flush" and pulls._tasks == set() and list(pulls.pending) == ["a"]
+    assert (imported.request_id, imported.prompt_token_ids, imported.spec.endpoint) == ("a", list(range(8)), ENDPOINT)
+    assert imported.spec.lease == m.LeaseRef("splitserve-leases-p0-1", 4, 3, 99)
+
+
 def test_pairing_hands_the_core_the_gpu_the_prefill_reports_in_describe_only_with_the_keepalive():
     prefill = PairingPrefill("GPU-1234")
     (msg,) = pair_messages(2.0, prefill)

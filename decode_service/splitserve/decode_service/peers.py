@@ -53,6 +53,11 @@ class PeerLink:
         """Before a pull: the prefill's endpoint the core's connector gets in its PullSpec."""
         return dict(handle.endpoint)
 
+    def endpoint_now(self, handle) -> dict[str, str] | None:
+        """`endpoint_for`'s answer when it is known without waiting (a pool mapped, a pair built): the import goes
+        to the core within the request's admission; None: await `endpoint_for`."""
+        return None
+
     def pull_failed(self, handle) -> None:
         """A pull from the handle's prefill failed (the failure policy applies besides)."""
 
@@ -84,6 +89,10 @@ class MappedPools(PeerLink):
 
     async def endpoint_for(self, request_id: str, handle) -> dict[str, str]:
         return await self._pool_endpoint(request_id, handle)
+
+    def endpoint_now(self, handle) -> dict[str, str] | None:
+        known = self._endpoints.get(handle.prefill_address)
+        return known if known == dict(handle.endpoint) else None
 
     async def _pool_endpoint(self, request_id: str, handle) -> dict[str, str]:
         """The pool endpoint the prefill at the handle's address reports in Describe (kept; asked again when
@@ -129,6 +138,11 @@ class Pairs(PeerLink):
         except Exception as exc:  # the core's pull then fails and the policy applies
             log.warning("request_id=%s pairing with %s failed: %s", request_id, handle.prefill_instance, exc)
         return dict(handle.endpoint)
+
+    def endpoint_now(self, handle) -> dict[str, str] | None:
+        task = self._pairs.get(handle.prefill_instance)
+        paired = task is not None and task.done() and not task.cancelled() and task.exception() is None
+        return dict(handle.endpoint) if paired else None
 
     def pull_failed(self, handle) -> None:
         self._pairs.pop(handle.prefill_instance, None)  # rebuilt on the next pull

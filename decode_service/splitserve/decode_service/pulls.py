@@ -127,15 +127,21 @@ class PullCoordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, req, params) -> None:
-        handle = req.kv
-        self.pending[req.request_id] = PendingPull(req.request_id, handle)
-        self._spawn(self._start(req, params))
+        self.pending[req.request_id] = PendingPull(req.request_id, req.kv)
+        endpoint = self.link.endpoint_now(req.kv)
+        if endpoint is not None:  # the usual case: the import leaves within this call, no task's turn awaited
+            self._send_import(req, params, endpoint)
+        else:
+            self._spawn(self._start(req, params))
 
     async def _start(self, req, params) -> None:
-        handle = req.kv
-        endpoint = await self.link.endpoint_for(req.request_id, handle)  # nccl: paired first
+        endpoint = await self.link.endpoint_for(req.request_id, req.kv)  # nccl: paired first
         if req.request_id not in self.pending:
             return  # cancelled while pairing or asking: its lease is released, the core never hears of it
+        self._send_import(req, params, endpoint)
+
+    def _send_import(self, req, params, endpoint: dict[str, str]) -> None:
+        handle = req.kv
         spec = m.PullSpec(
             transport=handle.transport,
             prefill_instance=handle.prefill_instance,

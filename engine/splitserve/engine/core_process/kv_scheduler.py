@@ -6,7 +6,8 @@ turns what the connector reports into the messages its service waits for. The lo
     decode   ImportKv ─▶ begin_import (blocks; the prefix cached here is not pulled)   no room: again after a free
                         ─▶ start_load: pin the blocks to fill        request: WAITING_FOR_KV
              poll(): ended ─▶ unpin ─▶ the lease's slot read (shm, cuda_ipc: kv_connectors/lease_slots.py)
-                       held ─▶ finish_import now (this loop turn steps it) ─▶ ImportDone(committed)
+                       held ─▶ finish_import now (this loop turn steps it) ─▶ ImportDone(committed), sent
+                               after that step, ahead of its outputs (take_committed)
                        lost ─▶ ImportDone(lease_lost)      no slot to read, or nccl / nixl ─▶ ImportDone(ok)
                      failed, or past its deadline ─▶ ImportDone(error) now; the blocks stay pinned until it ends
              CommitImport(ok)  ─▶ finish_import: the request joins the running batch (the service validated the
@@ -54,6 +55,7 @@ class KvScheduler:
         self._tried_at: dict[str, int] = {}  # waiting import -> the pool's num_blocks_freed when last tried
         self.aborted_forks: dict[str, set[str]] = {}  # request not in the engine yet -> its forks aborted already
         self.lease_slots = LeaseSlotReader()  # the prefills' lease tables (shm, cuda_ipc), mapped on first use
+        self._committed: list = []  # messages of the imports committed here this turn (take_committed)
 
     @property
     def num_in_flight(self) -> int:
@@ -153,8 +155,7 @@ class KvScheduler:
             self._load_failed(request_id, spec.prefill_instance, cached_tokens, exc)
             return
         if not indices:  # every block cached here already: nothing of the prefill's is read, no lease to check
-            self.emit(m.ImportDone(request_id, ok=True, num_cached_tokens=cached_tokens, committed=True))
-            self._run_imported(request_id)
+            self._commit_here(m.ImportDone(request_id, ok=True, num_cached_tokens=cached_tokens, committed=True))
             return
         self.engine.pin_blocks(load.block_ids)  # before this thread can free them; the copy holds them
 
@@ -169,21 +170,21 @@ class KvScheduler:
             self._load_failed(load.request_id, load.spec.prefill_instance, cached_tokens, done.error)
             return
         held = self.lease_held(load.spec)  # the copy is over (reported by its worker, a device copy synchronized)
-        self.emit(
-            m.ImportDone(
-                load.request_id,
-                ok=True,
-                num_blocks_pulled=len(load.block_ids),
-                num_cached_tokens=cached_tokens,
-                num_bytes=done.result.num_bytes,
-                transfer_ns=time.perf_counter_ns() - load.start_ns,
-                device_ns=done.result.device_ns,
-                committed=held is True,
-                lease_lost=held is False,
-            )
+        report = m.ImportDone(
+            load.request_id,
+            ok=True,
+            num_blocks_pulled=len(load.block_ids),
+            num_cached_tokens=cached_tokens,
+            num_bytes=done.result.num_bytes,
+            transfer_ns=time.perf_counter_ns() - load.start_ns,
+            device_ns=done.result.device_ns,
+            committed=held is True,
+            lease_lost=held is False,
         )
-        if held:  # before this turn's step, which runs it: no round trip to the service for the verdict
-            self._run_imported(load.request_id)
+        if held:  # no round trip to the service for the verdict: this turn's step runs the request
+            self._commit_here(report)
+        else:
+            self.emit(report)
 
     def lease_held(self, spec: m.PullSpec) -> bool | None:
         """Whether the lease of an ended copy out of the prefill's pool still holds, read from its slot now: True /
@@ -212,11 +213,24 @@ class KvScheduler:
         if not msg.recompute:
             self._end(msg.request_id, msg.error or "KV lease was no longer valid after the copy", forks)
 
-    def _run_imported(self, request_id: str) -> None:
+    def _run_imported(self, request_id: str, emit: Callable[[Any], None] | None = None) -> None:
         """The prompt's KV is in place and valid: the request joins the running batch (its forks fork)."""
         done = self.engine.finish_import(request_id)
         if done is not None:  # the first token already ended it
-            self.emit(m.StepBatch([done], stats=self.engine.stats()))
+            (emit or self.emit)(m.StepBatch([done], stats=self.engine.stats()))
+
+    def _commit_here(self, report: m.ImportDone) -> None:
+        """Commit an import without the service: it runs in this loop turn's step. The service hears of it with that
+        step's outputs (`take_committed`), not before the step: a message sent then wakes the service, whose work
+        would share the machine with the step (on a 2-core CPU it delayed the step's start by 0.3-0.9 ms)."""
+        self._committed.append(report)
+        self._run_imported(report.request_id, self._committed.append)
+
+    def take_committed(self) -> list:
+        """The ImportDone of each import committed here since the last call (and the output of one its first token
+        ended), in order: the loop sends them after its step, before the step's outputs."""
+        committed, self._committed = self._committed, []
+        return committed
 
     def close(self) -> None:
         self.lease_slots.close()

@@ -88,6 +88,7 @@ class CoreLoop:
         self.flush()  # replies and finished pulls (retried ones too) go out now, not after the step
         if self.engine.has_unfinished():
             self._step()
+        self.outbox[:0] = self.kv.take_committed()  # imports committed this turn, before the step's outputs
         self.flush()
         if time.monotonic() - self._last_sent >= HEARTBEAT_S:
             self.send_now(m.Heartbeat())
