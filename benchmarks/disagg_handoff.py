@@ -8,7 +8,7 @@ time (Prefill, then the decode stream), and checks the tokens against the coloca
 in this process on the same prompts one at a time. It reports the KV data movement on the device
 (CUDA events around the copy: the decode's pull for cuda_ipc, the prefill's send for nccl), the
 pull's wall time in the decode core, and the hand-off latency (prefill's answer to the first decode
-delta: pull, lease release, first decode step), against a plain device-to-device tensor copy of the
+delta: pull, lease check, first decode step), against a plain device-to-device tensor copy of the
 same size measured here back to back and after 200 ms of idle: an NVLink path left idle pays ~0.3 ms
 to wake on its next copy (docs/performance.md, "Answered questions"), and `--pacing sequential` leaves it idle before
 every pull; `--pacing overlapped` sends the next prompt while the previous one decodes.
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
     print("send = prefill core's wall time, gather + send (nccl only); nixl: no device time (UCX moves the bytes)")
     print("hand-off = pull + step + rest: step = the decode's step period at batch 1 (median gap between the later")
     print("        deltas; sequential pacing only), first = wall time of the core's step() that made the first delta,")
-    print("        rest = hand-off - pull - step (client, service and core hops; the commit)")
+    print("        rest = hand-off - pull - step (client, service and core hops)")
     print(
         f"{'transport':<26}{'tokens equal':>13}{'moved GB/s':>11}{'% of copy':>10}{'pull GB/s':>10}"
         f"{'% of copy':>10}{'send GB/s':>10}{'% of copy':>10}{'pull ms':>9}{'copy ms':>8}{'step ms':>8}"

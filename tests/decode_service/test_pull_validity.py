@@ -162,9 +162,10 @@ def test_a_valid_pull_is_committed_by_the_core_and_the_service_only_releases_aft
         prefill.close()
 
 
-def test_a_committed_pull_is_recorded_within_its_import_done_and_sends_the_core_nothing():
-    """The service learns of the core's commit as the ImportDone comes: the pull is recorded before on_core_message
-    returns (its first delta reports what moved), and nothing goes back to the core."""
+def test_a_committed_pull_is_reported_within_its_import_done_and_sends_the_core_nothing():
+    """The service learns of the core's commit with the first step's outputs (the same batch, after the ImportDone):
+    what the first delta reports is noted before on_core_message returns; the counters and the lease's release
+    follow once that delta is on its way (a turn later), and nothing goes back to the core."""
     events, imported = [], []
 
     async def main():
@@ -177,18 +178,20 @@ def test_a_committed_pull_is_recorded_within_its_import_done_and_sends_the_core_
                 fail_request=lambda rid, reason: None,
             )
             pulls.stub = lambda address: prefill
-            handle = prefill.grant()
-            pulls.pending["r"] = PendingPull("r", handle)
+            pulls.pending["r"] = PendingPull("r", prefill.grant())
             pulls.on_core_message(import_done(True))
-            at_return = (list(events), list(imported), dict(pulls.pending), pulls.counters.values["kv_blocks_pulled"])
+            at_return = (list(imported), dict(pulls.pending), dict(pulls.counters.values), list(prefill.released))
+            await asyncio.sleep(0)  # the stream's turn (it would send the first delta): still nothing released
+            after_one_turn = (dict(pulls.counters.values), list(prefill.released))
             await asyncio.gather(*pulls._tasks)
-            return at_return, prefill.released
+            return at_return, after_one_turn, pulls.counters.values, prefill.released
         finally:
             prefill.close()
 
-    at_return, released = asyncio.run(main())
-    assert at_return == ([], [("r", 0, 3)], {}, 3) and events == []
-    assert len(released) == 1
+    at_return, after_one_turn, counters, released = asyncio.run(main())
+    assert at_return == ([("r", 0, 3)], {}, {}, []) and after_one_turn == ({}, [])
+    assert counters["kv_blocks_pulled"] == 3 and counters["kv_bytes_pulled"] == 48 and len(released) == 1
+    assert events == []
 
 
 def test_a_valid_pull_does_not_wait_for_a_held_release():

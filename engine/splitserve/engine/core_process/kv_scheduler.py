@@ -180,6 +180,7 @@ class KvScheduler:
             device_ns=done.result.device_ns,
             committed=held is True,
             lease_lost=held is False,
+            ended_unix_ns=time.time_ns(),
         )
         if held:  # no round trip to the service for the verdict: this turn's step runs the request
             self._commit_here(report)

@@ -171,6 +171,7 @@ class ImportDone:
     # request runs already, no CommitImport is wanted; the service records the pull and releases the lease
     committed: bool = False
     lease_lost: bool = False  # the lease's slot said the copy is not valid: the policy applies (CommitImport)
+    ended_unix_ns: int = 0  # when the core saw the copy end (time.time_ns(); a committed one is reported later)
 
 
 @dataclass
