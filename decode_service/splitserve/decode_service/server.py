@@ -20,7 +20,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
+from splitserve.common.process_exit import exit_now
 from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
@@ -388,17 +390,18 @@ def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
     return delta
 
 
-def _serve(engine_config, service_config) -> int:
+def _serve(engine_config, service_config) -> NoReturn:
     service = DecodeService(engine_config, service_config)
     tracing.init_tracing(f"splitserve-{engine_config.role}", service.name, endpoint=service_config.otlp_traces_endpoint)
-    return asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
+    code = asyncio.run(service.serve(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(service, server)))
+    exit_now(code)  # the process's last step: no teardown of torch's modules (common/process_exit.py)
 
 
-def run(ns, configs) -> int:
+def run(ns, configs) -> NoReturn:
     setup_logging()
-    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role decode, set by the CLI
+    _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role decode, set by the CLI
 
 
-def run_worker(ns, configs) -> int:
+def run_worker(ns, configs) -> NoReturn:
     setup_logging()
-    return _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role both, set by the CLI
+    _serve(configs["EngineConfig"], configs["ServiceConfig"])  # role both, set by the CLI

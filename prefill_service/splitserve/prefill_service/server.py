@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import NoReturn
 
 import grpc
 
+from splitserve.common.process_exit import exit_now
 from splitserve.common.wire import FINISH_REASONS, layout_to_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.grammar import check_spec
@@ -284,14 +286,15 @@ class PrefillService(ServiceBase, prefill_pb2_grpc.PrefillServicer):
         return response
 
 
-def run(ns, configs) -> int:
+def run(ns, configs) -> NoReturn:
     setup_logging()
     engine_config = configs["EngineConfig"]  # role prefill, set by the CLI
     service = PrefillService(engine_config, configs["ServiceConfig"])
     tracing.init_tracing("splitserve-prefill", service.name, endpoint=configs["ServiceConfig"].otlp_traces_endpoint)
     add = prefill_pb2_grpc.add_PrefillServicer_to_server
     try:
-        return asyncio.run(service.serve(lambda server: add(service, server)))
+        code = asyncio.run(service.serve(lambda server: add(service, server)))
     finally:  # after the loop: no call can touch the table any more
         if service.slots is not None:
             service.slots.close()
+    exit_now(code)  # the process's last step: no teardown of torch's modules (common/process_exit.py)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.common.process_exit import exit_now
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.loop import core_main
 
@@ -21,6 +22,14 @@ log = logging.getLogger("splitserve.core")
 # How long a core whose pipe closed may take to exit before its death is reported without an exit code (a TP
 # core closes its ranks first; on a loaded two-core machine that took over a second)
 EXIT_WAIT_S = 10.0
+
+
+def run_core_process(config, conn, kv_options: dict, process_init: Callable[[], None] | None) -> None:
+    """The core process's target: `core_main`, then, once it returned, an exit without the interpreter's teardown
+    (common/process_exit.py), so a service's shutdown does not wait seconds on it. A core that raised exits as
+    multiprocessing makes it (its traceback, exit code 1)."""
+    core_main(config, conn, kv_options, process_init)
+    exit_now(0)
 
 
 class EngineClient:
@@ -64,7 +73,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=core_main,
+            target=run_core_process,
             args=(self.config, child, self.kv_options, self.process_init),
             name="splitserve-core",
             daemon=True,
