@@ -218,6 +218,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.hold = False  # True = produce nothing (requests stay running)
         self.unavailable = ""  # set: answer each new request as a draining or starting decode does, with this error
         self.waiting = 0  # num_waiting reported by Describe
+        self.reserves: list[decode_pb2.SeatRequest] = []  # seat reservations received
+        self.grant_seats = True  # False = keep reservations waiting (`seats_waiting`) until set True again
+        self.seats_waiting: list[str] = []  # reservations not granted (of every stream)
         self.describe_delay_s = 0.0  # Describe answers this late
         self.describes = 0
         self.start_ns = time.time_ns()
@@ -238,27 +241,39 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.num_streams += 1
         mine: dict[str, _Running] = {}
         outbox: list[decode_pb2.TokenDelta] = []
-        reader = asyncio.ensure_future(self._read(request_iterator, mine, outbox))
+        seats: list[str] = []  # this stream's reservations, granted when grant_seats is True
+        reader = asyncio.ensure_future(self._read(request_iterator, mine, outbox, seats))
         try:
             while not (reader.done() and not mine and not outbox):
                 await asyncio.sleep(self.step_s)
-                if self.hold:
+                granted = [rid for rid in seats if self.grant_seats]
+                for rid in granted:
+                    seats.remove(rid)
+                    self.seats_waiting.remove(rid)
+                if self.hold and not granted:
                     continue
-                deltas = outbox[:] + [self._step(rid, run, mine) for rid, run in list(mine.items())]
+                steps = [] if self.hold else [self._step(rid, run, mine) for rid, run in list(mine.items())]
+                deltas = outbox[:] + steps
                 outbox.clear()
-                if deltas:
+                if deltas or granted:
                     self.max_deltas_per_message = max(self.max_deltas_per_message, len(deltas))
-                    yield decode_pb2.DecodeOut(deltas=deltas, step_ns=1000)
+                    yield decode_pb2.DecodeOut(deltas=deltas, step_ns=1000, seats_granted=granted)
                     self.num_outputs += 1
         finally:
             reader.cancel()
             for rid in mine:
                 self.running.pop(rid, None)
+            for rid in seats:
+                self.seats_waiting.remove(rid)
 
-    async def _read(self, request_iterator, mine: dict, outbox: list) -> None:
+    async def _read(self, request_iterator, mine: dict, outbox: list, seats: list) -> None:
         async for message in request_iterator:
             if message.WhichOneof("kind") == "outputs_read":  # pacing: this fake writes without waiting
                 self.num_outputs_read = message.outputs_read.num_outputs
+            elif message.WhichOneof("kind") == "reserve":
+                self.reserves.append(message.reserve)
+                seats.append(message.reserve.request_id)
+                self.seats_waiting.append(message.reserve.request_id)
             elif message.WhichOneof("kind") == "request":
                 req = message.request
                 self.requests.append(req)
@@ -281,6 +296,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             else:
                 rid = message.abort.request_id
                 self.aborts.append(rid)
+                if rid in seats:
+                    seats.remove(rid)
+                    self.seats_waiting.remove(rid)
                 if mine.pop(rid, None) is not None:
                     self.running.pop(rid, None)
                     outbox.append(decode_pb2.TokenDelta(request_id=rid, finish_reason=FR.FINISH_REASON_ABORT))

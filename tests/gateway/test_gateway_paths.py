@@ -447,6 +447,7 @@ def test_client_cancel_sends_abort_to_the_decode(make_stack):
 
 
 def test_client_cancel_during_prefill_never_reaches_the_decode(make_stack):
+    """The request never reaches the decode; the seat it took there before its prefill is given back."""
     prefill, decode = FakePrefill(), FakeDecode()
     prefill.delay_s = 1.0
     stack = make_stack([prefill], [decode])
@@ -454,7 +455,9 @@ def test_client_cancel_during_prefill_never_reaches_the_decode(make_stack):
     stack.wait_for(lambda: len(prefill.requests) == 1, what="the Prefill call")
     call.cancel()
     stack.wait_for(lambda: stack.gateway.service.num_active == 0, what="the request to end")
-    assert decode.requests == [] and decode.aborts == []
+    stack.wait_for(lambda: decode.aborts, what="the seat reservation aborted")
+    assert [r.request_id for r in decode.reserves] == decode.aborts == [prefill.requests[0].request_id]
+    assert decode.requests == [] and decode.seats_waiting == []
 
 
 def test_prefill_failure_falls_back_to_a_local_prefill_on_the_decode(make_stack):

@@ -6,7 +6,8 @@ One bidirectional `Generate` stream per gateway:
                                    ─▶ Prefill.ReleaseKv(lease) ─▶ released? CommitImport(ok)
                                                                  : recompute | fail (policy)
                           without kv: AddRequest (local prefill)
-         AbortRequest  ─▶ core: Abort
+         SeatRequest   ─▶ a seat in the batch, granted in turn (seats.py); its DecodeRequest claims it
+         AbortRequest  ─▶ core: Abort (or the seat reservation dropped)
          OutputsRead   ─▶ pacing: at most a few messages unread by the gateway (stream_pacing.py)
     out: one DecodeOut per engine step per stream, carrying every request's new tokens (the steps queued
          while the gateway is behind merged into one)
@@ -27,6 +28,7 @@ from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator, PullHooks
+from splitserve.decode_service.seats import SeatDesk
 from splitserve.decode_service.stream_pacing import OutputPacer, merge_outs
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.grammar import check_spec
@@ -91,11 +93,13 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
         self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
+        self.seats = SeatDesk(lambda: self.inflight, lambda: self.draining or self.starting)
 
     async def before_serving(self) -> None:
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
         or map their KV pools (shm, cuda_ipc), so no first request waits for it. Waits at most one
         transfer timeout; a peer that is not up yet is prepared in the background."""
+        self.seats.book.max_num_seqs = self.client.info.max_num_seqs
         peers = list(self.prefill_peers)
         if peers:
             self._preparing = asyncio.create_task(self.pulls.prepare_peers(peers))
@@ -178,6 +182,24 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             stream.request_ids.discard(request_id)
             stream.first_info.pop(request_id, None)
             self.inflight -= 1
+            self.seats.pump()
+
+    def load(self) -> common_pb2.Load:
+        """The core's load; waiting also counts the seat reservations not granted yet (requests sent here)."""
+        load = super().load()
+        load.num_waiting += self.seats.book.num_waiting
+        return load
+
+    def _reserve(self, seat: decode_pb2.SeatRequest, stream: GatewayStream) -> None:
+        """A gateway asks for seats before prefilling a request (seats.py); answered when granted."""
+        rid, refusal = seat.request_id, ""
+        if self.draining or self.starting:
+            refusal = f"{self.name} is {'draining' if self.draining else 'starting'}"
+        elif not rid or rid in self.owner or self.seats.book.holds(rid):
+            refusal = f"request_id {rid!r} is already in use"
+        elif seat.num_seqs > MAX_SEQUENCES:
+            refusal = f"num_seqs: at most {MAX_SEQUENCES}, got {seat.num_seqs}"
+        self.seats.reserve(stream, seat, refusal)
 
     def _on_imported(self, request_id: str, num_cached_tokens: int, num_blocks_pulled: int) -> None:
         """A pull committed: its first delta reports what was cached and what moved."""
@@ -269,6 +291,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             self._abort_stream(stream)
 
     def _abort_stream(self, stream: GatewayStream) -> None:
+        if self.seats.book.drop_owner(stream):
+            self.seats.pump()
         ids = list(stream.request_ids)
         if ids:
             log.warning("gateway stream closed with %d requests in flight: aborting them", len(ids))
@@ -288,17 +312,22 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             kind = item.WhichOneof("kind")
             if kind == "request":
                 self._admit(item.request, stream)
+            elif kind == "reserve":
+                self._reserve(item.reserve, stream)
             elif kind == "outputs_read":
                 stream.pacer.on_read(item.outputs_read.num_outputs)
             elif kind == "abort":
                 request_id = item.abort.request_id
-                if self.owner.get(request_id) is stream:
+                if self.seats.book.cancel(stream, request_id):
+                    self.seats.pump()
+                elif self.owner.get(request_id) is stream:
                     self.pulls.cancel(request_id)
                     self.client.send(m.Abort([request_id]))
 
     def _admit(self, req, stream: GatewayStream) -> None:
         rid = req.request_id
         forks = list(req.fork_ids)
+        claimed = self.seats.book.claim(stream, rid)  # its seats count as sequences in flight below, or end refused
         try:
             if self.draining or self.starting:
                 raise Unavailable(f"{self.name} is {'draining' if self.draining else 'starting'}")
@@ -306,7 +335,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 raise ValueError(f"fork_ids: at most {MAX_SEQUENCES - 1} (n <= {MAX_SEQUENCES}), got {len(forks)}")
             if len({rid, *forks}) != 1 + len(forks):
                 raise ValueError(f"fork_ids must be distinct and differ from request_id {rid!r}")
-            if any(i in self.owner for i in (rid, *forks)):
+            if any(i in self.owner or self.seats.book.holds(i) for i in (rid, *forks)):
                 raise ValueError(f"request_id {rid!r} or one of its fork_ids is already in use")
             check_token_ids(req, self.client.info.vocab_size)
             self._check_prefill_address(req)
@@ -328,6 +357,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
                 delta.unavailable = unavailable  # 503: another time, or another decode
                 deltas.append(delta)
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas))
+            if claimed:
+                self.seats.pump()
             return
         now, imported = time.monotonic(), req.HasField("kv") and req.HasField("first_token_id")
         request = RequestTiming(now, len(req.prompt_token_ids), 1 + len(forks), params.max_tokens, 1 + len(forks))

@@ -50,7 +50,7 @@ class OutputPacer:
 def merge_outs(outs: Sequence[decode_pb2.DecodeOut]) -> decode_pb2.DecodeOut:
     """One message holding several steps' outputs in order: a request's deltas become one (its tokens and
     logprobs concatenated, the first's one-off fields, the last's end state); requests keep the order in which
-    they first appear."""
+    they first appear; the seats granted meanwhile, in order."""
     if len(outs) == 1:
         return outs[0]
     merged: dict[str, decode_pb2.TokenDelta] = {}
@@ -70,4 +70,6 @@ def merge_outs(outs: Sequence[decode_pb2.DecodeOut]) -> decode_pb2.DecodeOut:
             into.refused, into.unavailable = delta.refused, delta.unavailable
             if delta.HasField("timings"):
                 into.timings.CopyFrom(delta.timings)
-    return decode_pb2.DecodeOut(deltas=list(merged.values()), step_ns=outs[-1].step_ns)
+    step_ns = next((out.step_ns for out in reversed(outs) if out.step_ns), 0)  # a grant alone has none
+    seats_granted = [request_id for out in outs for request_id in out.seats_granted]
+    return decode_pb2.DecodeOut(deltas=list(merged.values()), step_ns=step_ns, seats_granted=seats_granted)

@@ -4,6 +4,7 @@ All of the gateway's requests on that instance share the stream: requests and ab
 out through one writer task (grpc.aio allows one write at a time), and one reader task
 routes every `DecodeOut.deltas[i]` to its request's asyncio.Queue by request_id.
 
+    reserve(id) ─┐                                           SEAT_GRANTED ┐
     submit(req) ──▶ outbox ──writer──▶ Decode.Generate ──reader──▶ queues[request_id]
                       ▲                                      │ each DecodeOut read: OutputsRead(count)
                       └──────────────────────────────────────┘ (the decode paces the stream by it)
@@ -29,6 +30,8 @@ log = logging.getLogger("splitserve.gateway")
 # and merges later steps into the next one, so a busy gateway gets more tokens a message, never a queue of old
 # steps (decode_service/stream_pacing.py).
 _READ_REPORT = object()
+# Put on a request's queue when the decode granted the seats it reserved (DecodeOut.seats_granted).
+SEAT_GRANTED = object()
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,11 @@ class LinkDown(RuntimeError):
 class DecodeLink:
     """One bidirectional stream to one decode instance, multiplexing many requests.
 
-    Invariants: a request id is in `_queues` from submit() until its final delta was
-    routed (`finish`), it was aborted (`abort`), or the link failed; each queue receives
-    TokenDeltas in stream order and at most one LinkFailure, after which nothing else (the
-    request's own deadline timer may add request_run's _DEADLINE marker at any point).
+    Invariants: a request id is in `_queues` from reserve() or submit() until its final delta was
+    routed (`finish`), it was aborted (`abort`), or the link failed; each queue receives at most one
+    SEAT_GRANTED (reserved ids, before submit), TokenDeltas in stream order and at most one LinkFailure,
+    after which nothing else (the request's own deadline timer may add request_run's _DEADLINE marker at
+    any point).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class DecodeLink:
         self._stub = decode_pb2_grpc.DecodeStub(channel)
         self._on_broken = on_broken
         self._queues: dict[str, asyncio.Queue] = {}
+        self._reserved: set[str] = set()  # ids whose seat reservation was sent and that were not submitted yet
         self._outbox: asyncio.Queue[decode_pb2.DecodeIn | object | None] = asyncio.Queue()
         self._num_read = 0  # DecodeOut messages routed; reported to the decode, which paces the stream by it
         self._read_report_queued = False
@@ -80,16 +85,34 @@ class DecodeLink:
         """Requests of this gateway currently on the stream."""
         return len(self._queues)
 
-    def submit(self, request: decode_pb2.DecodeRequest) -> asyncio.Queue:
-        """Send a request; return the queue its TokenDeltas (then maybe a LinkFailure) arrive on (those of its
-        fork ids: `follow`)."""
+    def reserve(self, request_id: str, num_seqs: int, hold_s: float) -> asyncio.Queue:
+        """Ask the decode for `num_seqs` seats for `request_id` (decode_service/seats.py); return the queue that
+        gets SEAT_GRANTED when it grants them (or an error TokenDelta, a LinkFailure), and later, once submitted
+        under the same id, the request's deltas. `abort` drops the reservation."""
         if not self.alive:
             raise LinkDown(f"decode instance {self.name} is not connected: {self.error or 'stream not open'}")
-        if request.request_id in self._queues:
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already running on decode {self.name}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._reserved.add(request_id)
+        hold_ms = min(max(1, round(hold_s * 1000)), 2**32 - 1)
+        seat = decode_pb2.SeatRequest(request_id=request_id, num_seqs=num_seqs, hold_ms=hold_ms)
+        self._outbox.put_nowait(decode_pb2.DecodeIn(reserve=seat))
+        return queue
+
+    def submit(self, request: decode_pb2.DecodeRequest) -> asyncio.Queue:
+        """Send a request (claiming the seats reserved under its id, if any); return the queue its TokenDeltas
+        (then maybe a LinkFailure) arrive on (those of its fork ids: `follow`)."""
+        if not self.alive:
+            raise LinkDown(f"decode instance {self.name} is not connected: {self.error or 'stream not open'}")
+        reserved = request.request_id in self._reserved
+        if request.request_id in self._queues and not reserved:
             raise ValueError(f"request_id {request.request_id!r} is already running on decode {self.name}")
         if any(fork_id in self._queues for fork_id in request.fork_ids):
             raise ValueError(f"a fork id of {request.request_id!r} is already running on decode {self.name}")
-        queue: asyncio.Queue = asyncio.Queue()
+        self._reserved.discard(request.request_id)
+        queue: asyncio.Queue = self._queues[request.request_id] if reserved else asyncio.Queue()
         self._queues[request.request_id] = queue
         for fork_id in request.fork_ids:  # the request's other sequences: their deltas wait for follow()
             self._queues[fork_id] = asyncio.Queue()
@@ -107,12 +130,14 @@ class DecodeLink:
     def abort(self, request_id: str, running: bool = False) -> None:
         """Stop routing the request's deltas and ask the decode to abort it (non-blocking); only if its deltas
         were still routed, unless `running` (a request whose queue was dropped while it still runs)."""
+        self._reserved.discard(request_id)
         if (self._queues.pop(request_id, None) is not None or running) and self.alive:
             self._outbox.put_nowait(decode_pb2.DecodeIn(abort=decode_pb2.AbortRequest(request_id=request_id)))
 
     def finish(self, request_id: str) -> None:
         """The request's final delta arrived: forget it (nothing is sent)."""
         self._queues.pop(request_id, None)
+        self._reserved.discard(request_id)
 
     def fail(self, reason: str) -> None:
         """Break the link: every request on it gets a LinkFailure; idempotent."""
@@ -130,6 +155,7 @@ class DecodeLink:
         for queue in self._queues.values():
             queue.put_nowait(LinkFailure(message))
         self._queues.clear()
+        self._reserved.clear()
         self._outbox.put_nowait(None)
         if self._call is not None:
             self._call.cancel()
@@ -167,6 +193,10 @@ class DecodeLink:
         assert self._call is not None
         try:
             async for out in self._call:
+                for request_id in out.seats_granted:
+                    queue = self._queues.get(request_id)
+                    if queue is not None:  # else aborted meanwhile: the decode dropped the seats at the abort
+                        queue.put_nowait(SEAT_GRANTED)
                 for delta in out.deltas:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:  # else aborted or unknown: dropped

@@ -1,6 +1,7 @@
 """One request's run through prefill and decode, as a stream of GenerateResponse messages.
 
-    disaggregated:  Prefill.Prefill ──first token──▶ client
+    disaggregated:  SeatRequest ──▶ decode link ──seat granted (the decode's batch has room)──▶
+                    Prefill.Prefill ──first token──▶ client
                     DecodeRequest(kv, first token) ──▶ decode link ──TokenDeltas──▶ client
     local prefill:  DecodeRequest(no kv, no first token) ──▶ decode (colocated worker, or
                     any decode when no prefill is up or the prefill call failed, on another
@@ -31,7 +32,7 @@ from splitserve.common import wire
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import refusal_detail
-from splitserve.gateway.decode_link import DecodeLink, LinkDown, LinkFailure
+from splitserve.gateway.decode_link import SEAT_GRANTED, DecodeLink, LinkDown, LinkFailure
 from splitserve.gateway.errors import GatewayError, invalid
 from splitserve.gateway.registry import Instance
 from splitserve.protos import common_pb2, decode_pb2, generation_pb2, prefill_pb2
@@ -176,18 +177,21 @@ class RequestRun:
         router = self._deps.router
         self._check_decode_room()
         prefill = router.pick_prefill(self._prompt)
+        if prefill is not None:  # a seat on a decode first, so a full decode delays the first token, not the second
+            await self._take_seat(prefill)
+            prefill = router.pick_prefill(self._prompt, self._decode)  # loads changed while it waited
         first = await self._prefill(prefill) if prefill is not None else None
         if (
             first is None
             and prefill is not None
-            and (other := router.pick_prefill(self._prompt)) not in (None, prefill)
+            and (other := router.pick_prefill(self._prompt, self._decode)) not in (None, prefill)
         ):
             prefill, first = other, await self._prefill(other)  # once: the failed one is marked down
         if first is not None:
             message = self._first_message(first)
             link_down = None
             if not message.finish_reason:  # chosen before the first token goes out: a refusal is still a 503
-                decode = router.pick_decode(
+                decode = self._seated_decode() or router.pick_decode(
                     router.decode_candidates(prefill) or router.overflow_candidates(prefill), self._prompt
                 )
                 if decode is None:  # every decode left while the prompt was prefilled; _cleanup frees the lease
@@ -209,9 +213,9 @@ class RequestRun:
             if link_down is not None:
                 yield self._final(FR.FINISH_REASON_ERROR, error=link_down)
                 return
-        else:
+        else:  # prefilled locally: on the decode seating it, else a colocated worker, else any decode
             candidates = router.decode_candidates(None, colocated_only=True) or router.decode_candidates(None)
-            decode = router.pick_decode(candidates, self._prompt)
+            decode = self._seated_decode() or router.pick_decode(candidates, self._prompt)
             if decode is None:
                 raise GatewayError("resource_exhausted", "no decode instance is up; retry later", retry_after_s=1)
             self._local_prefill = True
@@ -223,18 +227,60 @@ class RequestRun:
             async for message in messages:
                 yield message
 
-    async def _first_token(self) -> tuple[Instance | None, prefill_pb2.PrefillResponse | None]:
-        """(the prefill, its answer) from the prefill the router picks; when that one fails in a way another can
-        cover (a hung core hands its requests back), once more from another prefill that is up. (_, None): no
-        prefill served it, so a decode prefills it locally."""
-        router = self._deps.router
-        prefill = router.pick_prefill(self._prompt)
-        if prefill is None:
-            return None, None
-        first = await self._prefill(prefill)
-        if first is None and (other := router.pick_prefill(self._prompt)) is not None and other is not prefill:
-            prefill, first = other, await self._prefill(other)
-        return prefill, first
+    async def _take_seat(self, prefill: Instance) -> None:
+        """Reserve the request's seats on a decode compatible with `prefill` and wait until that decode grants them
+        (decode_service/seats.py): the wait for a full batch comes before the first token. A decode that fails or
+        drains meanwhile is left for another; with none left, UNAVAILABLE / 503 with Retry-After."""
+        router, tried, why = self._deps.router, [], ""
+        while True:
+            candidates = router.decode_candidates(prefill) or router.overflow_candidates(prefill)
+            decode = router.pick_decode([d for d in candidates if d not in tried], self._prompt)
+            if decode is None:
+                raise GatewayError(
+                    "unavailable",
+                    f"no decode instance compatible with prefill {prefill.name} is up and not draining{why}; "
+                    "retry later",
+                    retry_after_s=1,
+                )
+            tried.append(decode)
+            try:
+                if decode.link is None:
+                    raise LinkDown(f"decode instance {decode.name} is not connected")
+                self._queue = decode.link.reserve(self.internal_id, 1 + len(self._fork_ids), self._remaining_s())
+            except LinkDown as exc:
+                why = f" ({exc})"
+                continue
+            self._decode, self._link, self._waiting_at_decode = decode, decode.link, decode.num_describes
+            router.assign(decode, self._prompt)
+            self._start_deadline_timer()
+            item = await self._queue.get()
+            if item is SEAT_GRANTED:
+                return
+            self._leave_seat()
+            if item is _DEADLINE:
+                raise GatewayError("deadline_exceeded", self._timeout_message())
+            if isinstance(item, LinkFailure) or item.unavailable:
+                why = f" ({item.message if isinstance(item, LinkFailure) else item.error})"
+                continue
+            raise GatewayError("internal", f"decode instance {decode.name} refused a seat: {item.error}")
+
+    def _seated_decode(self) -> Instance | None:
+        """The decode that granted the request's seats, while it is up; one that left meanwhile is given up."""
+        if self._decode is not None and not self._decode.up:
+            self._leave_seat()
+        return self._decode
+
+    def _leave_seat(self) -> None:
+        """Give back a seat reservation that ended unused (its decode failed, refused, or left)."""
+        assert self._decode is not None and self._link is not None
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        self._link.abort(self.internal_id)  # forgets the id; the decode dropped it already
+        if self._waiting_at_decode is not None:
+            self._deps.router.started(self._decode, self._waiting_at_decode)  # not waiting there any more
+        self._deps.router.release(self._decode)
+        self._decode = self._link = self._queue = self._waiting_at_decode = None
 
     def _check_decode_room(self) -> None:
         """RESOURCE_EXHAUSTED / 503 with Retry-After when no decode is up, or every up one is full."""
@@ -334,13 +380,18 @@ class RequestRun:
         return request
 
     def _submit(self, decode: Instance, request: decode_pb2.DecodeRequest) -> None:
+        """Send the request to `decode`: the one seating it (its reservation is claimed) or, unseated, another."""
         assert decode.link is not None
         self._queue = decode.link.submit(request)  # raises LinkDown
-        self._start_deadline_timer()
-        self._decode, self._link = decode, decode.link
+        if self._decode is not decode:  # else counted since the reservation
+            self._decode, self._waiting_at_decode = decode, decode.num_describes
+            self._deps.router.assign(decode, self._prompt)
+        if self._link is not decode.link:  # else its deadline is set on this queue since the reservation
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._start_deadline_timer()
+            self._link = decode.link
         self._handed, self._held = self._held, None  # the decode owns the lease now
-        self._waiting_at_decode = decode.num_describes
-        self._deps.router.assign(decode, self._prompt)
         if not self.submitted.done():
             self.submitted.set_result((decode, decode.link))
 
@@ -349,7 +400,7 @@ class RequestRun:
         if the prefill kept it, else for a local prefill) to a decode, then stop this sequence there."""
         router = self._deps.router
         source = prefill if self._held else None
-        decode = router.pick_decode(
+        decode = self._seated_decode() or router.pick_decode(
             router.decode_candidates(source) or router.overflow_candidates(source), self._prompt
         )
         if decode is None:

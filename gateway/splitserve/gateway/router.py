@@ -50,10 +50,10 @@ class Router:
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> Instance | None:
+    def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: Instance | None = None) -> Instance | None:
         """The up prefill with the least work ahead (see the module docstring) among those with at
-        least one compatible up decode."""
-        decodes = [d for d in self._registry.decodes() if d.up]
+        least one compatible up decode (compatible with `decode`, when given: the one seating the request)."""
+        decodes = [decode] if decode is not None else [d for d in self._registry.decodes() if d.up]
         candidates = [
             p
             for p in self._registry.prefills()

@@ -65,14 +65,26 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeIn(_message.Message):
-    __slots__ = ("request", "abort", "outputs_read")
+    __slots__ = ("request", "abort", "outputs_read", "reserve")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_READ_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     request: DecodeRequest
     abort: AbortRequest
     outputs_read: OutputsRead
-    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., outputs_read: _Optional[_Union[OutputsRead, _Mapping]] = ...) -> None: ...
+    reserve: SeatRequest
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., outputs_read: _Optional[_Union[OutputsRead, _Mapping]] = ..., reserve: _Optional[_Union[SeatRequest, _Mapping]] = ...) -> None: ...
+
+class SeatRequest(_message.Message):
+    __slots__ = ("request_id", "num_seqs", "hold_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_seqs: int
+    hold_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., num_seqs: _Optional[int] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class OutputsRead(_message.Message):
     __slots__ = ("num_outputs",)
@@ -107,9 +119,11 @@ class TokenDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., refused: _Optional[bool] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
-    __slots__ = ("deltas", "step_ns")
+    __slots__ = ("deltas", "step_ns", "seats_granted")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    SEATS_GRANTED_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
     step_ns: int
-    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ns: _Optional[int] = ...) -> None: ...
+    seats_granted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ns: _Optional[int] = ..., seats_granted: _Optional[_Iterable[str]] = ...) -> None: ...
