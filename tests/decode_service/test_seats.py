@@ -99,8 +99,10 @@ def test_reservations_lapse_at_their_hold_and_a_draining_decode_drops_the_waitin
     assert granted(decisions) == ["third"]
     assert dropped(decisions) == [("fourth", "its seat reservation lapsed (hold_ms) before a seat was free", False)]
     book.reserve(owner, "fifth", 1, hold_s=60)
-    decisions = book.pump(0, draining=True)
-    assert dropped(decisions) == [("fifth", "the decode is draining; try another", True)]
+    decisions = book.pump(0, closed=True)
+    assert dropped(decisions) == [
+        ("fifth", "this decode takes no new requests (draining or stopping); try another", True)
+    ]
     assert book.holds("third") and book.next_expiry_s() == 130.0  # granted ones stay until claimed or lapsed
 
 
@@ -109,7 +111,13 @@ def test_answers_go_to_the_stream_that_asked():
         a, b = Owner(), Owner()
         decisions = SeatDecisions(
             granted=[Reservation(a, "r1", 1, 0.0), Reservation(b, "r2", 1, 0.0), Reservation(a, "r3", 2, 0.0)],
-            dropped=[(Reservation(b, "r4", 1, 0.0), "the decode is draining; try another", True)],
+            dropped=[
+                (
+                    Reservation(b, "r4", 1, 0.0),
+                    "this decode takes no new requests (draining or stopping); try another",
+                    True,
+                )
+            ],
         )
         send_decisions(decisions)
         assert [list(out.seats_granted) for out in drain(a)] == [["r1", "r3"]]  # one message per stream
@@ -119,7 +127,7 @@ def test_answers_go_to_the_stream_that_asked():
         assert (delta.request_id, delta.finish_reason, delta.error, delta.unavailable) == (
             "r4",
             ERROR,
-            "the decode is draining; try another",
+            "this decode takes no new requests (draining or stopping); try another",
             True,
         )
 

@@ -43,7 +43,7 @@ class SeatDecisions:
     """What one `SeatBook.pump` decided: reservations granted now, and those dropped with why."""
 
     granted: list[Reservation] = field(default_factory=list)
-    # (reservation, why, unavailable): unavailable = this decode cannot take it (draining), not the request's fault
+    # (reservation, why, unavailable): unavailable = this decode cannot take it (closed), not the request's fault
     dropped: list[tuple[Reservation, str, bool]] = field(default_factory=list)
 
 
@@ -89,8 +89,8 @@ class SeatBook:
             self._remove(owner, request_id)
         return ids
 
-    def pump(self, num_in_flight: int, draining: bool = False) -> SeatDecisions:
-        """Drop lapsed reservations (every waiting one when `draining`), then grant the waiting ones in order
+    def pump(self, num_in_flight: int, closed: bool = False) -> SeatDecisions:
+        """Drop lapsed reservations (every waiting one when `closed`: the decode drains or stops), then grant the waiting ones in order
         while the head fits: `num_in_flight` (the service's sequences) + granted seats + its num_seqs <=
         max_num_seqs, or no seat is taken at all."""
         decisions, now = SeatDecisions(), self._clock()
@@ -98,10 +98,12 @@ class SeatBook:
             self._remove(r.owner, r.request_id)
             if not r.granted:  # a granted one lapses silently: its request, if it comes, is admitted without
                 decisions.dropped.append((r, "its seat reservation lapsed (hold_ms) before a seat was free", False))
-        if draining:
+        if closed:
             for r in list(self._waiting.values()):
                 self._remove(r.owner, r.request_id)
-                decisions.dropped.append((r, "the decode is draining; try another", True))
+                decisions.dropped.append(
+                    (r, "this decode takes no new requests (draining or stopping); try another", True)
+                )
         while self._waiting:
             head = next(iter(self._waiting.values()))
             taken = num_in_flight + self.granted_seats
@@ -147,13 +149,13 @@ def send_decisions(decisions: SeatDecisions) -> None:
 class SeatDesk:
     """A decode service's seats: the book, answers on the streams, and a timer for the next reservation to lapse.
 
-    `num_in_flight` and `draining` read the service's state when the desk pumps (after every change of either).
+    `num_in_flight` and `closed` (draining, starting or its core gone) read the service's state when the desk pumps.
     """
 
-    def __init__(self, num_in_flight: Callable[[], int], draining: Callable[[], bool]) -> None:
+    def __init__(self, num_in_flight: Callable[[], int], closed: Callable[[], bool]) -> None:
         self.book = SeatBook(max_num_seqs=0)  # the core's max_num_seqs, set once the core runs
         self._num_in_flight = num_in_flight
-        self._draining = draining
+        self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
 
     def reserve(self, owner: object, seat: decode_pb2.SeatRequest, refusal: str) -> None:
@@ -162,7 +164,7 @@ class SeatDesk:
             delta = decode_pb2.TokenDelta(
                 request_id=seat.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=refusal
             )
-            delta.unavailable = self._draining()
+            delta.unavailable = self._closed()
             owner.out.put_nowait(decode_pb2.DecodeOut(deltas=[delta]))
             return
         self.book.reserve(owner, seat.request_id, seat.num_seqs, seat.hold_ms / 1000)
@@ -170,7 +172,7 @@ class SeatDesk:
 
     def pump(self) -> None:
         """Grant the reservations that fit now, drop lapsed ones, and wake again when the next one lapses."""
-        send_decisions(self.book.pump(self._num_in_flight(), draining=self._draining()))
+        send_decisions(self.book.pump(self._num_in_flight(), closed=self._closed()))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -93,7 +93,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
         self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
-        self.seats = SeatDesk(lambda: self.inflight, lambda: self.draining or self.starting)
+        self.seats = SeatDesk(lambda: self.inflight, lambda: self.draining or self.starting or self.client.dead)
 
     async def before_serving(self) -> None:
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
@@ -193,7 +193,9 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
     def _reserve(self, seat: decode_pb2.SeatRequest, stream: GatewayStream) -> None:
         """A gateway asks for seats before prefilling a request (seats.py); answered when granted."""
         rid, refusal = seat.request_id, ""
-        if self.draining or self.starting:
+        if self.client.dead:
+            refusal = f"{self.name}: the engine core process exited"
+        elif self.draining or self.starting:
             refusal = f"{self.name} is {'draining' if self.draining else 'starting'}"
         elif not rid or rid in self.owner or self.seats.book.holds(rid):
             refusal = f"request_id {rid!r} is already in use"
