@@ -91,8 +91,8 @@ class SeatBook:
 
     def pump(self, num_in_flight: int, closed: bool = False) -> SeatDecisions:
         """Drop lapsed reservations (every waiting one when `closed`: the decode drains or stops), then grant
-        the waiting ones in order while the head fits: `num_in_flight` (the service's sequences) + granted seats + its num_seqs <=
-        max_num_seqs, or no seat is taken at all."""
+        the waiting ones in order while the head fits: `num_in_flight` (the service's sequences) + granted seats
+        + its num_seqs <= max_num_seqs, or no seat is taken at all."""
         decisions, now = SeatDecisions(), self._clock()
         for r in [r for r in (*self._waiting.values(), *self._granted.values()) if r.expires_s <= now]:
             self._remove(r.owner, r.request_id)
