@@ -5,7 +5,8 @@ Without seat reservations the gateway sent every prompt to the prefill and strea
 imported requests then queued at the decode behind the seated ones and waited for whole streams to end before their
 second token (the 39.7 s first -> second gaps of the 48-streams-over-32-seats row in docs/performance.md). With them,
 a request takes a seat on the decode before its prefill: the wait moves into TTFT, and the first -> second gap is a
-hand-off.
+hand-off. The gateway runs as two processes (`--api-server-count 2`), each stream on a connection of its own (the
+kernel spreads them over both): the decode arbitrates the seats of both.
 """
 
 import asyncio
@@ -38,17 +39,28 @@ def reference():
 
 def test_streams_beyond_the_decodes_seats_wait_before_their_first_token(reference, tmp_path):
     prompts, greedy = reference
-    stack = Stack("shm", tmp_path, num_decode=1, decode_args=["--max-num-seqs", str(SEATS)])
+    stack = Stack(
+        "shm",
+        tmp_path,
+        num_decode=1,
+        decode_args=["--max-num-seqs", str(SEATS)],
+        gateway_more=["--api-server-count", "2"],
+    )
     try:
 
         async def main():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                await stream(stub, prompts[0], 2, [], [])  # a stack's first hand-off is slow: not measured
+            channels = [grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") for _ in range(NUM_STREAMS)]
+            stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in channels]
+            try:
+                for stub in stubs[:2]:  # a stack's first hand-offs are slow: not measured
+                    await stream(stub, prompts[0], 2, [], [])
                 tokens, arrivals = [[[] for _ in range(NUM_STREAMS)] for _ in range(2)]
-                runs = [stream(stub, p, MAX_TOKENS, tokens[i], arrivals[i]) for i, p in enumerate(prompts)]
+                runs = [stream(stubs[i], p, MAX_TOKENS, tokens[i], arrivals[i]) for i, p in enumerate(prompts)]
                 await asyncio.gather(*runs)
                 return tokens, arrivals, await wait_blocks_free(stack, timeout_s=15.0)
+            finally:
+                for channel in channels:
+                    await channel.close()
 
         tokens, arrivals, loads = asyncio.run(main())
     finally:
