@@ -257,7 +257,7 @@ class RequestRun:
             if item is SEAT_GRANTED:
                 return
             self._leave_seat()
-            if item is _DEADLINE:
+            if item is _DEADLINE or self._remaining_s() <= 0:  # (the decode lapses it at the same deadline)
                 raise GatewayError("deadline_exceeded", self._timeout_message())
             if isinstance(item, LinkFailure) or item.unavailable:
                 why = f" ({item.message if isinstance(item, LinkFailure) else item.error})"
