@@ -51,6 +51,20 @@ def test_seats_are_granted_in_arrival_order_while_the_batch_has_room():
     assert (book.num_waiting, book.granted_seats) == (0, 1)
 
 
+def test_a_lower_share_is_granted_first_and_equal_shares_in_arrival_order():
+    """One caller with many requests in flight (share 40) waits behind another with few (share 1), as the engine's
+    scheduler orders them."""
+    book, owner = SeatBook(max_num_seqs=1, clock=Clock()), object()
+    for request_id, share in [("big-1", 40), ("big-2", 40), ("small-1", 1), ("big-3", 40), ("small-2", 1)]:
+        book.reserve(owner, request_id, 1, hold_s=60, share=share)
+    order = []
+    while book.num_waiting:
+        (r,) = book.pump(num_in_flight=0).granted
+        order.append(r.request_id)
+        assert book.claim(owner, r.request_id)
+    assert order == ["small-1", "small-2", "big-1", "big-2", "big-3"]
+
+
 def test_the_head_waits_for_all_its_seats_and_a_larger_reservation_than_the_batch_waits_for_an_empty_one():
     book, owner = SeatBook(max_num_seqs=4, clock=Clock()), object()
     book.reserve(owner, "n3", 3, hold_s=60)

@@ -26,6 +26,7 @@ def test_the_prompt_goes_to_the_prefill_only_once_the_decode_grants_a_seat(make_
     assert summary(messages) == ([21, 22, 23], " w21 w22 w23", FR.FINISH_REASON_LENGTH, "", "")
     (seat,), (sent,), (prefilled,) = decode.reserves, decode.requests, prefill.requests
     assert seat.request_id == sent.request_id == prefilled.request_id and seat.num_seqs == 1
+    assert seat.share == sent.share == 1  # the caller's sequences in flight, this one
     assert 0 < seat.hold_ms <= 600_000 and sent.HasField("kv")  # the request's remaining time (request_timeout_s)
     assert decode.aborts == [] and decode.seats_waiting == []
 

@@ -5,22 +5,22 @@ imported request waits in the decode's queue for a running one to end, and the c
 first and second token. So a gateway first asks the decode it chose for a seat (`SeatRequest` on its Generate
 stream), prefills once it is granted, and sends the `DecodeRequest`, which claims the seat:
 
-    SeatRequest ─▶ waiting (FIFO) ─▶ granted (seats_granted) ─▶ DecodeRequest claims it ─▶ a sequence in flight
+    SeatRequest ─▶ waiting (by share) ─▶ granted (seats_granted) ─▶ DecodeRequest claims it ─▶ a sequence in flight
                         │                   │
                         └── abort, hold past, stream closed, draining ─▶ dropped (the seat is free again)
 
 The decode arbitrates, not the gateway: every gateway process and every gateway shares its seats, and only the
 decode counts them all. Seats taken = the sequences the service has in flight (running, waiting, importing; also
 those sent without a reservation: a local prefill, a colocated worker's requests) + the seats granted and not yet
-claimed. The head of the queue is granted while that leaves it room under max_num_seqs; a reservation larger than
-max_num_seqs is granted when no seat is taken, so it cannot wait forever.
+claimed. The head of the queue (the lowest fair share, as the engine's scheduler orders requests; the first to come
+among equal shares) is granted while that leaves it room under max_num_seqs; a reservation larger than max_num_seqs
+is granted when no seat is taken, so it cannot wait forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +36,8 @@ class Reservation:
     num_seqs: int
     expires_s: float  # the clock's seconds: past it, the reservation is dropped
     granted: bool = False
+    share: int = 0  # the caller's fair share: lower ones are granted first
+    order: int = 0  # arrival order, among equal shares
 
 
 @dataclass
@@ -48,7 +50,8 @@ class SeatDecisions:
 
 
 class SeatBook:
-    """The seat reservations of one decode: a FIFO of waiting ones and the granted, not yet claimed ones.
+    """The seat reservations of one decode: the waiting ones (granted by share, then arrival) and the granted, not
+    yet claimed ones.
 
     Invariant: a request id is in at most one of the two; `granted_seats` is the sum of the granted ones'
     num_seqs. The book never looks at the engine: the service passes the sequences it has in flight to `pump`.
@@ -57,7 +60,8 @@ class SeatBook:
     def __init__(self, max_num_seqs: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_num_seqs = max_num_seqs
         self._clock = clock
-        self._waiting: OrderedDict[str, Reservation] = OrderedDict()
+        self._waiting: dict[str, Reservation] = {}
+        self._num_reserved = 0  # reservations ever queued: their arrival order
         self._granted: dict[str, Reservation] = {}
         self.granted_seats = 0
 
@@ -69,9 +73,12 @@ class SeatBook:
     def holds(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._granted
 
-    def reserve(self, owner: object, request_id: str, num_seqs: int, hold_s: float) -> None:
-        """Queue a reservation at the tail (the caller checked that the id is not in use); `pump` grants it."""
-        self._waiting[request_id] = Reservation(owner, request_id, max(1, num_seqs), self._clock() + hold_s)
+    def reserve(self, owner: object, request_id: str, num_seqs: int, hold_s: float, share: int = 0) -> None:
+        """Queue a reservation (the caller checked that the id is not in use); `pump` grants it."""
+        self._num_reserved += 1
+        expires_s = self._clock() + hold_s
+        r = Reservation(owner, request_id, max(1, num_seqs), expires_s, share=share, order=self._num_reserved)
+        self._waiting[request_id] = r
 
     def claim(self, owner: object, request_id: str) -> bool:
         """The request's DecodeRequest arrived from `owner`: its reservation ends (its sequences now count as in
@@ -105,7 +112,7 @@ class SeatBook:
                     (r, "this decode takes no new requests (draining or stopping); try another", True)
                 )
         while self._waiting:
-            head = next(iter(self._waiting.values()))
+            head = min(self._waiting.values(), key=lambda r: (r.share, r.order))
             taken = num_in_flight + self.granted_seats
             if taken and taken + head.num_seqs > self.max_num_seqs:
                 break
@@ -167,7 +174,7 @@ class SeatDesk:
             delta.unavailable = self._closed()
             owner.out.put_nowait(decode_pb2.DecodeOut(deltas=[delta]))
             return
-        self.book.reserve(owner, seat.request_id, seat.num_seqs, seat.hold_ms / 1000)
+        self.book.reserve(owner, seat.request_id, seat.num_seqs, seat.hold_ms / 1000, seat.share)
         self.pump()
 
     def pump(self) -> None:

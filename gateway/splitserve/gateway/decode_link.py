@@ -85,10 +85,11 @@ class DecodeLink:
         """Requests of this gateway currently on the stream."""
         return len(self._queues)
 
-    def reserve(self, request_id: str, num_seqs: int, hold_s: float) -> asyncio.Queue:
+    def reserve(self, request_id: str, num_seqs: int, hold_s: float, share: int = 0) -> asyncio.Queue:
         """Ask the decode for `num_seqs` seats for `request_id` (decode_service/seats.py); return the queue that
         gets SEAT_GRANTED when it grants them (or an error TokenDelta, a LinkFailure), and later, once submitted
-        under the same id, the request's deltas. `abort` drops the reservation."""
+        under the same id, the request's deltas. `abort` drops the reservation. `share`: the caller's fair share
+        (the decode grants lower shares first)."""
         if not self.alive:
             raise LinkDown(f"decode instance {self.name} is not connected: {self.error or 'stream not open'}")
         if request_id in self._queues:
@@ -97,7 +98,7 @@ class DecodeLink:
         self._queues[request_id] = queue
         self._reserved.add(request_id)
         hold_ms = min(max(1, round(hold_s * 1000)), 2**32 - 1)
-        seat = decode_pb2.SeatRequest(request_id=request_id, num_seqs=num_seqs, hold_ms=hold_ms)
+        seat = decode_pb2.SeatRequest(request_id=request_id, num_seqs=num_seqs, hold_ms=hold_ms, share=share)
         self._outbox.put_nowait(decode_pb2.DecodeIn(reserve=seat))
         return queue
 

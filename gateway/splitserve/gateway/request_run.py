@@ -246,7 +246,8 @@ class RequestRun:
             try:
                 if decode.link is None:
                     raise LinkDown(f"decode instance {decode.name} is not connected")
-                self._queue = decode.link.reserve(self.internal_id, 1 + len(self._fork_ids), self._remaining_s())
+                seqs, hold_s = 1 + len(self._fork_ids), self._remaining_s()
+                self._queue = decode.link.reserve(self.internal_id, seqs, hold_s, self._share)
             except LinkDown as exc:
                 why = f" ({exc})"
                 continue

@@ -77,14 +77,16 @@ class DecodeIn(_message.Message):
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., outputs_read: _Optional[_Union[OutputsRead, _Mapping]] = ..., reserve: _Optional[_Union[SeatRequest, _Mapping]] = ...) -> None: ...
 
 class SeatRequest(_message.Message):
-    __slots__ = ("request_id", "num_seqs", "hold_ms")
+    __slots__ = ("request_id", "num_seqs", "hold_ms", "share")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_seqs: int
     hold_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., num_seqs: _Optional[int] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    share: int
+    def __init__(self, request_id: _Optional[str] = ..., num_seqs: _Optional[int] = ..., hold_ms: _Optional[int] = ..., share: _Optional[int] = ...) -> None: ...
 
 class OutputsRead(_message.Message):
     __slots__ = ("num_outputs",)
