@@ -30,6 +30,11 @@ class Owner:
         self.out: asyncio.Queue = asyncio.Queue()
 
 
+def seqs(num: int):
+    """The service's sequences in flight, `num` of every share."""
+    return lambda share: num
+
+
 def granted(decisions: SeatDecisions) -> list[str]:
     return [r.request_id for r in decisions.granted]
 
@@ -42,12 +47,12 @@ def test_seats_are_granted_in_arrival_order_while_the_batch_has_room():
     book, a, b = SeatBook(max_num_seqs=2, clock=Clock()), object(), object()
     for owner, request_id in [(a, "r1"), (b, "r2"), (a, "r3")]:
         book.reserve(owner, request_id, 1, hold_s=60)
-    assert granted(book.pump(num_in_flight=0)) == ["r1", "r2"]
+    assert granted(book.pump(seqs(0))) == ["r1", "r2"]
     assert (book.num_waiting, book.granted_seats) == (1, 2)
-    assert granted(book.pump(num_in_flight=0)) == []  # two seats granted, not claimed yet: none free
+    assert granted(book.pump(seqs(0))) == []  # two seats granted, not claimed yet: none free
     assert book.claim(a, "r1") and book.claim(b, "r2")  # their requests came: two sequences in flight
-    assert granted(book.pump(num_in_flight=2)) == [] and book.granted_seats == 0
-    assert granted(book.pump(num_in_flight=1)) == ["r3"]  # one of them ended
+    assert granted(book.pump(seqs(2))) == [] and book.granted_seats == 0
+    assert granted(book.pump(seqs(1))) == ["r3"]  # one of them ended
     assert (book.num_waiting, book.granted_seats) == (0, 1)
 
 
@@ -59,25 +64,47 @@ def test_a_lower_share_is_granted_first_and_equal_shares_in_arrival_order():
         book.reserve(owner, request_id, 1, hold_s=60, share=share)
     order = []
     while book.num_waiting:
-        (r,) = book.pump(num_in_flight=0).granted
+        (r,) = book.pump(seqs(0)).granted
         order.append(r.request_id)
         assert book.claim(owner, r.request_id)
     assert order == ["small-1", "small-2", "big-1", "big-2", "big-3"]
+
+
+def test_seats_held_by_larger_shares_are_given_up_to_a_smaller_one():
+    """As the engine's sequence cap counts: a caller with few requests in flight gets a seat from a batch full of
+    another caller's many (the engine preempts those); equal and larger shares wait."""
+    book, owner = SeatBook(max_num_seqs=2, clock=Clock()), object()
+    in_flight = {8: 2}  # share -> sequences: a batch full of share 8
+
+    def at_or_below(share: int) -> int:
+        return sum(n for s, n in in_flight.items() if s <= share)
+
+    book.reserve(owner, "same", 1, hold_s=60, share=8)
+    book.reserve(owner, "small", 1, hold_s=60, share=1)
+    book.reserve(owner, "small-2", 2, hold_s=60, share=1)
+    assert granted(book.pump(at_or_below)) == ["small"]  # 0 of share <= 1 in flight: 0 + 1 <= 2
+    assert granted(book.pump(at_or_below)) == []  # small-2: 1 granted of share 1 + 2 > 2
+    assert book.claim(owner, "small")
+    in_flight[1] = 1  # small runs
+    assert granted(book.pump(at_or_below)) == []  # small-2 needs 2, share 1 holds 1
+    in_flight.pop(1)  # small ended; the share-8 sequences still run
+    assert granted(book.pump(at_or_below)) == ["small-2"]
+    assert granted(book.pump(at_or_below)) == []  # "same" (share 8): 2 in flight and small-2's 2 granted
 
 
 def test_the_head_waits_for_all_its_seats_and_a_larger_reservation_than_the_batch_waits_for_an_empty_one():
     book, owner = SeatBook(max_num_seqs=4, clock=Clock()), object()
     book.reserve(owner, "n3", 3, hold_s=60)
     book.reserve(owner, "n1", 1, hold_s=60)
-    assert granted(book.pump(num_in_flight=2)) == []  # 2 + 3 > 4: the head waits, and the one behind it too
-    assert granted(book.pump(num_in_flight=1)) == ["n3"]  # 1 + 3 = 4: it fits
-    assert granted(book.pump(num_in_flight=1)) == []  # n1: 1 + 3 + 1 > 4
-    assert granted(book.pump(num_in_flight=0)) == ["n1"]  # 3 + 1 = 4
+    assert granted(book.pump(seqs(2))) == []  # 2 + 3 > 4: the head waits, and the one behind it too
+    assert granted(book.pump(seqs(1))) == ["n3"]  # 1 + 3 = 4: it fits
+    assert granted(book.pump(seqs(1))) == []  # n1: 1 + 3 + 1 > 4
+    assert granted(book.pump(seqs(0))) == ["n1"]  # 3 + 1 = 4
     book.reserve(owner, "n9", 9, hold_s=60)
-    assert granted(book.pump(num_in_flight=0)) == []  # more than the batch: waits until no seat is taken
+    assert granted(book.pump(seqs(0))) == []  # more than the batch: waits until no seat is taken
     assert book.cancel(owner, "n3") and book.claim(owner, "n1")
-    assert granted(book.pump(num_in_flight=1)) == []
-    assert granted(book.pump(num_in_flight=0)) == ["n9"] and book.granted_seats == 9
+    assert granted(book.pump(seqs(1))) == []
+    assert granted(book.pump(seqs(0))) == ["n9"] and book.granted_seats == 9
 
 
 def test_every_way_a_reservation_ends_frees_its_seat():
@@ -85,14 +112,14 @@ def test_every_way_a_reservation_ends_frees_its_seat():
     book.reserve(a, "granted", 1, hold_s=60)
     book.reserve(a, "waiting", 1, hold_s=60)
     book.reserve(b, "other", 1, hold_s=60)
-    assert granted(book.pump(0)) == ["granted"]
+    assert granted(book.pump(seqs(0))) == ["granted"]
     assert not book.cancel(b, "granted") and not book.claim(b, "waiting")  # another stream's: untouched
     assert book.cancel(a, "granted")  # aborted after the grant: the next one gets the seat
-    assert granted(book.pump(0)) == ["waiting"]
+    assert granted(book.pump(seqs(0))) == ["waiting"]
     assert book.cancel(b, "other") and book.num_waiting == 0  # aborted while waiting
     book.reserve(b, "later", 1, hold_s=60)
     assert book.drop_owner(a) == ["waiting"]  # a's stream closed
-    assert granted(book.pump(0)) == ["later"]
+    assert granted(book.pump(seqs(0))) == ["later"]
     assert book.claim(b, "later") and not book.holds("later") and book.granted_seats == 0
     assert not book.cancel(b, "later") and book.drop_owner(b) == []  # claimed: nothing left to drop
 
@@ -103,17 +130,17 @@ def test_reservations_lapse_at_their_hold_and_a_draining_decode_drops_the_waitin
     book.reserve(owner, "first", 1, hold_s=5)
     book.reserve(owner, "second", 1, hold_s=10)
     book.reserve(owner, "third", 1, hold_s=30)
-    assert granted(book.pump(0)) == ["first"] and book.next_expiry_s() == 105.0
+    assert granted(book.pump(seqs(0))) == ["first"] and book.next_expiry_s() == 105.0
     clock.now_s = 105.0  # the first was granted and never claimed: it lapses silently, its seat goes on
-    decisions = book.pump(0)
+    decisions = book.pump(seqs(0))
     assert (granted(decisions), dropped(decisions)) == (["second"], [])
     book.reserve(owner, "fourth", 1, hold_s=1)
     clock.now_s = 110.0  # second lapses too; fourth lapses while waiting: its gateway hears why
-    decisions = book.pump(0)
+    decisions = book.pump(seqs(0))
     assert granted(decisions) == ["third"]
     assert dropped(decisions) == [("fourth", "its seat reservation lapsed (hold_ms) before a seat was free", False)]
     book.reserve(owner, "fifth", 1, hold_s=60)
-    decisions = book.pump(0, closed=True)
+    decisions = book.pump(seqs(0), closed=True)
     assert dropped(decisions) == [
         ("fifth", "this decode takes no new requests (draining or stopping); try another", True)
     ]

@@ -12,9 +12,10 @@ stream), prefills once it is granted, and sends the `DecodeRequest`, which claim
 The decode arbitrates, not the gateway: every gateway process and every gateway shares its seats, and only the
 decode counts them all. Seats taken = the sequences the service has in flight (running, waiting, importing; also
 those sent without a reservation: a local prefill, a colocated worker's requests) + the seats granted and not yet
-claimed. The head of the queue (the lowest fair share, as the engine's scheduler orders requests; the first to come
-among equal shares) is granted while that leaves it room under max_num_seqs; a reservation larger than max_num_seqs
-is granted when no seat is taken, so it cannot wait forever.
+claimed, counted as the engine's scheduler counts its sequence cap: only those of the reservation's fair share or
+lower (larger shares give up their seats to it, the engine preempts them). The head of the queue (the lowest share;
+the first to come among equal shares) is granted while that leaves it room under max_num_seqs; a reservation larger
+than max_num_seqs is granted when no seat of its share or lower is taken, so it cannot wait forever.
 """
 
 from __future__ import annotations
@@ -96,10 +97,10 @@ class SeatBook:
             self._remove(owner, request_id)
         return ids
 
-    def pump(self, num_in_flight: int, closed: bool = False) -> SeatDecisions:
+    def pump(self, in_flight: Callable[[int], int], closed: bool = False) -> SeatDecisions:
         """Drop lapsed reservations (every waiting one when `closed`: the decode drains or stops), then grant
-        the waiting ones in order while the head fits: `num_in_flight` (the service's sequences) + granted seats
-        + its num_seqs <= max_num_seqs, or no seat is taken at all."""
+        the waiting ones in order while the head fits: `in_flight(share)` (the service's sequences of that share or
+        lower) + the granted seats of that share or lower + its num_seqs <= max_num_seqs, or none is taken."""
         decisions, now = SeatDecisions(), self._clock()
         for r in [r for r in (*self._waiting.values(), *self._granted.values()) if r.expires_s <= now]:
             self._remove(r.owner, r.request_id)
@@ -113,7 +114,7 @@ class SeatBook:
                 )
         while self._waiting:
             head = min(self._waiting.values(), key=lambda r: (r.share, r.order))
-            taken = num_in_flight + self.granted_seats
+            taken = in_flight(head.share) + sum(r.num_seqs for r in self._granted.values() if r.share <= head.share)
             if taken and taken + head.num_seqs > self.max_num_seqs:
                 break
             del self._waiting[head.request_id]
@@ -156,12 +157,13 @@ def send_decisions(decisions: SeatDecisions) -> None:
 class SeatDesk:
     """A decode service's seats: the book, answers on the streams, and a timer for the next reservation to lapse.
 
-    `num_in_flight` and `closed` (draining, starting or its core gone) read the service's state when the desk pumps.
+    `in_flight(share)` (sequences of that share or lower) and `closed` (draining, starting or its core gone) read
+    the service's state when the desk pumps.
     """
 
-    def __init__(self, num_in_flight: Callable[[], int], closed: Callable[[], bool]) -> None:
+    def __init__(self, in_flight: Callable[[int], int], closed: Callable[[], bool]) -> None:
         self.book = SeatBook(max_num_seqs=0)  # the core's max_num_seqs, set once the core runs
-        self._num_in_flight = num_in_flight
+        self._in_flight = in_flight
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
 
@@ -179,7 +181,7 @@ class SeatDesk:
 
     def pump(self) -> None:
         """Grant the reservations that fit now, drop lapsed ones, and wake again when the next one lapses."""
-        send_decisions(self.book.pump(self._num_in_flight(), closed=self._closed()))
+        send_decisions(self.book.pump(self._in_flight, closed=self._closed()))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

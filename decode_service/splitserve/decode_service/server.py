@@ -93,7 +93,8 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
         self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
-        self.seats = SeatDesk(lambda: self.inflight, lambda: self.draining or self.starting or self.client.dead)
+        self.shares: dict[str, int] = {}  # sequence id -> its request's fair share (seats are counted by share)
+        self.seats = SeatDesk(self._in_flight_at_or_below, lambda: self.draining or self.starting or self.client.dead)
 
     async def before_serving(self) -> None:
         """Prepare the configured prefills before serving: pair (nccl: the communicator is built then)
@@ -181,8 +182,13 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if stream is not None:
             stream.request_ids.discard(request_id)
             stream.first_info.pop(request_id, None)
+            self.shares.pop(request_id, None)
             self.inflight -= 1
             self.seats.pump()
+
+    def _in_flight_at_or_below(self, share: int) -> int:
+        """Sequences in flight here of that fair share or lower (the seats a reservation of that share counts)."""
+        return sum(1 for s in self.shares.values() if s <= share)
 
     def load(self) -> common_pb2.Load:
         """The core's load; waiting also counts the seat reservations not granted yet (requests sent here)."""
@@ -366,6 +372,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         request = RequestTiming(now, len(req.prompt_token_ids), 1 + len(forks), params.max_tokens, 1 + len(forks))
         for sequence_id in (rid, *forks):  # fork ids: the request's other sequences (n > 1), outputs of their own
             self.owner[sequence_id] = stream
+            self.shares[sequence_id] = req.share
             self.timing[sequence_id] = SequenceTiming(request, sequence_id == rid, not imported and sequence_id == rid)
             stream.request_ids.add(sequence_id)
             self.inflight += 1
