@@ -201,7 +201,7 @@ def test_the_decode_grants_a_waiting_seat_when_a_request_ends_and_drops_a_closed
         assert list(a.out.get_nowait().seats_granted) == ["r1"]
         svc._reserve(seat("r2"), b)
         svc._reserve(seat("r3"), c)
-        assert b.out.empty() and svc.load().num_waiting == 2  # waiting reservations count as waiting requests
+        assert b.out.empty() and svc.seats.book.num_waiting == 2
         svc._admit(decode_pb2.DecodeRequest(request_id="r1", prompt_token_ids=[1, 2]), a)  # claims r1's seat
         assert svc.inflight == 1 and not svc.seats.book.holds("r1") and b.out.empty()
         svc._abort_stream(b)  # b's gateway went away while r2 waited

@@ -190,12 +190,6 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         """Sequences in flight here of that fair share or lower (the seats a reservation of that share counts)."""
         return sum(1 for s in self.shares.values() if s <= share)
 
-    def load(self) -> common_pb2.Load:
-        """The core's load; waiting also counts the seat reservations not granted yet (requests sent here)."""
-        load = super().load()
-        load.num_waiting += self.seats.book.num_waiting
-        return load
-
     def _reserve(self, seat: decode_pb2.SeatRequest, stream: GatewayStream) -> None:
         """A gateway asks for seats before prefilling a request (seats.py); answered when granted."""
         rid, refusal = seat.request_id, ""

@@ -251,8 +251,8 @@ class RequestRun:
             except LinkDown as exc:
                 why = f" ({exc})"
                 continue
-            self._decode, self._link, self._waiting_at_decode = decode, decode.link, decode.num_describes
-            router.assign(decode, self._prompt)
+            self._decode, self._link = decode, decode.link
+            router.seat(decode)
             self._start_deadline_timer()
             item = await self._queue.get()
             if item is SEAT_GRANTED:
@@ -278,10 +278,8 @@ class RequestRun:
             self._deadline_timer.cancel()
             self._deadline_timer = None
         self._link.abort(self.internal_id)  # forgets the id; the decode dropped it already
-        if self._waiting_at_decode is not None:
-            self._deps.router.started(self._decode, self._waiting_at_decode)  # not waiting there any more
         self._deps.router.release(self._decode)
-        self._decode = self._link = self._queue = self._waiting_at_decode = None
+        self._decode = self._link = self._queue = None
 
     def _check_decode_room(self) -> None:
         """RESOURCE_EXHAUSTED / 503 with Retry-After when no decode is up, or every up one is full."""
@@ -384,9 +382,8 @@ class RequestRun:
         """Send the request to `decode`: the one seating it (its reservation is claimed) or, unseated, another."""
         assert decode.link is not None
         self._queue = decode.link.submit(request)  # raises LinkDown
-        if self._decode is not decode:  # else counted since the reservation
-            self._decode, self._waiting_at_decode = decode, decode.num_describes
-            self._deps.router.assign(decode, self._prompt)
+        self._deps.router.assign(decode, self._prompt, seated=self._decode is decode)
+        self._decode, self._waiting_at_decode = decode, decode.num_describes
         if self._link is not decode.link:  # else its deadline is set on this queue since the reservation
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()

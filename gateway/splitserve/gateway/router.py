@@ -144,9 +144,16 @@ class Router:
 
     # -- bookkeeping -----------------------------------------------------------------------
 
-    def assign(self, inst: Instance, prompt_token_ids: Sequence[int]) -> None:
-        """A request was sent to `inst`: count it until release(); remember its blocks."""
+    def seat(self, inst: Instance) -> None:
+        """A request took a seat reservation on decode `inst` (it waits there for a seat or for its prefill):
+        count it in flight until release(); it waits at the decode only once sent there (assign)."""
         inst.in_flight += 1
+
+    def assign(self, inst: Instance, prompt_token_ids: Sequence[int], seated: bool = False) -> None:
+        """A request was sent to `inst`: count it until release() (`seated`: counted since seat()); remember its
+        blocks."""
+        if not seated:
+            inst.in_flight += 1
         inst.pending_requests += 1
         inst.pending_tokens += len(prompt_token_ids)
         if inst.describe is not None:
