@@ -27,6 +27,7 @@ from multiprocessing import connection
 
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outliving
+from splitserve.engine.kv_connectors.lanes import hand_gil_to_workers
 
 log = logging.getLogger("splitserve.core")
 
@@ -376,6 +377,7 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    hand_gil_to_workers()
     if process_init is not None:
         process_init()
     connector = None
