@@ -32,6 +32,8 @@ log = logging.getLogger("splitserve.gateway")
 _READ_REPORT = object()
 # Put on a request's queue when the decode granted the seats it reserved (DecodeOut.seats_granted).
 SEAT_GRANTED = object()
+# Put on a request's queue by the request's own timer at its deadline (request_seat.deadline_timer).
+DEADLINE = object()
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,7 @@ class DecodeLink:
     Invariants: a request id is in `_queues` from reserve() or submit() until its final delta was
     routed (`finish`), it was aborted (`abort`), or the link failed; each queue receives at most one
     SEAT_GRANTED (reserved ids, before submit), TokenDeltas in stream order and at most one LinkFailure,
-    after which nothing else (the request's own deadline timer may add request_run's _DEADLINE marker at
-    any point).
+    after which nothing else (the request's own deadline timer may add DEADLINE at any point).
     """
 
     def __init__(

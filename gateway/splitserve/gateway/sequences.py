@@ -32,11 +32,13 @@ class SequenceRun(RequestRun):
         super().__init__(lead._deps, **kwargs)
         self._lead = lead
         self._owns_decode = False  # the lead holds the router's assignment
+        self._out.lead = lead._out  # the prompt logprobs are computed once, for the lead: every choice has them
 
     async def _run(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         submitted = await asyncio.shield(self._lead.submitted)
         if submitted is None:
-            yield self._final(FR.FINISH_REASON_ERROR, error=self._lead.error or "the request ended before its decode")
+            error = self._lead.error or "the request ended before its decode"
+            yield self._out.final(FR.FINISH_REASON_ERROR, error=error)
             return
         self._decode, self._link = submitted
         link: DecodeLink = self._link
@@ -46,10 +48,6 @@ class SequenceRun(RequestRun):
         async with aclosing(self._follow()) as messages:
             async for message in messages:
                 yield message
-
-    def _add_prompt_parts(self, message: generation_pb2.GenerateResponse) -> None:
-        self._prompt_logprobs = self._lead.prompt_logprobs  # computed once, for the lead: every choice has them
-        super()._add_prompt_parts(message)
 
     def _delta_message(self, delta):
         self._lead.forked()  # this sequence runs: the lead, if it ended early, may be aborted now
