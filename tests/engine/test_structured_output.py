@@ -432,7 +432,7 @@ def test_async_scheduling_reads_a_grammar_request_before_its_next_step():
     ],
 )
 def test_grpc_spec_errors_name_the_proto_field(spec, message):
-    from splitserve.gateway.service import sampling_values_from_proto
+    from splitserve.gateway.generation_input import sampling_values_from_proto
 
     with pytest.raises(GatewayError) as err:
         sampling_values_from_proto(common_pb2.SamplingParams(structured_output=spec))

@@ -19,15 +19,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.gateway import request_log
 from splitserve.gateway.auth import ApiKeys
 from splitserve.gateway.errors import GatewayError, invalid
-from splitserve.gateway.observe import GatewayMetrics
-from splitserve.gateway.request_log import RequestLog
-from splitserve.gateway.service import (
-    GatewayService,
+from splitserve.gateway.generation_input import (
     GenerationInput,
     build_sampling_params,
     check_sequences,
     sampling_values_from_proto,
 )
+from splitserve.gateway.observe import GatewayMetrics
+from splitserve.gateway.request_log import RequestLog
+from splitserve.gateway.service import GatewayService
 from splitserve.protos import generation_pb2
 from splitserve.runtime import tracing
 from splitserve.runtime.grpc_server import enable_reflection
@@ -123,10 +123,10 @@ class GenerationServicer:
         self._service.limiter.take_request(client_id)  # tokenizing is work: it counts against the limits
         self._service.check_model(request.model)
         if request.WhichOneof("input") == "chat":
-            ids = await self._service.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
+            ids = await self._service.tokens.tokenize_chat([(m.role, m.content) for m in request.chat.messages])
         else:
             add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = await self._service.tokenize_text(request.text, add_special_tokens=add)
+            ids = await self._service.tokens.tokenize_text(request.text, add_special_tokens=add)
         return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._service.registry.max_model_len)
 
     async def Detokenize(
@@ -135,7 +135,7 @@ class GenerationServicer:
         self._service.limiter.take_request(client_id)
         self._service.check_model(request.model)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else False
-        text = await self._service.detokenize(list(request.token_ids), skip, param="token_ids")
+        text = await self._service.tokens.detokenize(list(request.token_ids), skip, param="token_ids")
         return generation_pb2.DetokenizeResponse(text=text)
 
     async def ListModels(

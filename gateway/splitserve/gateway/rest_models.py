@@ -25,8 +25,8 @@ from pydantic_core import PydanticCustomError
 
 from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_SEQUENCES
 from splitserve.gateway.errors import GatewayError
+from splitserve.gateway.generation_input import check_sequences
 from splitserve.gateway.rest_structured import UNSUPPORTED_STRUCTURED
-from splitserve.gateway.service import check_sequences
 
 MAX_PROMPTS = 64  # prompts in one completion request (each runs as a request of its own)
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")

@@ -13,10 +13,10 @@ from typing import Any
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.gateway.errors import GatewayError, invalid
+from splitserve.gateway.generation_input import ChatOptions, GenerationInput, build_sampling_params
 from splitserve.gateway.rest_models import ChatCompletionRequest, CompletionRequest, validate
 from splitserve.gateway.rest_structured import STRUCTURED_FIELDS, structured_output_of
 from splitserve.gateway.rest_tools import ToolPlan, ToolRequest, ToolSettings, template_messages, tool_request
-from splitserve.gateway.service import ChatOptions, GenerationInput, build_sampling_params
 
 log = logging.getLogger("splitserve.gateway")
 _MAX_LOGGED_FIELDS, _MAX_FIELD_NAME_CHARS = 10, 64

@@ -62,12 +62,12 @@ async def tokenize(service: GatewayService, body: Any) -> dict:
             raise invalid(
                 "add_generation_prompt=false is not supported; the template adds the prompt", "add_generation_prompt"
             )
-        ids = await service.tokenize_chat(validate(ChatMessages, {"messages": body["messages"]}).turns)
+        ids = await service.tokens.tokenize_chat(validate(ChatMessages, {"messages": body["messages"]}).turns)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise invalid(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
-        ids = await service.tokenize_text(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        ids = await service.tokens.tokenize_text(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
     answer = {"count": len(ids), "max_model_len": service.registry.max_model_len, "tokens": ids, "token_strs": None}
     if _flag(body, "return_token_strs", False):
         answer["token_strs"] = [service.tokenizer.id_to_token(i) for i in ids]
@@ -80,7 +80,7 @@ async def detokenize(service: GatewayService, body: Any) -> dict:
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise invalid("tokens must be a list of token ids", "tokens")
-    return {"prompt": await service.detokenize(tokens, skip_special_tokens=False)}
+    return {"prompt": await service.tokens.detokenize(tokens, skip_special_tokens=False)}
 
 
 def add_token_routes(app: FastAPI, service: GatewayService, read_json) -> None:

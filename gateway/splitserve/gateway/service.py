@@ -16,179 +16,36 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common import wire
-from splitserve.common.sampling_params import MAX_SEED, MAX_SEQUENCES, SamplingParams
+from splitserve.common.sampling_params import MAX_SEED, SamplingParams
 from splitserve.gateway import request_log
 from splitserve.gateway.admission import LocalCounts
 from splitserve.gateway.auth import ANONYMOUS
 from splitserve.gateway.errors import GatewayError, invalid
-from splitserve.gateway.heap import trim_heap
+from splitserve.gateway.generation_input import GenerationInput, answer_entries, request_tokens
 from splitserve.gateway.limits import RateLimiter
 from splitserve.gateway.observe import FINISH_REASON_NAMES, GatewayMetrics
 from splitserve.gateway.registry import Registry
 from splitserve.gateway.request_run import RequestRun, RunDeps
 from splitserve.gateway.router import Router
 from splitserve.gateway.sequences import SequenceRun, best_of, merged
-from splitserve.protos import common_pb2, generation_pb2
+from splitserve.gateway.tokenizing import GatewayTokenizer
+from splitserve.protos import generation_pb2
 
 log = logging.getLogger("splitserve.gateway")
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 MAX_UINT32 = 2**32 - 1
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """vLLM's chat template fields. continue_final_message leaves the last (assistant) message open
-    for the model to continue (no generation prompt then); template_kwargs reach the template as
-    variables, as (name, value) pairs."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: tuple[tuple[str, Any], ...] = ()
-    tools: tuple[dict, ...] | None = None  # function tools, passed to the template as transformers does
-    message_extras: tuple[tuple[tuple[str, Any], ...], ...] = ()  # per turn: tool_calls, tool_call_id, name
-
-
-@dataclass(frozen=True)
-class GenerationInput:
-    """One request as both front ends hand it over; exactly one of text/token_ids/chat is set.
-
-    `params` is already validated (stop strings and detokenizer options included);
-    `chat` holds (role, content) turns. `max_tokens_param` names the field the client set
-    max_tokens with: such a max_tokens must fit in the context with the prompt (else 400).
-    None: not set; the default (SamplingParams') applies, cut to what the context holds.
-    """
-
-    request_id: str
-    model: str
-    params: SamplingParams
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    chat: tuple[tuple[str, str], ...] | None = None
-    priority: int = 0
-    max_tokens_param: str | None = None
-    add_special_tokens: bool = True  # text prompts: the tokenizer's BOS/EOS, as vLLM's completions API
-    chat_options: ChatOptions | None = None  # chat prompts: how the template renders them
-    echo: bool = False  # completions' echo: the first message's text starts with the prompt's
-    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the one token computed is dropped)
-    # where params.structured_output came from (e.g. "response_format.json_schema.schema", "guided_regex"): a
-    # prefill or decode that refuses the spec (xgrammar cannot compile it) is answered 400 naming this field
-    structured_field: str = ""
-    n: int = 1  # sequences returned (gateway/sequences.py)
-    best_of: int | None = None  # sequences generated (None: n); the n best are returned
-
-
-def check_sequences(n: int, best_of: int | None, stream: bool) -> None:
-    """OpenAI's n and vLLM's best_of: 1 <= n <= best_of <= MAX_SEQUENCES; best_of > n is not streamed."""
-    for name, value in (("n", n), ("best_of", best_of)):
-        if value is not None and not 1 <= value <= MAX_SEQUENCES:
-            raise invalid(f"{name} must be >= 1 and <= {MAX_SEQUENCES}, got {value}", name)
-    if best_of is not None and best_of < n:
-        raise invalid(f"best_of must be >= n ({n}), got {best_of}", "best_of")
-    if stream and best_of is not None and best_of > n:
-        raise invalid(
-            f"best_of > n ({best_of} > {n}) cannot be streamed: the best {n} are known only when all {best_of} "
-            "have ended; set stream to false or best_of to n",
-            "best_of",
-        )
-
-
-def build_sampling_params(values: dict[str, Any], max_stop_strings: int) -> SamplingParams:
-    """SamplingParams from request values; INVALID_ARGUMENT naming the field when invalid.
-
-    Float fields travel as float32: a value valid as given but not once rounded (top_p=1e-50
-    becomes 0.0) is refused here rather than by the prefill or decode.
-    """
-    rounded: dict[str, float] = {}
-    for name in _FLOAT_FIELDS:
-        value = values.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                as_float = float(value)
-            except OverflowError:  # an integer beyond any float
-                raise invalid(
-                    f"{name} must be a number within its range, got an integer of {len(str(abs(value)))} digits", name
-                ) from None
-            try:
-                rounded[name] = struct.unpack("f", struct.pack("f", as_float))[0]
-            except OverflowError:  # beyond float32: outside every allowed range, refused below
-                pass
-    try:
-        params = SamplingParams.from_dict(values)
-    except (ValueError, TypeError) as exc:
-        raise invalid(str(exc)) from None
-    changed = {k: v for k, v in rounded.items() if v != values[k]}
-    if changed:
-        try:
-            params = SamplingParams.from_dict({**values, **changed})
-        except (ValueError, TypeError) as exc:
-            raise invalid(f"{exc} (the request's value rounded to float32, as it is sent on)") from None
-    if len(params.stop) > max_stop_strings:
-        raise invalid(f"stop must have at most {max_stop_strings} strings, got {len(params.stop)}", "stop")
-    return params
-
-
-def sampling_values_from_proto(msg: common_pb2.SamplingParams) -> dict[str, Any]:
-    """The fields a gRPC caller set, as SamplingParams keyword values."""
-    values: dict[str, Any] = {name: getattr(msg, name) for name in wire.OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
-    values["stop_token_ids"] = list(msg.stop_token_ids)
-    values["ignore_eos"] = msg.ignore_eos
-    values["logit_bias"] = dict(msg.logit_bias)
-    if msg.HasField("structured_output"):
-        try:
-            values["structured_output"] = wire.structured_from_proto(msg.structured_output)
-        except ValueError as exc:
-            raise invalid(f"sampling.{exc}", "structured_output") from None
-    return values
-
-
-# Texts up to this many characters are tokenized on the event loop (tens of microseconds); longer
-# ones on a thread, through the tokenizer's GIL-releasing batch call.
-INLINE_TOKENIZE_CHARS = 8192
-TRIM_AFTER_CHARS = 128 << 10  # a text this long is encoded, then the freed heap goes back to the system
-
-
-def prompt_tokens_bound(inp: GenerationInput) -> int:
-    """At most how many tokens an input's prompt has: its ids, or a text's UTF-8 bytes (a token covers at least
-    one byte; counted before tokenizing, so a refusal costs no work)."""
-    if inp.token_ids is not None:
-        return len(inp.token_ids)
-    return len((inp.text or "").encode()) + sum(len(content.encode()) for _, content in inp.chat or ())
-
-
-def answer_entries(inp: GenerationInput, max_model_len: int) -> int:
-    """At most how many token entries (a token, or one of its top alternatives) an input's answer holds: its
-    sequences' tokens and, with prompt_logprobs or echo, its prompt's, all capped by the context."""
-    params = inp.params
-    top = 1 + max(params.logprobs or 0, 0)
-    tokens = min(params.max_tokens if params.max_tokens is not None else max_model_len, max_model_len)
-    entries = (inp.best_of or inp.n) * tokens * top
-    if params.prompt_logprobs is not None or inp.echo:
-        prompt = prompt_tokens_bound(inp)
-        entries += min(prompt, max_model_len) * (1 + max(params.prompt_logprobs or 0, params.logprobs or 0))
-    return entries
-
-
-def request_tokens(inp: GenerationInput, max_model_len: int) -> int:
-    """At most how many tokens an input asks the engines for: each sequence's prompt and output, a sequence
-    never past the context (max_tokens unset: up to the context)."""
-    max_tokens = inp.params.max_tokens if inp.params.max_tokens is not None else max_model_len
-    return (inp.best_of or inp.n) * min(prompt_tokens_bound(inp) + max_tokens, max_model_len)
 
 
 class GatewayService:
-    """Validation, admission, tokenization and the per-request runs.
+    """Validation, admission, tokenization (`tokens`: gateway/tokenizing.py) and the per-request runs.
 
     Invariant: `num_active` counts generate() calls between admission and their end.
     """
@@ -212,10 +69,10 @@ class GatewayService:
         counts: LocalCounts | None = None,
     ) -> None:
         self.registry = registry
-        self.chat_template = chat_template  # --chat-template: every chat is rendered with it
         self._served_model_names = tuple(served_model_names)
         self.router = router
         self.tokenizer = tokenizer
+        self.tokens = GatewayTokenizer(tokenizer, chat_template)  # --chat-template: every chat is rendered with it
         self.max_concurrent_requests = max_concurrent_requests
         self.max_stop_strings = max_stop_strings
         self.max_answer_entries = max_answer_entries
@@ -223,7 +80,6 @@ class GatewayService:
         self.request_timeout_s = request_timeout_s
         self.limiter = limiter or RateLimiter()
         self.metrics = metrics
-        self.vocab_size = len(tokenizer)
         self.num_active = 0  # this process's (gateway/admission.py counts the whole gateway's)
         self._active_ids: set[str] = set()  # request ids now running here (ids share decode streams)
         # requests and each caller's sequences in flight, for the whole gateway (all its processes)
@@ -268,7 +124,7 @@ class GatewayService:
                 field,
             )
 
-    # -- model and tokenization ------------------------------------------------------------
+    # -- model ------------------------------------------------------------
 
     @property
     def model_id(self) -> str:
@@ -297,100 +153,6 @@ class GatewayService:
                 param="model",
                 code="model_not_found",
             )
-
-    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A text prompt's ids as the tokenizer defines them, special tokens included (BOS where the
-        model's tokenizer adds one), as transformers and vLLM encode a completion prompt. Past
-        INLINE_TOKENIZE_CHARS the work runs on a thread (the event loop never runs O(prompt) work)."""
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        return list(await asyncio.to_thread(self._encode_large, text, add_special_tokens))
-
-    def _encode_large(self, text: str, add_special_tokens: bool) -> list[int]:
-        """On a worker thread: a long text's ids; past TRIM_AFTER_CHARS the heap its encoding took goes back to the
-        system (a 1 MB text's encoding peaks at ~250 MB, and glibc kept ~70 MB of it: 102 MB RSS after, 81 after a
-        trim, from 35)."""
-        ids = self.tokenizer.encode(text, add_special_tokens)
-        if len(text) > TRIM_AFTER_CHARS:
-            trim_heap()
-        return ids
-
-    async def tokenize_chat(self, turns: Sequence[tuple[str, str]], options: ChatOptions | None = None) -> list[int]:
-        """The chat rendered with the model's template, then encoded without special tokens (the
-        template writes them); long conversations off the event loop."""
-        from functools import partial
-
-        from splitserve.common.tokenizer import apply_chat_template
-
-        options = options or ChatOptions()
-        if options.continue_final_message and options.add_generation_prompt:
-            raise invalid(
-                "continue_final_message continues the last message: set add_generation_prompt to false with it",
-                "continue_final_message",
-            )
-        extras = options.message_extras or ((),) * len(turns)
-        render = partial(
-            apply_chat_template,
-            self.tokenizer,
-            [{"role": r, "content": c, **dict(extra)} for (r, c), extra in zip(turns, extras)],
-            options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            chat_template=self.chat_template,
-            chat_template_kwargs=dict(options.template_kwargs),
-            tools=list(options.tools) if options.tools is not None else None,
-        )
-        try:
-            if sum(len(c) for _, c in turns) <= INLINE_TOKENIZE_CHARS:
-                return render()
-            return await asyncio.to_thread(render)
-        except ValueError as exc:
-            raise invalid(str(exc), "messages") from None
-        except Exception as exc:  # a template that raises (e.g. roles must alternate)
-            raise invalid(f"messages cannot be rendered with the chat template: {exc}", "messages") from None
-
-    async def detokenize(
-        self, token_ids: Sequence[int], skip_special_tokens: bool = False, param: str = "tokens"
-    ) -> str:
-        """Text of `token_ids` (each checked against the vocabulary); long lists off the event loop."""
-        for token_id in token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise invalid(
-                    f"{param} must hold token ids 0..{self.vocab_size - 1} (the vocabulary), got {token_id!r}", param
-                )
-        if len(token_ids) <= INLINE_TOKENIZE_CHARS // 4:
-            return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.decode, list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    async def prompt_token_ids(self, inp: GenerationInput) -> list[int]:
-        """Tokenize and check the prompt: non-empty, ids in the vocabulary, within the context."""
-        if inp.chat is not None:
-            if not inp.chat:
-                raise invalid("messages must not be empty", "messages")
-            ids = await self.tokenize_chat(inp.chat, inp.chat_options)
-            param = "messages"
-        elif inp.token_ids is not None:
-            ids = list(inp.token_ids)
-            param = "prompt"
-            for token_id in ids:
-                if not 0 <= token_id < self.vocab_size:
-                    raise invalid(
-                        f"prompt token id {token_id} is out of range; the vocabulary has "
-                        f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})",
-                        "prompt",
-                    )
-        else:
-            ids = await self.tokenize_text(inp.text or "", inp.add_special_tokens)
-            param = "prompt"
-        if not ids:
-            raise invalid(f"{param} must not be empty", param)
-        limit = self.registry.max_model_len
-        if limit and len(ids) >= limit:
-            raise invalid(
-                f"{param} has {len(ids)} tokens, but the model's context limit (max_model_len) "
-                f"is {limit} tokens, which must also hold at least one generated token",
-                param,
-            )
-        return ids
 
     # -- generation ------------------------------------------------------------------------
 
@@ -423,19 +185,19 @@ class GatewayService:
 
     def check_request_limits(self, inp: GenerationInput, num_prompt_tokens: int) -> None:
         """Values the wire, the vocabulary or the context cannot hold: top_k, stop_token_ids, logit_bias, max_tokens."""
-        params = inp.params
+        params, vocab_size = inp.params, self.tokens.vocab_size
         if params.top_k > MAX_TOP_K:
             raise invalid(f"top_k must be -1, 0 (off) or at most {MAX_TOP_K}, got {params.top_k}", "top_k")
         for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
+            if token_id >= vocab_size:
                 raise invalid(
-                    f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}, got {token_id}",
+                    f"stop_token_ids must be token ids below the vocabulary size {vocab_size}, got {token_id}",
                     "stop_token_ids",
                 )
         for token_id, _ in params.logit_bias[-1:]:  # ascending ids: the last is the largest
-            if token_id >= self.vocab_size:
+            if token_id >= vocab_size:
                 raise invalid(
-                    f"logit_bias keys must be token ids below the vocabulary size {self.vocab_size}, got {token_id}",
+                    f"logit_bias keys must be token ids below the vocabulary size {vocab_size}, got {token_id}",
                     "logit_bias",
                 )
         param, max_tokens, limit = inp.max_tokens_param or "max_tokens", params.max_tokens, self.registry.max_model_len
@@ -455,7 +217,7 @@ class GatewayService:
         """Validate and tokenize the prompt, check the limits, fit a default max_tokens into the
         context, charge the client's tokens; the prompt ids and the params to run with."""
         self.check_model(inp.model)
-        prompt_ids = await self.prompt_token_ids(inp)
+        prompt_ids = await self.tokens.prompt_token_ids(inp, self.registry.max_model_len)
         self.check_request_limits(inp, len(prompt_ids))
         params, limit = inp.params, self.registry.max_model_len
         room = limit - len(prompt_ids)
@@ -510,7 +272,9 @@ class GatewayService:
             seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
             echo_text = None
             if inp.echo:  # the text as given; token ids decoded as they are (special tokens kept, as vLLM)
-                echo_text = inp.text if inp.text is not None else await self.detokenize(prompt_ids, param="prompt")
+                echo_text = (
+                    inp.text if inp.text is not None else await self.tokens.detokenize(prompt_ids, param="prompt")
+                )
             budget_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
             run_fields = dict(
                 request_id=request_id,
