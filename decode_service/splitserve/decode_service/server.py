@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass
 from typing import NoReturn
 
 from splitserve.common.process_exit import exit_now
@@ -28,6 +26,7 @@ from splitserve.common.sampling_params import MAX_SEQUENCES
 from splitserve.common.structured_output import refusal_detail
 from splitserve.common.wire import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from splitserve.decode_service.pulls import PullCoordinator, PullHooks
+from splitserve.decode_service.request_timing import RequestTimes
 from splitserve.decode_service.seats import SeatDesk
 from splitserve.decode_service.stream_pacing import OutputPacer, merge_outs
 from splitserve.engine.core_process import messages as m
@@ -35,39 +34,12 @@ from splitserve.engine.grammar import check_spec
 from splitserve.engine_service.base import ServiceBase, setup_logging
 from splitserve.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from splitserve.runtime import tracing
-from splitserve.runtime.metrics import RequestEnd
 
 log = logging.getLogger("splitserve.decode")
 
 
 class Unavailable(ValueError):
     """This decode cannot take a request now (draining, starting): the gateway answers 503, not 500."""
-
-
-@dataclass
-class RequestTiming:
-    """What a request's sequences share for its metrics: recorded once, when the last of them ends."""
-
-    arrival_s: float  # time.monotonic()
-    num_prompt_tokens: int
-    n: int
-    max_tokens: int | None
-    num_open: int  # its sequences still running
-    num_tokens: int = 0  # generated, over every sequence that ended
-    queue_s: float = 0.0  # waiting before the first compute (prefilled here only)
-    finish_reason: str = ""  # the lead sequence's
-
-
-@dataclass
-class SequenceTiming:
-    """One sequence's times (time.monotonic() seconds) and counts, for its metrics."""
-
-    request: RequestTiming
-    lead: bool  # the request's own id (not a fork)
-    prefills_here: bool  # the lead of a request without a KV handle: the prompt runs on this engine
-    first_s: float = 0.0  # its first token (for an imported request: the prefill's, arriving here)
-    last_s: float = 0.0
-    num_tokens: int = 0
 
 
 class GatewayStream:
@@ -89,7 +61,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         self.role = engine_config.role
         self.owner: dict[str, GatewayStream] = {}
         self.prefill_peers = tuple(a.strip() for a in service_config.prefill_peers.split(",") if a.strip())
-        self.timing: dict[str, SequenceTiming] = {}  # request_id (and fork ids) -> its times and counts
+        self.timing = RequestTimes()  # request_id (and fork ids) -> its times and counts, for the metrics
         self.spans: dict[str, object] = {}  # request_id -> its "decode" span (tracing on)
         hooks = PullHooks(span_of=self.spans.get, on_imported=self._on_imported, fail_request=self.fail_request)
         self.pulls = PullCoordinator(self.client, service_config, self.name, self.internal_auth, self.counters, hooks)
@@ -126,56 +98,17 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             stream = self.owner.get(out.request_id)
             if stream is None:
                 continue
-            delta = common_pb2_delta(out, stream)
+            delta = token_delta(out, stream)
             per_stream.setdefault(id(stream), (stream, []))[1].append(delta)
             self.counters.count("generation_tokens", len(out.new_token_ids))
-            self._observe(out)
+            self.timing.observe(out, self.metrics)
             if out.finished:
                 self.finish_request(out.request_id, out.error)
         for stream, deltas in per_stream.values():
             stream.out.put_nowait(decode_pb2.DecodeOut(deltas=deltas, step_ns=batch.step_ns))
 
-    def _observe(self, out) -> None:
-        """The metrics of a sequence's new tokens; at its end, the request's (once, on the lead sequence)."""
-        mt, now = self.metrics, time.monotonic()
-        t = self.timing.get(out.request_id)
-        if t is None:
-            return
-        if out.new_token_ids:
-            if t.num_tokens == 0:
-                t.first_s = now
-                if t.prefills_here:  # the prompt ran here: its facts are this decode's
-                    r = t.request
-                    r.queue_s = out.queue_ns / 1e9
-                    ttft_s = now - r.arrival_s
-                    mt.prompt_done(r.num_prompt_tokens, r.queue_s, max(ttft_s - r.queue_s, 0.0), ttft_s)
-            else:
-                mt.lab(mt.itl).observe(now - t.last_s)
-            t.last_s = now
-            t.num_tokens += len(out.new_token_ids)
-        if out.finished:
-            if t.first_s:
-                mt.lab(mt.decode_time).observe(now - t.first_s)
-            if t.num_tokens > 1:
-                mt.lab(mt.tpot).observe((t.last_s - t.first_s) / (t.num_tokens - 1))
-            self._request_done(t, out.finish_reason, now)
-
-    def _request_done(self, t: SequenceTiming, finish_reason: str, now: float) -> None:
-        """A sequence ended; the request's facts once its last sequence has (n sequences are one request)."""
-        r = t.request
-        r.num_open -= 1
-        r.num_tokens += t.num_tokens
-        if t.lead:
-            r.finish_reason = finish_reason
-        if r.num_open == 0:
-            e2e_s = now - r.arrival_s
-            end = RequestEnd(
-                r.finish_reason or finish_reason, r.num_tokens, e2e_s, e2e_s - r.queue_s, r.n, r.max_tokens
-            )
-            self.metrics.request_done(end)
-
     def finish_request(self, request_id: str, error: str | None = None) -> None:
-        self.timing.pop(request_id, None)
+        self.timing.pop(request_id)
         tracing.end_span(self.spans.pop(request_id, None), error)
         self.pulls.cancel(request_id)  # releases the prefill's lease if a pull was still pending
         stream = self.owner.pop(request_id, None)
@@ -216,9 +149,7 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if stream is None:
             return
         self.counters.count("requests_failed")
-        t = self.timing.get(request_id)
-        if t is not None and self.metrics is not None:
-            self._request_done(t, "error", time.monotonic())
+        self.timing.failed(request_id, self.metrics)
         tracing.end_span(self.spans.pop(request_id, None), error)
         stream.out.put_nowait(
             decode_pb2.DecodeOut(
@@ -362,12 +293,11 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
             if claimed:
                 self.seats.pump()
             return
-        now, imported = time.monotonic(), req.HasField("kv") and req.HasField("first_token_id")
-        request = RequestTiming(now, len(req.prompt_token_ids), 1 + len(forks), params.max_tokens, 1 + len(forks))
+        imported = req.HasField("kv") and req.HasField("first_token_id")
+        self.timing.start(rid, forks, len(req.prompt_token_ids), params.max_tokens, imported)
         for sequence_id in (rid, *forks):  # fork ids: the request's other sequences (n > 1), outputs of their own
             self.owner[sequence_id] = stream
             self.shares[sequence_id] = req.share
-            self.timing[sequence_id] = SequenceTiming(request, sequence_id == rid, not imported and sequence_id == rid)
             stream.request_ids.add(sequence_id)
             self.inflight += 1
         if tracing.enabled():
@@ -380,9 +310,6 @@ class DecodeService(ServiceBase, decode_pb2_grpc.DecodeServicer):
         if imported:
             # the prefill's first token is generated, but the request ends here: this decode reports it
             self.counters.count("generation_tokens", 1)
-            lead = self.timing[rid]
-            lead.first_s = lead.last_s = now
-            lead.num_tokens = 1
             self.pulls.start(req, params)
         else:
             self.counters.count("prompt_tokens", len(req.prompt_token_ids))
@@ -403,7 +330,8 @@ def check_token_ids(req, vocab_size: int) -> None:
         raise ValueError(f"first_token_id is {req.first_token_id}, not below vocab_size {vocab_size}")
 
 
-def common_pb2_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
+def token_delta(out, stream: GatewayStream) -> decode_pb2.TokenDelta:
+    """The TokenDelta of one engine output: new tokens and logprobs; on the first, what was cached or pulled."""
     delta = decode_pb2.TokenDelta(request_id=out.request_id, token_ids=out.new_token_ids)
     for lp in out.new_logprobs:
         if lp is not None:
