@@ -7,8 +7,9 @@ import httpx
 import pytest
 
 from splitserve.cli import build_configs, main, parse_args
+from splitserve.cli.placement import place
 from splitserve.cli.serve import api_keys
-from splitserve.cli.supervisor import banner, place, stack_commands
+from splitserve.cli.supervisor import banner, stack_commands
 from splitserve.common.default_model_path import default_model_path
 from tests.service_harness import free_port, wait_until
 

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from splitserve.cli import parse_args
-from splitserve.cli.supervisor import LocalStack, RestartPolicy, banner, check_ports, stack_commands, wait_ready
+from splitserve.cli.local_stack import LocalStack, RestartPolicy
+from splitserve.cli.supervisor import banner, check_ports, stack_commands, wait_ready
 from splitserve.common.config import EngineConfig
 from splitserve.engine.kv_connectors.factory import TRANSPORTS
 from splitserve.gateway.config import KV_TRANSPORTS, UpConfig, UpGatewayConfig

@@ -3,7 +3,8 @@
 import pytest
 
 from splitserve.cli import supervisor as up
-from splitserve.cli.supervisor import Placement, place, stack_commands
+from splitserve.cli.placement import Placement, place
+from splitserve.cli.supervisor import stack_commands
 from splitserve.common.config import EngineConfig
 from splitserve.gateway.config import UpConfig
 

@@ -268,7 +268,7 @@ def test_gpu_override_uses_cuda_ipc_with_every_gpu(compose):
         assert s["build"]["args"] == {"VARIANT": "cuda"}
     assert services["decode-0"]["pid"] == services["decode-1"]["pid"] == "service:prefill"
     # the same devices and memory shares as `splitserve up` places on two GPUs with two decodes
-    from splitserve.cli.supervisor import place
+    from splitserve.cli.placement import place
     from splitserve.gateway.config import UpConfig
 
     placement = place("auto", 0.9, UpConfig(num_decode=2), num_gpus=2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.cli.supervisor import LocalStack
+from splitserve.cli.local_stack import LocalStack
 from tests.service_harness import REPO, free_port, wait_until
 
 SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"]).resolve()

@@ -1,13 +1,10 @@
 """`splitserve up`: N prefills (--num-prefill), M decodes (--num-decode) and the gateway on loopback, until Ctrl-C.
 
-Placement (`place`): no GPU (or --device cpu) -> every process on the CPU, KV over shm; one GPU ->
-the prefills and the decodes share cuda:0, each allowed an equal part of --kv-cache-memory-fraction,
-KV over cuda_ipc; several GPUs -> the prefills on cuda:0, the decodes on the others, cuda_ipc.
---prefill-device / --decode-device and --kv-transport override it; a transport the placement
-cannot run is refused before anything starts.
+Placement (placement.py `place`): the devices of the prefills and the decodes and the KV transport, from the
+visible GPUs and the flags; a transport the placement cannot run is refused before anything starts.
 
 Children are `python -m splitserve.cli <subcommand>` processes of the installed package (nothing of
-ours on their path: `LocalStack`) in sessions of their own (so a terminal's Ctrl-C reaches only this
+ours on their path: local_stack.py `LocalStack`) in sessions of their own (so a terminal's Ctrl-C reaches only this
 process, which then stops them in order) that also die with this process (PR_SET_PDEATHSIG on Linux).
 Their output goes to a log file each; until the stack is ready only a child that dies is shown, as
 one block of its last lines, and after that their lines pass through prefixed with their names.
@@ -20,29 +17,22 @@ and decodes; each stage gets stop_grace_s before SIGKILL; nothing is left runnin
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import dataclasses
 import json
 import os
 import secrets
-import shutil
 import signal
 import ssl
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
-from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from splitserve.cli.local_stack import LocalStack, RestartPolicy
+from splitserve.cli.placement import Placement, cpu_threads_per_engine, place, usable_cpus, visible_gpus
 from splitserve.common.config_fields import flag_name
-from splitserve.common.nixl_package import nixl_missing
 from splitserve.gateway.config import UpConfig
 
 HOST = "127.0.0.1"
@@ -50,7 +40,6 @@ TRACES_HOW = "--otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT turns them o
 # EngineConfig fields not forwarded as they are: each subcommand decides its own role; the placement
 # gives each child its device and its share of the GPU's memory.
 _NOT_FORWARDED = {"role", "device", "kv_cache_memory_fraction"}
-_PR_SET_PDEATHSIG = 1
 
 
 def config_flags(config: Any, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -89,106 +78,6 @@ def check_ports(up: UpConfig) -> str | None:
             return f"{seen[port]} and {name} would both use port {port}; choose distinct ports"
         seen[port] = name
     return None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each engine process runs and how KV moves between them."""
-
-    prefill_device: str
-    decode_devices: tuple[str, ...]
-    kv_transport: str
-    memory_fraction: dict[str, float]  # CUDA device -> each of its processes' --kv-cache-memory-fraction
-    num_prefill: int = 1  # prefill instances, all on prefill_device
-
-    def fraction_of(self, device: str) -> float | None:
-        return self.memory_fraction.get(device)
-
-    @property
-    def engine_devices(self) -> list[str]:
-        """The device of every engine process: the prefills', then the decodes'."""
-        return [self.prefill_device] * self.num_prefill + list(self.decode_devices)
-
-    def describe(self) -> list[str]:
-        """One line per engine process, for the banner."""
-        lines = []
-        for name, device in [(f"prefill-{i}", self.prefill_device) for i in range(self.num_prefill)] + [
-            (f"decode-{i}", d) for i, d in enumerate(self.decode_devices)
-        ]:
-            share = self.fraction_of(device)
-            lines.append(f"  {name:<12} {device}" + (f" (memory fraction {share:g})" if share is not None else ""))
-        return lines
-
-
-def visible_gpus() -> int:
-    """CUDA devices this machine offers, asked of torch in a child process (this one never imports torch);
-    0 when torch sees none or cannot say."""
-    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
-        return 0  # no NVIDIA driver: skip starting torch
-    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-        return int(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
-        return 0
-
-
-def _is_cuda(device: str) -> bool:
-    return device.startswith("cuda")
-
-
-def place(device: str, fraction: float, up: UpConfig, num_gpus: int) -> Placement:
-    """The placement for EngineConfig.device `device` on a machine with `num_gpus` GPUs (module docstring).
-    Raises ValueError naming the flag when a choice cannot run."""
-    if _is_cuda(device) and num_gpus == 0:
-        raise ValueError(f"--device {device}, but no CUDA device is visible; use --device cpu (or auto)")
-    if device.startswith("cuda:") and int(device.split(":")[1]) >= num_gpus:
-        raise ValueError(f"--device {device}, but {num_gpus} CUDA device(s) are visible")
-    if device == "cpu" or num_gpus == 0:
-        prefill, decodes = "cpu", ["cpu"] * up.num_decode
-    elif device.startswith("cuda:"):
-        prefill, decodes = device, [device] * up.num_decode
-    elif num_gpus == 1:
-        prefill, decodes = "cuda:0", ["cuda:0"] * up.num_decode
-    else:
-        prefill, decodes = "cuda:0", [f"cuda:{1 + i % (num_gpus - 1)}" for i in range(up.num_decode)]
-    prefill = up.prefill_device or prefill
-    if up.decode_device:
-        listed = [d.strip() for d in up.decode_device.split(",")]
-        if len(listed) not in (1, up.num_decode):
-            raise ValueError(
-                f"--decode-device lists {len(listed)} devices for {up.num_decode} decodes: give one, or one per decode"
-            )
-        decodes = listed * up.num_decode if len(listed) == 1 else listed
-    for flag, d in [("--prefill-device", prefill)] + [("--decode-device", d) for d in decodes]:
-        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit() and int(d[5:]) < num_gpus):
-            raise ValueError(f"{flag} {d}: choose cpu or cuda:N with N < {num_gpus} (the CUDA devices visible)")
-    transport = up.kv_transport if up.kv_transport != "auto" else ("cuda_ipc" if _is_cuda(prefill) else "shm")
-    if transport == "shm" and _is_cuda(prefill):
-        raise ValueError(f"--kv-transport shm needs the prefill's pool in host memory; the prefill runs on {prefill}")
-    if transport == "cuda_ipc" and not all(_is_cuda(d) for d in [prefill, *decodes]):
-        raise ValueError("--kv-transport cuda_ipc needs the prefill and every decode on CUDA devices")
-    if transport == "nccl" and len({_is_cuda(d) for d in [prefill, *decodes]}) > 1:
-        raise ValueError("--kv-transport nccl needs the prefill and the decodes all on CUDA or all on the CPU")
-    if transport == "nixl" and (missing := nixl_missing()):
-        raise ValueError(missing)
-    counts = Counter(d for d in [prefill] * up.num_prefill + decodes if _is_cuda(d))
-    shares = {d: round(fraction / n, 4) for d, n in counts.items()}
-    return Placement(prefill, tuple(decodes), transport, shares, up.num_prefill)
-
-
-def usable_cpus() -> int:
-    """Cores this process (and so its children) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def cpu_threads_per_engine(placement: Placement, num_cpus: int) -> int:
-    """Torch threads for each engine process on the CPU: an equal share of the cores, at least one; 0 when none
-    runs on the CPU. Why not torch's default (every core in each process): the prefill's and the decodes' OpenMP
-    pools then outnumber the cores, and a pool waits for a thread the kernel has given to the other process
-    (spinning meanwhile; docs/performance.md, "Findings that set defaults": CPU engine threads)."""
-    num_cpu_engines = placement.engine_devices.count("cpu")
-    return max(1, num_cpus // num_cpu_engines) if num_cpu_engines else 0
 
 
 def stack_commands(
@@ -272,156 +161,6 @@ def stack_commands(
     if gateway_options is not None:
         gateway += config_flags(gateway_options)
     return commands + [("gateway", gateway)]
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: children are still stopped by LocalStack.stop
-
-
-MAX_RESTART_BACKOFF_S = 30.0
-
-
-class RestartPolicy:
-    """When up starts a child that exited by itself again: after `backoff_s`, doubled for each of its restarts
-    still inside the sliding window (at most MAX_RESTART_BACKOFF_S), and only while fewer than `max_restarts`
-    of them are: a crash loop stops the stack (and is reported) within a window, while a child that fails once
-    in a while is restarted every time, however long up runs."""
-
-    def __init__(self, max_restarts: int, window_s: float, backoff_s: float) -> None:
-        self.max_restarts, self.window_s, self.backoff_s = max_restarts, window_s, backoff_s
-        self._times: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
-
-    def delay(self, name: str, now: float) -> float | None:
-        """Seconds to wait before restarting `name`, whose exit was seen at `now`; None: its budget is spent."""
-        recent = self._times[name]
-        while recent and recent[0] <= now - self.window_s:
-            recent.popleft()
-        if len(recent) >= self.max_restarts:
-            return None
-        delay = min(self.backoff_s * 2 ** len(recent), MAX_RESTART_BACKOFF_S)
-        recent.append(now)
-        return delay
-
-    def count(self, name: str) -> int:
-        """The restarts of `name` in the window, the one just granted included."""
-        return len(self._times[name])
-
-
-class LocalStack:
-    """Child processes started together and always stopped together.
-
-    Each child runs the installed splitserve with the same interpreter, with `PYTHONSAFEPATH=1` and no folder
-    of ours added to its path: `python -m` and `python -c` would otherwise put the working directory first on
-    `sys.path`, where a checkout's top-level folders shadow libraries of the same name (`kernels`). A child's
-    stdout and stderr go to `log_dir/<name>.log`; its last `tail_lines` lines are kept for `failure_report`,
-    and once `echo()` is called each new line is also written to `out`, prefixed with the child's name.
-    """
-
-    def __init__(
-        self,
-        env: dict[str, str] | None = None,
-        die_with_parent: bool = True,
-        log_dir: str | None = None,
-        out: Any = None,
-        tail_lines: int = 40,
-    ) -> None:
-        self._preexec = _die_with_parent if die_with_parent else None  # unsafe in threaded parents
-        self.env = dict(os.environ if env is None else env)
-        self.env["PYTHONSAFEPATH"] = "1"
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.argvs: dict[str, list[str]] = {}
-        self._out = out if out is not None else sys.stderr
-        self._tail_lines = tail_lines
-        self._tails: dict[str, collections.deque[str]] = {}
-        self._readers: list[threading.Thread] = []
-        self._echo = threading.Event()
-        self._write_lock = threading.Lock()
-
-    def add(self, name: str, argv: Sequence[str]) -> None:
-        self.argvs[name] = list(argv)
-        proc = subprocess.Popen(
-            list(argv),
-            env=self.env,
-            start_new_session=True,
-            preexec_fn=self._preexec,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs[name] = proc
-        self._tails[name] = collections.deque(maxlen=self._tail_lines)
-        reader = threading.Thread(target=self._read, args=(name, proc), name=f"up-log-{name}", daemon=True)
-        reader.start()
-        self._readers.append(reader)
-
-    def log_path(self, name: str) -> str:
-        return os.path.join(self.log_dir, f"{name}.log")
-
-    def _read(self, name: str, proc: subprocess.Popen) -> None:
-        """Copy one child's output to its log (appended across restarts) and, once echoing, to `out`."""
-        with open(self.log_path(name), "ab") as log:
-            for raw in iter(proc.stdout.readline, b""):
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                self._tails[name].append(line)
-                if self._echo.is_set():
-                    with self._write_lock:
-                        print(f"{name:<9} | {line}", file=self._out, flush=True)
-        proc.stdout.close()
-
-    def echo(self) -> None:
-        """From now on every child's new lines are also written to `out`, prefixed with its name."""
-        self._echo.set()
-
-    def failure_report(self, name: str, code: int) -> str:
-        """One block for a child that exited: its name and code, then its last lines, each prefixed."""
-        proc = self.procs[name]
-        for reader in self._readers:
-            if reader.name == f"up-log-{name}" and proc.poll() is not None:
-                reader.join(timeout=2.0)  # the pipe closes with the process: its last lines are in
-        tail = list(self._tails[name])
-        head = f"{name} exited with code {code}; its last {len(tail)} lines (all of them: {self.log_path(name)}):"
-        return "\n".join([head, *(f"{name:<9} | {line}" for line in tail)])
-
-    def restart(self, name: str) -> None:
-        """Start child `name` again with the command it had."""
-        self.add(name, self.argvs[name])
-
-    def exited(self, skip: Container[str] = ()) -> list[tuple[str, int]]:
-        """(name, exit code) of every child that has exited, less those in `skip`."""
-        return [(n, p.returncode) for n, p in self.procs.items() if n not in skip and p.poll() is not None]
-
-    def first_exit(self) -> tuple[str, int] | None:
-        """(name, exit code) of a child that has exited, if any."""
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return name, proc.returncode
-        return None
-
-    def stop(self, grace_s: float, first: Sequence[str] = ()) -> dict[str, int]:
-        """Stop the children named in `first`, then the rest: each stage gets SIGTERM, and SIGKILL
-        for those still running after grace_s; name -> exit code."""
-        stages = [[n for n in first if n in self.procs], [n for n in self.procs if n not in first]]
-        for stage in stages:
-            procs = [self.procs[n] for n in stage]
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            deadline = time.monotonic() + grace_s
-            for proc in procs:
-                try:
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for reader in self._readers:
-            reader.join(timeout=2.0)
-        return {name: proc.returncode for name, proc in self.procs.items()}
 
 
 def _loopback_tls() -> ssl.SSLContext:
