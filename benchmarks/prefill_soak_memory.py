@@ -12,7 +12,7 @@ tracemalloc growth between the second record and the last (the first covers warm
 Python objects that keep growing point at a table that is never pruned; RSS growing while the Python heap
 stays flat points at native memory (the allocator's arenas, torch's caches). --malloc tells those apart: glibc's
 bytes in use, the freed bytes it keeps, and RssAnon after malloc_trim(0). A CPU engine keeps freed tensor memory
-on purpose (engine_core.keep_freed_memory: the next step reuses it instead of faulting pages in again), so the
+on purpose (worker/device_setup.keep_freed_memory: the next step reuses it instead of faulting pages in again), so the
 kept bytes grow to the largest steps' activations and stop there; in use and RssAnon after a trim stay flat.
 (tracemalloc's own tables grow with the run: read RSS from a --no-trace run.)
 """

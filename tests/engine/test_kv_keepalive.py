@@ -187,7 +187,7 @@ def test_an_nccl_prefill_reports_its_gpu_and_a_decode_keeps_that_link_awake():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_pool_on_the_auto_device_knows_its_index():
-    from splitserve.engine.engine_core import resolve_device
+    from splitserve.engine.worker.device_setup import resolve_device
 
     assert resolve_device("auto") == torch.device("cuda", torch.cuda.current_device())
     io = make_connector({"transport": "nccl", "role": "decode"})

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_batched_tokens, default_max_num_seqs
-from splitserve.common.config_fields import ConfigError
+from splitserve.common.config import EngineConfig, RuntimeInfo, default_max_num_seqs
 from splitserve.common.kv_layout import KvLayout
 from splitserve.common.prefix_hash import extra_keys_for, hash_full_blocks
 from splitserve.common.sampling_params import SamplingParams
@@ -44,7 +43,16 @@ from splitserve.engine.scheduling.kv_cache_manager import KvCacheManager, cdiv
 from splitserve.engine.scheduling.output import SchedulerOutput
 from splitserve.engine.scheduling.parallel_sampling import ParallelSampling
 from splitserve.engine.scheduling.request import Request, RequestStatus
+from splitserve.engine.scheduling.request_limits import checked_max_tokens
 from splitserve.engine.scheduling.scheduler import Scheduler
+from splitserve.engine.scheduling.step_outputs import request_output
+from splitserve.engine.worker.device_setup import (
+    default_budget,
+    keep_freed_memory,
+    resolve_device,
+    resolve_dtype,
+    start_tp_workers,
+)
 from splitserve.engine.worker.kv_cache import allocate_kv_cache
 from splitserve.engine.worker.rank_setup import (
     kv_layout_for,
@@ -58,98 +66,6 @@ if TYPE_CHECKING:
     from splitserve.engine.worker.model_runner import LaunchedStep
 
 log = logging.getLogger("splitserve.engine")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"  # then as if named: cuda gets its index
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RequestError(f"--device {name} was asked for but no CUDA device is visible")
-    device = torch.device(name)
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        torch.cuda.set_device(device)  # other GPUs stay visible (CUDA IPC peers)
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return name
-
-
-def _start_tp_workers(config: EngineConfig, model_config, device: torch.device, dtype_name: str, max_num_seqs: int):
-    """Ranks 1..N-1 of --tensor-parallel-size N, each loading its shard as rank 0 does (worker/rank_setup.py);
-    `max_num_seqs`: rank 0's resolved cap, which sizes every rank's pool alike."""
-    import functools
-
-    from splitserve.engine.worker.rank_setup import set_up_rank
-    from splitserve.engine.worker.tensor_parallel import check_shardable
-    from splitserve.engine.worker.tp_worker import TpWorkers
-
-    moe = getattr(model_config, "moe", None)
-    check_shardable(
-        model_config.num_heads,
-        model_config.num_kv_heads,
-        model_config.intermediate_size,
-        config.tensor_parallel_size,
-        moe.intermediate_size if moe is not None else 0,
-    )
-    if device.type == "cuda" and device.index + config.tensor_parallel_size > torch.cuda.device_count():
-        raise ConfigError(
-            f"--tensor-parallel-size {config.tensor_parallel_size} from {device} needs GPUs {device.index}.."
-            f"{device.index + config.tensor_parallel_size - 1}; {torch.cuda.device_count()} are visible"
-        )
-    return TpWorkers.start(
-        functools.partial(set_up_rank, config, model_config, dtype_name, max_num_seqs),
-        config.tensor_parallel_size,
-        device,
-    )
-
-
-def _default_budget(device: torch.device, offline: bool) -> int:
-    """The step's token budget for an unset --max-num-batched-tokens on `device` (common/config.py's rule)."""
-    if device.type != "cuda":
-        return default_max_num_batched_tokens("cpu", 0, "", offline)
-    props = torch.cuda.get_device_properties(device)
-    return default_max_num_batched_tokens("cuda", props.total_memory, props.name, offline)
-
-
-def _queue_ns(request: Request) -> int:
-    """Arrival to first scheduled compute (the caller asks on a request's first output only)."""
-    if request.first_scheduled_time is None:
-        return 0
-    return int((request.first_scheduled_time - request.arrival_time) * 1e9)
-
-
-def _first_prompt_logprobs(request: Request) -> list | None:
-    """The prompt logprobs, when the request asked for them (the caller asks on its first output only)."""
-    if request.sampling_params.prompt_logprobs is None:
-        return None
-    return list(request.prompt_logprobs)
-
-
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep and reuse freed tensor memory (process-wide; CPU engines).
-
-    By default a tensor over the mmap threshold gets fresh pages from the kernel and gives them
-    back when freed, so every step's activations page-fault again (RMSNorm 6x slower at 2k-token steps:
-    docs/performance.md, "Findings that set defaults"). With the threshold at its maximum
-    (32 MiB) and trimming at 1 GiB, freed blocks stay in the heap for the next step, as tcmalloc
-    would keep them. Returns False where the C library has no mallopt (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 class EngineCore:
@@ -183,7 +99,7 @@ class EngineCore:
         max_num_seqs = config.max_num_seqs or default_max_num_seqs(device.type, offline)
         if config.tensor_parallel_size > 1:
             model_config = model_config or read_model_config(config)
-            self.tp_workers = _start_tp_workers(config, model_config, device, dtype_name, max_num_seqs)
+            self.tp_workers = start_tp_workers(config, model_config, device, dtype_name, max_num_seqs)
             tp = self.tp_workers.group
         try:
             if model is None:  # under TP, fp8 quantization reduces split rows' scales over the ranks
@@ -208,7 +124,7 @@ class EngineCore:
             max_model_len=max_model_len,
             eos_token_ids=tuple(model_config.eos_token_ids),
             vocab_size=model_config.vocab_size,
-            max_num_batched_tokens=config.max_num_batched_tokens or _default_budget(device, offline),
+            max_num_batched_tokens=config.max_num_batched_tokens or default_budget(device, offline),
             max_num_seqs=max_num_seqs,
         )
         # structured output: the model's tokenizer is loaded now, not beside the step loop at the first grammar
@@ -318,31 +234,9 @@ class EngineCore:
             or self.forks.waiting(request_id)
         ):
             raise RequestError(f"request_id {request_id!r} is already in use")
-        num_prompt = len(prompt_token_ids)
-        max_len = self.info.max_model_len
-        if num_prompt == 0:
-            raise RequestError("prompt must contain at least one token")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
-        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
-            raise RequestError(f"logit_bias token id {params.logit_bias[-1][0]} is out of range [0, {vocab})")
-        if num_prompt >= max_len:
-            raise RequestError(
-                f"prompt has {num_prompt} tokens; max_model_len is {max_len}, leaving no room to generate"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
-        if num_prompt + max_tokens > max_len:
-            raise RequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"exceeds max_model_len {max_len}"
-            )
-        need = cdiv(num_prompt + max_tokens, self.config.block_size)
-        if need > self.pool.num_blocks:
-            raise RequestError(
-                f"prompt + max_tokens needs {need} KV blocks; the pool has {self.pool.num_blocks} in all"
-            )
+        max_tokens = checked_max_tokens(
+            prompt_token_ids, params, self.info, self.config.block_size, self.pool.num_blocks
+        )
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = () if params.ignore_eos else self.info.eos_token_ids
@@ -466,33 +360,11 @@ class EngineCore:
         return self.scheduler.update_from_output(out, launched.read())
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        outputs = []
+        """One output per request the step changed; a prefill request parked after its first token is held."""
         for request in changed:
-            status = request.status
-            if status == RequestStatus.PREFILLED:
+            if request.status == RequestStatus.PREFILLED:
                 self.held[request.request_id] = request
-            if status == RequestStatus.FINISHED_ERROR:  # its step's token was refused: nothing new, the reason
-                outputs.append(
-                    RequestOutput(request.request_id, [], finished=True, finish_reason="error", error=request.error)
-                )
-                continue
-            lp = [request.output_logprobs[-1]] if request.sampling_params.logprobs is not None else []
-            first = len(request.token_ids) - request.num_prompt_tokens == 1  # what only a first output carries
-            ended = status.is_finished or status == RequestStatus.PREFILLED
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[request.token_ids[-1]],
-                    new_logprobs=lp,
-                    finished=ended,
-                    finish_reason=status.value if ended else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    queue_ns=_queue_ns(request) if first else 0,
-                    prompt_logprobs=_first_prompt_logprobs(request) if first else None,
-                )
-            )
-        return outputs
+        return [request_output(request) for request in changed]
 
     # -- prefill role: held KV -------------------------------------------------------------
     def held_kv(self, request_id: str) -> tuple[list[int], list[bytes], int]:
