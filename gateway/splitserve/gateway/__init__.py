@@ -12,6 +12,8 @@ relies only on the wire contract in `protos/`.
     decode_link.py  the one bidirectional Decode.Generate stream per decode instance
     router.py    prefill / decode choice (load, prefix affinity)
     service.py   the request path shared by gRPC and REST
+    generation_input.py, tokenizing.py   what a front end hands it; prompts to ids and back
+    request_run.py  one request's run (its seat, prefill call and messages: request_seat/_prefill/_messages.py)
     admission.py requests and callers' sequences in flight, rate buckets: per process or shared by all
     grpc_api.py  Generation servicer, grpc.health.v1, reflection
     rest.py      FastAPI shim (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, ...)
