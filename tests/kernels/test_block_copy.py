@@ -78,4 +78,6 @@ def test_a_pull_of_many_runs_on_one_gpu_takes_the_kernel(monkeypatch):
     src, dst = pools(64, 40, (2, 2, 16, 2, 64), torch.bfloat16, "cuda")
     src_ids = list(range(0, 64, 2))  # 32 runs
     copies.copy_block_runs(src, src_ids, dst, list(range(32)))
-    assert calls == [] and torch.equal(dst[:32], src[src_ids])
+    assert calls == []
+    # compared as bytes: random bits hold NaNs, which torch.equal finds unequal to themselves
+    assert torch.equal(dst[:32].view(torch.uint8), src[src_ids].view(torch.uint8))
