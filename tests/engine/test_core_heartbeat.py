@@ -2,11 +2,15 @@
 not take it for a hung one; the service's client turns those heartbeats into the step's age."""
 
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from splitserve.engine.core_process import loop as loop_module
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.client import EngineClient
 from tests.engine.test_core_loop import Driver, Engine, FakeConnector, Gate, Pipe
+from tests.service_harness import wait_until_async
 
 
 class LongStepEngine(Engine):
@@ -71,3 +75,33 @@ def test_a_core_ending_after_the_services_loop_closed_is_noted_quietly():
         assert client.stats == {"steps": 1}
     finally:
         client.loop.close()
+
+
+def test_the_reader_thread_hands_each_batch_to_the_loop_with_a_short_switch_interval():
+    """The service's reader of the core's pipe runs beside a busy event loop: the process's switch interval is the
+    short one (gil.py), and every batch it reads reaches the loop's handlers."""
+    import asyncio
+    import multiprocessing
+    import sys
+
+    from splitserve.engine.core_process.gil import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    client = EngineClient(config=None, kv_options={})
+    client._conn, core_end = multiprocessing.Pipe()
+    client.loop = asyncio.new_event_loop()
+    try:
+        sys.setswitchinterval(0.005)
+        client.start_reader()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        core_end.send([m.StepBatch([], [], {"steps": 7}, 0, 0)])
+
+        async def dispatched() -> bool:
+            return client.stats == {"steps": 7}
+
+        client.loop.run_until_complete(wait_until_async(dispatched, 10, "the reader's batch never reached the loop"))
+    finally:
+        client.process = SimpleNamespace(join=lambda timeout: None, exitcode=0)  # the core "exits": the pipe closes
+        core_end.close()
+        client.loop.close()
+        sys.setswitchinterval(before)

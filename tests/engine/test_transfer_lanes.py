@@ -1,5 +1,5 @@
 """TransferLanes: transfers run on their lane's worker in order, and a worker's report reaches a loop that is busy
-running Python within about a switch interval once the process hands the GIL to workers."""
+running Python within about a switch interval once the process hands the GIL to its helper threads (gil.py)."""
 
 import statistics
 import sys
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from splitserve.engine.kv_connectors.lanes import WORKER_SWITCH_INTERVAL_S, TransferLanes, hand_gil_to_workers
+from splitserve.engine.core_process.gil import SWITCH_INTERVAL_S, hand_gil_to_helpers
+from splitserve.engine.kv_connectors.lanes import TransferLanes
 
 
 def test_transfers_of_a_lane_run_in_order_on_its_worker_and_report_through_poll():
@@ -71,8 +72,8 @@ def restore_switch_interval():
 def test_a_worker_reports_within_a_short_interval_beside_a_busy_loop(restore_switch_interval):
     sys.setswitchinterval(0.005)  # the interpreter's default
     slow = statistics.median(_round_trips_beside_busy_python(15))
-    hand_gil_to_workers()
-    assert sys.getswitchinterval() == pytest.approx(WORKER_SWITCH_INTERVAL_S)
+    hand_gil_to_helpers()
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
     fast = statistics.median(_round_trips_beside_busy_python(15))
     # a worker takes the GIL twice (to start, to report): about two intervals each way
     assert slow > 0.005, f"at the default interval a report waited {slow * 1e3:.2f} ms, not a whole interval"

@@ -15,6 +15,7 @@ from typing import Any
 
 from splitserve.common.process_exit import exit_now
 from splitserve.engine.core_process import messages as m
+from splitserve.engine.core_process.gil import hand_gil_to_helpers
 from splitserve.engine.core_process.loop import core_main
 
 log = logging.getLogger("splitserve.core")
@@ -86,6 +87,12 @@ class EngineClient:
             raise RuntimeError(f"engine core failed to start:\n{first.message}")
         self.info, self.layout, self.endpoint = first.info, first.layout, first.endpoint
         self.last_heard = time.monotonic()
+        self.start_reader()
+
+    def start_reader(self) -> None:
+        """Read the core's pipe on a thread of its own; the service's loop, busy with its streams, must not hold
+        it a whole switch interval at each of its takes of the GIL (gil.py)."""
+        hand_gil_to_helpers()
         threading.Thread(target=self._reader, name="core-reader", daemon=True).start()
 
     def _reader(self) -> None:

@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from multiprocessing import connection
 
 from splitserve.engine.core_process import messages as m
+from splitserve.engine.core_process.gil import hand_gil_to_helpers
 from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outliving
-from splitserve.engine.kv_connectors.lanes import hand_gil_to_workers
 
 log = logging.getLogger("splitserve.core")
 
@@ -377,7 +377,7 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    hand_gil_to_workers()
+    hand_gil_to_helpers()  # a transfer's worker must not wait a whole 5 ms interval at each take
     if process_init is not None:
         process_init()
     connector = None

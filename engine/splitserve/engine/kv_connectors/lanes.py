@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,17 +27,6 @@ from typing import Any
 log = logging.getLogger("splitserve.kv")
 
 _STARTED = object()  # a report's result slot when a worker starts a transfer
-
-# While one thread runs Python, the interpreter hands the GIL to a waiting thread only once a switch interval
-# (5 ms by default). A core loop busy between kernels held a worker that long at each of its takes (its start,
-# after the copy's wait, its report): on CPU a 0.2 ms pull took 10.9 ms beside a loop running Python, 1.5 ms at
-# this interval. The loop pays a thread switch per interval only while a worker wants the GIL.
-WORKER_SWITCH_INTERVAL_S = 0.0005
-
-
-def hand_gil_to_workers() -> None:
-    """Make this process's switch interval short enough for transfer workers (the core process calls it)."""
-    sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
 
 
 @dataclass(eq=False)
