@@ -8,7 +8,8 @@ on the same requests, then the offline engine; every served row as a ratio of th
 Every run draws prompts of the same lengths (uniform around --input-len / --output-len, seeded) with fresh token
 ids, and prefix caching is off everywhere, so no run reuses another's KV. Columns: output tok/s and its ratio to
 the offline engine, TTFT p50 / p99, inter-token gap p99 and max (the longest wait of any stream), TPOT p99, and
-(served) the gateway's CPU seconds per second of the run (a gateway at 1.0 is saturated: one asyncio loop).
+(served) the gateway's CPU seconds per second of the run (a gateway at 1.0 is saturated: one asyncio loop) and the
+load generator's (this process: at 1.0 the client, not the stack, sets the pace).
 """
 
 from __future__ import annotations
@@ -80,11 +81,16 @@ def engine_flags(args) -> str:
     return flags + (f" --max-model-len {args.max_model_len}" if args.max_model_len else "") + f" {args.engine_args}"
 
 
-async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt: int) -> dict:
-    """One load of --num-requests against the running stack through `api`, `in_flight` at a time."""
-    ns = build_parser().parse_args(
-        ["--api", api, "--no-progress", "--num-warmup", "16", "--vocab-size", str(args.vocab_size)]
+def _target_ns(api: str, vocab_size: int):
+    return build_parser().parse_args(
+        ["--api", api, "--no-progress", "--num-warmup", "16", "--vocab-size", str(vocab_size)]
     )
+
+
+async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt: int) -> dict:
+    """One load of --num-requests against the running stack through `api`, `in_flight` at a time, from this
+    process or from --client-processes processes, each with its share of the requests and of `in_flight`."""
+    ns = _target_ns(api, args.vocab_size)
     prompts, outputs = lengths(args)
     async with Target(ns, "127.0.0.1", stack.grpc_port, stack.http_port) as target:
         warm = make_workload(16, prompts, outputs, args.vocab_size, target.max_model_len, args.seed + 7919, salt)
@@ -101,16 +107,17 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         )
         gateway = stack.procs["gateway"].pid
         seen: dict[int, float] = {}
-        cpu0, wall0 = cpu_s(gateway, seen), time.perf_counter()
-        records, duration = await run_load(
-            specs,
-            arrival_times(len(specs), float("inf"), args.seed),
-            target.send,
-            concurrency=in_flight,
-            max_seconds=600,
-            progress=Progress(len(specs), f"{api} x{in_flight}", enabled=False),
-        )
-        gateway_load = (cpu_s(gateway, seen) - cpu0) / (time.perf_counter() - wall0)
+        cpu0 = cpu_s(gateway, seen)
+        if args.client_processes > 1:
+            ports = (stack.grpc_port, stack.http_port)
+            records, duration, client_cpu = await asyncio.to_thread(
+                _load_in_processes, api, args.vocab_size, ports, specs, in_flight, args.client_processes
+            )
+        else:  # on the warmed connections
+            client0 = time.process_time()
+            records, duration = await _run_share(target, api, specs, in_flight)
+            client_cpu = time.process_time() - client0
+        gateway_cpu = cpu_s(gateway, seen) - cpu0  # per second of the load, not of the client processes' start
     summary = summarize(records, duration, Slo(None, None, None))
     if summary["num_completed"] != len(specs):
         raise RuntimeError(
@@ -123,11 +130,67 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         "ttft_ms": summary["ttft_ms"],
         "itl_ms": summary["itl_ms"],
         "tpot_ms": summary["tpot_ms"],
-        "gateway_cpu_per_s": gateway_load,
+        "gateway_cpu_per_s": gateway_cpu / duration,
+        # the load generator's processes: at 1.0 a process, the client, not the stack, sets the pace
+        "client_cpu_per_s": client_cpu / duration,
+        "client_processes": args.client_processes,
         # the hand-off shows in the gap after a stream's first token (from the prefill in a disaggregated stack)
         "first_gap_ms": describe([r.itl_s[0] for r in records if r.itl_s]),
         "later_gap_max_ms": 1000 * max((x for r in records for x in r.itl_s[1:]), default=0.0),
     }
+
+
+async def _run_share(target: Target, api: str, specs, in_flight: int):
+    """Send `specs`, all at once, `in_flight` at a time: (records, duration)."""
+    return await run_load(
+        specs,
+        arrival_times(len(specs), float("inf"), 0),
+        target.send,
+        concurrency=in_flight,
+        max_seconds=600,
+        progress=Progress(len(specs), f"{api} x{in_flight}", enabled=False),
+    )
+
+
+async def _load_share(api: str, vocab_size: int, ports: tuple[int, int], specs, in_flight: int):
+    """A client process's share, once every process has connected (the barrier): (records, start, duration)."""
+    async with Target(_target_ns(api, vocab_size), "127.0.0.1", *ports) as target:
+        _barrier.wait(300)
+        start = time.time()
+        records, duration = await _run_share(target, api, specs, in_flight)
+    return records, start, duration
+
+
+_barrier = None  # a client process's start barrier (set by its pool's initializer)
+
+
+def _set_barrier(barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
+def _client_process(api: str, vocab_size: int, ports: tuple[int, int], specs, in_flight: int):
+    """One load-generator process's share: (records, start, end as time.time(), its CPU seconds)."""
+    cpu0 = time.process_time()
+    records, start, duration = asyncio.run(_load_share(api, vocab_size, ports, specs, in_flight))
+    return records, start, start + duration, time.process_time() - cpu0
+
+
+def _load_in_processes(api: str, vocab_size: int, ports: tuple[int, int], specs, in_flight: int, n: int):
+    """The load split over `n` spawned processes (every n-th request, in_flight shared out); the duration runs
+    from the first share's start to the last one's end. Returns (records, duration, their CPU seconds)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    flights = [in_flight // n + (i < in_flight % n) for i in range(n)]
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_set_barrier, initargs=(barrier,)) as pool:
+        futures = [pool.submit(_client_process, api, vocab_size, ports, specs[i::n], flights[i]) for i in range(n)]
+        shares = [f.result() for f in futures]
+    records = [r for share in shares for r in share[0]]
+    duration = max(s[2] for s in shares) - min(s[1] for s in shares)
+    return records, duration, sum(s[3] for s in shares)
 
 
 def preemptions(metrics_port: int) -> int:
@@ -171,7 +234,8 @@ def served(args, setup: str) -> list[dict]:
 def table(rows: list[dict], offline_tok_s: float | None) -> str:
     head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
     head += (
-        f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'preempted':>9} {'1st gap max':>11} {'later max':>9}"
+        f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'client CPU/s':>12} {'preempted':>9} "
+        f"{'1st gap max':>11} {'later max':>9}"
     )
     lines = [head]
     for r in rows:
@@ -183,7 +247,8 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
         itl = f"{r['itl_ms']['p99']:.1f}/{r['itl_ms']['max']:.0f}"
         lines.append(
             f"{r['setup']:<14} {r['api']:<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9} {ttft:>16} "
-            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['preemptions']:>9} "
+            f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['client_cpu_per_s']:>12.2f} "
+            f"{r['preemptions']:>9} "
             f"{r['first_gap_ms']['max']:>11.0f} {r['later_gap_max_ms']:>9.0f}"
         )
     return "\n".join(lines)
@@ -207,6 +272,9 @@ def main() -> None:
     ap.add_argument("--decode-kv-share", type=float, default=0.5, help="disaggregated: the decode's share of KV memory")
     ap.add_argument("--engine-args", default="", help="more engine flags for every engine process")
     ap.add_argument("--gateway-args", default="")
+    ap.add_argument(
+        "--client-processes", type=int, default=1, help="load-generator processes (one at 1.0 CPU s/s sets the pace)"
+    )
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--log-dir", default="")
     ap.add_argument("--json", default="", help="write the rows here (default: $OUT/edge.json when $OUT is set)")
