@@ -403,6 +403,26 @@ def test_a_decode_failing_mid_request_reaches_rest_clients(tokenizer_dir):
         stack.stop()
 
 
+def test_a_gateway_process_is_not_ready_while_another_of_its_processes_has_no_path(tokenizer_dir):
+    """--api-server-count N: readiness is the whole gateway's, so a client that one process told "ready" is not
+    refused by another that has not described the instances yet."""
+    serving = Stack(tokenizer_dir, [FakePrefill()], [FakeDecode()]).start()
+    try:
+        wait_until(lambda: httpx.get(serving.base_url + "/health").status_code == 200, 5, "/health never said 200")
+        serving.gateway.service.processes_not_ready = lambda: [1]
+        health = httpx.get(serving.base_url + "/health")
+        assert (health.status_code, health.json()) == (
+            503,
+            {"status": "unavailable", "reason": "gateway processes [1] have not found a full path yet"},
+        )
+        ready = httpx.get(serving.base_url + "/ready")
+        assert (ready.status_code, ready.json()["ready"]) == (503, False)
+        serving.gateway.service.processes_not_ready = list
+        assert httpx.get(serving.base_url + "/ready").status_code == 200
+    finally:
+        serving.stop()
+
+
 def test_health_is_503_until_a_whole_path_serves_and_live_is_always_200(tokenizer_dir):
     """vLLM's convention: a client that waits for /health can then list models and send requests."""
     stack = Stack(tokenizer_dir, [FakePrefill()], []).start()  # a prefill, but no decode: no path

@@ -47,3 +47,22 @@ def test_max_connections_never_falls_below_one_per_process():
     supervisor = Supervisor(GatewayConfig(grpc_port=0, http_port=0, api_server_count=4, max_connections=2), print)
     assert supervisor._reserve().max_connections == 1
     supervisor._cleanup()
+
+
+def test_the_gateway_is_ready_once_every_process_has_a_full_path():
+    supervisor = Supervisor(GatewayConfig(grpc_port=0, http_port=0, api_server_count=3), print)
+    supervisor._reserve()
+    shares = supervisor._shares()
+    try:
+        assert [s.processes_not_ready() for s in shares] == [[0, 1, 2]] * 3
+        shares[0].mark_ready(True)
+        shares[2].mark_ready(True)
+        shares[2].mark_ready(True)  # told again after the next health round: no change
+        assert [s.processes_not_ready() for s in shares] == [[1]] * 3
+        shares[1].mark_ready(True)
+        assert shares[0].processes_not_ready() == []
+        shares[2].mark_ready(False)  # lost its decodes
+        shares[2].mark_ready(False)
+        assert shares[1].processes_not_ready() == [2]
+    finally:
+        supervisor._cleanup()

@@ -10,6 +10,7 @@ the command's process becomes a supervisor and starts N gateway processes, each 
       │   counts      the gateway-wide admission state (gateway/admission.py: requests and each caller's
       │               sequences in flight, rate-limit buckets), under an flock
       │   metrics/    PROMETHEUS_MULTIPROC_DIR: every process's metrics, summed by whichever answers /metrics
+      │   ready/      a file per process while it has a full path: /health and /ready say ready once all do
       ├── gateway process 0 ── listens with SO_REUSEPORT on the REST port (its own socket) and the gRPC port
       ├── ...                  (grpc.so_reuseport); process 0 alone also serves --metrics-port
       └── gateway process N-1  the kernel spreads new connections over the listening processes
@@ -82,9 +83,25 @@ class ProcessShare:
     share_slots: int
     client_ids: tuple[str, ...]
     metrics_dir: str
+    ready_dir: str  # a file per process while it has a full path (mark_ready)
 
     def open_counts(self) -> SharedCounts:
         return SharedCounts(self.counts_path, self.share_slots, self.client_ids)
+
+    def mark_ready(self, ready: bool) -> None:
+        """Tell the other processes whether this one has a full path (its registry's readiness)."""
+        flag = os.path.join(self.ready_dir, str(self.index))
+        if not ready:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(flag)
+        elif not os.path.exists(flag):  # told after every health round: a write only on a change
+            with open(flag, "w"):
+                pass
+
+    def processes_not_ready(self) -> list[int]:
+        """The processes (indexes) that have no full path yet: the gateway is ready only once none is left, so a
+        client told "ready" by one process is not refused by another that has not described the instances."""
+        return [i for i in range(self.count) if not os.path.exists(os.path.join(self.ready_dir, str(i)))]
 
 
 def _address(host: str, port: int) -> tuple[int, tuple]:
@@ -171,14 +188,17 @@ class Supervisor:
 
     def _shares(self) -> list[ProcessShare]:
         self._folder = tempfile.mkdtemp(prefix="splitserve-gateway-")
-        metrics_dir = os.path.join(self._folder, "metrics")
+        metrics_dir, ready_dir = os.path.join(self._folder, "metrics"), os.path.join(self._folder, "ready")
         os.mkdir(metrics_dir)
+        os.mkdir(ready_dir)
         keys = load_api_keys(self.config.api_keys_file)
         client_ids = tuple(dict.fromkeys([ANONYMOUS, *(client_id_of(k) for k in keys)]))
         counts_path, slots = os.path.join(self._folder, "counts"), share_slots_for(self.config.max_concurrent_requests)
         SharedCounts.create(counts_path, slots, client_ids)
         n = self.config.api_server_count
-        return [ProcessShare(i, n, os.getpid(), counts_path, slots, client_ids, metrics_dir) for i in range(n)]
+        return [
+            ProcessShare(i, n, os.getpid(), counts_path, slots, client_ids, metrics_dir, ready_dir) for i in range(n)
+        ]
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signals += 1

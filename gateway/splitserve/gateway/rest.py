@@ -321,12 +321,14 @@ def create_app(
 
     def readiness() -> dict:
         status = service.registry.status()
+        lagging = service.processes_not_ready() if status["ready"] and not service.draining else []
         if service.draining:
+            status["ready"], status["reason"] = False, "the gateway is shutting down"
+        elif lagging:  # a client told "ready" here must not be refused by a process of the same gateway
             status["ready"] = False
-        if not status["ready"]:
-            status["reason"] = (
-                "the gateway is shutting down" if service.draining else service.registry.not_ready_reason()
-            )
+            status["reason"] = f"gateway processes {lagging} have not found a full path yet"
+        elif not status["ready"]:
+            status["reason"] = service.registry.not_ready_reason()
         return status
 
     @app.get("/health")

@@ -183,11 +183,14 @@ class GatewayServer:
             stream_interval=config.stream_interval,
             chat_template=chat_template,
             counts=counts,
+            processes_not_ready=self._process.processes_not_ready if self._process is not None else list,
         )
         self.health = HealthReporter()
         await self.health.set_ready(False)
         self.registry.listeners.append(lambda ready: self.service.spawn(self.health.set_ready(ready)))
         self.registry.listeners.append(self._learn_model)
+        if self._process is not None:
+            self.registry.listeners.append(self._process.mark_ready)
         self.registry.listeners.append(lambda ready: self.metrics.set_pool_members(self.registry.members.counts()))
         self.request_log = RequestLog(config.enable_log_requests)
         add_services(self._grpc_server, self.service, self.health, self.api_keys, self.metrics, self.request_log)

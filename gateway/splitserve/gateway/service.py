@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -67,8 +67,11 @@ class GatewayService:
         stream_interval: int = 1,
         chat_template: str | None = None,
         counts: LocalCounts | None = None,
+        processes_not_ready: Callable[[], list[int]] = list,
     ) -> None:
         self.registry = registry
+        # --api-server-count N: the other processes without a full path yet (ProcessShare.processes_not_ready)
+        self.processes_not_ready = processes_not_ready
         self._served_model_names = tuple(served_model_names)
         self.router = router
         self.tokenizer = tokenizer
