@@ -10,6 +10,7 @@ from collections import deque
 
 import grpc
 
+from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.common.wire import layout_to_proto
 from splitserve.engine.core_process.client import EngineClient
 from splitserve.protos import common_pb2
@@ -264,6 +265,7 @@ class ServiceBase:
         for h in healths:
             set_serving(h, self.service_names, True)
         await self.on_started()
+        log.debug("start-up heap frozen: %d objects out of the collector's passes", freeze_startup_heap())
         log.info(
             "%s serving on %s:%d (model=%s, blocks=%d, transport=%s)",
             self.instance_id,

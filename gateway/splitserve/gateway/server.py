@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.gateway.admission import LocalCounts
 from splitserve.gateway.auth import ApiKeys, load_api_keys
 from splitserve.gateway.config import GatewayConfig
@@ -332,6 +333,7 @@ async def serve(config: GatewayConfig, process: ProcessShare | None = None) -> i
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"splitserve gateway: error: {exc}", file=sys.stderr)
         return 1
+    log.debug("start-up heap frozen: %d objects out of the collector's passes", freeze_startup_heap())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing import connection
 
+from splitserve.common.startup_heap import freeze_startup_heap
 from splitserve.engine.core_process import messages as m
 from splitserve.engine.core_process.gil import hand_gil_to_helpers
 from splitserve.engine.core_process.kv_scheduler import KvScheduler, forks_outliving
@@ -390,6 +391,7 @@ def core_main(config, conn, kv_options: dict, process_init: Callable[[], None] |
             config, kv_cache_factory=connector.kv_cache_factory, rank_pool_openers=connector.rank_pool_openers
         )
         conn.send([m.Ready(engine.info, engine.layout, connector.endpoint)])
+        freeze_startup_heap()  # the model's and the imports' objects: a full collection would pause the steps
         CoreLoop(engine, conn, connector).run()
         engine.close()  # a tensor-parallel engine's ranks are told to stop (not left to find rank 0 gone)
     except Exception:
