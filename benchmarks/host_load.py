@@ -38,9 +38,8 @@ def _proc_stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
-def tree_cpu_s(root: int, seen: dict[int, float]) -> float:
-    """CPU seconds of `root` and its live descendants, added to `seen` (pid -> last reading) so that a
-    process that exits keeps counting with its last reading."""
+def process_tree(root: int) -> tuple[set[int], dict[int, tuple[int, float]]]:
+    """`root` and its live descendants' pids, and every live process's (parent pid, CPU seconds)."""
     stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _proc_stat(int(p))) is not None}
     tree, frontier = {root}, [root]
     while frontier:
@@ -48,6 +47,13 @@ def tree_cpu_s(root: int, seen: dict[int, float]) -> float:
         children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
         tree.update(children)
         frontier.extend(children)
+    return tree, stats
+
+
+def tree_cpu_s(root: int, seen: dict[int, float]) -> float:
+    """CPU seconds of `root` and its live descendants, added to `seen` (pid -> last reading) so that a
+    process that exits keeps counting with its last reading."""
+    tree, stats = process_tree(root)
     for pid in tree:
         if pid in stats:
             seen[pid] = stats[pid][1]

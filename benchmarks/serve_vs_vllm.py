@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from host_load import OthersLoad, _proc_stat  # beside this script
+from host_load import OthersLoad, _proc_stat, process_tree  # beside this script
 from parity_vllm import CHILD_ENV, Server, free_port
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "common/splitserve/common/default_model"
@@ -88,13 +87,7 @@ def role(pid: int) -> str:
 
 def cpu_by_role(root: int) -> dict[int, tuple[str, float]]:
     """pid -> (role, CPU seconds so far) for `root` and its descendants."""
-    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _proc_stat(int(p))) is not None}
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier.extend(children)
+    tree, stats = process_tree(root)
     return {pid: (role(pid), stats[pid][1]) for pid in tree if pid in stats}
 
 
