@@ -10,12 +10,11 @@ import pytest
 
 from splitserve.engine.core_process.gil import SWITCH_INTERVAL_S, hand_gil_to_helpers
 from splitserve.engine.kv_connectors.lanes import TransferLanes
+from tests.service_harness import wait_until
 
 
 def test_transfers_of_a_lane_run_in_order_on_its_worker_and_report_through_poll():
     lanes = TransferLanes()
-    woken = threading.Event()
-    lanes.notify = woken.set
     ran: list[tuple[str, str]] = []
     done: list[tuple[str, object, str | None]] = []
 
@@ -31,15 +30,7 @@ def test_transfers_of_a_lane_run_in_order_on_its_worker_and_report_through_poll(
     for name in ("a", "bad", "c"):
         lanes.submit("peer-1", lambda name=name: work(name), on_done, lambda t: None, timeout_s=5.0)
     assert lanes.num_in_flight == 3
-    deadline = time.monotonic() + 10
-
-    def all_reported() -> bool:
-        lanes.poll()
-        return len(done) == 3 or time.monotonic() > deadline
-
-    while not all_reported():
-        woken.wait(0.1)
-        woken.clear()
+    wait_until(lambda: lanes.poll() or len(done) == 3, 10, "the lane's three transfers were not all reported")
     assert ran == [("a", "kv-peer-1"), ("bad", "kv-peer-1"), ("c", "kv-peer-1")]
     assert done == [("peer-1", "A", None), ("peer-1", None, "no such block"), ("peer-1", "C", None)]
     assert lanes.num_in_flight == 0
@@ -54,9 +45,11 @@ def _round_trips_beside_busy_python(n: int) -> list[float]:
         seen: list[bool] = []
         start = time.perf_counter()
         lanes.submit("peer", lambda: None, lambda t, r, e: seen.append(True), lambda t: None, timeout_s=5.0)
+        deadline = start + 10
         while not seen:
             sum(range(2000))  # the loop preparing a step: Python holding the GIL
             lanes.poll()
+            assert time.perf_counter() < deadline, "a no-op transfer was not reported within 10 s"
         times.append(time.perf_counter() - start)
     lanes.close(wait_s=5.0)
     return times
