@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -37,6 +38,57 @@ def cpu_s(pid: int, seen: dict[int, float]) -> float:
     from host_load import tree_cpu_s  # beside this script
 
     return tree_cpu_s(pid, seen)
+
+
+class GcPauses:
+    """The longest and the total time this process spent in the cyclic garbage collector while installed: a
+    client pause shows as a gap in every stream at once."""
+
+    def __init__(self) -> None:
+        self.total_s = self.max_s = 0.0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        took = time.perf_counter() - self._began
+        self.total_s, self.max_s = self.total_s + took, max(self.max_s, took)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+def large_gaps(records, threshold_s: float = 0.25, bin_s: float = 0.5) -> dict:
+    """Where the inter-token gaps above `threshold_s` fell: how many, in how many streams, at which token index
+    (0: the first gap, the hand-off in a disaggregated stack), and the run's busiest `bin_s` windows by when the
+    gap ended (seconds since the run's start; many streams in one window is a stall of something they share)."""
+    found = []  # (ended at s, gap s, stream, token index)
+    for r in records:
+        if r.sent_s is None or r.ttft_s is None:
+            continue
+        at = r.sent_s + r.ttft_s
+        for i, gap in enumerate(r.itl_s):
+            at += gap
+            if gap > threshold_s:
+                found.append((at, gap, r.index, i))
+    bins: dict[int, list] = {}
+    for at, gap, stream, _ in found:
+        bins.setdefault(int(at // bin_s), []).append((gap, stream))
+    windows = sorted(bins.items(), key=lambda kv: -len({s for _, s in kv[1]}))[:3]
+    return {
+        "count": len(found),
+        "streams": len({f[2] for f in found}),
+        "first_gaps": sum(1 for f in found if f[3] == 0),
+        "windows": [
+            {"at_s": k * bin_s, "streams": len({s for _, s in v}), "max_ms": 1000 * max(g for g, _ in v)}
+            for k, v in windows
+        ],
+    }
 
 
 def lengths(args) -> tuple[LengthDist, LengthDist]:
@@ -110,13 +162,14 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         cpu0 = cpu_s(gateway, seen)
         if args.client_processes > 1:
             ports = (stack.grpc_port, stack.http_port)
-            records, duration, client_cpu = await asyncio.to_thread(
+            records, duration, client_cpu, client_gc_max_s = await asyncio.to_thread(
                 _load_in_processes, api, args.vocab_size, ports, specs, in_flight, args.client_processes
             )
         else:  # on the warmed connections
             client0 = time.process_time()
-            records, duration = await _run_share(target, api, specs, in_flight)
-            client_cpu = time.process_time() - client0
+            with GcPauses() as pauses:
+                records, duration = await _run_share(target, api, specs, in_flight)
+            client_cpu, client_gc_max_s = time.process_time() - client0, pauses.max_s
         gateway_cpu = cpu_s(gateway, seen) - cpu0  # per second of the load, not of the client processes' start
     summary = summarize(records, duration, Slo(None, None, None))
     if summary["num_completed"] != len(specs):
@@ -134,9 +187,11 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         # the load generator's processes: at 1.0 a process, the client, not the stack, sets the pace
         "client_cpu_per_s": client_cpu / duration,
         "client_processes": args.client_processes,
+        "client_gc_max_ms": 1000 * client_gc_max_s,
         # the hand-off shows in the gap after a stream's first token (from the prefill in a disaggregated stack)
         "first_gap_ms": describe([r.itl_s[0] for r in records if r.itl_s]),
         "later_gap_max_ms": 1000 * max((x for r in records for x in r.itl_s[1:]), default=0.0),
+        "gaps_over_250ms": large_gaps(records),
     }
 
 
@@ -170,15 +225,18 @@ def _set_barrier(barrier) -> None:
 
 
 def _client_process(api: str, vocab_size: int, ports: tuple[int, int], specs, in_flight: int):
-    """One load-generator process's share: (records, start, end as time.time(), its CPU seconds)."""
+    """One load-generator process's share: (records, start, end as time.time(), its CPU seconds, its longest
+    garbage-collector pause)."""
     cpu0 = time.process_time()
-    records, start, duration = asyncio.run(_load_share(api, vocab_size, ports, specs, in_flight))
-    return records, start, start + duration, time.process_time() - cpu0
+    with GcPauses() as pauses:
+        records, start, duration = asyncio.run(_load_share(api, vocab_size, ports, specs, in_flight))
+    return records, start, start + duration, time.process_time() - cpu0, pauses.max_s
 
 
 def _load_in_processes(api: str, vocab_size: int, ports: tuple[int, int], specs, in_flight: int, n: int):
     """The load split over `n` spawned processes (every n-th request, in_flight shared out); the duration runs
-    from the first share's start to the last one's end. Returns (records, duration, their CPU seconds)."""
+    from the first share's start to the last one's end. Returns (records, duration, their CPU seconds, the
+    longest garbage-collector pause of any of them). Each share's times are relative to its own start."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -190,7 +248,7 @@ def _load_in_processes(api: str, vocab_size: int, ports: tuple[int, int], specs,
         shares = [f.result() for f in futures]
     records = [r for share in shares for r in share[0]]
     duration = max(s[2] for s in shares) - min(s[1] for s in shares)
-    return records, duration, sum(s[3] for s in shares)
+    return records, duration, sum(s[3] for s in shares), max(s[4] for s in shares)
 
 
 def preemptions(metrics_port: int) -> int:
@@ -235,7 +293,7 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
     head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
     head += (
         f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'client CPU/s':>12} {'preempted':>9} "
-        f"{'1st gap max':>11} {'later max':>9}"
+        f"{'1st gap max':>11} {'later max':>9} {'>250ms n/streams':>16} {'client GC max':>13}"
     )
     lines = [head]
     for r in rows:
@@ -249,8 +307,17 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
             f"{r['setup']:<14} {r['api']:<5} {r['in_flight']:>9} {r['output_tok_s']:>10,.0f} {ratio:>9} {ttft:>16} "
             f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['client_cpu_per_s']:>12.2f} "
             f"{r['preemptions']:>9} "
-            f"{r['first_gap_ms']['max']:>11.0f} {r['later_gap_max_ms']:>9.0f}"
+            f"{r['first_gap_ms']['max']:>11.0f} {r['later_gap_max_ms']:>9.0f} "
+            f"{r['gaps_over_250ms']['count']:>7}/{r['gaps_over_250ms']['streams']:<8} {r['client_gc_max_ms']:>13.1f}"
         )
+    for r in rows:  # where the long gaps fell: many streams in one window is a stall of something they share
+        if r["setup"] != "offline" and r["gaps_over_250ms"]["count"]:
+            where = ", ".join(
+                f"{w['streams']} streams at {w['at_s']:.1f} s (max {w['max_ms']:.0f} ms)"
+                for w in r["gaps_over_250ms"]["windows"]
+            )
+            first = r["gaps_over_250ms"]["first_gaps"]
+            lines.append(f"{r['setup']} {r['api']} x{r['in_flight']}: gaps > 250 ms ({first} first gaps): {where}")
     return "\n".join(lines)
 
 
