@@ -309,16 +309,18 @@ def test_layout_mismatch_end_to_end(tmp_path, caplog):
 
 def test_only_transport_failures_mark_an_instance_down(tmp_path):
     """The decode is reached through a TCP proxy that injects transport faults, on a loop of its
-    own, and serves from a loop of its own. Its loop blocked 5 s (an instance swamped by a burst): Describe
+    own, and serves from a loop of its own. Its loop blocked 10 s (an instance swamped by a burst): Describe
     answers late again and again, past the old limit of 10 in a row, yet the decode stays up and the stream
-    on it finishes. Its connections held (a stopped process: pings unanswered): down within the ping
-    timeout. Released: up. Its connections reset and refused (a dead process): down at once."""
+    on it finishes. (Describe's deadline is 0.5 s: at 0.3 s the first stream once found the decode down on a
+    loaded 2-core machine, likely a Describe late before any connection was up; the failure now names why.)
+    Its connections held (a stopped process: pings unanswered): down within the ping timeout. Released: up.
+    Its connections reset and refused (a dead process): down at once."""
     decode = FakeDecode(step_s=0.05)
     decode_loop = LoopThread()
     decode_server = FakeServer(decode)
     decode_loop.run(decode_server.start())
     proxy = TcpProxy(decode_server.address)
-    overrides = {"decode": proxy.address, "health_interval_s": 0.1, "health_timeout_s": 0.3}
+    overrides = {"decode": proxy.address, "health_interval_s": 0.1, "health_timeout_s": 0.5}
     stack = Stack(make_tokenizer_dir(str(tmp_path)), [FakePrefill()], [], {**overrides, "health_ping_timeout_s": 2.0})
     stack.start()
     try:
@@ -329,8 +331,12 @@ def test_only_transport_failures_mark_an_instance_down(tmp_path):
         stream = stub.Generate(
             generation_pb2.GenerateRequest(text="w20", sampling=common_pb2.SamplingParams(max_tokens=6)), timeout=30
         )
-        assert list(next(stream).token_ids) == [21]  # the prefill's first token, then the decode's
-        decode_loop.loop.call_soon_threadsafe(time.sleep, 5.0)  # the decode's loop blocked: busy, not down
+        try:
+            first = next(stream)
+        except grpc.RpcError as exc:
+            raise AssertionError(f"{exc.details()}; the decode's state: up {inst.up}, error {inst.error!r}") from exc
+        assert list(first.token_ids) == [21]  # the prefill's first token, then the decode's
+        decode_loop.loop.call_soon_threadsafe(time.sleep, 10.0)  # the decode's loop blocked: busy, not down
         ups = []
         stack.wait_for(
             lambda: ups.append((inst.up, inst.num_slow_describes)) or inst.num_slow_describes >= 11,
