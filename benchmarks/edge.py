@@ -9,7 +9,10 @@ Every run draws prompts of the same lengths (uniform around --input-len / --outp
 ids, and prefix caching is off everywhere, so no run reuses another's KV. Columns: output tok/s and its ratio to
 the offline engine, TTFT p50 / p99, inter-token gap p99 and max (the longest wait of any stream), TPOT p99, and
 (served) the gateway's CPU seconds per second of the run (a gateway at 1.0 is saturated: one asyncio loop) and the
-load generator's (this process: at 1.0 the client, not the stack, sets the pace).
+load generator's (this process: at 1.0 the client, not the stack, sets the pace). Where the long gaps are: the
+gaps over 250 ms, the streams they hit and the half-second windows with the most of them; the client's longest
+garbage-collector pause; and the gaps over 300 ms as the streaming engine's service, the gateway and the client
+each saw them (their /metrics histograms), so a gap that first appears downstream is not the engine's.
 """
 
 from __future__ import annotations
@@ -139,9 +142,10 @@ def _target_ns(api: str, vocab_size: int):
     )
 
 
-async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt: int) -> dict:
+async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt: int) -> tuple[dict, list]:
     """One load of --num-requests against the running stack through `api`, `in_flight` at a time, from this
-    process or from --client-processes processes, each with its share of the requests and of `in_flight`."""
+    process or from --client-processes processes, each with its share of the requests and of `in_flight`:
+    (its row, the records)."""
     ns = _target_ns(api, args.vocab_size)
     prompts, outputs = lengths(args)
     async with Target(ns, "127.0.0.1", stack.grpc_port, stack.http_port) as target:
@@ -192,7 +196,7 @@ async def served_run(args, stack: LaunchedStack, api: str, in_flight: int, salt:
         "first_gap_ms": describe([r.itl_s[0] for r in records if r.itl_s]),
         "later_gap_max_ms": 1000 * max((x for r in records for x in r.itl_s[1:]), default=0.0),
         "gaps_over_250ms": large_gaps(records),
-    }
+    }, records
 
 
 async def _run_share(target: Target, api: str, specs, in_flight: int):
@@ -251,12 +255,44 @@ def _load_in_processes(api: str, vocab_size: int, ports: tuple[int, int], specs,
     return records, duration, sum(s[3] for s in shares), max(s[4] for s in shares)
 
 
-def preemptions(metrics_port: int) -> int:
-    """The streaming engine's preemptions so far (its /metrics)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+SLOW_S = 0.3  # a bucket bound of both the decode's and the gateway's inter-token histograms
+DECODE_ITL, GATEWAY_ITL = "vllm:inter_token_latency_seconds", "splitserve:gateway_inter_token_latency_seconds"
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def preemptions(text: str) -> int:
+    """The streaming engine's preemptions so far (its /metrics text)."""
     prefix = "splitserve:num_preemptions_total"
     return sum(int(float(line.split()[-1])) for line in text.splitlines() if line.startswith(prefix))
+
+
+def slower_than(text: str, family: str, bound_s: float = SLOW_S) -> int:
+    """How many observations of histogram `family` (summed over its label sets) exceeded `bound_s`, one of its
+    bucket bounds: the count less the bucket at that bound."""
+    total = below = 0.0
+    le = f'le="{bound_s}"'
+    for line in text.splitlines():
+        if line.startswith(f"{family}_count"):
+            total += float(line.split()[-1])
+        elif line.startswith(f"{family}_bucket") and le in line:
+            below += float(line.split()[-1])
+    return int(total - below)
+
+
+def where_slow(engine_before: str, engine_after: str, gateway_before: str, gateway_after: str, records) -> dict:
+    """Inter-token gaps over SLOW_S counted at each hop of a token: as the streaming engine's service saw its
+    engine's outputs (for an imported request its first gap runs from the prefill's token arriving there), as
+    the gateway sent them, and as the client read them. A gap the engine's service already saw came from the
+    engine or its core; one that appears first at the gateway or the client was made downstream."""
+    return {
+        "engine_service": slower_than(engine_after, DECODE_ITL) - slower_than(engine_before, DECODE_ITL),
+        "gateway": slower_than(gateway_after, GATEWAY_ITL) - slower_than(gateway_before, GATEWAY_ITL),
+        "client": sum(1 for r in records for x in r.itl_s if x > SLOW_S),
+    }
 
 
 def served(args, setup: str) -> list[dict]:
@@ -281,9 +317,12 @@ def served(args, setup: str) -> list[dict]:
         print(f"{setup} ready in {stack.ready_s:.1f} s (logs in {stack.log_dir})", flush=True)
         for in_flight in args.in_flight:
             for api in args.apis:
-                before = preemptions(metrics_port)
-                row = asyncio.run(served_run(args, stack, api, in_flight, salt))
-                rows.append({"setup": setup, **row, "preemptions": preemptions(metrics_port) - before})
+                engine0, gateway0 = scrape(metrics_port), scrape(stack.http_port)
+                row, records = asyncio.run(served_run(args, stack, api, in_flight, salt))
+                engine1, gateway1 = scrape(metrics_port), scrape(stack.http_port)
+                row["preemptions"] = preemptions(engine1) - preemptions(engine0)
+                row["gaps_over_300ms_at"] = where_slow(engine0, engine1, gateway0, gateway1, records)
+                rows.append({"setup": setup, **row})
                 print(json.dumps(rows[-1]), flush=True)
                 salt += 1
     return rows
@@ -293,7 +332,8 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
     head = f"{'setup':<14} {'api':<5} {'in flight':>9} {'out tok/s':>10} {'x offline':>9} {'TTFT p50/p99 ms':>16} "
     head += (
         f"{'ITL p99/max ms':>15} {'TPOT p99':>9} {'gw CPU/s':>9} {'client CPU/s':>12} {'preempted':>9} "
-        f"{'1st gap max':>11} {'later max':>9} {'>250ms n/streams':>16} {'client GC max':>13}"
+        f"{'1st gap max':>11} {'later max':>9} {'>250ms n/streams':>16} {'client GC max':>13} "
+        f"{'>300ms engine/gw/client':>23}"
     )
     lines = [head]
     for r in rows:
@@ -308,7 +348,8 @@ def table(rows: list[dict], offline_tok_s: float | None) -> str:
             f"{itl:>15} {r['tpot_ms']['p99']:>9.1f} {r['gateway_cpu_per_s']:>9.2f} {r['client_cpu_per_s']:>12.2f} "
             f"{r['preemptions']:>9} "
             f"{r['first_gap_ms']['max']:>11.0f} {r['later_gap_max_ms']:>9.0f} "
-            f"{r['gaps_over_250ms']['count']:>7}/{r['gaps_over_250ms']['streams']:<8} {r['client_gc_max_ms']:>13.1f}"
+            f"{r['gaps_over_250ms']['count']:>7}/{r['gaps_over_250ms']['streams']:<8} {r['client_gc_max_ms']:>13.1f} "
+            f"{'/'.join(str(v) for v in r['gaps_over_300ms_at'].values()):>23}"
         )
     for r in rows:  # where the long gaps fell: many streams in one window is a stall of something they share
         if r["setup"] != "offline" and r["gaps_over_250ms"]["count"]:
