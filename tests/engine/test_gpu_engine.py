@@ -1,6 +1,8 @@
 """The engine on CUDA: exact against transformers in fp32 (tiny models of each architecture),
 and near-exact in bf16 on the trained default model. Skipped without a GPU."""
 
+import random
+
 import pytest
 import torch
 
@@ -185,3 +187,45 @@ def test_fp8_kv_tokens_are_the_same_with_the_fused_rotary_write(monkeypatch):
             tokens.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
     assert (True, torch.float8_e4m3fn) in calls and (False, torch.float8_e4m3fn) in calls
     assert tokens[0] == tokens[1]
+
+
+def test_serving_compiles_no_kernel_after_start(tmp_path):
+    """The engine compiles at start every kernel variant an eager step picks by its shape (warm_up_kernels, and
+    the per-step counts not specialized on): fresh prompts, chunks over cached context and decodes beside
+    prefills of every row-tile class, with block tables of many widths, then compile nothing more. A variant
+    compiled mid-serving stopped every running stream for 1-2 s on an H100 (docs/performance.md)."""
+    import triton
+
+    path = make_tiny_model_dir(
+        tmp_path, dtype=torch.bfloat16, max_position_embeddings=4096, **TINY_MODELS["llama-gqa2"]
+    )
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        device="cuda",
+        block_size=16,
+        num_kv_blocks=4096,
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
+    )
+    rng = random.Random(0)
+    lengths = [1, 2, 15, 16, 17, 31, 33, 63, 65, 200, 1000, 1024, 1025, 1500, 3000]
+    lengths += [rng.randint(1, 2000) for _ in range(20)]
+    prompts = [[rng.randrange(3, 503) for _ in range(n)] for n in lengths]
+    compiled = []
+
+    def count(*args, **kwargs):
+        compiled.append(kwargs["fn"].name)
+        return False
+
+    triton.knobs.runtime.jit_post_compile_hook = count
+    try:
+        outs = llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        )
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert [len(o.token_ids) for o in outs] == [24] * len(prompts)
+    assert compiled == []
+    assert llm.engine.num_free_blocks == 4096

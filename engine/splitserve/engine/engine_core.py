@@ -154,6 +154,8 @@ class EngineCore:
         graphs = device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
         if graphs and config.role != "prefill":
             self.runner.capture_graphs(max_num_seqs, max_model_len)
+        if device.type == "cuda" and self.tp_workers is None:  # the ranks of a TP group would have to step along
+            self.runner.warm_up_kernels(self.info.max_num_batched_tokens, max_model_len)
         self.held: dict[str, Request] = {}  # prefill role: requests whose blocks wait for a pull
         self.waiting_for_kv: dict[str, Request] = {}  # decode role: requests whose KV is being pulled
         self._rng = random.Random(config.seed)

@@ -67,7 +67,7 @@ def _fresh_tile(
     return acc, l, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_tiles"])  # changes every step (paged_prefill_attention's _prefill_kernel)
 def _fresh_prefill_kernel(
     q_desc,
     k_desc,

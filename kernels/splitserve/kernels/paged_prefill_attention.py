@@ -118,7 +118,10 @@ def _attend_tile(
     return acc, l, m_new
 
 
-@triton.jit
+# the step's tile count and block-table width change every step: specialized (== 1, a multiple of 16) each new
+# class compiled a variant mid-serving, a pause of every running stream (docs/performance.md, "Findings that set
+# defaults": eager kernels compiled before serving)
+@triton.jit(do_not_specialize=["num_m_tiles", "stride_btb"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -242,6 +245,11 @@ def _prefill_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_mask,
         )
+
+
+# one query length per row-tile class of prefill_config (16, 32, 64 and 128 rows): a step's longest query picks
+# its class, and compiling each class before serving is compiling every variant a step can launch
+PREFILL_TILE_QUERY_LENS = (16, 32, 64, 1025)
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int, on_cpu: bool) -> dict:

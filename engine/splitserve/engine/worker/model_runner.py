@@ -191,6 +191,38 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks)
         self.graphs.capture()
 
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """Compile before serving the kernel variants an eager step picks by its shape (the engine calls it on CUDA
+        with one rank): a forward
+        of one sequence per row-tile class of the paged prefill kernel (a step's longest query picks it), once as a
+        fresh prompt (the fresh-prompt kernel) and once after a cached block (paged prefill). Its keys and values
+        are not written (slots < 0) and its output is dropped. Compiled at a step's first need instead, each class
+        stopped every running stream for 1-2 s on an H100."""
+        from splitserve.kernels.paged_prefill_attention import PREFILL_TILE_QUERY_LENS
+
+        bs = self.block_size
+        for query_len in PREFILL_TILE_QUERY_LENS:
+            for cached in (0, bs):
+                seq_len = cached + query_len
+                if query_len > max_num_batched_tokens or seq_len > max_model_len:
+                    continue
+                meta = AttentionMetadata(
+                    query_start_loc=self._to_device([0, query_len], torch.int32),
+                    seq_lens=self._to_device([seq_len], torch.int32),
+                    block_tables=torch.zeros((1, -(-seq_len // bs)), dtype=torch.int32, device=self.device),
+                    slot_mapping=torch.full((query_len,), -1, dtype=torch.int64, device=self.device),
+                    max_query_len=query_len,
+                    max_seq_len=seq_len,
+                    query_start_loc_cpu=[0, query_len],
+                    seq_lens_cpu=[seq_len],
+                )
+                input_ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
+                positions = torch.arange(cached, seq_len, dtype=torch.int64, device=self.device)
+                self.model(input_ids, positions, self.kv_cache, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Host list → device tensor through pinned memory (asynchronous on CUDA)."""
         host = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
