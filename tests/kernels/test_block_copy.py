@@ -4,7 +4,7 @@ the interpreter, and the torch reference), and the KV pull's use of it on one GP
 import pytest
 import torch
 
-from splitserve.kernels.block_copy import copy_blocks_by_index
+from splitserve.kernels.block_copy import copy_blocks_by_index, index_rows
 
 ON_GPU = torch.cuda.is_available()
 
@@ -81,3 +81,12 @@ def test_a_pull_of_many_runs_on_one_gpu_takes_the_kernel(monkeypatch):
     assert calls == []
     # compared as bytes: random bits hold NaNs, which torch.equal finds unequal to themselves
     assert torch.equal(dst[:32].view(torch.uint8), src[src_ids].view(torch.uint8))
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_the_id_rows_start_16_bytes_apart_whatever_their_length(n):
+    """Triton compiles a variant per pointer alignment: both rows start at a 16-byte boundary for any count."""
+    src_ids, dst_ids = list(range(n)), list(range(100, 100 + n))
+    src_rows, dst_rows = index_rows(src_ids, dst_ids, torch.device("cpu"))
+    assert src_rows.tolist() == src_ids and dst_rows.tolist() == dst_ids
+    assert src_rows.data_ptr() % 16 == 0 and dst_rows.data_ptr() % 16 == 0

@@ -68,9 +68,21 @@ def copy_blocks_by_index(
         index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
         dst_words.index_copy_(0, torch.tensor(dst_ids, dtype=torch.int64, device=dst.device), src_words[index])
         return len(src_ids) * block_bytes
-    ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32).to(src.device, non_blocking=True)
+    src_rows, dst_rows = index_rows(src_ids, dst_ids, src.device)
     words_per_block = block_bytes // word
     chunk = min(triton.next_power_of_2(words_per_block), _CHUNK_BYTES // word)
     grid = (len(src_ids), triton.cdiv(words_per_block, chunk))
-    _copy_blocks_kernel[grid](src_words, dst_words, ids[0], ids[1], words_per_block, CHUNK=chunk)
+    _copy_blocks_kernel[grid](src_words, dst_words, src_rows, dst_rows, words_per_block, CHUNK=chunk)
     return len(src_ids) * block_bytes
+
+
+def index_rows(src_ids: list[int], dst_ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both id lists as int32 rows of one device tensor (one copy), each starting at a 16-byte boundary: Triton
+    compiles a kernel per pointer alignment, and a second row right after n ids was aligned only when 4 divided n
+    (a copy of a new length class compiled a variant while serving)."""
+    width = -(-len(src_ids) // 4) * 4
+    rows = torch.zeros((2, width), dtype=torch.int32)
+    rows[0, : len(src_ids)] = torch.tensor(src_ids, dtype=torch.int32)
+    rows[1, : len(dst_ids)] = torch.tensor(dst_ids, dtype=torch.int32)
+    rows = rows.to(device, non_blocking=True)
+    return rows[0, : len(src_ids)], rows[1, : len(dst_ids)]

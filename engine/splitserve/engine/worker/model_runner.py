@@ -193,12 +193,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_num_batched_tokens: int, max_model_len: int) -> None:
-        """Compile before serving the kernel variants an eager step picks by its shape (the engine calls it on CUDA
-        with one rank): a forward
-        of one sequence per row-tile class of the paged prefill kernel (a step's longest query picks it), once as a
-        fresh prompt (the fresh-prompt kernel) and once after a cached block (paged prefill). Its keys and values
-        are not written (slots < 0) and its output is dropped. Compiled at a step's first need instead, each class
-        stopped every running stream for 1-2 s on an H100."""
+        """Compile before serving the kernel variants a step or a KV pull picks by its shape (the engine calls it on
+        CUDA with one rank): a forward of one sequence per row-tile class of the paged prefill kernel (a step's
+        longest query picks it), once as a fresh prompt (the fresh-prompt kernel) and once after a cached block
+        (paged prefill), with no key or value written (slots < 0) and the output dropped; and the block copy of a
+        pull of many runs, block 0 onto itself. Compiled at a step's first need instead, each class stopped every
+        running stream for 1-2 s on an H100."""
+        from splitserve.kernels.block_copy import copy_blocks_by_index
         from splitserve.kernels.paged_prefill_attention import PREFILL_TILE_QUERY_LENS
 
         bs = self.block_size
@@ -220,6 +221,7 @@ class ModelRunner:
                 input_ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
                 positions = torch.arange(cached, seq_len, dtype=torch.int64, device=self.device)
                 self.model(input_ids, positions, self.kv_cache, meta)
+        copy_blocks_by_index(self.kv_cache, [0], self.kv_cache, [0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
