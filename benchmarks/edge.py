@@ -44,19 +44,17 @@ def cpu_s(pid: int, seen: dict[int, float]) -> float:
 
 
 class GcPauses:
-    """The longest and the total time this process spent in the cyclic garbage collector while installed: a
-    client pause shows as a gap in every stream at once."""
+    """The longest pause of this process's cyclic garbage collector while installed: a client pause shows as a gap
+    in every stream at once."""
 
     def __init__(self) -> None:
-        self.total_s = self.max_s = 0.0
-        self._began = 0.0
+        self.max_s = self._began = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._began = time.perf_counter()
             return
-        took = time.perf_counter() - self._began
-        self.total_s, self.max_s = self.total_s + took, max(self.max_s, took)
+        self.max_s = max(self.max_s, time.perf_counter() - self._began)
 
     def __enter__(self) -> GcPauses:
         gc.callbacks.append(self)

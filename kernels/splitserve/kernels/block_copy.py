@@ -80,9 +80,6 @@ def index_rows(src_ids: list[int], dst_ids: list[int], device: torch.device) -> 
     """Both id lists as int32 rows of one device tensor (one copy), each starting at a 16-byte boundary: Triton
     compiles a kernel per pointer alignment, and a second row right after n ids was aligned only when 4 divided n
     (a copy of a new length class compiled a variant while serving)."""
-    width = -(-len(src_ids) // 4) * 4
-    rows = torch.zeros((2, width), dtype=torch.int32)
-    rows[0, : len(src_ids)] = torch.tensor(src_ids, dtype=torch.int32)
-    rows[1, : len(dst_ids)] = torch.tensor(dst_ids, dtype=torch.int32)
-    rows = rows.to(device, non_blocking=True)
-    return rows[0, : len(src_ids)], rows[1, : len(dst_ids)]
+    n, pad = len(src_ids), [0] * (-len(src_ids) % 4)
+    rows = torch.tensor([src_ids + pad, dst_ids + pad], dtype=torch.int32).to(device, non_blocking=True)
+    return rows[0, :n], rows[1, :n]
